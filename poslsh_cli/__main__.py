@@ -1,0 +1,3 @@
+from poslsh_cli.cli import run
+
+run()

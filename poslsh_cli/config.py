@@ -1,0 +1,180 @@
+"""Configuration: dataclass schemas (types and help), Hydra composition and validation.
+
+The YAML files in ``conf/`` (shipped inside the package as ``poslsh_cli/conf``) hold the
+defaults; the dataclasses below give every key its type and its help text, and are registered
+in Hydra's ConfigStore so an unknown key or a wrong type is refused at composition.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line on stderr with a non-zero exit."""
+
+
+def _h(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+def _hl(text: str, default: list) -> Any:
+    return field(default_factory=lambda: list(default), metadata={"help": text})
+
+
+@dataclass
+class CommonConfig:
+    seed: int = _h("root seed; every cell's seed derives from it and its parameters", default=0)
+    out: Optional[str] = _h("run directory (default runs/<command>/<timestamp>); an existing one is resumed",
+                            default=None)
+
+
+@dataclass
+class SampleConfig(CommonConfig):
+    n: int = _h("sequence length (number of positions), >= 2", default=64)
+    sigma: Optional[float] = _h("kernel bandwidth sigma = 1/slope, > 0 (or give heads=)", default=8.0)
+    heads: Optional[int] = _h("ALiBi head count: one sigma per head from the standard slopes "
+                              "(overrides sigma)", default=None)
+    s: int = _h("number of sampled partitions (masks), >= 1", default=16)
+
+
+@dataclass
+class MatrixErrorConfig(CommonConfig):
+    n: Any = _hl("sequence lengths (int or list)", [256, 1024, 4096])
+    sigma: Any = _hl("bandwidths sigma > 0 (float or list)", [4.0, 16.0])
+    s: Any = _hl("numbers of samples (int or list)", [1, 2, 4, 8, 16, 32, 64, 128])
+    trials: int = _h("independent repetitions per (n, sigma, s)", default=3)
+    method: str = _h("fast (O(n) operators + Lanczos), dense (n x n float64 reference) or both",
+                     default="fast")
+    tol: float = _h("ARPACK tolerance for ||L*-M~||_2: Ritz residual <= tol*|value| (value within tol of an eigenvalue)",
+                    default=1e-6)
+    dense_max_n: int = _h("largest n for which method=dense/both builds n x n matrices",
+                          default=8192)
+
+
+@dataclass
+class BlockStatsConfig(CommonConfig):
+    n: Any = _hl("sequence lengths (int or list)", [1024, 4096, 16384, 65536, 262144, 1048576])
+    sigma: Any = _hl("bandwidths sigma > 0 (float or list)", [4.0, 16.0, 64.0])
+    s: Any = _hl("numbers of samples (int or list)", [16])
+    trials: int = _h("independent repetitions per (n, sigma, s)", default=20)
+
+
+SCHEMAS: dict[str, type] = {
+    "sample": SampleConfig,
+    "matrix-error": MatrixErrorConfig,
+    "block-stats": BlockStatsConfig,
+}
+
+
+def config_name(command: str) -> str:
+    """YAML file (without .yaml) in conf/ holding the defaults of ``command``."""
+    return command.replace("-", "_")
+
+
+def schema_name(command: str) -> str:
+    return f"_schema_{config_name(command)}"
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for cmd, schema in SCHEMAS.items():
+        cs.store(name=schema_name(cmd), node=schema)
+
+
+def key_help(command: str) -> list[tuple[str, str, str]]:
+    """(key, default as written in conf/, help) for every key of a command."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(CONF_DIR / f"{config_name(command)}.yaml")
+    out = []
+    own = [f for f in fields(SCHEMAS[command]) if f.name not in ("seed", "out")]
+    for f in own + [f for f in fields(SCHEMAS[command]) if f.name in ("seed", "out")]:
+        value = defaults.get(f.name, f.default if not callable(f.default_factory) else f.default_factory())  # type: ignore[misc]
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        out.append((f.name, "null" if value is None else str(value).replace(" ", ""), f.metadata["help"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: a composed DictConfig -> a typed, normalised dataclass
+
+
+def as_list(value: Any, name: str, kind: type) -> tuple:
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ConfigError(f"{name} must not be empty")
+    out = []
+    for v in items:
+        try:
+            if kind is int:
+                if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+                    raise ValueError
+                x = int(v)
+            else:
+                if isinstance(v, bool):
+                    raise ValueError
+                x = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}") from None
+        out.append(x)
+    return tuple(out)
+
+
+def check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _check_sigmas(sigmas: tuple) -> None:
+    for x in sigmas:
+        check(math.isfinite(x) and x > 0, f"sigma must be > 0, got {x:g}")
+
+
+def validate(command: str, cfg: Any) -> Any:
+    """Typed, checked config for ``command`` from a composed config; raises ConfigError."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    raw = {k: v for k, v in raw.items() if k != "hydra"}
+    schema = SCHEMAS[command]
+    c = schema(**raw)
+    check(isinstance(c.seed, int) and c.seed >= 0, f"seed must be an integer >= 0, got {c.seed!r}")
+    if command == "sample":
+        check(c.n >= 2, f"n must be >= 2, got {c.n}")
+        check(c.s >= 1, f"s must be >= 1, got {c.s}")
+        if c.heads is not None:
+            check(c.heads >= 1, f"heads must be >= 1, got {c.heads}")
+        else:
+            check(c.sigma is not None, "give sigma= or heads=")
+            _check_sigmas((float(c.sigma),))
+        return c
+    c.n = as_list(c.n, "n", int)
+    c.sigma = as_list(c.sigma, "sigma", float)
+    c.s = as_list(c.s, "s", int)
+    for x in c.n:
+        check(x >= 2, f"n must be >= 2, got {x}")
+    for x in c.s:
+        check(x >= 1, f"s must be >= 1, got {x}")
+    _check_sigmas(c.sigma)
+    check(c.trials >= 1, f"trials must be >= 1, got {c.trials}")
+    if command == "matrix-error":
+        check(c.method in ("fast", "dense", "both"), f"method must be fast, dense or both, got {c.method!r}")
+        check(0 <= c.tol < 1, f"tol must be in [0, 1), got {c.tol}")
+        if c.method != "fast":
+            big = [x for x in c.n if x > c.dense_max_n]
+            if big:
+                raise ConfigError(f"method={c.method} builds n x n matrices; n={big[0]} exceeds "
+                                  f"dense_max_n={c.dense_max_n} (raise it if you have the memory)")
+    return c

@@ -1,0 +1,139 @@
+"""Structured operators: the ALiBi kernel L*, one mask M(h), and the mean mask M~.
+
+Every operator here is symmetric n x n and is applied in O(n) without forming the matrix
+(DESIGN.md section 2); ``dense()`` exists only as the float64 reference for tests and for
+``method=dense``.
+
+    L*_ij = exp(-|i - j| / sigma)              (Laplacian kernel on positions)
+    M~    = (1/s) * sum_k M(h_k),  M(h)_ij = 1[h(i) = h(j)]
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from scipy.signal import lfilter
+
+from poslsh_cli.sampling import Partitions
+
+
+class LaplacianKernel:
+    """``L*_ij = exp(-|i-j|/sigma)`` on positions 0..n-1 (a Kac-Murdock-Szego matrix).
+
+    ``matvec`` runs two first-order recurrences, ``y = f + b - x`` with
+    ``f_i = x_i + a f_{i-1}`` (forward), ``b_i = x_i + a b_{i+1}`` (backward), ``a = e^{-1/sigma}``.
+    """
+
+    def __init__(self, seq_len: int, sigma: float):
+        self.seq_len = int(seq_len)
+        self.sigma = float(sigma)
+        self.decay = math.exp(-1.0 / self.sigma)
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        """``L* x`` for x of shape (n,) or (n, k); float64."""
+        x = np.asarray(x, dtype=np.float64)
+        b, a = [1.0], [1.0, -self.decay]
+        fwd = lfilter(b, a, x, axis=0)
+        bwd = lfilter(b, a, x[::-1], axis=0)[::-1]
+        return fwd + bwd - x
+
+    def dense(self) -> np.ndarray:
+        """The n x n matrix, float64 (reference only)."""
+        i = np.arange(self.seq_len)
+        return np.exp(-np.abs(i[:, None] - i[None, :]) / self.sigma)
+
+    def norm(self) -> float:
+        """``||L*||_2``, exactly: see :func:`laplacian_norm`."""
+        return laplacian_norm(self.seq_len, self.sigma)
+
+
+@lru_cache(maxsize=256)
+def laplacian_norm(seq_len: int, sigma: float) -> float:
+    """Largest eigenvalue of ``L*`` (its spectral norm; L* is positive definite).
+
+    The eigenvalues of the KMS matrix ``a^|i-j|`` are ``(1 - a^2) / (1 - 2a cos t + a^2)`` where
+    t solves ``sin((n+1)t) - 2a sin(nt) + a^2 sin((n-1)t) = 0`` (Kac, Murdock & Szego 1953);
+    the largest belongs to the root in ``(0, pi/(n+1))``, found by bisection to machine
+    precision. This avoids Lanczos on L*, whose top spectrum is clustered within O(1/n^2).
+    """
+    from scipy.optimize import brentq
+
+    n = int(seq_len)
+    if n == 1:
+        return 1.0
+    a = math.exp(-1.0 / sigma)
+    b = -math.expm1(-1.0 / sigma)  # 1 - a without cancellation
+
+    def f(t: float) -> float:
+        # the same function rewritten so nothing cancels when a -> 1 (large sigma):
+        # sin(nt) [(1-a)^2 - 2(1+a^2) sin^2(t/2)] + (1-a)(1+a) sin(t) cos(nt)
+        return (math.sin(n * t) * (b * b - 2 * (1 + a * a) * math.sin(t / 2) ** 2)
+                + b * (1 + a) * math.sin(t) * math.cos(n * t))
+
+    hi = math.pi / (n + 1)
+    # f(t) ~ t [(1-a)^2 n + 1 - a^2] > 0 near 0 and f(hi) < 0: one sign change in between.
+    t = brentq(f, hi * 1e-12, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
+    # 1 - 2a cos t + a^2 = (1 - a)^2 + 4a sin^2(t/2)
+    return b * (1 + a) / (b * b + 4 * a * math.sin(t / 2) ** 2)
+
+
+class MeanMask:
+    """``M~ = (1/s) sum_k M(h_k)`` for sampled partitions, applied by segment sums.
+
+    ``M(h_k) x`` sums x over each block and broadcasts the sum back over the block. All samples
+    are applied at once: segment sums come from one prefix sum of x, and the broadcast of all
+    samples is one prefix sum of their summed jumps at block starts, so a matvec costs
+    ``O(n + total number of blocks)`` whatever s is.
+    """
+
+    def __init__(self, partitions: Partitions):
+        self.partitions = partitions
+        self.seq_len = partitions.seq_len
+        self.num_samples = partitions.num_samples
+        offs = partitions.offsets
+        self._starts = np.concatenate([o[:-1] for o in offs])  # (B,) block starts, all samples
+        self._ends = np.concatenate([o[1:] for o in offs])  # (B,) block ends (exclusive)
+        first = np.zeros(self._starts.shape[0], dtype=bool)
+        first[np.cumsum([0] + [len(o) - 1 for o in offs[:-1]])] = True
+        self._first = first  # block is the first of its sample
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        """``M~ x`` for x of shape (n,) or (n, k); float64."""
+        x = np.asarray(x, dtype=np.float64)
+        if x.ndim == 2:
+            return np.stack([self.matvec(x[:, j]) for j in range(x.shape[1])], axis=1)
+        csum = np.empty(self.seq_len + 1)
+        csum[0] = 0.0
+        np.cumsum(x, out=csum[1:])
+        sums = csum[self._ends]
+        sums -= csum[self._starts]  # (B,) block sums, all samples
+        jumps = sums.copy()  # change of the broadcast value at each block start
+        jumps[1:] -= sums[:-1]
+        jumps[self._first] = sums[self._first]
+        diff = np.bincount(self._starts, weights=jumps, minlength=self.seq_len)
+        out = np.cumsum(diff, out=diff)
+        out *= 1.0 / self.num_samples
+        return out
+
+    def dense(self) -> np.ndarray:
+        """The n x n mean mask, float64 (reference only): counts / s, exact in float64."""
+        n = self.seq_len
+        counts = np.zeros((n, n), dtype=np.float64)
+        for k in range(self.num_samples):
+            b = self.partitions.bins_of(k)
+            counts += b[:, None] == b[None, :]
+        return counts / self.num_samples
+
+    def remaining(self, rows: slice) -> np.ndarray:
+        """For positions in ``rows``: how many later positions share the block, per sample.
+
+        ``rem[k, i] = end_k(i) - 1 - i``, shape (s, len(rows)) int64. Then
+        ``M(h_k)_{i, i+r} = 1`` iff ``0 <= r <= rem[k, i]``.
+        """
+        idx = np.arange(self.seq_len)[rows]
+        out = np.empty((self.num_samples, idx.shape[0]), dtype=np.int64)
+        for k, o in enumerate(self.partitions.offsets):
+            block = np.searchsorted(o, idx, side="right") - 1
+            out[k] = o[block + 1] - 1 - idx
+        return out

@@ -1,0 +1,164 @@
+"""Figures from run directories: tidy results -> matplotlib (PNG + PDF into figures/).
+
+Plotting reads what the runs wrote and draws it; the only arithmetic here is aggregation over
+trials, least-squares slopes for legends, and theory curves from :mod:`poslsh_cli.sampling`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from poslsh_cli.config import ConfigError  # noqa: E402
+from poslsh_cli.metrics import fit_loglog_slope  # noqa: E402
+from poslsh_cli.rundir import load_run  # noqa: E402
+
+PLOTTERS: dict[str, Callable[[Path, dict], list[Path]]] = {}
+
+
+def _plotter(command: str) -> Callable:
+    def deco(fn: Callable) -> Callable:
+        PLOTTERS[command] = fn
+        return fn
+    return deco
+
+
+def save(fig: plt.Figure, run: Path, name: str) -> list[Path]:
+    out = run / "figures"
+    out.mkdir(exist_ok=True)
+    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def plot_run(run: Path) -> list[Path]:
+    """Every figure for one run directory; returns the files written."""
+    run = Path(run)
+    cfg, meta = load_run(run)
+    command = meta.get("command")
+    if command not in PLOTTERS:
+        raise ConfigError(f"{run}: no plots for command {command!r}")
+    if command != "sample" and not (run / "results.csv").exists():
+        raise ConfigError(f"{run}: no results.csv yet")
+    return PLOTTERS[command](run, cfg)
+
+
+def decay_panel(ax: plt.Axes, df: pd.DataFrame, x: str, y: str, group: list[str], label: Callable[[tuple], str]) -> None:
+    """Mean over trials with min-max band, fitted log-log slope in the legend, c/sqrt(x) guide."""
+    for i, (gkey, g) in enumerate(df.groupby(group, sort=True)):
+        gkey = gkey if isinstance(gkey, tuple) else (gkey,)
+        agg = g.groupby(x)[y].agg(["mean", "min", "max"]).reset_index()
+        fit = fit_loglog_slope(g[x], g[y])
+        color = f"C{i % 10}"
+        ax.plot(agg[x], agg["mean"], "o-", color=color, ms=3.5, lw=1.4,
+                label=f"{label(gkey)}  slope {fit.slope:.2f}")
+        ax.fill_between(agg[x], agg["min"], agg["max"], color=color, alpha=0.18, lw=0)
+        if len(agg) > 1:
+            c = float(np.exp(np.mean(np.log(agg["mean"]) + 0.5 * np.log(agg[x]))))
+            xs = np.asarray(agg[x], dtype=float)
+            ax.plot(xs, c / np.sqrt(xs), "--", color=color, lw=0.8, alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.25)
+
+
+@_plotter("matrix-error")
+def plot_matrix_error(run: Path, cfg: dict) -> list[Path]:
+    df = pd.read_csv(run / "results.csv")
+    if df.empty:
+        raise ConfigError(f"{run}: results.csv has no rows yet")
+    df = df[df["method"] == ("fast" if (df["method"] == "fast").any() else "dense")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    lab = lambda k: f"n={k[0]}, σ={k[1]:g}"  # noqa: E731
+    decay_panel(axes[0], df, "s", "spectral_rel", ["n", "sigma"], lab)
+    axes[0].set_title("spectral error  ‖L* − M̃‖₂ / ‖L*‖₂")
+    decay_panel(axes[1], df, "s", "max_err", ["n", "sigma"], lab)
+    axes[1].set_title("max-norm error  max |L* − M̃|")
+    for ax in axes:
+        ax.set_xlabel("number of samples s")
+        ax.legend(fontsize=7, title="mean, min–max band; dashed: c/√s", title_fontsize=7)
+    fig.suptitle("Positional LSH: error of the mean mask against s (Theorem 2.1: O(1/√s))", fontsize=10)
+    return save(fig, run, "matrix_error_vs_s")
+
+
+@_plotter("block-stats")
+def plot_block_stats(run: Path, cfg: dict) -> list[Path]:
+    from poslsh_cli.sampling import block_length_pmf
+
+    df = pd.read_csv(run / "results.csv")
+    if df.empty:
+        raise ConfigError(f"{run}: results.csv has no rows yet")
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, ((sigma, s), g) in enumerate(df.groupby(["sigma", "s"])):
+        agg = g.groupby("n").agg(med=("b_max", "median"), lo=("b_max", lambda v: v.quantile(0.1)),
+                                 hi=("b_max", lambda v: v.quantile(0.9)),
+                                 law=("b_max_theory_median", "first"), ll=("b_max_loglog", "first")).reset_index()
+        c = f"C{i % 10}"
+        ax.plot(agg["n"], agg["med"], "o-", color=c, ms=4, label=f"σ={sigma:g}, s={s}: b_max median (10–90%)")
+        ax.fill_between(agg["n"], agg["lo"], agg["hi"], color=c, alpha=0.15, lw=0)
+        ax.plot(agg["n"], agg["law"], "--", color=c, lw=1, label="exact law median of max δ")
+        ax.plot(agg["n"], agg["ll"], ":", color=c, lw=1.2, label="σ log log n")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("largest block b_max (positions)")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=6.5)
+    ax.set_title("Largest block against n", fontsize=10)
+    paths += save(fig, run, "b_max_vs_n")
+
+    hist_file = run / "block_lengths.csv"
+    if hist_file.exists():
+        h = pd.read_csv(hist_file)
+        sigmas = sorted(h["sigma"].unique())
+        fig, axes = plt.subplots(1, len(sigmas), figsize=(4.2 * len(sigmas), 3.6), squeeze=False)
+        for ax, sigma in zip(axes[0], sigmas):
+            g = h[(h["sigma"] == sigma) & (h["n"] == h[h["sigma"] == sigma]["n"].max())]
+            counts = g.groupby("length")["count"].sum()
+            lengths = np.arange(1, int(counts.index.max()) + 1)
+            emp = counts.reindex(lengths, fill_value=0).to_numpy() / counts.sum()
+            ax.bar(lengths, emp, width=1.0, color="C0", alpha=0.6, label="realised")
+            ax.plot(lengths, block_length_pmf(lengths, sigma), "k-", lw=1.2, label="theory")
+            ax.set_yscale("log")
+            ax.set_xlabel("block length")
+            ax.set_title(f"σ={sigma:g}, n={int(g['n'].max())}", fontsize=9)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("fraction of blocks")
+        paths += save(fig, run, "block_length_hist")
+    return paths
+
+
+@_plotter("sample")
+def plot_sample(run: Path, cfg: dict) -> list[Path]:
+    data = np.load(run / "masks.npz")
+    bins = data["bins"]
+    sigmas = np.atleast_1d(data["sigma"])
+    if bins.ndim == 2:
+        bins = bins[None]
+    n = bins.shape[-1]
+    if n > 1024:
+        raise ConfigError(f"{run}: n={n} is too large for a heat map (at most 1024)")
+    rows = min(4, bins.shape[0])
+    fig, axes = plt.subplots(rows, 3, figsize=(11, 3.5 * rows), squeeze=False)
+    idx = np.arange(n)
+    for h in range(rows):
+        b = bins[h]
+        mean = np.mean(b[:, :, None] == b[:, None, :], axis=0)
+        L = np.exp(-np.abs(idx[:, None] - idx[None, :]) / sigmas[h])
+        for ax, mat, title in zip(axes[h], (b[0][:, None] == b[0][None, :], mean, L),
+                                  ("one mask M(h₁)", f"mean of s={b.shape[0]} masks  M̃", f"L* = exp(−|i−j|/σ), σ={sigmas[h]:.3g}")):
+            im = ax.imshow(mat.astype(float), vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
+            ax.set_title(title, fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        fig.colorbar(im, ax=axes[h].tolist(), shrink=0.8)
+    return save(fig, run, "mean_mask_heatmap")

@@ -1,0 +1,208 @@
+"""The command line, end to end, into temporary directories."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from poslsh_cli.cli import app
+from poslsh_cli.operators import LaplacianKernel, MeanMask
+from poslsh_cli.metrics import max_error_fast
+from poslsh_cli.sampling import Partitions
+
+runner = CliRunner()
+METRICS = ["n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err", "b_max"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_version_and_help_list_every_key():
+    r = invoke("--version")
+    assert r.exit_code == 0 and r.stdout.startswith("poslsh ")
+    r = invoke("matrix-error", "--help")
+    assert r.exit_code == 0
+    for key in ("n=", "sigma=", "s=", "trials=", "method=", "tol=", "seed=", "out="):
+        assert key in r.stdout
+
+
+def test_matrix_error_run_writes_contract(tmp_path):
+    out = tmp_path / "run"
+    r = invoke("matrix-error", "n=[64,300]", "sigma=[2,5.5]", "s=[1,4]", "trials=2", "method=both", f"out={out}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv")
+    assert list(df.columns[:11]) == ["n", "sigma", "s", "trial", "seed", "method", "spectral_err",
+                                     "spectral_rel", "max_err", "b_max", "seconds"]
+    assert len(df) == 2 * 2 * 2 * 2 * 2
+    fast, dense = df[df.method == "fast"].reset_index(), df[df.method == "dense"].reset_index()
+    np.testing.assert_allclose(fast.spectral_err, dense.spectral_err, rtol=1e-6)
+    np.testing.assert_array_equal(fast.max_err, dense.max_err)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "complete" and meta["cells_done"] == 16 and meta["seed"] == 0
+    assert {"argv", "git", "versions", "device", "wall_seconds"} <= set(meta)
+    assert "n:" in (out / "config.yaml").read_text()
+    assert len(list((out / "cells").glob("*.json"))) == 16
+
+
+def test_same_command_gives_identical_metrics(tmp_path):
+    args = ["matrix-error", "n=[128,500]", "sigma=3", "s=[2,8]", "trials=2", "seed=5"]
+    assert invoke(*args, f"out={tmp_path / 'a'}").exit_code == 0
+    assert invoke(*args, f"out={tmp_path / 'b'}").exit_code == 0
+    measured = ["seconds", "peak_mem_mb"]  # timings and memory are measurements, not results
+    a = pd.read_csv(tmp_path / "a" / "results.csv").drop(columns=measured)
+    b = pd.read_csv(tmp_path / "b" / "results.csv").drop(columns=measured)
+    assert a.to_csv(index=False) == b.to_csv(index=False)
+
+
+def test_row_seed_replays_masks_with_sample(tmp_path):
+    assert invoke("matrix-error", "n=200", "sigma=4", "s=[3,6]", "trials=1", f"out={tmp_path / 'm'}").exit_code == 0
+    row = pd.read_csv(tmp_path / "m" / "results.csv").iloc[1]
+    r = invoke("sample", f"n={row.n}", f"sigma={row.sigma}", f"s={row.s}", f"seed={row.seed}", f"out={tmp_path / 's'}")
+    assert r.exit_code == 0, r.output
+    data = np.load(tmp_path / "s" / "masks.npz")
+    bins, widths, shifts = data["bins"], data["widths"], data["shifts"]
+    assert bins.shape == (row.s, row.n)
+    raw = np.floor((np.arange(row.n)[None, :] + shifts[:, None]) / widths[:, None]).astype(int)
+    np.testing.assert_array_equal(bins, raw - raw[:, :1])
+    parts = Partitions(int(row.n), float(row.sigma), widths, shifts)
+    assert parts.b_max == row.b_max
+    assert max_error_fast(LaplacianKernel(int(row.n), float(row.sigma)), MeanMask(parts)) == row.max_err
+
+
+def test_sample_with_alibi_heads(tmp_path):
+    r = invoke("sample", "n=32", "heads=8", "s=4", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    data = np.load(tmp_path / "masks.npz")
+    assert data["bins"].shape == (8, 4, 32)
+    np.testing.assert_allclose(data["sigma"], 2.0 ** np.arange(1, 9))
+    assert invoke("plot", tmp_path).exit_code == 0
+    assert (tmp_path / "figures" / "mean_mask_heatmap.png").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["matrix-error", "foo=1"], "unknown key 'foo'"),
+    (["matrix-error", "sigma=0"], "sigma must be > 0"),
+    (["matrix-error", "sigma=[2,-1]"], "sigma must be > 0"),
+    (["matrix-error", "s=0"], "s must be >= 1"),
+    (["matrix-error", "n=1"], "n must be >= 2"),
+    (["matrix-error", "trials=0"], "trials must be >= 1"),
+    (["matrix-error", "trials=abc"], "bad value"),
+    (["matrix-error", "method=slow"], "method must be"),
+    (["matrix-error", "n=100000", "method=dense"], "dense_max_n"),
+    (["matrix-error", "s=1,2"], "add -m"),
+    (["block-stats", "sigma=-3"], "sigma must be > 0"),
+    (["sample", "n=10", "sigma=null"], "give sigma= or heads="),
+    (["matrix-error", "n"], "expected KEY=VALUE"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
+    out = tmp_path / "never"
+    r = invoke(*args, f"out={out}")
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not out.exists()
+
+
+def test_unwritable_out_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = invoke("matrix-error", "n=16", "s=1", "trials=1", f"out={blocker / 'sub'}")
+    assert r.exit_code == 2 and "out=" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = invoke("matrix-error", "n=16", "s=1", "trials=1", "out=/proc/poslsh-test")
+    assert r.exit_code == 2 and "not writable" in r.stderr
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    assert invoke("matrix-error", "n=16", "sigma=2", "s=1", "trials=1", f"out={tmp_path}").exit_code == 0
+    r = invoke("matrix-error", "n=32", "sigma=2", "s=1", "trials=1", f"out={tmp_path}")
+    assert r.exit_code == 2 and "different configuration" in r.stderr
+
+
+def test_multirun_writes_one_run_per_job(tmp_path):
+    r = invoke("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    for job in ("0", "1"):
+        df = pd.read_csv(tmp_path / job / "results.csv")
+        assert len(df) == 2
+    assert sorted(pd.read_csv(tmp_path / j / "results.csv").n.iloc[0] for j in "01") == [64, 128]
+    r = invoke("plot", tmp_path)
+    assert r.exit_code == 0
+    assert (tmp_path / "0" / "figures" / "b_max_vs_n.png").exists()
+
+
+def test_block_stats_and_plots(tmp_path):
+    r = invoke("block-stats", "n=[256,4096]", "sigma=[2,8]", "s=16", "trials=3", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert {"b_max", "b_max_theory_median", "mean_block", "num_blocks"} <= set(df.columns)
+    assert (df.b_max <= np.ceil(df.max_width)).all()
+    hist = pd.read_csv(tmp_path / "block_lengths.csv")
+    sums = hist.groupby(["n", "sigma", "trial"])["count"].sum().reset_index()
+    merged = sums.merge(df, on=["n", "sigma", "trial"])
+    np.testing.assert_allclose(merged["count"], merged["num_blocks"] * merged["s"])
+    r = invoke("plot", tmp_path)
+    assert r.exit_code == 0
+    for name in ("b_max_vs_n", "block_length_hist"):
+        assert (tmp_path / "figures" / f"{name}.png").exists() and (tmp_path / "figures" / f"{name}.pdf").exists()
+
+
+def test_plot_matrix_error(tmp_path):
+    assert invoke("matrix-error", "n=128", "sigma=4", "s=[1,2,4]", "trials=2", f"out={tmp_path}").exit_code == 0
+    r = invoke("plot", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "figures" / "matrix_error_vs_s.png").stat().st_size > 1000
+
+
+def test_plot_rejects_non_run(tmp_path):
+    r = invoke("plot", tmp_path)
+    assert r.exit_code == 2 and "no poslsh run" in r.stderr
+
+
+def test_killed_run_resumes_without_recomputing(tmp_path):
+    """SIGTERM half-way, then the same command: every cell exactly once, same numbers."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "poslsh_cli", "matrix-error", "n=[3000,6000]", "sigma=[2,4,8]",
+           "s=[2,4,8,16,32]", "trials=3", f"out={out}"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if len(list((out / "cells").glob("*.json"))) >= 5 if (out / "cells").exists() else False:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "interrupted"
+    done_before = {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.json")}
+    assert 5 <= len(done_before) < 90
+    partial = pd.read_csv(out / "results.csv")
+    assert len(partial) == len(done_before)
+
+    res = subprocess.run(cmd, capture_output=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"resuming" in res.stderr
+    for name, mtime in done_before.items():  # finished cells were not recomputed
+        assert (out / "cells" / name).stat().st_mtime_ns == mtime
+    df = pd.read_csv(out / "results.csv")
+    assert len(df) == 90 and not df.duplicated(["n", "sigma", "s", "trial"]).any()
+    assert json.loads((out / "meta.json").read_text())["sessions"] == 2
+
+    fresh = tmp_path / "fresh"
+    assert invoke(*cmd[3:-1], f"out={fresh}").exit_code == 0
+    ref = pd.read_csv(fresh / "results.csv")
+    pd.testing.assert_frame_equal(df[METRICS], ref[METRICS])
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "poslsh_cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "matrix-error" in r.stdout

@@ -1,0 +1,82 @@
+"""Structured operators against float64 dense references; fast errors against dense errors."""
+import numpy as np
+import pytest
+
+from poslsh_cli.metrics import (fit_loglog_slope, max_error_dense, max_error_fast, spectral_error_dense,
+                                spectral_error_fast)
+from poslsh_cli.operators import LaplacianKernel, MeanMask, laplacian_norm
+from poslsh_cli.sampling import sample_partitions
+
+CASES = [(2, 1.0, 1), (3, 0.2, 5), (9, 2.0, 3), (64, 0.7, 16), (300, 4.0, 8), (1000, 16.0, 32),
+         (2048, 8.0, 64), (2048, 16.0, 4), (512, 1e4, 3)]
+
+
+@pytest.mark.parametrize("n,sigma,s", CASES)
+def test_structured_matvecs_equal_dense(n, sigma, s):
+    g = np.random.default_rng(n + s)
+    K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, s, g))
+    x = g.standard_normal(n)
+    np.testing.assert_allclose(K.matvec(x), K.dense() @ x, rtol=0, atol=1e-12 * max(1.0, np.abs(x).sum()) / np.sqrt(n))
+    np.testing.assert_allclose(M.matvec(x), M.dense() @ x, rtol=0, atol=1e-12)
+    X = g.standard_normal((n, 3))
+    np.testing.assert_allclose(M.matvec(X), M.dense() @ X, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(K.matvec(X), K.dense() @ X, rtol=0, atol=1e-11)
+
+
+def test_mean_mask_dense_is_mean_of_indicator_matrices():
+    p = sample_partitions(40, 3.0, 5, np.random.default_rng(0))
+    bins = p.bins()
+    ref = np.mean([b[:, None] == b[None, :] for b in bins], axis=0)
+    np.testing.assert_array_equal(MeanMask(p).dense(), ref)
+
+
+@pytest.mark.parametrize("n,sigma", [(1, 3.0), (2, 1.0), (10, 2.0), (257, 0.5), (2048, 16.0), (1500, 300.0)])
+def test_kernel_norm_closed_form_equals_eigvalsh(n, sigma):
+    ref = np.linalg.eigvalsh(LaplacianKernel(n, sigma).dense())[-1]
+    assert laplacian_norm(n, sigma) == pytest.approx(ref, rel=1e-12)
+
+
+@pytest.mark.parametrize("n,sigma,s", CASES)
+def test_fast_errors_equal_dense(n, sigma, s):
+    """Spectral: relative 1e-6 at the default Lanczos tolerance (1e-10). Max norm: bit-exact."""
+    g = np.random.default_rng(100 + n)
+    K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, s, g))
+    fast = spectral_error_fast(K, M, np.random.default_rng(1))
+    dense, norm = spectral_error_dense(K, M)
+    assert fast.converged
+    assert fast.value == pytest.approx(dense, rel=1e-6)
+    assert K.norm() == pytest.approx(norm, rel=1e-10)
+    assert max_error_fast(K, M) == max_error_dense(K, M)
+
+
+def test_max_error_fast_is_chunk_independent(monkeypatch):
+    import poslsh_cli.metrics as metrics
+
+    p = sample_partitions(3000, 5.0, 7, np.random.default_rng(4))
+    K, M = LaplacianKernel(3000, 5.0), MeanMask(p)
+    full = metrics.max_error_fast(K, M)
+    monkeypatch.setattr(metrics, "_MAX_CHUNK", 97)
+    assert metrics.max_error_fast(K, M) == full == max_error_dense(K, M)
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_spectral_error_decays_like_inverse_sqrt_s(root):
+    """Theorem 2.1: ||L* - M~||_2 = O(1/sqrt(s)); the fitted log-log slope lies in [-0.6, -0.4]."""
+    n, sigma = 2048, 8.0
+    ss, errs = [], []
+    for s in (4, 8, 16, 32, 64, 128, 256):
+        for trial in range(3):
+            g = np.random.default_rng([root, s, trial])
+            K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, s, g))
+            ss.append(s)
+            errs.append(spectral_error_fast(K, M, g).value)
+    fit = fit_loglog_slope(np.array(ss), np.array(errs))
+    assert -0.6 <= fit.slope <= -0.4, fit
+
+
+def test_slope_fit_recovers_power_law():
+    x = np.array([1, 2, 4, 8, 16.0])
+    fit = fit_loglog_slope(x, 3.0 * x**-0.5)
+    assert fit.slope == pytest.approx(-0.5, abs=1e-12)
+    assert fit.intercept == pytest.approx(np.log(3.0), abs=1e-12)
+    assert fit.ci_low <= fit.slope <= fit.ci_high
