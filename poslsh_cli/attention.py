@@ -1,0 +1,343 @@
+"""Attention with ALiBi, Positional-LSH attention, and the baselines (DESIGN.md sections 1-2).
+
+All operators take SDPA-layout tensors ``q, k, v`` of shape (batch, heads, seq_len, head_dim)
+and one kernel bandwidth per head, ``sigmas`` (heads,), ``sigma_h = 1 / slope_h``. With
+``A_ij = exp(q_i . k_j / sqrt(d))``:
+
+    exact ALiBi        T* = D^-1 (A o L*) V   = softmax(q k^T / sqrt(d) - |i-j| / sigma) V
+    Positional LSH     T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k)
+
+``T~`` is computed as s block-local, bias-free attentions: inside every block of every sample,
+ordinary (causal, if asked) attention with its natural-log ``lse``; then per position
+``T~_i = sum_k exp(lse_k,i) O_k,i / sum_k exp(lse_k,i)``. Every position shares a block with
+itself, so no denominator is zero. All blocks of all samples and heads are batched: they are
+grouped by length into a few buckets (padding at most doubles a block), so the work is a few
+batched matmuls, with no Python loop over blocks.
+
+Paths are chosen in one place, :func:`exact_alibi`; ``backend="reference"`` (float64, dense) is
+the test oracle. On CUDA the exact path uses FlexAttention with an ALiBi ``score_mod`` (never an
+n x n tensor); on CPU a chunked path keeps memory at O(chunk x n).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from poslsh_cli.sampling import Partitions
+
+_NEG_INF = float("-inf")
+
+
+def _scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _as_sigmas(sigmas: Sequence[float] | torch.Tensor | np.ndarray, heads: int) -> torch.Tensor:
+    s = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(heads)
+    if s.numel() != heads:
+        raise ValueError(f"need one sigma per head ({heads}), got {s.numel()}")
+    if not torch.all(s > 0):
+        raise ValueError("sigmas must be > 0")
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# reference (float64, dense): the oracle for tests
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor | None,
+                        causal: bool, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``D^-1 (A o W) V`` in float64 with a dense nonnegative weight W, shape (H, n, n) or (n, n).
+
+    W = L* gives exact ALiBi; W = M~ gives Positional LSH; W = None gives no bias. Returns
+    ``(out (B, H, n, d), lse (B, H, n))`` with ``lse = log sum_j A_ij W_ij``.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    n = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * _scale(q.shape[-1], scale)  # (B, H, n, n)
+    if weight is not None:
+        scores = scores + torch.log(weight.double())  # log 0 = -inf drops the pair
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, _NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ v, lse
+
+
+def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Dense ``L*`` per head, (H, n, n) float64 (tests and small references only)."""
+    i = torch.arange(n, device=device, dtype=torch.float64)
+    dist = (i[:, None] - i[None, :]).abs()
+    return torch.exp(-dist[None] / sigmas.to(device=device, dtype=torch.float64)[:, None, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# exact ALiBi and the windowed baseline, without n x n tensors
+
+
+def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
+                  window: int | None = None, chunk: int = 512, scale: float | None = None,
+                  return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact ALiBi attention by query chunks: memory O(B H chunk n), never (n, n) at once.
+
+    With ``window=w`` only keys with ``|i - j| <= w`` are kept (windowed exact ALiBi) and each
+    chunk touches only ``chunk + 2w`` keys, so the cost is O(n (chunk + w) d).
+    Softmax statistics are kept in float32 at least.
+    """
+    B, H, n, d = q.shape
+    sc = _scale(d, scale)
+    slopes = (1.0 / sigmas).to(device=q.device, dtype=torch.float32)[:, None, None]  # (H, 1, 1)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    lse_all = torch.empty(B, H, n, device=q.device, dtype=acc) if return_lse else None
+    pos = torch.arange(n, device=q.device)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        lo = 0 if window is None else max(0, a - window)
+        hi = b if causal else (n if window is None else min(n, b + window))
+        qi, kj = pos[a:b], pos[lo:hi]
+        scores = (q[:, :, a:b] @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * sc  # (B, H, c, m)
+        dist = (qi[:, None] - kj[None, :]).abs().to(acc)  # (c, m)
+        scores = scores - slopes.to(acc) * dist
+        drop = torch.zeros_like(dist, dtype=torch.bool)
+        if causal:
+            drop |= kj[None, :] > qi[:, None]
+        if window is not None:
+            drop |= dist > window
+        scores = scores.masked_fill(drop, _NEG_INF)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        p = torch.exp(scores - lse)
+        out[:, :, a:b] = (p.to(v.dtype) @ v[:, :, lo:hi]).to(q.dtype)
+        if return_lse:
+            lse_all[:, :, a:b] = lse[..., 0]
+    return (out, lse_all) if return_lse else out
+
+
+def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
+               window: int | None = None, scale: float | None = None, compile: bool = True) -> torch.Tensor:
+    """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-|i-j|/sigma_h``.
+
+    Compiled on CUDA (fused kernel, no n x n tensor); uncompiled it runs anywhere (tests).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, n, d = q.shape
+    slopes = (1.0 / sigmas).to(device=q.device, dtype=torch.float32)
+
+    def score_mod(score, b, h, qi, kj):  # noqa: ANN001
+        return score - slopes[h] * (qi - kj).abs().to(score.dtype)
+
+    block_mask = None
+    if causal or window is not None:
+        def mask_mod(b, h, qi, kj):  # noqa: ANN001
+            keep = qi >= 0
+            if causal:
+                keep = keep & (kj <= qi)
+            if window is not None:
+                keep = keep & ((qi - kj).abs() <= window)
+            return keep
+
+        block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    fn = _compiled_flex() if compile else flex_attention
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=_scale(d, scale))
+
+
+_FLEX = None
+
+
+def _compiled_flex():  # noqa: ANN202
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
+                causal: bool, window: int | None = None, backend: str = "auto",
+                scale: float | None = None) -> torch.Tensor:
+    """Exact (``window=None``) or windowed ALiBi attention; the one place a path is chosen.
+
+    backend: ``auto`` (FlexAttention on CUDA, chunked elsewhere), ``flex``, ``chunked``, or
+    ``reference`` (float64 dense; tests only).
+    """
+    sig = _as_sigmas(sigmas, q.shape[1])
+    if backend == "auto":
+        backend = "flex" if q.is_cuda else "chunked"
+    if backend == "reference":
+        w = laplacian_weight(q.shape[-2], sig, q.device)
+        if window is not None:
+            i = torch.arange(q.shape[-2], device=q.device)
+            w = w * ((i[:, None] - i[None, :]).abs() <= window)
+        return reference_attention(q, k, v, w, causal, scale)[0].to(q.dtype)
+    if backend == "flex":
+        return alibi_flex(q, k, v, sig, causal, window, scale, compile=q.is_cuda)
+    if backend == "chunked":
+        return alibi_chunked(q, k, v, sig, causal, window, scale=scale)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def no_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) V`` (PyTorch SDPA: flash/memory-efficient kernels where available)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                            scale=_scale(q.shape[-1], scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# Positional-LSH attention
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where every block of every (head, sample) lives, grouped into length buckets.
+
+    For bucket b: ``index[b]`` (num_blocks_b, L_b) int64 flat positions ``(h*s + k)*n + i``...
+    into the per-(head, sample) copies of the sequence (padding repeats the block's last
+    position), ``valid[b]`` (num_blocks_b, L_b) bool, ``head[b]`` (num_blocks_b,) int64.
+    ``gather`` (H*s*n,) int64 maps each (head, sample, position) to its slot in the concatenated
+    flattened bucket outputs: every position lies in exactly one block per sample.
+    """
+
+    heads: int
+    num_samples: int
+    seq_len: int
+    index: tuple[torch.Tensor, ...]
+    valid: tuple[torch.Tensor, ...]
+    head: tuple[torch.Tensor, ...]
+    gather: torch.Tensor
+    padded_slots: int  # total slots computed, padding included
+    useful_pairs: int  # sum over blocks of L^2 (bidirectional work)
+
+    @classmethod
+    def build(cls, partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> "BlockLayout":
+        heads = len(partitions)
+        s, n = partitions[0].num_samples, partitions[0].seq_len
+        if any(p.num_samples != s or p.seq_len != n for p in partitions):
+            raise ValueError("every head needs the same seq_len and number of samples")
+        starts, lengths, owner, head_of = [], [], [], []
+        for h, p in enumerate(partitions):
+            for k, off in enumerate(p.offsets):
+                starts.append(off[:-1])
+                lengths.append(np.diff(off))
+                owner.append(np.full(off.size - 1, h * s + k, dtype=np.int64))
+                head_of.append(np.full(off.size - 1, h, dtype=np.int64))
+        starts_a = np.concatenate(starts)
+        lengths_a = np.concatenate(lengths)
+        owner_a = np.concatenate(owner)
+        head_a = np.concatenate(head_of)
+        # bucket by the power of two at or above the length: padding < 2x inside a bucket
+        bucket = np.ceil(np.log2(lengths_a)).astype(np.int64)
+        index, valid, heads_t, slots = [], [], [], []
+        gather = np.empty(heads * s * n, dtype=np.int64)
+        offset = 0
+        for b in np.unique(bucket):
+            sel = np.flatnonzero(bucket == b)
+            L = int(lengths_a[sel].max())
+            ar = np.arange(L)
+            ok = ar[None, :] < lengths_a[sel, None]  # (nb, L)
+            pos = starts_a[sel, None] + np.minimum(ar[None, :], lengths_a[sel, None] - 1)
+            flat = owner_a[sel, None] * n + pos  # (nb, L)
+            slot = offset + np.arange(sel.size * L).reshape(sel.size, L)
+            gather[flat[ok]] = slot[ok]
+            offset += sel.size * L
+            index.append(torch.as_tensor(flat, device=device))
+            valid.append(torch.as_tensor(ok, device=device))
+            heads_t.append(torch.as_tensor(head_a[sel], device=device))
+        return cls(heads, s, n, tuple(index), tuple(valid), tuple(heads_t),
+                   torch.as_tensor(gather, device=device), offset, int((lengths_a.astype(np.int64) ** 2).sum()))
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bias-free attention inside every block of every sample; outputs per sample, not merged.
+
+    Returns ``out (B, H, s, n, d)`` in q's dtype and ``lse (B, H, s, n)`` (float32 or wider,
+    natural log).
+    """
+    B, H, n, d = q.shape
+    s = layout.num_samples
+    sc = _scale(d, scale)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # each (head, sample) sees its head's q, k, v: index into a (B, H*s*n, d) view without copying
+    # by mapping flat (h*s + k)*n + i -> h*n + i
+    outs, lses = [], []
+    for idx, ok in zip(layout.index, layout.valid):
+        nb, L = idx.shape
+        src = (idx // (s * n)) * n + idx % n  # (nb, L) positions in the (H*n) flattening
+        qb = q.reshape(B, H * n, d)[:, src]  # (B, nb, L, d)
+        kb = k.reshape(B, H * n, d)[:, src]
+        vb = v.reshape(B, H * n, d)[:, src]
+        scores = (qb @ kb.transpose(-1, -2)).to(acc) * sc  # (B, nb, L, L)
+        keep = ok[:, None, :]  # keys that are real positions
+        if causal:
+            keep = keep & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, _NEG_INF)
+        lse = torch.logsumexp(scores, dim=-1)  # (B, nb, L)
+        p = torch.exp(scores - lse[..., None])
+        outs.append((p.to(vb.dtype) @ vb).reshape(B, nb * L, d))  # (B, nb*L, d)
+        lses.append(lse.reshape(B, nb * L))
+    out = torch.cat(outs, dim=1)[:, layout.gather].reshape(B, H, s, n, d)
+    lse = torch.cat(lses, dim=1)[:, layout.gather].reshape(B, H, s, n)
+    return out.to(q.dtype), lse
+
+
+def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention results over ``dim`` by their natural-log normalisers.
+
+    ``out`` (..., K, n, d) and ``lse`` (..., K, n) with K at ``dim`` (counted on ``lse``):
+    ``sum_k exp(lse_k - LSE) out_k`` with ``LSE = logsumexp_k lse_k``; returns ``(merged, LSE)``.
+    Merging attention over disjoint key sets this way equals attention over their union.
+    """
+    total = torch.logsumexp(lse, dim=dim, keepdim=True)
+    w = torch.exp(lse - total)  # (..., K, n)
+    merged = (w.unsqueeze(-1) * out.to(w.dtype)).sum(dim=dim if dim >= 0 else dim - 1)
+    return merged.to(out.dtype), total.squeeze(dim)
+
+
+def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions],
+                     causal: bool, scale: float | None = None, layout: BlockLayout | None = None,
+                     sample_chunk: int | None = None) -> torch.Tensor:
+    """Positional-LSH attention ``D~^-1 (A o M~) V`` with one :class:`Partitions` per head.
+
+    ``sample_chunk`` bounds memory: samples are processed that many at a time and merged
+    online (default: all at once). Differentiable in q, k, v.
+    """
+    if layout is None:
+        if sample_chunk is None or sample_chunk >= partitions[0].num_samples:
+            layout = BlockLayout.build(partitions, q.device)
+        else:
+            s = partitions[0].num_samples
+            acc_out, acc_lse = None, None
+            for a in range(0, s, sample_chunk):
+                part = [Partitions(p.seq_len, p.sigma, p.widths[a:a + sample_chunk], p.shifts[a:a + sample_chunk])
+                        for p in partitions]
+                o, l = block_attention(q, k, v, BlockLayout.build(part, q.device), causal, scale)
+                o, l = merge_by_lse(o, l, dim=2)
+                if acc_out is None:
+                    acc_out, acc_lse = o, l
+                else:
+                    acc_out, acc_lse = merge_by_lse(torch.stack([acc_out, o], 2), torch.stack([acc_lse, l], 2), 2)
+            return acc_out
+    out, lse = block_attention(q, k, v, layout, causal, scale)
+    return merge_by_lse(out, lse, dim=2)[0]
+
+
+def fixed_block_partitions(seq_len: int, sigmas: Sequence[float]) -> list[Partitions]:
+    """The paper's fixed-block baseline: one deterministic partition per head, width round(2 sigma), aligned at 0."""
+    return [Partitions(seq_len, float(sg), np.asarray([float(max(1, round(2 * sg)))]), np.zeros(1))
+            for sg in np.asarray(sigmas, dtype=np.float64).reshape(-1)]
+
+
+def mean_mask_weight(partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Dense ``M~`` per head, (H, n, n) float64 (tests and small references only)."""
+    from poslsh_cli.operators import MeanMask
+
+    return torch.stack([torch.as_tensor(MeanMask(p).dense(), device=device) for p in partitions])

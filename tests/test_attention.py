@@ -1,0 +1,148 @@
+"""Attention operators against float64 dense references, and exact identities."""
+import numpy as np
+import pytest
+import torch
+
+from poslsh_cli.attention import (BlockLayout, alibi_chunked, block_attention, exact_alibi, fixed_block_partitions,
+                                  laplacian_weight, mean_mask_weight, merge_by_lse, no_bias_attention,
+                                  poslsh_attention, reference_attention)
+from poslsh_cli.sampling import alibi_sigmas, sample_partitions
+
+
+def qkv(B=2, H=4, n=57, d=8, dtype=torch.float64, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(B, H, n, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def parts_for(n, sigmas, s, seed=0):
+    g = np.random.default_rng(seed)
+    return [sample_partitions(n, float(sg), s, g) for sg in sigmas]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,s", [(1, 3), (2, 1), (57, 1), (57, 8), (200, 16)])
+def test_merged_block_attention_equals_dense_mean_mask(n, s, causal):
+    """T~ = D~^-1 (A o M~) V exactly: the identity the paper's algorithm rests on."""
+    sigmas = [0.4, 3.0, 20.0, 1e3]
+    q, k, v = qkv(n=n, H=4, scale=1.5)
+    parts = parts_for(n, sigmas, s)
+    got = poslsh_attention(q, k, v, parts, causal)
+    ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+    chunked = poslsh_attention(q, k, v, parts, causal, sample_chunk=3)
+    torch.testing.assert_close(chunked, ref, rtol=0, atol=1e-10)
+
+
+def test_block_lse_is_the_masked_normaliser():
+    q, k, v = qkv(n=40, H=2)
+    parts = parts_for(40, [2.0, 5.0], 3)
+    out, lse = block_attention(q, k, v, BlockLayout.build(parts), causal=False)
+    for h, p in enumerate(parts):
+        for kk, b in enumerate(p.bins()):
+            w = torch.as_tensor((b[:, None] == b[None, :]).astype(float))
+            o_ref, l_ref = reference_attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], w, False)
+            torch.testing.assert_close(lse[:, h, kk], l_ref[:, 0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(out[:, h, kk], o_ref[:, 0], rtol=0, atol=1e-12)
+
+
+def test_merging_a_split_equals_attention_over_the_union():
+    q, k, v = qkv(n=30, H=3)
+    g = np.random.default_rng(1)
+    part = torch.as_tensor(g.integers(0, 3, size=30))  # three disjoint key sets
+    outs, lses = [], []
+    for c in range(3):
+        w = (part == c).double()[None, None, :].expand(1, 30, 30)
+        o, l = reference_attention(q, k, v, w, causal=False)
+        outs.append(o)
+        lses.append(l)
+    merged, lse = merge_by_lse(torch.stack(outs, 2), torch.stack(lses, 2), dim=2)
+    full, full_lse = reference_attention(q, k, v, None, causal=False)
+    torch.testing.assert_close(merged, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 0, 5, 40])
+def test_chunked_and_flex_alibi_equal_reference(causal, window):
+    q, k, v = qkv(n=70, H=4)
+    sigmas = torch.tensor([0.5, 2.0, 8.0, 64.0], dtype=torch.float64)
+    ref = exact_alibi(q, k, v, sigmas, causal, window=window, backend="reference")
+    got = alibi_chunked(q, k, v, sigmas, causal, window=window, chunk=16)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+    flex = exact_alibi(q.float(), k.float(), v.float(), sigmas, causal, window=window, backend="flex")
+    torch.testing.assert_close(flex.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_reference_alibi_is_softmax_with_linear_bias():
+    q, k, v = qkv(n=20, H=2)
+    sig = torch.tensor([2.0, 7.0], dtype=torch.float64)
+    i = torch.arange(20.0, dtype=torch.float64)
+    bias = -(i[:, None] - i[None, :]).abs()[None] / sig[:, None, None]
+    ref = torch.softmax(q @ k.transpose(-1, -2) / np.sqrt(8) + bias, -1) @ v
+    torch.testing.assert_close(exact_alibi(q, k, v, sig, False, backend="reference"), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(reference_attention(q, k, v, laplacian_weight(20, sig), False)[0], ref)
+
+
+def test_fixed_block_and_no_bias_baselines():
+    q, k, v = qkv(n=50, H=3)
+    sigmas = [1.0, 3.3, 10.0]
+    parts = fixed_block_partitions(50, sigmas)
+    assert [int(np.diff(p.offsets[0])[0]) for p in parts] == [2, 7, 20]
+    got = poslsh_attention(q, k, v, parts, causal=True)
+    ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal=True)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+    nb = no_bias_attention(q, k, v, causal=False)
+    torch.testing.assert_close(nb, reference_attention(q, k, v, None, False)[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["poslsh", "chunked", "windowed"])
+def test_causal_never_looks_ahead(op):
+    q, k, v = qkv(n=64, H=2)
+    parts = parts_for(64, [4.0, 16.0], 8)
+    sig = torch.tensor([4.0, 16.0], dtype=torch.float64)
+
+    def run(q, k, v):
+        if op == "poslsh":
+            return poslsh_attention(q, k, v, parts, causal=True)
+        return alibi_chunked(q, k, v, sig, True, window=None if op == "chunked" else 6, chunk=16)
+
+    base = run(q, k, v)
+    t = 40
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, t + 1:] = torch.randn_like(k2[:, :, t + 1:]) * 5
+    v2[:, :, t + 1:] = torch.randn_like(v2[:, :, t + 1:]) * 5
+    after = run(q, k2, v2)
+    torch.testing.assert_close(after[:, :, :t + 1], base[:, :, :t + 1], rtol=0, atol=0)
+    assert not torch.allclose(after[:, :, t + 1:], base[:, :, t + 1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_stay_finite_and_close(dtype):
+    q, k, v = qkv(B=1, H=8, n=300, d=32, dtype=torch.float32, scale=3.0)
+    parts = parts_for(300, alibi_sigmas(8), 8)
+    for causal in (False, True):
+        ref = poslsh_attention(q.double(), k.double(), v.double(), parts, causal)
+        got = poslsh_attention(q.to(dtype), k.to(dtype), v.to(dtype), parts, causal)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert (got.double() - ref).norm() / ref.norm() < 2e-2
+        ex = alibi_chunked(q.to(dtype), k.to(dtype), v.to(dtype), torch.as_tensor(alibi_sigmas(8)), causal)
+        assert torch.isfinite(ex).all()
+
+
+def test_gradients_flow_and_match_finite_differences():
+    q, k, v = qkv(B=1, H=2, n=12, d=4)
+    parts = parts_for(12, [2.0, 6.0], 4)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b, c: poslsh_attention(a, b, c, parts, causal=True), (q, k, v))
+    out = poslsh_attention(q.float(), k.float(), v.float(), parts, causal=False)
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+def test_layout_pads_less_than_twice():
+    parts = parts_for(4096, alibi_sigmas(8), 8)
+    layout = BlockLayout.build(parts)
+    assert layout.padded_slots < 2 * 8 * 8 * 4096
+    assert sorted(layout.gather.tolist()) == sorted(set(layout.gather.tolist()))
