@@ -82,12 +82,13 @@ def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = 
 
 
 def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
-                  window: int | None = None, chunk: int = 512, scale: float | None = None,
+                  window: int | Sequence[int] | None = None, chunk: int = 512, scale: float | None = None,
                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ALiBi attention by query chunks: memory O(B H chunk n), never (n, n) at once.
 
-    With ``window=w`` only keys with ``|i - j| <= w`` are kept (windowed exact ALiBi) and each
-    chunk touches only ``chunk + 2w`` keys, so the cost is O(n (chunk + w) d).
+    With ``window=w`` (one int, or one per head) only keys with ``|i - j| <= w`` are kept
+    (windowed exact ALiBi) and each chunk touches only ``chunk + 2 max(w)`` keys, so the cost is
+    O(n (chunk + w) d).
     Softmax statistics are kept in float32 at least.
     """
     B, H, n, d = q.shape
@@ -97,19 +98,23 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
     out = torch.empty_like(q)
     lse_all = torch.empty(B, H, n, device=q.device, dtype=acc) if return_lse else None
     pos = torch.arange(n, device=q.device)
+    w_max = None
+    if window is not None:
+        w_head = torch.as_tensor(window, device=q.device).reshape(-1).expand(H)[:, None, None]  # (H, 1, 1)
+        w_max = int(w_head.max())
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        lo = 0 if window is None else max(0, a - window)
-        hi = b if causal else (n if window is None else min(n, b + window))
+        lo = 0 if window is None else max(0, a - w_max)
+        hi = b if causal else (n if window is None else min(n, b + w_max))
         qi, kj = pos[a:b], pos[lo:hi]
         scores = (q[:, :, a:b] @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * sc  # (B, H, c, m)
         dist = (qi[:, None] - kj[None, :]).abs().to(acc)  # (c, m)
         scores = scores - slopes.to(acc) * dist
         drop = torch.zeros_like(dist, dtype=torch.bool)
         if causal:
-            drop |= kj[None, :] > qi[:, None]
+            drop = drop | (kj[None, :] > qi[:, None])
         if window is not None:
-            drop |= dist > window
+            drop = drop | (dist > w_head)  # (H, c, m)
         scores = scores.masked_fill(drop, _NEG_INF)
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         p = torch.exp(scores - lse)

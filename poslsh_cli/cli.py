@@ -79,6 +79,7 @@ def _parse(command: str, overrides: list[str], multirun: bool) -> list[list[str]
     from hydra.errors import HydraException
 
     known = {f for f in SCHEMAS[command].__dataclass_fields__}
+    overrides = _model_shorthand(command, overrides)
     for o in overrides:
         if o.startswith("-"):
             raise ConfigError(f"unknown option {o!r} (see poslsh {command} --help)")
@@ -92,7 +93,7 @@ def _parse(command: str, overrides: list[str], multirun: bool) -> list[list[str]
         key = p.key_or_group
         if key.startswith(_HYDRA_PREFIXES) or key == "hydra":
             continue
-        if key not in known:
+        if key.split(".")[0] not in known:
             raise ConfigError(f"unknown key {key!r} for {command}; known keys: {', '.join(sorted(known))}")
         if p.is_sweep_override():
             if not multirun:
@@ -107,6 +108,21 @@ def _parse(command: str, overrides: list[str], multirun: bool) -> list[list[str]
         return [job for batch in BasicSweeper.split_arguments(user, None) for job in batch]
     except HydraException as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def _model_shorthand(command: str, overrides: list[str]) -> list[str]:
+    """``model=/path/to/checkpoint`` means the ``custom`` preset with that path."""
+    from poslsh_cli.config import MODEL_PRESETS
+
+    if command != "output-error":
+        return overrides
+    out = []
+    for o in overrides:
+        if o.startswith("model=") and o[6:] not in MODEL_PRESETS:
+            out += ["model=custom", f"model.path={o[6:]}"]
+        else:
+            out.append(o)
+    return out
 
 
 def _compose(command: str, overrides: list[str]) -> Any:
@@ -147,6 +163,7 @@ def launch(command: str, args: list[str], multirun: bool) -> None:
     except ConfigError as exc:
         fail(command, str(exc))
         return
+    args = _model_shorthand(command, list(args))
     hydra_args = [a for a in args if a.startswith(_HYDRA_PREFIXES)]
     user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
     argv = [f"poslsh {command}"] + user_args + [f"out={out}"] + [
@@ -156,7 +173,21 @@ def launch(command: str, args: list[str], multirun: bool) -> None:
     else:
         argv += [f"hydra.run.dir={out}", "hydra/hydra_logging=disabled"]
     argv += hydra_args
-    _run_hydra(command, argv, " ".join(["poslsh", command] + list(args)), multirun)
+    existed = Path(out).exists()
+    try:
+        _run_hydra(command, argv, " ".join(["poslsh", command] + list(args)), multirun)
+    finally:
+        if not existed:
+            _remove_if_no_run(Path(out))
+
+
+def _remove_if_no_run(out: Path) -> None:
+    """Hydra creates its output directory before the task runs; a task refused before writing
+    anything must not leave that directory (or a multirun's) behind."""
+    import shutil
+
+    if out.is_dir() and not any(out.rglob("config.yaml")):
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _timestamp() -> str:
@@ -217,6 +248,17 @@ def matrix_error_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> No
 def block_stats_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
     """Realised block sizes: b_max against the exact law and sigma*loglog(n); block histograms."""
     launch("block-stats", ctx.args, multirun)
+
+
+@app.command("output-error", context_settings=_EXTRA, epilog=_epilog("output-error"))
+def output_error_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
+    """Positional-LSH attention against exact ALiBi on a model's own q, k, v.
+
+    Captures each layer's query/key/value (after RoPE and q/k norms, GQA expanded) from a local
+    checkpoint, then measures ||T* - T~||_F / ||T*||_F per head for each s, with the no-bias,
+    fixed-block and windowed-ALiBi baselines. Default: the shipped all-MiniLM-L6-v2, n=512.
+    """
+    launch("output-error", ctx.args, multirun)
 
 
 @app.command("plot")

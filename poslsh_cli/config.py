@@ -64,10 +64,44 @@ class BlockStatsConfig(CommonConfig):
     trials: int = _h("independent repetitions per (n, sigma, s)", default=20)
 
 
+MODEL_PRESETS = ("minilm", "mistral-7b", "llama-4-scout", "qwen3-0.6b", "custom")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "minilm"
+    path: Optional[str] = None  # checkpoint directory; presets: $POSLSH_MODELS/<subdir> when unset
+    subdir: Optional[str] = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OutputErrorConfig(CommonConfig):
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={
+        "help": "preset (minilm, mistral-7b, llama-4-scout, qwen3-0.6b) or a local HF checkpoint dir; "
+                "model.path=DIR points a preset at its directory (else $POSLSH_MODELS/<name>)"})
+    text: str = _h("builtin (Python's own documentation prose) or a text file", default="builtin")
+    n: int = _h("number of tokens (the first n of the text)", default=512)
+    layers: Any = _h("all, or a list of layer indices", default="all")
+    heads: Any = _h("all, or a list of head indices", default="all")
+    sigma: Optional[float] = _h("one sigma for every head; null: standard ALiBi slopes (see alibi)", default=None)
+    alibi: str = _h("slopes when sigma=null: standard (m_h = 2^(-8h/H))", default="standard")
+    causal: Any = _h("auto (decoders causal, encoders not), true or false", default="auto")
+    s: Any = _hl("numbers of sampled masks (int or list)", [1, 2, 4, 8, 16, 32, 64])
+    trials: int = _h("independent repetitions per s", default=3)
+    baselines: Any = _hl("reference methods: no_bias, fixed_block, windowed", ["no_bias", "fixed_block", "windowed"])
+    window_sigmas: Any = _hl("windowed baseline half-widths in units of sigma: w = ceil(c*sigma)", [4.0])
+    device: str = _h("auto (CUDA when present), cpu, cuda, cuda:N", default="auto")
+    dtype: str = _h("compute dtype of the approximations: float32, bfloat16, float16, float64 "
+                    "(the exact reference is float64)", default="float32")
+    save_qkv: bool = _h("write the captured q, k, v of each layer to qkv/layer<L>.npz", default=False)
+
+
 SCHEMAS: dict[str, type] = {
     "sample": SampleConfig,
     "matrix-error": MatrixErrorConfig,
     "block-stats": BlockStatsConfig,
+    "output-error": OutputErrorConfig,
 }
 
 
@@ -86,6 +120,7 @@ def register_schemas() -> None:
     cs = ConfigStore.instance()
     for cmd, schema in SCHEMAS.items():
         cs.store(name=schema_name(cmd), node=schema)
+    cs.store(group="model", name="_schema_model", node=ModelConfig)
 
 
 def key_help(command: str) -> list[tuple[str, str, str]]:
@@ -97,6 +132,8 @@ def key_help(command: str) -> list[tuple[str, str, str]]:
     own = [f for f in fields(SCHEMAS[command]) if f.name not in ("seed", "out")]
     for f in own + [f for f in fields(SCHEMAS[command]) if f.name in ("seed", "out")]:
         value = defaults.get(f.name, f.default if not callable(f.default_factory) else f.default_factory())  # type: ignore[misc]
+        if hasattr(value, "name") and not isinstance(value, str):  # a nested group (model)
+            value = value.name
         if OmegaConf.is_config(value):
             value = OmegaConf.to_container(value)
         out.append((f.name, "null" if value is None else str(value).replace(" ", ""), f.metadata["help"]))
@@ -160,6 +197,8 @@ def validate(command: str, cfg: Any) -> Any:
             check(c.sigma is not None, "give sigma= or heads=")
             _check_sigmas((float(c.sigma),))
         return c
+    if command == "output-error":
+        return _validate_output_error(c)
     c.n = as_list(c.n, "n", int)
     c.sigma = as_list(c.sigma, "sigma", float)
     c.s = as_list(c.s, "s", int)
@@ -177,4 +216,52 @@ def validate(command: str, cfg: Any) -> Any:
             if big:
                 raise ConfigError(f"method={c.method} builds n x n matrices; n={big[0]} exceeds "
                                   f"dense_max_n={c.dense_max_n} (raise it if you have the memory)")
+    return c
+
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+BASELINES = ("no_bias", "fixed_block", "windowed")
+
+
+def _index_list(value: Any, name: str) -> Any:
+    if value == "all" or value is None:
+        return "all"
+    items = as_list(value, name, int)
+    for x in items:
+        check(x >= 0, f"{name} must be >= 0, got {x}")
+    return tuple(sorted(set(items)))
+
+
+def _validate_output_error(c: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    if isinstance(c.model, dict):
+        c.model = ModelConfig(**c.model)
+    check(c.n >= 2, f"n must be >= 2, got {c.n}")
+    c.s = as_list(c.s, "s", int)
+    for x in c.s:
+        check(x >= 1, f"s must be >= 1, got {x}")
+    check(c.trials >= 1, f"trials must be >= 1, got {c.trials}")
+    if c.sigma is not None:
+        _check_sigmas((float(c.sigma),))
+    check(c.alibi == "standard", f"alibi must be standard, got {c.alibi!r}")
+    causal = str(c.causal).lower()
+    check(causal in ("auto", "true", "false"), f"causal must be auto, true or false, got {c.causal!r}")
+    c.causal = causal
+    c.layers = _index_list(c.layers, "layers")
+    c.heads = _index_list(c.heads, "heads")
+    check(c.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
+    check(c.device == "auto" or c.device == "cpu" or str(c.device).startswith("cuda"),
+          f"device must be auto, cpu or cuda[:N], got {c.device!r}")
+    base = c.baselines
+    if OmegaConf.is_config(base):
+        base = OmegaConf.to_container(base)
+    base = [base] if isinstance(base, str) else list(base or [])
+    for b in base:
+        check(b in BASELINES, f"unknown baseline {b!r} (choose from {', '.join(BASELINES)})")
+    c.baselines = tuple(base)
+    c.window_sigmas = as_list(c.window_sigmas, "window_sigmas", float)
+    for w in c.window_sigmas:
+        check(w > 0, f"window_sigmas must be > 0, got {w:g}")
+    check(c.model.name in MODEL_PRESETS, f"unknown model preset {c.model.name!r}")
     return c

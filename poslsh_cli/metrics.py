@@ -164,3 +164,15 @@ def fit_loglog_slope(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> Slope
         half = math.nan
     return SlopeFit(float(res.slope), float(res.intercept), float(res.stderr),
                     float(res.slope - half), float(res.slope + half), int(x.size))
+
+
+def output_errors(exact, approx) -> tuple[np.ndarray, np.ndarray]:
+    """Per head: ``||T* - T~||_F / ||T*||_F`` and ``max_i ||T*_i - T~_i|| / ||T*_i||``.
+
+    ``exact`` and ``approx`` are (heads, n, head_dim) tensors; computed in float64.
+    """
+    e, a = exact.double(), approx.double()
+    diff = e - a
+    rel_fro = diff.flatten(1).norm(dim=1) / e.flatten(1).norm(dim=1)
+    row = diff.norm(dim=-1) / e.norm(dim=-1).clamp_min(np.finfo(np.float64).tiny)
+    return rel_fro.cpu().numpy(), row.max(dim=-1).values.cpu().numpy()

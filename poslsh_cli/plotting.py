@@ -162,3 +162,65 @@ def plot_sample(run: Path, cfg: dict) -> list[Path]:
             ax.set_yticks([])
         fig.colorbar(im, ax=axes[h].tolist(), shrink=0.8)
     return save(fig, run, "mean_mask_heatmap")
+
+
+@_plotter("output-error")
+def plot_output_error(run: Path, cfg: dict) -> list[Path]:
+    df = pd.read_csv(run / "results.csv")
+    if df.empty:
+        raise ConfigError(f"{run}: results.csv has no rows yet")
+    paths = []
+    layers = sorted(df["layer"].unique())
+    cols = min(3, len(layers))
+    rows = int(np.ceil(len(layers) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.5 * rows), squeeze=False, sharey=True,
+                             layout="constrained")
+    styles = {"no_bias": ("C3", "no bias"), "fixed_block": ("C2", "fixed block"), "windowed": ("C4", "windowed ALiBi")}
+    model = str(df["model"].iloc[0])
+    for ax, layer in zip(axes.flat, layers):
+        g = df[df.layer == layer]
+        p = g[g.method == "poslsh"]
+        if len(p):
+            per_head = p.groupby(["s", "head"])["rel_fro"].mean().reset_index()  # mean over trials
+            agg = per_head.groupby("s")["rel_fro"].agg(med="median", lo=lambda v: v.quantile(0.25),
+                                                       hi=lambda v: v.quantile(0.75)).reset_index()
+            med_trials = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
+            fit = fit_loglog_slope(med_trials["s"], med_trials["rel_fro"])
+            ax.plot(agg["s"], agg["med"], "o-", color="C0", ms=3.5, label=f"Positional LSH, slope {fit.slope:.2f}")
+            ax.fill_between(agg["s"], agg["lo"], agg["hi"], color="C0", alpha=0.18, lw=0)
+            xs = agg["s"].to_numpy(dtype=float)
+            c = float(np.exp(np.mean(np.log(agg["med"]) + 0.5 * np.log(xs))))
+            ax.plot(xs, c / np.sqrt(xs), "--", color="C0", lw=0.8, alpha=0.7, label="c/√s")
+        for method, (color, label) in styles.items():
+            b = g[g.method == method]
+            if len(b):
+                if method == "windowed":
+                    label += " w=" + "/".join(f"{c:g}σ" for c in sorted(set((b["window"] / b["sigma"]).round(0))))
+                ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""), fontsize=9)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.set_xlabel("number of samples s")
+    for ax in axes.flat[len(layers):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")
+    axes[0][0].legend(fontsize=6.5)
+    fig.suptitle(f"Output error against exact ALiBi: {model}, n={int(df['n'].iloc[0])}", fontsize=10)
+    paths += save(fig, run, "output_error_vs_s")
+
+    p = df[df.method == "poslsh"]
+    if len(p):
+        smax = p["s"].max()
+        mat = p[p.s == smax].groupby(["layer", "head"])["rel_fro"].mean().unstack("head")
+        fig, ax = plt.subplots(figsize=(0.45 * mat.shape[1] + 2.5, 0.45 * mat.shape[0] + 1.6))
+        im = ax.imshow(mat.to_numpy(), cmap="magma_r", aspect="auto")
+        ax.set_xticks(range(mat.shape[1]), [str(h) for h in mat.columns], fontsize=7)
+        ax.set_yticks(range(mat.shape[0]), [str(layer) for layer in mat.index], fontsize=7)
+        sig = p.drop_duplicates("head").set_index("head")["sigma"]
+        ax.set_xlabel("head (σ = " + ", ".join(f"{sig[h]:.3g}" for h in mat.columns[:4]) + ", …)")
+        ax.set_ylabel("layer")
+        ax.set_title(f"relative output error at s={smax} (mean over trials)", fontsize=9)
+        fig.colorbar(im, ax=ax, shrink=0.85)
+        paths += save(fig, run, "output_error_heatmap")
+    return paths

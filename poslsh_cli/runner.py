@@ -52,13 +52,25 @@ def execute(command: str, cfg: Any, run_dir: Path, argv: str) -> None:
 
 def _execute_cells(command: str, cfg: Any, run: Any, argv: str) -> None:
     from poslsh_cli import experiments
+    from poslsh_cli.rundir import atomic_write_bytes
 
     exp = experiments.get(command)
-    keys = exp.cells(cfg)
-    columns = exp.COLUMNS
     err = _console()
+    ctx = None
+    if hasattr(exp, "prepare"):
+        try:
+            ctx = exp.prepare(cfg)
+        except ConfigError as exc:
+            _fail(command, str(exc))
+    keys = exp.cells(cfg, ctx)
+    columns = exp.COLUMNS
     try:
         run.start(argv, cfg.seed, len(keys))
+        for rel, produce in (getattr(ctx, "files", None) or {}).items():
+            target = run.path / rel
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(target, produce())
     except OSError as exc:
         _fail(command, f"cannot write {run.path}: {exc.strerror}")
     done = run.done_ids()
@@ -72,7 +84,7 @@ def _execute_cells(command: str, cfg: Any, run: Any, argv: str) -> None:
         with _Progress(err, len(keys), len(keys) - len(todo), command) as bar:
             for key in todo:
                 t0 = time.perf_counter()
-                rows, aux = exp.run_cell(cfg, key)
+                rows, aux = exp.run_cell(cfg, key, ctx)
                 run.write_cell(key, rows, aux)
                 run.write_tables(keys, columns)
                 run.write_meta(cells_done=len(run.done_ids()))

@@ -34,7 +34,7 @@ class BlockStatsRow:
     b_max_loglog: float  # sigma * log(log(n))
 
 
-def cells(cfg: Any) -> list[dict[str, Any]]:
+def cells(cfg: Any, ctx: Any = None) -> list[dict[str, Any]]:
     return [{"n": n, "sigma": sigma, "s": s, "trial": t}
             for n, sigma, s, t in product(cfg.n, cfg.sigma, cfg.s, range(cfg.trials))]
 
@@ -43,7 +43,7 @@ def cell_seed(root_seed: int, key: dict[str, Any]) -> int:
     return derive_seed(root_seed, "block-stats", key["n"], float(key["sigma"]), key["s"], key["trial"])
 
 
-def run_cell(cfg: Any, key: dict[str, Any]) -> tuple[list[dict], dict]:
+def run_cell(cfg: Any, key: dict[str, Any], ctx: Any = None) -> tuple[list[dict], dict]:
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
     seed = cell_seed(cfg.seed, key)
     parts = sample_partitions(n, sigma, s, np.random.default_rng(seed))

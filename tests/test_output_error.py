@@ -1,0 +1,136 @@
+"""poslsh output-error end to end: the shipped MiniLM, tiny decoders, bad input, replay."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from poslsh_cli.attention import alibi_chunked, poslsh_attention
+from poslsh_cli.cli import app
+from poslsh_cli.metrics import output_errors
+from poslsh_cli.sampling import Partitions, alibi_sigmas, sample_partitions
+
+from test_capture import save_tiny
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_minilm_rows_columns_and_replay(tmp_path):
+    out = tmp_path / "run"
+    r = invoke("output-error", "n=96", "layers=[0,5]", "s=[1,8]", "trials=2", "save_qkv=true", f"out={out}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv")
+    for col in ["model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
+                "max_row_rel", "seconds", "qkv_file"]:
+        assert col in df.columns
+    assert set(df.method) == {"poslsh", "no_bias", "fixed_block", "windowed"}
+    assert (df.model == "minilm").all() and not df.causal.any()
+    p = df[df.method == "poslsh"]
+    assert len(p) == 2 * 2 * 2 * 12
+    np.testing.assert_allclose(sorted(p.sigma.unique()), sorted(alibi_sigmas(12)))
+    assert (df.rel_fro >= 0).all() and (df.max_row_rel >= df.rel_fro * 0.999).all()
+    # the saved tensors and a row's seed reproduce the row exactly
+    row = p[(p.layer == 5) & (p.s == 8) & (p.trial == 1)].iloc[3]
+    data = np.load(out / row.qkv_file)
+    assert data["q"].shape == (12, 96, 32) and data["input_ids"].shape == (96,)
+    q, k, v = (torch.as_tensor(data[x])[None] for x in ("q", "k", "v"))
+    r = invoke("sample", "n=96", f"sigma={row.sigma}", "s=8", f"seed={row.seed}", f"out={tmp_path / 'masks'}")
+    assert r.exit_code == 0, r.output
+    m = np.load(tmp_path / "masks" / "masks.npz")
+    h = int(row["head"])
+    part = Partitions(96, float(row.sigma), m["widths"], m["shifts"])
+    sl = slice(h, h + 1)
+    scale = float(data["scaling"])
+    exact = alibi_chunked(q[:, sl].double(), k[:, sl].double(), v[:, sl].double(),
+                          torch.tensor([row.sigma], dtype=torch.float64), False, scale=scale)[0]
+    approx = poslsh_attention(q[:, sl], k[:, sl], v[:, sl], [part], False, scale=scale)[0]
+    rel, _ = output_errors(exact, approx)
+    assert rel[0] == pytest.approx(row.rel_fro, rel=1e-6)
+
+
+def test_error_falls_with_s_on_minilm(tmp_path):
+    r = invoke("output-error", "n=256", "layers=[2]", "s=[1,4,16,64]", "trials=2", "baselines=[no_bias]",
+               f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    med = df[df.method == "poslsh"].groupby("s")["rel_fro"].median()
+    assert med.is_monotonic_decreasing
+    assert med[64] < df[df.method == "no_bias"]["rel_fro"].median()
+    assert invoke("plot", tmp_path).exit_code == 0
+    assert (tmp_path / "figures" / "output_error_vs_s.png").exists()
+    assert (tmp_path / "figures" / "output_error_heatmap.pdf").exists()
+
+
+def test_decoder_checkpoint_path_is_causal(tmp_path):
+    path = save_tiny("qwen3", tmp_path / "qwen3")
+    out = tmp_path / "run"
+    r = invoke("output-error", f"model={path}", "n=64", "s=[2]", "trials=1", "sigma=4", f"out={out}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv")
+    assert df.causal.all() and (df.sigma == 4.0).all() and set(df.layer) == {0, 1}
+    assert df.model.iloc[0] == str(path)
+    cfg = (out / "config.yaml").read_text()
+    assert "name: custom" in cfg and str(path) in cfg
+    r = invoke("output-error", f"model={path}", "n=64", "s=[2]", "trials=1", "causal=false", "layers=[1]",
+               "heads=[0,3]", "baselines=[]", f"out={tmp_path / 'bi'}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "bi" / "results.csv")
+    assert not df.causal.any() and sorted(df["head"].unique()) == [0, 3] and set(df.method) == {"poslsh"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["model={tmp}/nope"], "does not exist"),
+    (["model={tmp}"], "no config.json"),
+    (["model=minilm", "n=1000"], "exceeds the model's 512 positions"),
+    (["text={tmp}/short.txt", "n=64"], "fewer than n=64"),
+    (["text={tmp}/missing.txt"], "no such file"),
+    (["layers=[9]", "n=32"], "layer 9 out of range"),
+    (["heads=[12]", "n=32"], "head 12 out of range"),
+    (["model=mistral-7b"], "has no path"),
+    (["sigma=0"], "sigma must be > 0"),
+    (["baselines=[nope]"], "unknown baseline"),
+    (["dtype=int8"], "dtype must be"),
+    (["causal=maybe"], "causal must be"),
+])
+def test_bad_input_one_line_nothing_written(tmp_path, monkeypatch, args, needle):
+    monkeypatch.delenv("POSLSH_MODELS", raising=False)
+    (tmp_path / "short.txt").write_text("only a handful of words here")
+    out = tmp_path / "out"
+    r = invoke("output-error", *[a.format(tmp=tmp_path) for a in args], "s=[1]", "trials=1", f"out={out}")
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not out.exists()
+
+
+def test_checkpoint_without_safetensors_and_unsupported(tmp_path):
+    import transformers as tf
+
+    path = save_tiny("llama", tmp_path / "bin")
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"x")
+    r = invoke("output-error", f"model={path}", "n=32", "s=[1]", "trials=1", f"out={tmp_path / 'o1'}")
+    assert r.exit_code == 2 and "no *.safetensors" in r.stderr
+    gpt2 = tmp_path / "gpt2"
+    tf.GPT2Model(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(gpt2)
+    r = invoke("output-error", f"model={gpt2}", "n=32", "s=[1]", "trials=1", f"out={tmp_path / 'o2'}")
+    assert r.exit_code == 2 and "cannot capture architecture 'gpt2'" in r.stderr
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_preset_reads_poslsh_models(tmp_path, monkeypatch):
+    save_tiny("mistral", tmp_path / "Mistral-7B-v0.1")
+    monkeypatch.setenv("POSLSH_MODELS", str(tmp_path))
+    r = invoke("output-error", "model=mistral-7b", "n=32", "s=[1]", "trials=1", "layers=[0]",
+               f"out={tmp_path / 'run'}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "run" / "results.csv")
+    assert (df.model == "mistral-7b").all() and df.causal.all()
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["status"] == "complete"
