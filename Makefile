@@ -6,7 +6,8 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 RUNS   ?= runs
 
-.PHONY: install test test-fast reproduce-all reproduce-matrix reproduce-blocks bench clean-venv
+.PHONY: install test test-fast reproduce-all reproduce-matrix reproduce-blocks reproduce-output \
+	bench bench-matrix bench-attention bench-gpu clean-venv
 
 install: $(VENV)/.installed
 
@@ -25,7 +26,7 @@ test-fast: install
 
 # Every experiment that exists so far, at the defaults in conf/, then the plots.
 # Fixed run directories: interrupted and started again, it resumes where it stopped.
-reproduce-all: install reproduce-matrix reproduce-blocks
+reproduce-all: install reproduce-matrix reproduce-blocks reproduce-output
 	@echo "figures: $(RUNS)/reproduce/*/figures/"
 
 reproduce-matrix: install
@@ -39,8 +40,24 @@ reproduce-blocks: install
 	$(BIN)/poslsh sample n=256 sigma=8 s=32 out=$(RUNS)/reproduce/sample_heatmap
 	$(BIN)/poslsh plot $(RUNS)/reproduce/block_stats $(RUNS)/reproduce/sample_heatmap
 
+reproduce-output: install
+	$(BIN)/poslsh output-error out=$(RUNS)/reproduce/output_error_minilm
+	$(BIN)/poslsh plot $(RUNS)/reproduce/output_error_minilm
+
 # Speed and memory targets, measured side by side in one run each and reported as ratios.
-bench: install
+bench: bench-matrix bench-attention
+
+bench-attention: install
+	$(BIN)/poslsh bench out=$(RUNS)/bench/attention_cpu
+	$(BIN)/poslsh plot $(RUNS)/bench/attention_cpu
+
+# The large grid for a CUDA machine (FlexAttention exact as the reference).
+bench-gpu: install
+	$(BIN)/poslsh bench n=[4096,8192,16384,32768,65536,131072] device=cuda dtype=bfloat16 \
+		exact_max_n=131072 out=$(RUNS)/bench/attention_gpu
+	$(BIN)/poslsh plot $(RUNS)/bench/attention_gpu
+
+bench-matrix: install
 	rm -rf $(RUNS)/bench/matrix
 	$(BIN)/poslsh matrix-error n=4096 sigma=16 s=64 trials=3 method=both out=$(RUNS)/bench/matrix/n4096
 	$(BIN)/poslsh matrix-error n=65536 sigma=16 s=64 trials=3 out=$(RUNS)/bench/matrix/n65536

@@ -107,15 +107,19 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
         lo = 0 if window is None else max(0, a - w_max)
         hi = b if causal else (n if window is None else min(n, b + w_max))
         qi, kj = pos[a:b], pos[lo:hi]
-        scores = (q[:, :, a:b] @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * sc  # (B, H, c, m)
         dist = (qi[:, None] - kj[None, :]).abs().to(acc)  # (c, m)
-        scores = scores - slopes.to(acc) * dist
         drop = torch.zeros_like(dist, dtype=torch.bool)
         if causal:
             drop = drop | (kj[None, :] > qi[:, None])
         if window is not None:
             drop = drop | (dist > w_head)  # (H, c, m)
-        scores = scores.masked_fill(drop, _NEG_INF)
+        bias = (-slopes.to(acc) * dist).masked_fill(drop, _NEG_INF)  # (H, c, m)
+        if not return_lse and q.dtype == acc:
+            # fused kernel (flash on CPU, memory-efficient on CUDA) with the bias as a float mask
+            out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=bias[None].to(q.dtype), scale=sc)
+            continue
+        scores = (q[:, :, a:b] @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * sc + bias  # (B, H, c, m)
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         p = torch.exp(scores - lse)
         out[:, :, a:b] = (p.to(v.dtype) @ v[:, :, lo:hi]).to(q.dtype)
@@ -204,11 +208,10 @@ def no_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 class BlockLayout:
     """Where every block of every (head, sample) lives, grouped into length buckets.
 
-    For bucket b: ``index[b]`` (num_blocks_b, L_b) int64 flat positions ``(h*s + k)*n + i``...
+    For bucket b: ``index[b]`` (num_blocks_b, L_b) int64 flat positions ``(h*s + k)*n + i``
     into the per-(head, sample) copies of the sequence (padding repeats the block's last
     position), ``valid[b]`` (num_blocks_b, L_b) bool, ``head[b]`` (num_blocks_b,) int64.
-    ``gather`` (H*s*n,) int64 maps each (head, sample, position) to its slot in the concatenated
-    flattened bucket outputs: every position lies in exactly one block per sample.
+    Every (head, sample, position) is a real slot of exactly one block.
     """
 
     heads: int
@@ -217,7 +220,6 @@ class BlockLayout:
     index: tuple[torch.Tensor, ...]
     valid: tuple[torch.Tensor, ...]
     head: tuple[torch.Tensor, ...]
-    gather: torch.Tensor
     padded_slots: int  # total slots computed, padding included
     useful_pairs: int  # sum over blocks of L^2 (bidirectional work)
 
@@ -240,8 +242,7 @@ class BlockLayout:
         head_a = np.concatenate(head_of)
         # bucket by the power of two at or above the length: padding < 2x inside a bucket
         bucket = np.ceil(np.log2(lengths_a)).astype(np.int64)
-        index, valid, heads_t, slots = [], [], [], []
-        gather = np.empty(heads * s * n, dtype=np.int64)
+        index, valid, heads_t = [], [], []
         offset = 0
         for b in np.unique(bucket):
             sel = np.flatnonzero(bucket == b)
@@ -250,14 +251,17 @@ class BlockLayout:
             ok = ar[None, :] < lengths_a[sel, None]  # (nb, L)
             pos = starts_a[sel, None] + np.minimum(ar[None, :], lengths_a[sel, None] - 1)
             flat = owner_a[sel, None] * n + pos  # (nb, L)
-            slot = offset + np.arange(sel.size * L).reshape(sel.size, L)
-            gather[flat[ok]] = slot[ok]
             offset += sel.size * L
             index.append(torch.as_tensor(flat, device=device))
             valid.append(torch.as_tensor(ok, device=device))
             heads_t.append(torch.as_tensor(head_a[sel], device=device))
-        return cls(heads, s, n, tuple(index), tuple(valid), tuple(heads_t),
-                   torch.as_tensor(gather, device=device), offset, int((lengths_a.astype(np.int64) ** 2).sum()))
+        return cls(heads, s, n, tuple(index), tuple(valid), tuple(heads_t), offset,
+                   int((lengths_a.astype(np.int64) ** 2).sum()))
+
+
+#: Upper bound on the bytes of one batch of gathered blocks (q, k, v copies and scores): large
+#: buckets are processed in several batches, so memory stays O(s n d), not O(padded slots x d x 3).
+BLOCK_BATCH_BYTES = 64 * 2**20
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
@@ -271,27 +275,57 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
     s = layout.num_samples
     sc = _scale(d, scale)
     acc = torch.promote_types(q.dtype, torch.float32)
-    # each (head, sample) sees its head's q, k, v: index into a (B, H*s*n, d) view without copying
-    # by mapping flat (h*s + k)*n + i -> h*n + i
-    outs, lses = [], []
+    out = q.new_empty(B, H * s * n, d)  # every (head, sample, position) is written exactly once
+    lse = torch.empty(B, H * s * n, dtype=acc, device=q.device)
+    # every (head, sample) block gathers its rows from the (B, H*n, d) flattening of q, k, v:
+    # flat layout index (h*s + k)*n + i -> h*n + i
+    qf, kf, vf = (t.reshape(B, H * n, d) for t in (q, k, v))
     for idx, ok in zip(layout.index, layout.valid):
         nb, L = idx.shape
-        src = (idx // (s * n)) * n + idx % n  # (nb, L) positions in the (H*n) flattening
-        qb = q.reshape(B, H * n, d)[:, src]  # (B, nb, L, d)
-        kb = k.reshape(B, H * n, d)[:, src]
-        vb = v.reshape(B, H * n, d)[:, src]
-        scores = (qb @ kb.transpose(-1, -2)).to(acc) * sc  # (B, nb, L, L)
-        keep = ok[:, None, :]  # keys that are real positions
-        if causal:
-            keep = keep & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, _NEG_INF)
-        lse = torch.logsumexp(scores, dim=-1)  # (B, nb, L)
-        p = torch.exp(scores - lse[..., None])
-        outs.append((p.to(vb.dtype) @ vb).reshape(B, nb * L, d))  # (B, nb*L, d)
-        lses.append(lse.reshape(B, nb * L))
-    out = torch.cat(outs, dim=1)[:, layout.gather].reshape(B, H, s, n, d)
-    lse = torch.cat(lses, dim=1)[:, layout.gather].reshape(B, H, s, n)
-    return out.to(q.dtype), lse
+        per_block = B * L * (3 * d * q.element_size() + 2 * L * 4)
+        step = max(1, BLOCK_BATCH_BYTES // per_block)
+        for a in range(0, nb, step):
+            bi, bok = idx[a:a + step], ok[a:a + step]  # (m, L)
+            src = (bi // (s * n)) * n + bi % n  # (m, L) rows of the (H*n) flattening
+            o, l = _block_kernel(qf[:, src], kf[:, src], vf[:, src], bok, causal, sc)  # (B, m, L, d), (B, m, L)
+            target = bi[bok]  # real slots -> their (head, sample, position)
+            out[:, target] = o[:, bok]
+            lse[:, target] = l[:, bok]
+    return out.reshape(B, H, s, n, d), lse.reshape(B, H, s, n)
+
+
+#: Which kernel runs the attention inside blocks: "auto" (the fused CPU flash kernel, which also
+#: returns lse, when no gradient is needed; the padded-matmul path otherwise), "fused" or "manual".
+BLOCK_KERNEL = "auto"
+
+
+def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torch.Tensor, causal: bool,
+                  sc: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention inside padded blocks: ``qb, kb, vb`` (B, nb, L, d), ``ok`` (nb, L) real keys.
+
+    Returns ``(out (B, nb, L, d) in q's dtype, lse (B, nb, L) float32 or wider)``. Padding sits at
+    the end of each block, so with causal attention no real query ever sees a padded key.
+    """
+    B, nb, L, d = qb.shape
+    acc = torch.promote_types(qb.dtype, torch.float32)
+    grad = torch.is_grad_enabled() and (qb.requires_grad or kb.requires_grad or vb.requires_grad)
+    fused = BLOCK_KERNEL == "fused" or (BLOCK_KERNEL == "auto" and not grad and qb.device.type == "cpu")
+    if fused:
+        mask = None
+        if not causal and not bool(ok.all()):
+            mask = torch.zeros(nb, 1, L, dtype=qb.dtype, device=qb.device).masked_fill(~ok[:, None, :], _NEG_INF)
+            mask = mask[None].expand(B, nb, L, L)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qb, kb, vb, 0.0, causal, attn_mask=mask, scale=sc)
+        return out, lse.to(acc)
+    scores = (qb @ kb.transpose(-1, -2)).to(acc) * sc  # (B, nb, L, L)
+    keep = ok[:, None, :]  # keys that are real positions
+    if causal:
+        keep = keep & torch.ones(L, L, dtype=torch.bool, device=qb.device).tril()
+    scores = scores.masked_fill(~keep, _NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, nb, L)
+    p = torch.exp(scores - lse[..., None])
+    return (p.to(vb.dtype) @ vb).to(qb.dtype), lse
 
 
 def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,10 +334,15 @@ def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.
     ``out`` (..., K, n, d) and ``lse`` (..., K, n) with K at ``dim`` (counted on ``lse``):
     ``sum_k exp(lse_k - LSE) out_k`` with ``LSE = logsumexp_k lse_k``; returns ``(merged, LSE)``.
     Merging attention over disjoint key sets this way equals attention over their union.
+    Without autograd (inference) ``out`` is weighted in place to avoid a second (K, n, d) buffer.
     """
     total = torch.logsumexp(lse, dim=dim, keepdim=True)
-    w = torch.exp(lse - total)  # (..., K, n)
-    merged = (w.unsqueeze(-1) * out.to(w.dtype)).sum(dim=dim if dim >= 0 else dim - 1)
+    w = torch.exp(lse - total).unsqueeze(-1)  # (..., K, n, 1)
+    odim = dim if dim >= 0 else dim - 1
+    if torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad) or out.dtype != w.dtype:
+        merged = (w * out.to(w.dtype)).sum(dim=odim)
+    else:  # inference: weight in place, no (..., K, n, d) temporary
+        merged = out.mul_(w).sum(dim=odim)
     return merged.to(out.dtype), total.squeeze(dim)
 
 

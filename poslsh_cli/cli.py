@@ -261,6 +261,16 @@ def output_error_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> No
     launch("output-error", ctx.args, multirun)
 
 
+@app.command("bench", context_settings=_EXTRA, epilog=_epilog("bench"))
+def bench_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
+    """Time exact ALiBi, windowed ALiBi, fixed blocks and Positional LSH side by side.
+
+    Random inputs, one sigma per head (standard slopes). Reports median seconds, peak memory,
+    useful GFLOP/s and relative error against exact, per (n, causal, method, s or window).
+    """
+    launch("bench", ctx.args, multirun)
+
+
 @app.command("plot")
 def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
                                                    show_default=False)) -> None:

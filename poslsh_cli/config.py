@@ -97,11 +97,32 @@ class OutputErrorConfig(CommonConfig):
     save_qkv: bool = _h("write the captured q, k, v of each layer to qkv/layer<L>.npz", default=False)
 
 
+@dataclass
+class BenchConfig(CommonConfig):
+    n: Any = _hl("sequence lengths (int or list)", [1024, 2048, 4096, 8192, 16384, 32768])
+    heads: int = _h("number of heads; standard ALiBi slopes give one sigma per head", default=8)
+    sigma: Optional[float] = _h("one sigma for every head instead of the ALiBi slopes", default=None)
+    head_dim: int = _h("head dimension d", default=64)
+    causal: Any = _hl("causal attention (bool or list)", [False])
+    s: Any = _hl("Positional-LSH sample counts (each is one method point)", [1, 2, 4, 8, 16, 32])
+    window_sigmas: Any = _hl("windowed exact ALiBi half-widths w = ceil(c*sigma), one point per c",
+                             [0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+    methods: Any = _hl("methods to time: exact, poslsh, windowed, fixed_block", ["exact", "poslsh", "windowed",
+                                                                                "fixed_block"])
+    exact_max_n: int = _h("largest n for which exact ALiBi is timed (and rel_fro computed)", default=32768)
+    dtype: str = _h("float32, bfloat16, float16 or float64", default="float32")
+    repeats: int = _h("timed repeats per point (median reported), after warmup", default=3)
+    warmup: int = _h("untimed calls before timing", default=1)
+    backward: bool = _h("time forward + backward instead of forward only", default=False)
+    device: str = _h("auto (CUDA when present), cpu, cuda, cuda:N", default="auto")
+
+
 SCHEMAS: dict[str, type] = {
     "sample": SampleConfig,
     "matrix-error": MatrixErrorConfig,
     "block-stats": BlockStatsConfig,
     "output-error": OutputErrorConfig,
+    "bench": BenchConfig,
 }
 
 
@@ -199,6 +220,8 @@ def validate(command: str, cfg: Any) -> Any:
         return c
     if command == "output-error":
         return _validate_output_error(c)
+    if command == "bench":
+        return _validate_bench(c)
     c.n = as_list(c.n, "n", int)
     c.sigma = as_list(c.sigma, "sigma", float)
     c.s = as_list(c.s, "s", int)
@@ -264,4 +287,41 @@ def _validate_output_error(c: Any) -> Any:
     for w in c.window_sigmas:
         check(w > 0, f"window_sigmas must be > 0, got {w:g}")
     check(c.model.name in MODEL_PRESETS, f"unknown model preset {c.model.name!r}")
+    return c
+
+
+BENCH_METHODS = ("exact", "poslsh", "windowed", "fixed_block")
+
+
+def _validate_bench(c: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    c.n = as_list(c.n, "n", int)
+    for x in c.n:
+        check(x >= 2, f"n must be >= 2, got {x}")
+    check(c.heads >= 1, f"heads must be >= 1, got {c.heads}")
+    check(c.head_dim >= 1, f"head_dim must be >= 1, got {c.head_dim}")
+    if c.sigma is not None:
+        _check_sigmas((float(c.sigma),))
+    causal = OmegaConf.to_container(c.causal) if OmegaConf.is_config(c.causal) else c.causal
+    causal = causal if isinstance(causal, list) else [causal]
+    for x in causal:
+        check(isinstance(x, bool), f"causal must be true or false, got {x!r}")
+    c.causal = tuple(causal)
+    c.s = as_list(c.s, "s", int)
+    for x in c.s:
+        check(x >= 1, f"s must be >= 1, got {x}")
+    c.window_sigmas = as_list(c.window_sigmas, "window_sigmas", float)
+    for w in c.window_sigmas:
+        check(w > 0, f"window_sigmas must be > 0, got {w:g}")
+    methods = OmegaConf.to_container(c.methods) if OmegaConf.is_config(c.methods) else c.methods
+    methods = [methods] if isinstance(methods, str) else list(methods)
+    for m in methods:
+        check(m in BENCH_METHODS, f"unknown method {m!r} (choose from {', '.join(BENCH_METHODS)})")
+    c.methods = tuple(methods)
+    check(c.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
+    check(c.repeats >= 1, f"repeats must be >= 1, got {c.repeats}")
+    check(c.warmup >= 0, f"warmup must be >= 0, got {c.warmup}")
+    check(c.device == "auto" or c.device == "cpu" or str(c.device).startswith("cuda"),
+          f"device must be auto, cpu or cuda[:N], got {c.device!r}")
     return c

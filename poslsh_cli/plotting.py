@@ -11,6 +11,7 @@ from typing import Callable
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.ticker  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -224,3 +225,92 @@ def plot_output_error(run: Path, cfg: dict) -> list[Path]:
         fig.colorbar(im, ax=ax, shrink=0.85)
         paths += save(fig, run, "output_error_heatmap")
     return paths
+
+
+@_plotter("bench")
+def plot_bench(run: Path, cfg: dict) -> list[Path]:
+    from poslsh_cli.experiments.bench import crossover
+
+    df = pd.read_csv(run / "results.csv")
+    if df.empty:
+        raise ConfigError(f"{run}: results.csv has no rows yet")
+    paths = []
+    for causal, g in df.groupby("causal"):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        lines = [("exact", None, "k", "-", "exact ALiBi")]
+        lines += [("poslsh", s, f"C{i % 10}", "-", f"Positional LSH s={s}") for i, s in enumerate(sorted(g[g.method == "poslsh"].s.unique()))]
+        lines += [("windowed", c, plt.cm.Purples(0.35 + 0.6 * i / max(1, len(g.window_sigmas.dropna().unique()))), "--",
+                   f"windowed w={c:g}σ") for i, c in enumerate(sorted(g[g.method == "windowed"].window_sigmas.unique()))]
+        lines += [("fixed_block", None, "C7", ":", "fixed block")]
+        for method, param, color, ls, label in lines:
+            m = g[g.method == method]
+            if method == "poslsh":
+                m = m[m.s == param]
+            elif method == "windowed":
+                m = m[m.window_sigmas == param]
+            if m.empty:
+                continue
+            m = m.sort_values("n")
+            sel = None
+            if param is not None:
+                key = "s" if method == "poslsh" else "window_sigmas"
+                sel = (lambda frame, key=key, param=param: frame[frame[key] == param])
+            x = crossover(g, method, sel) if method != "exact" else float("nan")
+            ax.plot(m.n, m.seconds, ls, color=color, marker="o", ms=3, lw=1.2,
+                    label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
+            if np.isfinite(x):
+                ax.plot([x], [m.set_index("n").seconds[x]], "*", color=color, ms=11, mec="k", mew=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("seconds (median)")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=6.5, ncol=2)
+        dev = str(g.device.iloc[0])
+        ax.set_title(f"Attention time, {int(g.heads.iloc[0])} heads, d={int(g.head_dim.iloc[0])}, "
+                     f"{g.dtype.iloc[0]}, {'causal' if causal else 'bidirectional'}, {dev}; ★ crossover", fontsize=9)
+        paths += save(fig, run, f"bench_time_vs_n_{'causal' if causal else 'bidir'}")
+
+        pts = g[g.method.isin(["poslsh", "windowed", "fixed_block"]) & g.rel_fro.notna()]
+        ns = sorted(pts.n.unique())
+        if ns:
+            cols = min(3, len(ns))
+            rows = int(np.ceil(len(ns) / cols))
+            fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False, layout="constrained")
+            for ax, n in zip(axes.flat, ns):
+                p = pts[pts.n == n]
+                ex = g[(g.method == "exact") & (g.n == n)].seconds
+                for method, marker, color in (("poslsh", "o", "C0"), ("windowed", "s", "C4"), ("fixed_block", "^", "C7")):
+                    q = p[p.method == method]
+                    ax.scatter(q.seconds, q.rel_fro, marker=marker, color=color, s=22, label=method, zorder=3)
+                    for _, r in q.iterrows():
+                        tag = f"s={r.s}" if method == "poslsh" else (f"{r.window_sigmas:g}σ" if method == "windowed" else "")
+                        ax.annotate(tag, (r.seconds, r.rel_fro), fontsize=6, xytext=(3, 2), textcoords="offset points")
+                front = _pareto(p[["seconds", "rel_fro", "method"]].to_numpy())
+                ax.step(front[:, 0].astype(float), front[:, 1].astype(float), where="post", color="k", lw=0.8, alpha=0.6)
+                if len(ex):
+                    ax.axvline(float(ex.iloc[0]), color="k", ls="--", lw=0.8, label="exact time")
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                winners = ", ".join(sorted(set(front[:, 2])))
+                ax.set_title(f"n={n}: Pareto front = {winners}", fontsize=8)
+                ax.set_xlabel("seconds")
+                ax.grid(True, which="both", alpha=0.25)
+            for ax in axes.flat[len(ns):]:
+                ax.axis("off")
+            axes[0][0].set_ylabel("relative error vs exact")
+            axes[0][0].legend(fontsize=6.5)
+            paths += save(fig, run, f"bench_pareto_{'causal' if causal else 'bidir'}")
+    return paths
+
+
+def _pareto(points: np.ndarray) -> np.ndarray:
+    """Points (seconds, error, label) not beaten on both time and error, by increasing time."""
+    order = np.argsort(points[:, 0].astype(float))
+    front, best = [], np.inf
+    for i in order:
+        if float(points[i, 1]) < best:
+            front.append(points[i])
+            best = float(points[i, 1])
+    return np.asarray(front, dtype=object)

@@ -12,6 +12,7 @@ from types import ModuleType
 
 
 def get(command: str) -> ModuleType:
-    from poslsh_cli.experiments import block_stats, matrix_error, output_error
+    from poslsh_cli.experiments import bench, block_stats, matrix_error, output_error
 
-    return {"matrix-error": matrix_error, "block-stats": block_stats, "output-error": output_error}[command]
+    return {"matrix-error": matrix_error, "block-stats": block_stats, "output-error": output_error,
+            "bench": bench}[command]

@@ -1,0 +1,62 @@
+"""poslsh bench: the contract of its rows, its accuracy column and its plots (no timing asserts)."""
+import math
+
+import numpy as np
+import pandas as pd
+from typer.testing import CliRunner
+
+from poslsh_cli.cli import app
+from poslsh_cli.experiments.bench import _band_pairs, crossover
+
+runner = CliRunner()
+
+
+def test_bench_rows_and_plots(tmp_path):
+    r = runner.invoke(app, ["bench", "n=[128,512]", "heads=4", "head_dim=16", "s=[1,4]", "window_sigmas=[1,64]",
+                            "causal=[false,true]", "repeats=1", "warmup=0", f"out={tmp_path}"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    for col in ["method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro"]:
+        assert col in df.columns
+    assert len(df) == 2 * 2 * (1 + 2 + 2 + 1)
+    assert set(df.method) == {"exact", "poslsh", "windowed", "fixed_block"}
+    assert (df.seconds > 0).all() and (df.gflops > 0).all()
+    assert df[df.method == "exact"].rel_fro.isna().all()
+    others = df[df.method != "exact"]
+    assert others.rel_fro.notna().all() and (others.rel_fro >= 0).all()
+    # a window wider than the sequence is exact ALiBi: error at float32 rounding level
+    wide = df[(df.method == "windowed") & (df.window_sigmas == 64)]
+    assert (wide.rel_fro < 1e-5).all()
+    # more samples, smaller error (median over heads, same inputs)
+    p = df[df.method == "poslsh"].pivot_table(index=["n", "causal"], columns="s", values="rel_fro")
+    assert (p[4] < p[1]).all()
+    r = runner.invoke(app, ["plot", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    for name in ("bench_time_vs_n_bidir", "bench_time_vs_n_causal", "bench_pareto_bidir", "bench_pareto_causal"):
+        assert (tmp_path / "figures" / f"{name}.png").exists()
+
+
+def test_useful_pair_counts():
+    n = 50
+    i = np.arange(n)
+    d = np.abs(i[:, None] - i[None, :])
+    for w in (0, 1, 7, 49, 200):
+        assert _band_pairs(n, w, False) == (d <= w).sum()
+        assert _band_pairs(n, w, True) == ((d <= w) & (i[None, :] <= i[:, None])).sum()
+
+
+def test_crossover_is_the_first_n_from_which_a_method_stays_faster():
+    df = pd.DataFrame({"method": ["exact"] * 4 + ["poslsh"] * 4, "n": [1, 2, 4, 8] * 2,
+                       "seconds": [1, 2, 4, 8, 0.5, 3, 3, 4]})
+    assert crossover(df, "poslsh") == 4
+    assert math.isnan(crossover(df.assign(seconds=[1, 1, 1, 1, 2, 2, 2, 2]), "poslsh"))
+
+
+def test_bench_bad_input(tmp_path):
+    for args, needle in ((["methods=[exact,magic]"], "unknown method"), (["causal=[maybe]"], "causal must be"),
+                         (["repeats=0"], "repeats must be"), (["device=cuda"], "CUDA is not available")):
+        r = runner.invoke(app, ["bench", "n=[64]", *args, f"out={tmp_path / 'x'}"])
+        if "CUDA" in needle and r.exit_code == 0:
+            continue  # a machine with a GPU
+        assert r.exit_code == 2 and needle in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "x").exists()
