@@ -348,12 +348,21 @@ def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.
 
 def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions],
                      causal: bool, scale: float | None = None, layout: BlockLayout | None = None,
-                     sample_chunk: int | None = None) -> torch.Tensor:
+                     sample_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Positional-LSH attention ``D~^-1 (A o M~) V`` with one :class:`Partitions` per head.
 
-    ``sample_chunk`` bounds memory: samples are processed that many at a time and merged
-    online (default: all at once). Differentiable in q, k, v.
+    backend: ``blocks`` (length-bucketed padded blocks, any device, differentiable), ``flex``
+    (FlexAttention with the bins as document ids, :func:`poslsh_flex`), or ``auto`` (flex on
+    CUDA for inference, blocks otherwise). ``sample_chunk`` bounds memory: samples are processed
+    that many at a time and merged online (default: all at once).
     """
+    if backend == "auto":
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        backend = "flex" if q.is_cuda and not grad and layout is None else "blocks"
+    if backend == "flex":
+        return poslsh_flex(q, k, v, partitions, causal, scale)
+    if backend != "blocks":
+        raise ValueError(f"unknown backend {backend!r}")
     if layout is None:
         if sample_chunk is None or sample_chunk >= partitions[0].num_samples:
             layout = BlockLayout.build(partitions, q.device)
@@ -372,6 +381,67 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
             return acc_out
     out, lse = block_attention(q, k, v, layout, causal, scale)
     return merge_by_lse(out, lse, dim=2)[0]
+
+
+def _doc_block_mask(doc: torch.Tensor, causal: bool, tile: int = 128):  # noqa: ANN202
+    """FlexAttention ``BlockMask`` for "same block" attention, built from the block structure.
+
+    ``doc`` (G, n) int64 block ids per (head, sample) group, non-decreasing along n. A query tile
+    ``[a, a+tile)`` meets exactly the key tiles spanned by its first block's start and its last
+    block's end, so the kv-tile lists come straight from the boundaries, in O(G n / tile) memory
+    (``create_block_mask`` would evaluate the mask on every (query, key) tile pair).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    G, n = doc.shape
+    tiles = (n + tile - 1) // tile
+    pos = torch.arange(n, device=doc.device)
+    # first position of each position's block, and one past its last
+    new_block = torch.ones_like(doc, dtype=torch.bool)
+    new_block[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    start = torch.where(new_block, pos, torch.zeros_like(pos)).cummax(dim=1).values  # (G, n)
+    last = torch.ones_like(doc, dtype=torch.bool)
+    last[:, :-1] = doc[:, :-1] != doc[:, 1:]
+    end = torch.where(last, pos + 1, torch.full_like(pos, n + 1))
+    end = torch.flip(torch.flip(end, [1]).cummin(dim=1).values, [1])  # (G, n) block end (exclusive)
+    q_first = torch.arange(tiles, device=doc.device) * tile
+    q_last = torch.clamp(q_first + tile - 1, max=n - 1)
+    kv_lo = start[:, q_first] // tile  # (G, tiles)
+    kv_hi = (end[:, q_last] - 1) // tile
+    if causal:
+        kv_hi = torch.minimum(kv_hi, torch.arange(tiles, device=doc.device))
+    count = (kv_hi - kv_lo + 1).to(torch.int32)
+    width = int(count.max())
+    idx = kv_lo[..., None] + torch.arange(width, device=doc.device)
+    idx = torch.minimum(idx, kv_hi[..., None]).to(torch.int32)  # (G, tiles, width)
+
+    def mask_mod(b, h, qi, kj):  # noqa: ANN001
+        keep = doc[h, qi] == doc[h, kj]
+        return keep & (kj <= qi) if causal else keep
+
+    return BlockMask.from_kv_blocks(count[None], idx[None], BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(n, n))
+
+
+def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions], causal: bool,
+                scale: float | None = None, compile: bool | None = None) -> torch.Tensor:
+    """Positional-LSH attention with FlexAttention: each (head, sample) is one query head whose
+    mask keeps keys in the same block (the sampled bins are document ids), ``lse`` returned by
+    the kernel, then the merge. Key/value heads are shared across samples through grouped-query
+    attention (query head ``h*s + k`` reads kv head ``h``), so only q is repeated s times.
+    Compiled on CUDA; uncompiled (dense, slow) elsewhere, which is how the tests check it.
+    """
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    B, H, n, d = q.shape
+    s = partitions[0].num_samples
+    doc = torch.as_tensor(np.stack([p.bins() for p in partitions]).reshape(H * s, n), device=q.device)
+    block_mask = _doc_block_mask(doc, causal)
+    qs = q.unsqueeze(2).expand(B, H, s, n, d).reshape(B, H * s, n, d)  # (B, H*s, n, d)
+    fn = _compiled_flex() if (q.is_cuda if compile is None else compile) else flex_attention
+    out, aux = fn(qs, k, v, block_mask=block_mask, scale=_scale(d, scale), enable_gqa=True,
+                  return_aux=AuxRequest(lse=True))
+    return merge_by_lse(out.reshape(B, H, s, n, d), aux.lse.reshape(B, H, s, n).float(), dim=2)[0]
 
 
 def fixed_block_partitions(seq_len: int, sigmas: Sequence[float]) -> list[Partitions]:

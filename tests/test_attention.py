@@ -42,6 +42,32 @@ def test_merged_block_attention_equals_dense_mean_mask(n, s, causal, kernel):
     torch.testing.assert_close(chunked, ref, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [57, 300])
+def test_flex_backend_equals_dense_mean_mask(n, causal):
+    """The FlexAttention path (bins as document ids, kernel lse), uncompiled on CPU."""
+    q, k, v = qkv(B=2, H=3, n=n, d=16)
+    parts = parts_for(n, [0.5, 6.0, 90.0], 5)
+    ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal)
+    got = poslsh_attention(q, k, v, parts, causal, backend="flex")
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)  # flex keeps its statistics in float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_paths_equal_reference(causal):
+    """Compiled FlexAttention (exact and Positional LSH) and the block path on CUDA."""
+    q, k, v = (t.cuda().float() for t in qkv(B=1, H=4, n=1000, d=64))
+    sig = torch.tensor([1.0, 4.0, 16.0, 64.0], dtype=torch.float64)
+    parts = parts_for(1000, sig.tolist(), 8)
+    ref = exact_alibi(q.double().cpu(), k.double().cpu(), v.double().cpu(), sig, causal, backend="reference")
+    torch.testing.assert_close(exact_alibi(q, k, v, sig, causal).double().cpu(), ref, rtol=0, atol=2e-4)
+    ref_p, _ = reference_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mean_mask_weight(parts), causal)
+    for backend in ("flex", "blocks"):
+        got = poslsh_attention(q, k, v, parts, causal, backend=backend).double().cpu()
+        torch.testing.assert_close(got, ref_p, rtol=0, atol=2e-4)
+
+
 def test_block_lse_is_the_masked_normaliser(kernel):
     q, k, v = qkv(n=40, H=2)
     parts = parts_for(40, [2.0, 5.0], 3)
