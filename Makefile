@@ -6,8 +6,8 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 RUNS   ?= runs
 
-.PHONY: install test test-fast reproduce-all reproduce-matrix reproduce-blocks reproduce-output \
-	bench bench-matrix bench-attention bench-gpu clean-venv
+.PHONY: install test test-fast reproduce-all reproduce-quick bench bench-matrix bench-attention \
+	bench-gpu clean-venv
 
 install: $(VENV)/.installed
 
@@ -24,25 +24,14 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Every experiment that exists so far, at the defaults in conf/, then the plots.
-# Fixed run directories: interrupted and started again, it resumes where it stopped.
-reproduce-all: install reproduce-matrix reproduce-blocks reproduce-output
-	@echo "figures: $(RUNS)/reproduce/*/figures/"
+# Every experiment of the paper (conf/experiment/*_paper.yaml), its figures and the report
+# runs/reproduce/paper/report.{md,html}. Fixed run directories: interrupted and started again,
+# it resumes where it stopped. Large-model presets run only with their checkpoint and a GPU.
+reproduce-all: install
+	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce
 
-reproduce-matrix: install
-	$(BIN)/poslsh matrix-error out=$(RUNS)/reproduce/matrix_error
-	$(BIN)/poslsh matrix-error n=[256,1024,2048] sigma=[4,16] s=[1,4,16,64] trials=2 method=both \
-		out=$(RUNS)/reproduce/matrix_error_dense_check
-	$(BIN)/poslsh plot $(RUNS)/reproduce/matrix_error $(RUNS)/reproduce/matrix_error_dense_check
-
-reproduce-blocks: install
-	$(BIN)/poslsh block-stats out=$(RUNS)/reproduce/block_stats
-	$(BIN)/poslsh sample n=256 sigma=8 s=32 out=$(RUNS)/reproduce/sample_heatmap
-	$(BIN)/poslsh plot $(RUNS)/reproduce/block_stats $(RUNS)/reproduce/sample_heatmap
-
-reproduce-output: install
-	$(BIN)/poslsh output-error out=$(RUNS)/reproduce/output_error_minilm
-	$(BIN)/poslsh plot $(RUNS)/reproduce/output_error_minilm
+reproduce-quick: install
+	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce
 
 # Speed and memory targets, measured side by side in one run each and reported as ratios.
 bench: bench-matrix bench-attention

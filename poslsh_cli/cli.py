@@ -93,7 +93,7 @@ def _parse(command: str, overrides: list[str], multirun: bool) -> list[list[str]
         key = p.key_or_group
         if key.startswith(_HYDRA_PREFIXES) or key == "hydra":
             continue
-        if key.split(".")[0] not in known:
+        if key.split(".")[0] not in known and key != "experiment":
             raise ConfigError(f"unknown key {key!r} for {command}; known keys: {', '.join(sorted(known))}")
         if p.is_sweep_override():
             if not multirun:
@@ -269,6 +269,45 @@ def bench_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
     useful GFLOP/s and relative error against exact, per (n, causal, method, s or window).
     """
     launch("bench", ctx.args, multirun)
+
+
+@app.command("report")
+def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
+                                                     show_default=False),
+               out: Path = typer.Option(None, "--out", "-o", help="where report.md and report.html go "
+                                        "(default: the single run directory, or the common parent)")) -> None:
+    """One report.md and a self-contained report.html: each paper claim beside its measurement."""
+    from poslsh_cli import report
+    from poslsh_cli.rundir import find_runs
+
+    try:
+        runs = find_runs(run_dirs)
+        target = out or _common_parent(runs)
+        md, html_path = report.build(run_dirs, target)
+    except ConfigError as exc:
+        fail("report", str(exc))
+        return
+    typer.echo(str(md))
+    typer.echo(str(html_path))
+
+
+def _common_parent(paths: list[Path]) -> Path:
+    import os
+
+    if len(paths) == 1:
+        return paths[0]
+    return Path(os.path.commonpath([str(p.resolve()) for p in paths]))
+
+
+@app.command("reproduce")
+def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
+                  runs: Path = typer.Option(Path("runs/reproduce"), help="root of the run directories")) -> None:
+    """Every experiment of the paper at one scale, then plots and the report (resumable)."""
+    from poslsh_cli.reproduce import main as reproduce_main
+
+    if scale not in ("paper", "quick"):
+        fail("reproduce", f"scale must be paper or quick, got {scale!r}")
+    raise SystemExit(reproduce_main(scale, runs))
 
 
 @app.command("plot")

@@ -18,7 +18,10 @@ from poslsh_cli.config import ConfigError, validate
 def _console(stderr: bool = True) -> Any:
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # log lines stay whole; tables get room when the output is a file or a pipe
+    return Console(stderr=stderr, highlight=False, soft_wrap=stderr,
+                   width=None if stream.isatty() else 160)
 
 
 def _fail(command: str, message: str, code: int = 2) -> None:

@@ -166,6 +166,7 @@ def test_plot_rejects_non_run(tmp_path):
     assert r.exit_code == 2 and "no poslsh run" in r.stderr
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_recomputing(tmp_path):
     """SIGTERM half-way, then the same command: every cell exactly once, same numbers."""
     out = tmp_path / "run"

@@ -1,0 +1,85 @@
+"""Run every experiment of the paper at one scale, then the plots and the report.
+
+Each experiment runs as ``poslsh <command> experiment=<preset>_<scale> out=<root>/<scale>/<name>``
+in a child process, so a fixed run directory resumes after an interruption. The large-model
+presets run only where their checkpoint is found ($POSLSH_MODELS/<dir> or model.path) and a GPU
+is present; the report says which were skipped and why.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: (run name, command, preset stem): the evidence of the paper's summary, in report order
+EXPERIMENTS = [
+    ("matrix_error", "matrix-error", "matrix_error"),
+    ("matrix_dense_check", "matrix-error", "matrix_dense_check"),
+    ("block_stats", "block-stats", "block_stats"),
+    ("output_error_minilm", "output-error", "output_error_minilm"),
+    ("output_error_qwen3_0_6b", "output-error", "output_error_qwen3_0_6b"),
+    ("output_error_mistral_7b", "output-error", "output_error_mistral_7b"),
+    ("output_error_llama_4_scout", "output-error", "output_error_llama_4_scout"),
+    ("bench", "bench", "bench"),
+]
+LARGE = {"output_error_qwen3_0_6b": "Qwen3-0.6B", "output_error_mistral_7b": "Mistral-7B-v0.1",
+         "output_error_llama_4_scout": "Llama-4-Scout-17B-16E"}
+
+
+def _skip_reason(name: str) -> str | None:
+    if name not in LARGE:
+        return None
+    root = os.environ.get("POSLSH_MODELS")
+    if not root:
+        return "POSLSH_MODELS is not set (no checkpoint directory)"
+    path = Path(root) / LARGE[name]
+    if not (path / "config.json").exists():
+        return f"no checkpoint at {path}"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA GPU (a large model on this CPU would take hours)"
+    except ImportError:
+        return "torch missing"
+    return None
+
+
+def main(scale: str, root: Path) -> int:
+    root = Path(root) / scale
+    root.mkdir(parents=True, exist_ok=True)
+    notes, failed, done = [], [], []
+    t0 = time.time()
+    for name, command, preset in EXPERIMENTS:
+        reason = _skip_reason(name)
+        if reason:
+            notes.append(f"skipped {name}: {reason}")
+            print(f"== skipped {name}: {reason}", flush=True)
+            continue
+        out = root / name
+        print(f"== {name}: poslsh {command} experiment={preset}_{scale} out={out}", flush=True)
+        cmd = [sys.executable, "-m", "poslsh_cli", command, f"experiment={preset}_{scale}", f"out={out}"]
+        try:
+            rc = subprocess.call(cmd)
+        except KeyboardInterrupt:
+            print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
+            return 130
+        if rc == 130:
+            print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
+            return 130
+        if rc != 0:
+            failed.append(name)
+            notes.append(f"FAILED {name} (exit {rc})")
+            continue
+        done.append(out)
+    notes.append(f"scale {scale}; {len(done)} experiments in {time.time() - t0:.0f} s this session")
+    (root / "skipped.json").write_text(json.dumps(notes, indent=1) + "\n")
+    if done:
+        from poslsh_cli import report
+
+        md, html_path = report.build(done, root, notes)
+        print(f"report: {md}\n        {html_path}", flush=True)
+    return 1 if failed else 0
