@@ -57,32 +57,56 @@ def _half_rule(fit: Any) -> bool:
     return bool(math.isfinite(fit.slope) and ((fit.ci_low <= -0.5 <= fit.ci_high) or abs(fit.slope + 0.5) <= 0.1))
 
 
+#: Fits of the decay exponent use s >= this (when three or more such s were run): at small s the
+#: entries of M~ are coarse multiples of 1/s and the max norm saturates near 1, so the log-log
+#: slope there says nothing about the O(1/sqrt(s)) regime of Theorem 2.1.
+ASYMPTOTIC_S = 8
+
+
+def _asymptotic(g: pd.DataFrame) -> pd.DataFrame | None:
+    big = g[g.s >= ASYMPTOTIC_S]
+    return big if big.s.nunique() >= 3 else None
+
+
 def section_matrix_error(run: Path, df: pd.DataFrame) -> Section:
     sec = Section("matrix-error", run)
     rows, ok_spec, ok_max = [], [], []
     fast = df[df.method == ("fast" if (df.method == "fast").any() else "dense")]
     for (n, sigma), g in fast.groupby(["n", "sigma"]):
-        fs, fm = fit_loglog_slope(g.s, g.spectral_err), fit_loglog_slope(g.s, g.max_err)
-        ok_spec.append(_half_rule(fs))
-        ok_max.append(_half_rule(fm))
+        a = _asymptotic(g)
+        if a is not None:
+            fs, fm = fit_loglog_slope(a.s, a.spectral_err), fit_loglog_slope(a.s, a.max_err)
+            ok_spec.append(_half_rule(fs))
+            ok_max.append(_half_rule(fm))
+        else:  # too few large s (e.g. a dense-check run): report the slopes, judge nothing
+            fs = fm = fit_loglog_slope(g.s[:0], g.s[:0])
         top = g[g.s == g.s.max()]
-        rows.append({"n": n, "sigma": sigma, "s range": f"{g.s.min()}–{g.s.max()}", "trials": g.trial.nunique(),
+        rows.append({"n": n, "sigma": sigma, "fit s range": f"{a.s.min()}–{a.s.max()}" if a is not None else "–",
+                     "trials": g.trial.nunique(),
                      "slope spectral [95% CI]": _slope_cell(fs), "slope max [95% CI]": _slope_cell(fm),
-                     f"spectral_rel at s_max": _fmt(top.spectral_rel.mean()), "max_err at s_max": _fmt(top.max_err.mean())})
+                     "slopes over all s (spec / max)": f"{fit_loglog_slope(g.s, g.spectral_err).slope:.3f} / "
+                                                       f"{fit_loglog_slope(g.s, g.max_err).slope:.3f}",
+                     "spectral_rel at s_max": _fmt(top.spectral_rel.mean()), "max_err at s_max": _fmt(top.max_err.mean())})
     sec.tables.append(pd.DataFrame(rows))
-    sec.verdicts.append(("spectral error decays like s^-1/2", all(ok_spec) if ok_spec else None,
-                         f"{sum(ok_spec)}/{len(ok_spec)} (n, σ) fits have -0.5 in the 95% interval or lie within 0.1 of it"))
-    sec.verdicts.append(("max-norm error decays like s^-1/2", all(ok_max) if ok_max else None,
-                         f"{sum(ok_max)}/{len(ok_max)} (n, σ) fits pass the same rule"))
+    rule = (f"fits over s >= {ASYMPTOTIC_S} where three such s exist; rule: -0.5 in the 95% interval "
+            "or the slope within 0.1 of it")
+    if ok_spec:
+        sec.verdicts.append(("spectral error decays like s^-1/2", all(ok_spec),
+                             f"{sum(ok_spec)}/{len(ok_spec)} (n, σ) pass ({rule})"))
+        sec.verdicts.append(("max-norm error decays like s^-1/2", all(ok_max),
+                             f"{sum(ok_max)}/{len(ok_max)} (n, σ) pass (same rule)"))
+    sec.paragraphs.append("Over all s the max-norm slope is shallower: with few samples M~ takes only the values "
+                          "k/s and the largest entrywise gap saturates near 1 (both columns are shown).")
     both = df[df.method.isin(["fast", "dense"])]
     if set(both.method) == {"fast", "dense"}:
         piv = both.pivot_table(index=["n", "sigma", "s", "trial"], columns="method", values=["spectral_err", "max_err", "seconds"])
         rel = (piv["spectral_err"]["fast"] - piv["spectral_err"]["dense"]).abs() / piv["spectral_err"]["dense"]
         exact = bool((piv["max_err"]["fast"] == piv["max_err"]["dense"]).all())
-        speed = (piv["seconds"]["dense"] / piv["seconds"]["fast"])
+        nmax = both.n.max()
+        speed = (piv["seconds"]["dense"] / piv["seconds"]["fast"]).xs(nmax, level="n")
         sec.verdicts.append(("the O(n) fast path equals the dense float64 reference", bool(rel.max() < 1e-6 and exact),
                              f"largest relative spectral difference {rel.max():.2g}; max norm bit-identical: {exact}; "
-                             f"fast is {speed.median():.0f}x faster (median, largest n {both.n.max()})"))
+                             f"at n={nmax} fast is {speed.median():.0f}x faster than dense (median over cells)"))
     return sec
 
 
@@ -241,7 +265,7 @@ def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, no
     lines += ["## Summary", "", "| section | claim | verdict | evidence |", "|---|---|---|---|"]
     for sec in sections:
         for claim, ok, ev in sec.verdicts:
-            lines.append(f"| {sec.command} | {claim} | **{_verdict_word(ok)}** | {ev} |")
+            lines.append(f"| {sec.command} ({sec.run.name}) | {claim} | **{_verdict_word(ok)}** | {ev} |")
     for sec in sections:
         lines += ["", f"## {TITLES[sec.command]}", "", f"Run: `{sec.run}`", ""]
         for claim, ok, ev in sec.verdicts:
@@ -277,7 +301,7 @@ def _html(sections: list[Section], provenance: list[dict], notes: list[str]) -> 
     for sec in sections:
         for claim, ok, ev in sec.verdicts:
             cls = {True: "ok", False: "no", None: "na"}[ok]
-            parts.append(f"<tr><td>{e(sec.command)}</td><td style='text-align:left'>{e(claim)}</td>"
+            parts.append(f"<tr><td>{e(sec.command)} ({e(sec.run.name)})</td><td style='text-align:left'>{e(claim)}</td>"
                          f"<td class='{cls}'>{_verdict_word(ok)}</td><td style='text-align:left'>{e(ev)}</td></tr>")
     parts.append("</table>")
     for sec in sections:

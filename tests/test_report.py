@@ -14,7 +14,7 @@ runner = CliRunner()
 
 def test_report_from_runs(tmp_path):
     runs = tmp_path / "runs"
-    for args in (["matrix-error", "n=[512]", "sigma=4", "s=[2,8,32]", "trials=3", f"out={runs / 'm'}"],
+    for args in (["matrix-error", "n=[512]", "sigma=4", "s=[2,8,16,32]", "trials=3", f"out={runs / 'm'}"],
                  ["matrix-error", "n=[128]", "sigma=4", "s=[1,8]", "trials=1", "method=both", f"out={runs / 'd'}"],
                  ["block-stats", "n=[1024,8192]", "sigma=4", "s=8", "trials=10", f"out={runs / 'b'}"],
                  ["output-error", "n=64", "layers=[0]", "s=[1,16]", "trials=1", f"out={runs / 'o'}"],
