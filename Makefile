@@ -48,9 +48,9 @@ bench-gpu: install
 
 bench-matrix: install
 	rm -rf $(RUNS)/bench/matrix
-	$(BIN)/poslsh matrix-error n=4096 sigma=16 s=64 trials=3 method=both out=$(RUNS)/bench/matrix/n4096
-	$(BIN)/poslsh matrix-error n=65536 sigma=16 s=64 trials=3 out=$(RUNS)/bench/matrix/n65536
-	$(BIN)/poslsh matrix-error n=1048576 sigma=16 s=16 trials=1 out=$(RUNS)/bench/matrix/n1048576
+	$(BIN)/poslsh matrix-error n=4096 sigma=16 s=64 trials=3 method=both memory=true out=$(RUNS)/bench/matrix/n4096
+	$(BIN)/poslsh matrix-error n=65536 sigma=16 s=64 trials=3 memory=true out=$(RUNS)/bench/matrix/n65536
+	$(BIN)/poslsh matrix-error n=1048576 sigma=16 s=16 trials=1 memory=true out=$(RUNS)/bench/matrix/n1048576
 	$(BIN)/python scripts/matrix_bench_report.py $(RUNS)/bench/matrix
 
 clean-venv:

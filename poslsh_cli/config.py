@@ -54,6 +54,7 @@ class MatrixErrorConfig(CommonConfig):
                     default=1e-6)
     dense_max_n: int = _h("largest n for which method=dense/both builds n x n matrices",
                           default=8192)
+    memory: bool = _h("also measure the fast path's peak memory (a second, untimed pass)", default=False)
 
 
 @dataclass

@@ -29,7 +29,7 @@ _MAX_CHUNK = 1 << 17
 @dataclass(frozen=True)
 class SpectralResult:
     value: float  # the norm
-    tol: float  # ARPACK relative tolerance asked for
+    tol: float  # ARPACK relative tolerance met (the one asked for when converged)
     converged: bool
     matvecs: int
 
@@ -46,8 +46,9 @@ def spectral_error_fast(
     The two ends are computed separately (``which='LA'`` and ``'SA'``): asking for the largest
     magnitude (``'LM'``) stalls when ``lambda_max ~ -lambda_min``. Each matvec is O(n + blocks).
     The start vector comes from ``generator``, so results are reproducible. If ARPACK does not
-    converge within its restart budget, the best Ritz value from LOBPCG is returned (a lower
-    bound for that end) and ``converged`` is False.
+    meet ``tol`` within its restart budget, ``tol`` is relaxed to 1e-3 (then LOBPCG, a lower
+    bound); ``tol`` in the result is the tolerance actually met and ``converged`` says whether
+    it is the one asked for.
     """
     n = kernel.seq_len
     count = [0]
@@ -62,16 +63,32 @@ def spectral_error_fast(
         return SpectralResult(float(np.max(np.abs(e))), 0.0, True, 0)
     op = LinearOperator((n, n), matvec=mv, matmat=mv, dtype=np.float64)
     v0 = generator.standard_normal(n)
-    ends, converged = [], True
+    ends, met = [], []
     for which in ("LA", "SA"):
+        value, achieved = _extreme(op, which, v0, tol)
+        ends.append(value)
+        met.append(achieved)
+    achieved = max(met)
+    return SpectralResult(max(abs(ends[0]), abs(ends[1])), achieved, achieved <= tol, count[0])
+
+
+#: ARPACK restarts allowed per attempt. Spectra with huge degenerate clusters (s = 1 or 2 at
+#: large n: n / delta nearly identical blocks) stall the residual test long after the Ritz
+#: value has settled; the tolerance is then relaxed 1000-fold and the one met is reported.
+LANCZOS_RESTARTS = 100
+
+
+def _extreme(op: LinearOperator, which: str, v0: np.ndarray, tol: float) -> tuple[float, float]:
+    """One end of the spectrum and the ARPACK tolerance it met (inf: LOBPCG lower bound)."""
+    n = op.shape[0]
+    for attempt_tol in (tol, max(tol, 1e-3)):
         try:
-            vals = eigsh(op, k=1, which=which, tol=tol, v0=v0, ncv=min(n - 1, LANCZOS_NCV),
-                         maxiter=200, return_eigenvectors=False)
-            ends.append(float(vals[0]))
+            vals = eigsh(op, k=1, which=which, tol=attempt_tol, v0=v0, ncv=min(n - 1, LANCZOS_NCV),
+                         maxiter=LANCZOS_RESTARTS, return_eigenvectors=False)
+            return float(vals[0]), attempt_tol
         except ArpackNoConvergence:
-            converged = False
-            ends.append(_lobpcg_end(op, v0, which == "LA", tol))
-    return SpectralResult(max(abs(ends[0]), abs(ends[1])), tol, converged, count[0])
+            continue
+    return _lobpcg_end(op, v0, which == "LA", tol), float("inf")
 
 
 def _lobpcg_end(op: LinearOperator, v0: np.ndarray, largest: bool, tol: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,9 +63,17 @@ def main(scale: str, root: Path) -> int:
         out = root / name
         print(f"== {name}: poslsh {command} experiment={preset}_{scale} out={out}", flush=True)
         cmd = [sys.executable, "-m", "poslsh_cli", command, f"experiment={preset}_{scale}", f"out={out}"]
+        child = subprocess.Popen(cmd)
         try:
-            rc = subprocess.call(cmd)
+            rc = child.wait()
         except KeyboardInterrupt:
+            # Ctrl-C reached the child too; SIGTERM covers a kill aimed at this process only.
+            # Either way the child keeps its finished cells and marks the run interrupted.
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
             print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
             return 130
         if rc == 130:

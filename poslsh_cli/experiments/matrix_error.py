@@ -66,12 +66,14 @@ def run_cell(cfg: Any, key: dict[str, Any], ctx: Any = None) -> tuple[list[dict]
         t0 = time.perf_counter()
         spec, norm, mx = fast()
         seconds = time.perf_counter() - t0
-        # tracemalloc slows many small allocations, so memory is measured in a second, untimed
-        # pass (the fast path is cheap; its result is identical)
-        tracemalloc.start()
-        fast()
-        peak = tracemalloc.get_traced_memory()[1] / 2**20
-        tracemalloc.stop()
+        peak = float("nan")
+        if cfg.memory:
+            # tracemalloc slows many small allocations, so memory is measured in a second,
+            # untimed pass (its result is identical)
+            tracemalloc.start()
+            fast()
+            peak = tracemalloc.get_traced_memory()[1] / 2**20
+            tracemalloc.stop()
         rows.append(MatrixErrorRow(**common, method="fast", spectral_err=spec.value,
                                    spectral_rel=spec.value / norm, max_err=mx,
                                    seconds=seconds, peak_mem_mb=peak, kernel_norm=norm,
