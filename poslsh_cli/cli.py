@@ -10,10 +10,8 @@ is written) -> ``hydra.main`` task -> typed config -> pure experiment functions 
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, List, Optional
 

@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, is_dataclass
 from pathlib import Path

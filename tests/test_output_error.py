@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from poslsh_cli.attention import alibi_chunked, poslsh_attention
 from poslsh_cli.cli import app
 from poslsh_cli.metrics import output_errors
-from poslsh_cli.sampling import Partitions, alibi_sigmas, sample_partitions
+from poslsh_cli.sampling import Partitions, alibi_sigmas
 
 from test_capture import save_tiny
 

@@ -22,16 +22,12 @@ import numpy as np
 import torch
 
 from poslsh_cli.attention import (BlockLayout, exact_alibi, fixed_block_partitions, poslsh_attention)
-from poslsh_cli.config import ConfigError
+from poslsh_cli.experiments import resolve_device, synchronize, torch_dtype
 from poslsh_cli.metrics import output_errors
 from poslsh_cli.sampling import alibi_sigmas, derive_seed, sample_partitions
 
 COLUMNS = ["method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
            "dtype", "device", "backend", "gflop", "gflops", "seed", "repeats"]
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class BenchRow:
@@ -86,14 +82,9 @@ _TIMING_THRESHOLD, _MEMORY_THRESHOLD = 32 * 2**20, 64 * 2**10
 
 def prepare(cfg: Any) -> Context:
     _mmap_threshold(_TIMING_THRESHOLD)
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device={cfg.device} but CUDA is not available")
-        device = torch.device(cfg.device)
+    device = resolve_device(cfg.device)
     sigmas = alibi_sigmas(cfg.heads) if cfg.sigma is None else np.full(cfg.heads, float(cfg.sigma))
-    return Context(device=device, dtype=_DTYPES[cfg.dtype], sigmas=sigmas)
+    return Context(device=device, dtype=torch_dtype(cfg.dtype), sigmas=sigmas)
 
 
 def cells(cfg: Any, ctx: Any = None) -> list[dict[str, Any]]:
@@ -116,11 +107,6 @@ def _inputs(cfg: Any, ctx: Context, n: int) -> tuple[torch.Tensor, torch.Tensor,
     g = torch.Generator().manual_seed(derive_seed(cfg.seed, "bench-inputs", n, cfg.heads, cfg.head_dim))
     shape = (1, cfg.heads, n, cfg.head_dim)
     return tuple(torch.randn(shape, generator=g).to(device=ctx.device, dtype=ctx.dtype) for _ in range(3))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _RssPeak:
@@ -175,16 +161,16 @@ def measure(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int, 
         call()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         call()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         out = call()
-        _sync(device)
+        synchronize(device)
         peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     else:
         _mmap_threshold(_MEMORY_THRESHOLD)

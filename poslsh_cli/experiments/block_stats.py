@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from itertools import product
 from typing import Any
 
 import numpy as np
 
+from poslsh_cli.experiments import grid_cells
 from poslsh_cli.sampling import derive_seed, sample_partitions, width_max_quantile
 
 COLUMNS = ["n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",
@@ -35,8 +35,7 @@ class BlockStatsRow:
 
 
 def cells(cfg: Any, ctx: Any = None) -> list[dict[str, Any]]:
-    return [{"n": n, "sigma": sigma, "s": s, "trial": t}
-            for n, sigma, s, t in product(cfg.n, cfg.sigma, cfg.s, range(cfg.trials))]
+    return grid_cells(cfg)
 
 
 def cell_seed(root_seed: int, key: dict[str, Any]) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass
-from itertools import product
 from typing import Any
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from poslsh_cli.metrics import (max_error_dense, max_error_fast, spectral_error_dense,
                                 spectral_error_fast)
 from poslsh_cli.operators import LaplacianKernel, MeanMask
+from poslsh_cli.experiments import grid_cells
 from poslsh_cli.sampling import derive_seed, sample_partitions
 
 COLUMNS = ["n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err",
@@ -43,8 +43,7 @@ class MatrixErrorRow:
 
 
 def cells(cfg: Any, ctx: Any = None) -> list[dict[str, Any]]:
-    return [{"n": n, "sigma": sigma, "s": s, "trial": t}
-            for n, sigma, s, t in product(cfg.n, cfg.sigma, cfg.s, range(cfg.trials))]
+    return grid_cells(cfg)
 
 
 def cell_seed(root_seed: int, key: dict[str, Any]) -> int:

@@ -20,15 +20,12 @@ import torch
 from poslsh_cli.attention import (alibi_chunked, fixed_block_partitions, no_bias_attention,
                                   poslsh_attention)
 from poslsh_cli.config import ConfigError
+from poslsh_cli.experiments import resolve_device, synchronize, torch_dtype
 from poslsh_cli.metrics import output_errors
 from poslsh_cli.sampling import alibi_sigmas, derive_seed, sample_partitions
 
 COLUMNS = ["model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
            "max_row_rel", "seconds", "window", "qkv_file"]
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class OutputErrorRow:
@@ -66,19 +63,11 @@ class Context:
     files: dict[str, Any] = field(default_factory=dict)  # relative path -> bytes producer
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name} but CUDA is not available")
-    return torch.device(name)
-
-
 def prepare(cfg: Any) -> Context:
     """Load the checkpoint, tokenise, capture q/k/v of the requested layers (raises ConfigError)."""
     from poslsh_cli import capture
 
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     path = capture.resolve_model_path(_preset_path(cfg.model), cfg.model.name)
     loaded = capture.load(path, trust_remote_code=cfg.model.trust_remote_code, device=str(device))
     if loaded.max_positions is not None and cfg.n > loaded.max_positions:
@@ -100,7 +89,7 @@ def prepare(cfg: Any) -> Context:
         qkv[layer] = (c.q[sel], c.k[sel], c.v[sel], c.scaling)  # (H', n, d) each
     name = cfg.model.name if cfg.model.name != "custom" else str(path)
     ctx = Context(model_name=name, layers=layers, heads=heads, sigmas=all_sigmas[heads], causal=causal,
-                  device=device, dtype=_DTYPES[cfg.dtype], qkv=qkv, input_ids=ids[0].numpy())
+                  device=device, dtype=torch_dtype(cfg.dtype), qkv=qkv, input_ids=ids[0].numpy())
     if cfg.save_qkv:
         for layer in layers:
             ctx.files[_qkv_file(layer)] = (lambda layer=layer: _npz(ctx, layer))
@@ -162,11 +151,6 @@ def _exact(ctx: Context, layer: int) -> torch.Tensor:
     return ctx.exact[layer]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_cell(cfg: Any, key: dict[str, Any], ctx: Context) -> tuple[list[dict], dict]:
     layer, method = key["layer"], key["method"]
     q, k, v, scaling = ctx.qkv[layer]
@@ -175,7 +159,7 @@ def run_cell(cfg: Any, key: dict[str, Any], ctx: Context) -> tuple[list[dict], d
     exact = _exact(ctx, layer)
     seeds = [-1] * len(ctx.heads)
     s, trial, windows = 0, 0, [-1] * len(ctx.heads)
-    _sync(ctx.device)
+    synchronize(ctx.device)
     t0 = time.perf_counter()
     if method == "poslsh":
         s, trial = key["s"], key["trial"]
@@ -191,7 +175,7 @@ def run_cell(cfg: Any, key: dict[str, Any], ctx: Context) -> tuple[list[dict], d
         out = alibi_chunked(q, k, v, torch.as_tensor(ctx.sigmas), ctx.causal, window=windows, scale=scaling)
     else:  # pragma: no cover - cells() only makes the methods above
         raise ValueError(method)
-    _sync(ctx.device)
+    synchronize(ctx.device)
     seconds = time.perf_counter() - t0
     rel_fro, max_row = output_errors(exact, out[0])
     qkv_file = _qkv_file(layer) if cfg.save_qkv else ""
