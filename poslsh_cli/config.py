@@ -158,8 +158,19 @@ def key_help(command: str) -> list[tuple[str, str, str]]:
             value = value.name
         if OmegaConf.is_config(value):
             value = OmegaConf.to_container(value)
-        out.append((f.name, "null" if value is None else str(value).replace(" ", ""), f.metadata["help"]))
+        out.append((f.name, _override_text(value), f.metadata["help"]))
     return out
+
+
+def _override_text(value: Any) -> str:
+    """A default written the way it is typed as an override: null, true, [a,b]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_text(v) for v in value) + "]"
+    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------
