@@ -42,8 +42,7 @@ bench-attention: install
 
 # The large grid for a CUDA machine (FlexAttention exact as the reference).
 bench-gpu: install
-	$(BIN)/poslsh bench n=[4096,8192,16384,32768,65536,131072] device=cuda dtype=bfloat16 \
-		exact_max_n=131072 out=$(RUNS)/bench/attention_gpu
+	$(BIN)/poslsh bench experiment=bench_gpu_paper out=$(RUNS)/bench/attention_gpu
 	$(BIN)/poslsh plot $(RUNS)/bench/attention_gpu
 
 bench-matrix: install
