@@ -95,6 +95,8 @@ def _execute_cells(command: str, cfg: Any, run: Any, argv: str) -> None:
         run.write_tables(keys, columns)
     except KeyboardInterrupt:
         status = "interrupted"
+        # the signal may have landed between a cell's file and the table: make them agree
+        run.write_tables(keys, columns)
     except ConfigError as exc:
         run.write_meta(status="failed", error=str(exc))
         run.discard_if_empty()
