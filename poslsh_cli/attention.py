@@ -210,7 +210,7 @@ class BlockLayout:
 
     For bucket b: ``index[b]`` (num_blocks_b, L_b) int64 flat positions ``(h*s + k)*n + i``
     into the per-(head, sample) copies of the sequence (padding repeats the block's last
-    position), ``valid[b]`` (num_blocks_b, L_b) bool, ``head[b]`` (num_blocks_b,) int64.
+    position) and ``valid[b]`` (num_blocks_b, L_b) bool.
     Every (head, sample, position) is a real slot of exactly one block.
     """
 
@@ -219,7 +219,6 @@ class BlockLayout:
     seq_len: int
     index: tuple[torch.Tensor, ...]
     valid: tuple[torch.Tensor, ...]
-    head: tuple[torch.Tensor, ...]
     padded_slots: int  # total slots computed, padding included
     useful_pairs: int  # sum over blocks of L^2 (bidirectional work)
 
@@ -229,20 +228,18 @@ class BlockLayout:
         s, n = partitions[0].num_samples, partitions[0].seq_len
         if any(p.num_samples != s or p.seq_len != n for p in partitions):
             raise ValueError("every head needs the same seq_len and number of samples")
-        starts, lengths, owner, head_of = [], [], [], []
+        starts, lengths, owner = [], [], []
         for h, p in enumerate(partitions):
             for k, off in enumerate(p.offsets):
                 starts.append(off[:-1])
                 lengths.append(np.diff(off))
                 owner.append(np.full(off.size - 1, h * s + k, dtype=np.int64))
-                head_of.append(np.full(off.size - 1, h, dtype=np.int64))
         starts_a = np.concatenate(starts)
         lengths_a = np.concatenate(lengths)
         owner_a = np.concatenate(owner)
-        head_a = np.concatenate(head_of)
         # bucket by the power of two at or above the length: padding < 2x inside a bucket
         bucket = np.ceil(np.log2(lengths_a)).astype(np.int64)
-        index, valid, heads_t = [], [], []
+        index, valid = [], []
         offset = 0
         for b in np.unique(bucket):
             sel = np.flatnonzero(bucket == b)
@@ -254,8 +251,7 @@ class BlockLayout:
             offset += sel.size * L
             index.append(torch.as_tensor(flat, device=device))
             valid.append(torch.as_tensor(ok, device=device))
-            heads_t.append(torch.as_tensor(head_a[sel], device=device))
-        return cls(heads, s, n, tuple(index), tuple(valid), tuple(heads_t), offset,
+        return cls(heads, s, n, tuple(index), tuple(valid), offset,
                    int((lengths_a.astype(np.int64) ** 2).sum()))
 
 

@@ -52,6 +52,14 @@ def plot_run(run: Path) -> list[Path]:
     return PLOTTERS[command](run, cfg)
 
 
+def _results(run: Path) -> pd.DataFrame:
+    """The run's results table; a run with no finished cell has nothing to draw."""
+    df = pd.read_csv(run / "results.csv")
+    if df.empty:
+        raise ConfigError(f"{run}: results.csv has no rows yet")
+    return df
+
+
 def decay_panel(ax: plt.Axes, df: pd.DataFrame, x: str, y: str, group: list[str], label: Callable[[tuple], str]) -> None:
     """Mean over trials with min-max band, fitted log-log slope in the legend, c/sqrt(x) guide."""
     for i, (gkey, g) in enumerate(df.groupby(group, sort=True)):
@@ -73,9 +81,7 @@ def decay_panel(ax: plt.Axes, df: pd.DataFrame, x: str, y: str, group: list[str]
 
 @_plotter("matrix-error")
 def plot_matrix_error(run: Path, cfg: dict) -> list[Path]:
-    df = pd.read_csv(run / "results.csv")
-    if df.empty:
-        raise ConfigError(f"{run}: results.csv has no rows yet")
+    df = _results(run)
     df = df[df["method"] == ("fast" if (df["method"] == "fast").any() else "dense")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     lab = lambda k: f"n={k[0]}, σ={k[1]:g}"  # noqa: E731
@@ -94,9 +100,7 @@ def plot_matrix_error(run: Path, cfg: dict) -> list[Path]:
 def plot_block_stats(run: Path, cfg: dict) -> list[Path]:
     from poslsh_cli.sampling import block_length_pmf
 
-    df = pd.read_csv(run / "results.csv")
-    if df.empty:
-        raise ConfigError(f"{run}: results.csv has no rows yet")
+    df = _results(run)
     paths = []
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, ((sigma, s), g) in enumerate(df.groupby(["sigma", "s"])):
@@ -167,9 +171,7 @@ def plot_sample(run: Path, cfg: dict) -> list[Path]:
 
 @_plotter("output-error")
 def plot_output_error(run: Path, cfg: dict) -> list[Path]:
-    df = pd.read_csv(run / "results.csv")
-    if df.empty:
-        raise ConfigError(f"{run}: results.csv has no rows yet")
+    df = _results(run)
     paths = []
     layers = sorted(df["layer"].unique())
     cols = min(3, len(layers))
@@ -231,9 +233,7 @@ def plot_output_error(run: Path, cfg: dict) -> list[Path]:
 def plot_bench(run: Path, cfg: dict) -> list[Path]:
     from poslsh_cli.experiments.bench import crossover
 
-    df = pd.read_csv(run / "results.csv")
-    if df.empty:
-        raise ConfigError(f"{run}: results.csv has no rows yet")
+    df = _results(run)
     paths = []
     for causal, g in df.groupby("causal"):
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
