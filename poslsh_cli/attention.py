@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from poslsh_cli import masks
 from poslsh_cli.sampling import Partitions
 
 _NEG_INF = float("-inf")
@@ -52,17 +53,25 @@ def _as_sigmas(sigmas: Sequence[float] | torch.Tensor | np.ndarray, heads: int) 
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor | None,
-                        causal: bool, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``D^-1 (A o W) V`` in float64 with a dense nonnegative weight W, shape (H, n, n) or (n, n).
+                        causal: bool, scale: float | None = None,
+                        dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``D^-1 (A o W) V`` computed densely in ``dtype`` (float64: the test oracle).
 
-    W = L* gives exact ALiBi; W = M~ gives Positional LSH; W = None gives no bias. Returns
-    ``(out (B, H, n, d), lse (B, H, n))`` with ``lse = log sum_j A_ij W_ij``.
+    Args:
+        q, k, v: (B, H, n, d) any float dtype; queries, keys, values.
+        weight: nonnegative multiplicative weight W, (H, n, n) or (n, n); ``None`` for no bias.
+            W = L* gives exact ALiBi, W = M~ Positional LSH; zeros drop the pair (log 0 = -inf).
+        causal: also drop keys j > i.
+        dtype: float64 for the reference; float32 gives the *naive* float32 implementation whose
+            error against float64 sets the tolerance of every fast path in the tests.
+
+    Returns ``(out (B, H, n, d), lse (B, H, n))`` in ``dtype``, ``lse = log sum_j A_ij W_ij``.
     """
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     n = q.shape[-2]
     scores = (q @ k.transpose(-1, -2)) * _scale(q.shape[-1], scale)  # (B, H, n, n)
     if weight is not None:
-        scores = scores + torch.log(weight.double())  # log 0 = -inf drops the pair
+        scores = scores + torch.log(weight.to(dtype))  # log 0 = -inf drops the pair
     if causal:
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, _NEG_INF)
@@ -129,12 +138,16 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
 
 
 def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
-               window: int | None = None, scale: float | None = None, compile: bool = True) -> torch.Tensor:
+               window: int | Sequence[int] | None = None, scale: float | None = None,
+               compile: bool = True) -> torch.Tensor:
     """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-|i-j|/sigma_h``.
 
-    Compiled on CUDA (fused kernel, no n x n tensor); uncompiled it runs anywhere (tests).
+    ``window``: one half-width for every head or one per head (keys with ``|i-j| > w_h`` are
+    dropped). The ``BlockMask`` comes from the mask's key intervals (:func:`masks.block_mask`),
+    so no n x n grid is ever evaluated. Compiled on CUDA (fused kernel); uncompiled it runs
+    anywhere (tests).
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     B, H, n, d = q.shape
     slopes = (1.0 / sigmas).to(device=q.device, dtype=torch.float32)
@@ -142,19 +155,11 @@ def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.
     def score_mod(score, b, h, qi, kj):  # noqa: ANN001
         return score - slopes[h] * (qi - kj).abs().to(score.dtype)
 
-    block_mask = None
-    if causal or window is not None:
-        def mask_mod(b, h, qi, kj):  # noqa: ANN001
-            keep = qi >= 0
-            if causal:
-                keep = keep & (kj <= qi)
-            if window is not None:
-                keep = keep & ((qi - kj).abs() <= window)
-            return keep
-
-        block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    win = None if window is None else masks.Window.of(window, H, q.device)
+    keep = masks.combine(causal, win)
+    bm = None if keep is None else masks.block_mask(keep, H, n, q.device)
     fn = _compiled_flex() if compile else flex_attention
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=_scale(d, scale))
+    return fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=_scale(d, scale))
 
 
 _FLEX = None
@@ -170,7 +175,7 @@ def _compiled_flex():  # noqa: ANN202
 
 
 def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
-                causal: bool, window: int | None = None, backend: str = "auto",
+                causal: bool, window: int | Sequence[int] | None = None, backend: str = "auto",
                 scale: float | None = None) -> torch.Tensor:
     """Exact (``window=None``) or windowed ALiBi attention; the one place a path is chosen.
 
@@ -181,10 +186,11 @@ def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Seque
     if backend == "auto":
         backend = "flex" if q.is_cuda else "chunked"
     if backend == "reference":
-        w = laplacian_weight(q.shape[-2], sig, q.device)
+        n, H = q.shape[-2], q.shape[1]
+        w = laplacian_weight(n, sig, q.device)
         if window is not None:
-            i = torch.arange(q.shape[-2], device=q.device)
-            w = w * ((i[:, None] - i[None, :]).abs() <= window)
+            i = torch.arange(n, device=q.device)
+            w = w * masks.Window.of(window, H, q.device).grid(i, i, H)
         return reference_attention(q, k, v, w, causal, scale)[0].to(q.dtype)
     if backend == "flex":
         return alibi_flex(q, k, v, sig, causal, window, scale, compile=q.is_cuda)
@@ -224,35 +230,74 @@ class BlockLayout:
 
     @classmethod
     def build(cls, partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> "BlockLayout":
+        """Layout of one :class:`Partitions` per head (same n and s), built on ``device``."""
         heads = len(partitions)
         s, n = partitions[0].num_samples, partitions[0].seq_len
         if any(p.num_samples != s or p.seq_len != n for p in partitions):
             raise ValueError("every head needs the same seq_len and number of samples")
-        starts, lengths, owner = [], [], []
-        for h, p in enumerate(partitions):
-            for k, off in enumerate(p.offsets):
-                starts.append(off[:-1])
-                lengths.append(np.diff(off))
-                owner.append(np.full(off.size - 1, h * s + k, dtype=np.int64))
-        starts_a = np.concatenate(starts)
-        lengths_a = np.concatenate(lengths)
-        owner_a = np.concatenate(owner)
+        offs = [off for p in partitions for off in p.offsets]  # (head, sample) order
+        counts = np.asarray([off.size - 1 for off in offs])
+        starts_np = np.concatenate([off[:-1] for off in offs])
+        lengths_np = np.concatenate([np.diff(off) for off in offs])
+        useful = int((lengths_np.astype(np.int64) ** 2).sum())
         # bucket by the power of two at or above the length: padding < 2x inside a bucket
-        bucket = np.ceil(np.log2(lengths_a)).astype(np.int64)
+        bucket_np = np.ceil(np.log2(lengths_np)).astype(np.int64)
+        starts = torch.as_tensor(starts_np, device=device)
+        lengths = torch.as_tensor(lengths_np, device=device)
+        owner = torch.repeat_interleave(torch.arange(len(offs), device=device),
+                                        torch.as_tensor(counts, device=device))  # (blocks,)
+        bucket = torch.as_tensor(bucket_np, device=device)
         index, valid = [], []
         offset = 0
-        for b in np.unique(bucket):
-            sel = np.flatnonzero(bucket == b)
-            L = int(lengths_a[sel].max())
-            ar = np.arange(L)
-            ok = ar[None, :] < lengths_a[sel, None]  # (nb, L)
-            pos = starts_a[sel, None] + np.minimum(ar[None, :], lengths_a[sel, None] - 1)
-            flat = owner_a[sel, None] * n + pos  # (nb, L)
-            offset += sel.size * L
-            index.append(torch.as_tensor(flat, device=device))
-            valid.append(torch.as_tensor(ok, device=device))
-        return cls(heads, s, n, tuple(index), tuple(valid), offset,
-                   int((lengths_a.astype(np.int64) ** 2).sum()))
+        for b in np.unique(bucket_np):
+            sel = torch.nonzero(bucket == int(b)).reshape(-1)
+            L = int(lengths_np[bucket_np == b].max())
+            ar = torch.arange(L, device=device)
+            ln = lengths[sel, None]
+            ok = ar[None, :] < ln  # (nb, L)
+            pos = starts[sel, None] + torch.minimum(ar[None, :], ln - 1)
+            index.append(owner[sel, None] * n + pos)  # (nb, L)
+            valid.append(ok)
+            offset += sel.numel() * L
+        return cls(heads, s, n, tuple(index), tuple(valid), offset, useful)
+
+
+@dataclass(frozen=True)
+class FlexLayout:
+    """Sampled partitions as FlexAttention sees them: query head ``h*s + k`` is (head h, sample
+    k), and its ``BlockMask`` keeps keys in the same bin (and causal, when asked).
+
+    ``block_mask`` covers (1, H*s, n, n); built from the bins' block intervals on ``device``
+    (:func:`masks.block_mask`), never from an n x n grid.
+    """
+
+    heads: int
+    num_samples: int
+    seq_len: int
+    causal: bool
+    block_mask: Any
+
+    @classmethod
+    def build(cls, partitions: Sequence[Partitions], causal: bool,
+              device: torch.device | str = "cpu") -> "FlexLayout":
+        H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
+        doc = device_bins(partitions, device).reshape(H * s, n)  # (H*s, n)
+        keep = masks.combine(causal, block=masks.SameBlock.of(doc))
+        return cls(H, s, n, causal, masks.block_mask(keep, H * s, n, device))
+
+
+def device_bins(partitions: Sequence[Partitions], device: torch.device | str) -> torch.Tensor:
+    """Bins of every (head, sample) computed on ``device``, (H, s, n) int64.
+
+    ``floor((i + u) / delta)`` in float64 from the 2 s drawn scalars per head: IEEE float64
+    addition, division and floor are exact-rounded everywhere, so this equals
+    :meth:`Partitions.bins` bit for bit, without moving an (H, s, n) array to the device.
+    """
+    widths = torch.as_tensor(np.stack([p.widths for p in partitions]), dtype=torch.float64, device=device)
+    shifts = torch.as_tensor(np.stack([p.shifts for p in partitions]), dtype=torch.float64, device=device)
+    i = torch.arange(partitions[0].seq_len, dtype=torch.float64, device=device)
+    raw = torch.floor((i + shifts[..., None]) / widths[..., None]).to(torch.int64)  # (H, s, n)
+    return raw - raw[..., :1]
 
 
 #: Upper bound on the bytes of one batch of gathered blocks (q, k, v copies and scores): large
@@ -343,20 +388,32 @@ def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.
 
 
 def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions],
-                     causal: bool, scale: float | None = None, layout: BlockLayout | None = None,
+                     causal: bool, scale: float | None = None, layout: BlockLayout | FlexLayout | None = None,
                      sample_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Positional-LSH attention ``D~^-1 (A o M~) V`` with one :class:`Partitions` per head.
 
-    backend: ``blocks`` (length-bucketed padded blocks, any device, differentiable), ``flex``
-    (FlexAttention with the bins as document ids, :func:`poslsh_flex`), or ``auto`` (flex on
-    CUDA for inference, blocks otherwise). ``sample_chunk`` bounds memory: samples are processed
-    that many at a time and merged online (default: all at once).
+    Args:
+        q, k, v: (B, H, n, d), float16/bfloat16/float32/float64; queries, keys, values.
+        partitions: H sampled partitions of n positions, each with the same s.
+        causal: attend only to keys j <= i (inside each block).
+        scale: logit scale (default 1/sqrt(d)).
+        layout: a prepared :class:`BlockLayout` or :class:`FlexLayout` (from :func:`poslsh_layout`);
+            it fixes the backend. Built from ``partitions`` when omitted.
+        sample_chunk: blocks path only; samples processed that many at a time, merged online.
+        backend: ``blocks`` (length-bucketed padded blocks, any device, differentiable), ``flex``
+            (FlexAttention with the bins as document ids), or ``auto`` (flex on CUDA for
+            inference, blocks otherwise).
+
+    Returns (B, H, n, d) in q's dtype.
     """
-    if backend == "auto":
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        backend = "flex" if q.is_cuda and not grad and layout is None else "blocks"
+    if isinstance(layout, FlexLayout):
+        backend = "flex"
+    elif isinstance(layout, BlockLayout):
+        backend = "blocks"
+    elif backend == "auto":
+        backend = poslsh_backend(q, k, v)
     if backend == "flex":
-        return poslsh_flex(q, k, v, partitions, causal, scale)
+        return poslsh_flex(q, k, v, partitions, causal, scale, layout=layout)
     if backend != "blocks":
         raise ValueError(f"unknown backend {backend!r}")
     if layout is None:
@@ -379,48 +436,26 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
     return merge_by_lse(out, lse, dim=2)[0]
 
 
-def _doc_block_mask(doc: torch.Tensor, causal: bool, tile: int = 128):  # noqa: ANN202
-    """FlexAttention ``BlockMask`` for "same block" attention, built from the block structure.
+def poslsh_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """``flex`` on CUDA when no gradient is needed, ``blocks`` otherwise."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return "flex" if q.is_cuda and not grad else "blocks"
 
-    ``doc`` (G, n) int64 block ids per (head, sample) group, non-decreasing along n. A query tile
-    ``[a, a+tile)`` meets exactly the key tiles spanned by its first block's start and its last
-    block's end, so the kv-tile lists come straight from the boundaries, in O(G n / tile) memory
-    (``create_block_mask`` would evaluate the mask on every (query, key) tile pair).
-    """
-    from torch.nn.attention.flex_attention import BlockMask
 
-    G, n = doc.shape
-    tiles = (n + tile - 1) // tile
-    pos = torch.arange(n, device=doc.device)
-    # first position of each position's block, and one past its last
-    new_block = torch.ones_like(doc, dtype=torch.bool)
-    new_block[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    start = torch.where(new_block, pos, torch.zeros_like(pos)).cummax(dim=1).values  # (G, n)
-    last = torch.ones_like(doc, dtype=torch.bool)
-    last[:, :-1] = doc[:, :-1] != doc[:, 1:]
-    end = torch.where(last, pos + 1, torch.full_like(pos, n + 1))
-    end = torch.flip(torch.flip(end, [1]).cummin(dim=1).values, [1])  # (G, n) block end (exclusive)
-    q_first = torch.arange(tiles, device=doc.device) * tile
-    q_last = torch.clamp(q_first + tile - 1, max=n - 1)
-    kv_lo = start[:, q_first] // tile  # (G, tiles)
-    kv_hi = (end[:, q_last] - 1) // tile
-    if causal:
-        kv_hi = torch.minimum(kv_hi, torch.arange(tiles, device=doc.device))
-    count = (kv_hi - kv_lo + 1).to(torch.int32)
-    width = int(count.max())
-    idx = kv_lo[..., None] + torch.arange(width, device=doc.device)
-    idx = torch.minimum(idx, kv_hi[..., None]).to(torch.int32)  # (G, tiles, width)
-
-    def mask_mod(b, h, qi, kj):  # noqa: ANN001
-        keep = doc[h, qi] == doc[h, kj]
-        return keep & (kj <= qi) if causal else keep
-
-    return BlockMask.from_kv_blocks(count[None], idx[None], BLOCK_SIZE=tile, mask_mod=mask_mod,
-                                    seq_lengths=(n, n))
+def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: str,
+                  device: torch.device | str) -> BlockLayout | FlexLayout:
+    """The prepared block structure of ``partitions`` for ``backend`` (``blocks`` or ``flex``):
+    everything Positional-LSH attention needs besides q, k, v, built on ``device``."""
+    if backend == "flex":
+        return FlexLayout.build(partitions, causal, device)
+    if backend == "blocks":
+        return BlockLayout.build(partitions, device)
+    raise ValueError(f"unknown backend {backend!r}")
 
 
 def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions], causal: bool,
-                scale: float | None = None, compile: bool | None = None) -> torch.Tensor:
+                scale: float | None = None, compile: bool | None = None,
+                layout: FlexLayout | None = None) -> torch.Tensor:
     """Positional-LSH attention with FlexAttention: each (head, sample) is one query head whose
     mask keeps keys in the same block (the sampled bins are document ids), ``lse`` returned by
     the kernel, then the merge. Key/value heads are shared across samples through grouped-query
@@ -430,12 +465,14 @@ def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: S
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     B, H, n, d = q.shape
-    s = partitions[0].num_samples
-    doc = torch.as_tensor(np.stack([p.bins() for p in partitions]).reshape(H * s, n), device=q.device)
-    block_mask = _doc_block_mask(doc, causal)
+    if layout is None:
+        layout = FlexLayout.build(partitions, causal, q.device)
+    if layout.causal != causal or layout.heads != H or layout.seq_len != n:
+        raise ValueError("the FlexLayout was built for another causal flag, head count or length")
+    s = layout.num_samples
     qs = q.unsqueeze(2).expand(B, H, s, n, d).reshape(B, H * s, n, d)  # (B, H*s, n, d)
     fn = _compiled_flex() if (q.is_cuda if compile is None else compile) else flex_attention
-    out, aux = fn(qs, k, v, block_mask=block_mask, scale=_scale(d, scale), enable_gqa=True,
+    out, aux = fn(qs, k, v, block_mask=layout.block_mask, scale=_scale(d, scale), enable_gqa=True,
                   return_aux=AuxRequest(lse=True))
     return merge_by_lse(out.reshape(B, H, s, n, d), aux.lse.reshape(B, H, s, n).float(), dim=2)[0]
 

@@ -62,6 +62,8 @@ class BlockStatsConfig(CommonConfig):
     n: Any = _hl("sequence lengths (int or list)", [1024, 4096, 16384, 65536, 262144, 1048576])
     sigma: Any = _hl("bandwidths sigma > 0 (float or list)", [4.0, 16.0, 64.0])
     s: Any = _hl("numbers of samples (int or list)", [16])
+    s_per_log_n: Optional[float] = _h("c > 0: s = ceil(c ln n) for each n instead of s (the paper's regime for "
+                                      "b_max ~ sigma log log n); null: the fixed s list", default=None)
     trials: int = _h("independent repetitions per (n, sigma, s)", default=20)
 
 
@@ -243,6 +245,9 @@ def validate(command: str, cfg: Any) -> Any:
         check(x >= 1, f"s must be >= 1, got {x}")
     _check_sigmas(c.sigma)
     check(c.trials >= 1, f"trials must be >= 1, got {c.trials}")
+    if command == "block-stats" and c.s_per_log_n is not None:
+        check(math.isfinite(float(c.s_per_log_n)) and float(c.s_per_log_n) > 0,
+              f"s_per_log_n must be > 0, got {c.s_per_log_n}")
     if command == "matrix-error":
         check(c.method in ("fast", "dense", "both"), f"method must be fast, dense or both, got {c.method!r}")
         check(0 <= c.tol < 1, f"tol must be in [0, 1), got {c.tol}")

@@ -73,7 +73,12 @@ def laplacian_norm(seq_len: int, sigma: float) -> float:
 
     hi = math.pi / (n + 1)
     # f(t) ~ t [(1-a)^2 n + 1 - a^2] > 0 near 0 and f(hi) < 0: one sign change in between.
-    t = brentq(f, hi * 1e-12, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
+    # As sigma -> 0 (a -> 0) the root moves to hi itself (f(hi) = O(a)): once f(hi) rounds to
+    # >= 0 the root is hi to machine precision, and ||L*||_2 -> 1 + 2a cos(pi/(n+1)) -> 1.
+    if f(hi) >= 0:
+        t = hi
+    else:
+        t = brentq(f, hi * 1e-12, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
     # 1 - 2a cos t + a^2 = (1 - a)^2 + 4a sin^2(t/2)
     return b * (1 + a) / (b * b + 4 * a * math.sin(t / 2) ** 2)
 

@@ -22,6 +22,11 @@ from poslsh_cli.rundir import load_run  # noqa: E402
 
 PLOTTERS: dict[str, Callable[[Path, dict], list[Path]]] = {}
 
+#: Sizes chosen for figures shown at about 1000 px wide (the HTML report): no text under 8 pt.
+STYLE = {"font.size": 9, "legend.fontsize": 8, "axes.titlesize": 10, "axes.labelsize": 9, "xtick.labelsize": 8,
+         "ytick.labelsize": 8, "figure.titlesize": 11}
+matplotlib.rcParams.update(STYLE)
+
 
 def _plotter(command: str) -> Callable:
     def deco(fn: Callable) -> Callable:
@@ -34,7 +39,7 @@ def save(fig: plt.Figure, run: Path, name: str) -> list[Path]:
     out = run / "figures"
     out.mkdir(exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[0], dpi=110, bbox_inches="tight")
     fig.savefig(paths[1], bbox_inches="tight")
     plt.close(fig)
     return paths
@@ -91,35 +96,90 @@ def plot_matrix_error(run: Path, cfg: dict) -> list[Path]:
     axes[1].set_title("max-norm error  max |L* − M̃|")
     for ax in axes:
         ax.set_xlabel("number of samples s")
-        ax.legend(fontsize=7, title="mean, min–max band; dashed: c/√s", title_fontsize=7)
-    fig.suptitle("Positional LSH: error of the mean mask against s (Theorem 2.1: O(1/√s))", fontsize=10)
-    return save(fig, run, "matrix_error_vs_s")
+        ax.legend(title="mean, min–max band; dashed: c/√s", title_fontsize=8)
+    fig.suptitle("Positional LSH: error of the mean mask against s (Theorem 2.1: O(1/√s))")
+    paths = save(fig, run, "matrix_error_vs_s")
+    full = _results(run)
+    if set(full["method"]) >= {"fast", "dense"}:
+        paths += _fast_vs_dense(run, full)
+    return paths
+
+
+def _fast_vs_dense(run: Path, df: pd.DataFrame) -> list[Path]:
+    """The fast O(n) path against the dense float64 reference: same errors, far less time."""
+    piv = df.pivot_table(index=["n", "sigma", "s", "trial"], columns="method",
+                         values=["spectral_err", "seconds"]).dropna().reset_index()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    ax = axes[0]
+    f, d = piv[("spectral_err", "fast")], piv[("spectral_err", "dense")]
+    ax.scatter(d, (f - d).abs() / d, s=14, color="C0")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1e-16)
+    ax.set_xlabel("‖L* − M̃‖₂ (dense float64 eigendecomposition)")
+    ax.set_ylabel("|fast − dense| / dense")
+    ax.set_title("spectral error: fast (Lanczos) against dense")
+    ax.grid(True, which="both", alpha=0.25)
+    ax = axes[1]
+    t = piv.groupby(("n", ""))[[("seconds", "fast"), ("seconds", "dense")]].median()
+    ax.plot(t.index, t[("seconds", "dense")], "o-", color="C3", label="dense (n×n float64)")
+    ax.plot(t.index, t[("seconds", "fast")], "o-", color="C0", label="fast (O(n) matvecs)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("n")
+    ax.set_ylabel("seconds per cell (median)")
+    ax.set_title("time against n")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.25)
+    return save(fig, run, "fast_vs_dense")
 
 
 @_plotter("block-stats")
 def plot_block_stats(run: Path, cfg: dict) -> list[Path]:
-    from poslsh_cli.sampling import block_length_pmf
+    from poslsh_cli.sampling import block_length_pmf, block_max_quantile
 
     df = _results(run)
+    if "s_per_log_n" not in df.columns:
+        df = df.assign(s_per_log_n=np.nan)
+    df = df.assign(rule=[f"s = ⌈{c:g} ln n⌉" if c == c else f"s = {s}" for c, s in zip(df.s_per_log_n, df.s)],
+                   ratio=df.b_max / df.b_max_loglog)
+    sigmas = sorted(df["sigma"].unique())
     paths = []
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for i, ((sigma, s), g) in enumerate(df.groupby(["sigma", "s"])):
-        agg = g.groupby("n").agg(med=("b_max", "median"), lo=("b_max", lambda v: v.quantile(0.1)),
-                                 hi=("b_max", lambda v: v.quantile(0.9)),
-                                 law=("b_max_theory_median", "first"), ll=("b_max_loglog", "first")).reset_index()
-        c = f"C{i % 10}"
-        ax.plot(agg["n"], agg["med"], "o-", color=c, ms=4, label=f"σ={sigma:g}, s={s}: b_max median (10–90%)")
-        ax.fill_between(agg["n"], agg["lo"], agg["hi"], color=c, alpha=0.15, lw=0)
-        ax.plot(agg["n"], agg["law"], "--", color=c, lw=1, label="exact law median of max δ")
-        ax.plot(agg["n"], agg["ll"], ":", color=c, lw=1.2, label="σ log log n")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length n")
-    ax.set_ylabel("largest block b_max (positions)")
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=6.5)
-    ax.set_title("Largest block against n", fontsize=10)
+    fig, axes = plt.subplots(1, len(sigmas), figsize=(4.3 * len(sigmas), 3.9), squeeze=False, sharey=False)
+    for ax, sigma in zip(axes[0], sigmas):
+        for i, (rule, g) in enumerate(df[df.sigma == sigma].groupby("rule")):
+            agg = g.groupby("n").agg(med=("b_max", "median"), lo=("b_max", lambda v: v.quantile(0.1)),
+                                     hi=("b_max", lambda v: v.quantile(0.9)),
+                                     law=("b_max_theory_median", "first")).reset_index()
+            c = f"C{i % 10}"
+            ax.plot(agg["n"], agg["med"], "o-", color=c, ms=4, label=rule)
+            ax.fill_between(agg["n"], agg["lo"], agg["hi"], color=c, alpha=0.15, lw=0)
+            ax.plot(agg["n"], agg["law"], "--", color=c, lw=1)
+        ll = df[df.sigma == sigma].groupby("n")["b_max_loglog"].first()
+        ax.plot(ll.index, ll.to_numpy(), ":", color="k", lw=1.2, label="σ ln ln n")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length n")
+        ax.set_title(f"σ = {sigma:g}")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(title="solid: median b_max (10–90%)\ndashed: exact law median", title_fontsize=8)
+    axes[0][0].set_ylabel("largest block b_max (positions)")
+    fig.suptitle("Largest block against n")
     paths += save(fig, run, "b_max_vs_n")
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, ((sigma, rule), g) in enumerate(df.groupby(["sigma", "rule"])):
+        agg = g.groupby("n").agg(med=("ratio", "median"), s=("s", "first"), ll=("b_max_loglog", "first")).reset_index()
+        c = f"C{i % 10}"
+        ax.plot(agg["n"], agg["med"], "o-", color=c, ms=4, label=f"σ={sigma:g}, {rule}")
+        lo = [block_max_quantile(0.05, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
+        hi = [block_max_quantile(0.95, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
+        ax.fill_between(agg["n"], lo, hi, color=c, alpha=0.12, lw=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("b_max / (σ ln ln n), median over trials")
+    ax.set_title("Largest block relative to σ log log n; bands: exact law, 5–95%")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(ncol=2)
+    paths += save(fig, run, "b_max_over_loglog")
 
     hist_file = run / "block_lengths.csv"
     if hist_file.exists():
@@ -135,8 +195,8 @@ def plot_block_stats(run: Path, cfg: dict) -> list[Path]:
             ax.plot(lengths, block_length_pmf(lengths, sigma), "k-", lw=1.2, label="theory")
             ax.set_yscale("log")
             ax.set_xlabel("block length")
-            ax.set_title(f"σ={sigma:g}, n={int(g['n'].max())}", fontsize=9)
-            ax.legend(fontsize=7)
+            ax.set_title(f"σ={sigma:g}, n={int(g['n'].max())}")
+            ax.legend()
         axes[0][0].set_ylabel("fraction of blocks")
         paths += save(fig, run, "block_length_hist")
     return paths
@@ -162,7 +222,7 @@ def plot_sample(run: Path, cfg: dict) -> list[Path]:
         for ax, mat, title in zip(axes[h], (b[0][:, None] == b[0][None, :], mean, L),
                                   ("one mask M(h₁)", f"mean of s={b.shape[0]} masks  M̃", f"L* = exp(−|i−j|/σ), σ={sigmas[h]:.3g}")):
             im = ax.imshow(mat.astype(float), vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
-            ax.set_title(title, fontsize=9)
+            ax.set_title(title)
             ax.set_xticks([])
             ax.set_yticks([])
         fig.colorbar(im, ax=axes[h].tolist(), shrink=0.8)
@@ -202,28 +262,28 @@ def plot_output_error(run: Path, cfg: dict) -> list[Path]:
                 ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""), fontsize=9)
+        ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""))
         ax.grid(True, which="both", alpha=0.25)
         ax.set_xlabel("number of samples s")
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
     axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")
-    axes[0][0].legend(fontsize=6.5)
-    fig.suptitle(f"Output error against exact ALiBi: {model}, n={int(df['n'].iloc[0])}", fontsize=10)
+    axes[0][0].legend()
+    fig.suptitle(f"Output error against exact ALiBi: {model}, n={int(df['n'].iloc[0])}")
     paths += save(fig, run, "output_error_vs_s")
 
     p = df[df.method == "poslsh"]
     if len(p):
         smax = p["s"].max()
         mat = p[p.s == smax].groupby(["layer", "head"])["rel_fro"].mean().unstack("head")
-        fig, ax = plt.subplots(figsize=(0.45 * mat.shape[1] + 2.5, 0.45 * mat.shape[0] + 1.6))
+        fig, ax = plt.subplots(figsize=(0.6 * mat.shape[1] + 2.5, 0.45 * mat.shape[0] + 2.0))
         im = ax.imshow(mat.to_numpy(), cmap="magma_r", aspect="auto")
-        ax.set_xticks(range(mat.shape[1]), [str(h) for h in mat.columns], fontsize=7)
-        ax.set_yticks(range(mat.shape[0]), [str(layer) for layer in mat.index], fontsize=7)
         sig = p.drop_duplicates("head").set_index("head")["sigma"]
-        ax.set_xlabel("head (σ = " + ", ".join(f"{sig[h]:.3g}" for h in mat.columns[:4]) + ", …)")
+        ax.set_xticks(range(mat.shape[1]), [f"{h}\n{sig[h]:.3g}" for h in mat.columns])
+        ax.set_yticks(range(mat.shape[0]), [str(layer) for layer in mat.index])
+        ax.set_xlabel("head (top) and its σ (bottom)")
         ax.set_ylabel("layer")
-        ax.set_title(f"relative output error at s={smax} (mean over trials)", fontsize=9)
+        ax.set_title(f"relative output error at s={smax} (mean over trials)")
         fig.colorbar(im, ax=ax, shrink=0.85)
         paths += save(fig, run, "output_error_heatmap")
     return paths
@@ -231,30 +291,35 @@ def plot_output_error(run: Path, cfg: dict) -> list[Path]:
 
 @_plotter("bench")
 def plot_bench(run: Path, cfg: dict) -> list[Path]:
-    from poslsh_cli.experiments.bench import crossover
+    """Time against n (end to end: Positional LSH includes drawing its masks) with crossovers,
+    and the error-time Pareto front per n, one pair of figures per causal setting."""
+    from poslsh_cli.experiments.bench import crossover, pareto_front
 
     df = _results(run)
+    if "backend" not in df.columns:
+        df = df.assign(backend="")
     paths = []
     for causal, g in df.groupby("causal"):
-        fig, ax = plt.subplots(figsize=(7.5, 4.8))
-        lines = [("exact", None, "k", "-", "exact ALiBi")]
-        lines += [("poslsh", s, f"C{i % 10}", "-", f"Positional LSH s={s}") for i, s in enumerate(sorted(g[g.method == "poslsh"].s.unique()))]
-        lines += [("windowed", c, plt.cm.Purples(0.35 + 0.6 * i / max(1, len(g.window_sigmas.dropna().unique()))), "--",
-                   f"windowed w={c:g}σ") for i, c in enumerate(sorted(g[g.method == "windowed"].window_sigmas.unique()))]
-        lines += [("fixed_block", None, "C7", ":", "fixed block")]
-        for method, param, color, ls, label in lines:
-            m = g[g.method == method]
-            if method == "poslsh":
-                m = m[m.s == param]
-            elif method == "windowed":
-                m = m[m.window_sigmas == param]
+        fig, ax = plt.subplots(figsize=(8, 5))
+        multi = g[g.method == "poslsh"].backend.nunique() > 1
+        lines = [("exact", {}, "k", "-", "exact ALiBi")]
+        pos = g[g.method == "poslsh"][["s", "backend"]].drop_duplicates().sort_values(["s", "backend"])
+        lines += [("poslsh", {"s": s, "backend": b}, f"C{i % 10}", "-" if b != "flex" else "-.",
+                   f"Positional LSH s={s}" + (f" ({b})" if multi else ""))
+                  for i, (s, b) in enumerate(pos.itertuples(index=False))]
+        cs = sorted(g[g.method == "windowed"].window_sigmas.unique())
+        lines += [("windowed", {"window_sigmas": c}, plt.cm.Purples(0.35 + 0.6 * i / max(1, len(cs))), "--",
+                   f"windowed w={c:g}σ") for i, c in enumerate(cs)]
+        lines += [("fixed_block", {}, "C7", ":", "fixed block")]
+        for method, params, color, ls, label in lines:
+            def sel(frame: pd.DataFrame, params: dict = params) -> pd.DataFrame:
+                for k, v in params.items():
+                    frame = frame[frame[k] == v]
+                return frame
+
+            m = sel(g[g.method == method]).sort_values("n")
             if m.empty:
                 continue
-            m = m.sort_values("n")
-            sel = None
-            if param is not None:
-                key = "s" if method == "poslsh" else "window_sigmas"
-                sel = (lambda frame, key=key, param=param: frame[frame[key] == param])
             x = crossover(g, method, sel) if method != "exact" else float("nan")
             ax.plot(m.n, m.seconds, ls, color=color, marker="o", ms=3, lw=1.2,
                     label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
@@ -263,12 +328,12 @@ def plot_bench(run: Path, cfg: dict) -> list[Path]:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length n")
-        ax.set_ylabel("seconds (median)")
+        ax.set_ylabel("seconds, end to end (median)")
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=6.5, ncol=2)
+        ax.legend(ncol=2)
         dev = str(g.device.iloc[0])
         ax.set_title(f"Attention time, {int(g.heads.iloc[0])} heads, d={int(g.head_dim.iloc[0])}, "
-                     f"{g.dtype.iloc[0]}, {'causal' if causal else 'bidirectional'}, {dev}; ★ crossover", fontsize=9)
+                     f"{g.dtype.iloc[0]}, {'causal' if causal else 'bidirectional'}, {dev}; ★ crossover")
         paths += save(fig, run, f"bench_time_vs_n_{'causal' if causal else 'bidir'}")
 
         pts = g[g.method.isin(["poslsh", "windowed", "fixed_block"]) & g.rel_fro.notna()]
@@ -276,7 +341,7 @@ def plot_bench(run: Path, cfg: dict) -> list[Path]:
         if ns:
             cols = min(3, len(ns))
             rows = int(np.ceil(len(ns) / cols))
-            fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False, layout="constrained")
+            fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.8 * rows), squeeze=False, layout="constrained")
             for ax, n in zip(axes.flat, ns):
                 p = pts[pts.n == n]
                 ex = g[(g.method == "exact") & (g.n == n)].seconds
@@ -285,8 +350,10 @@ def plot_bench(run: Path, cfg: dict) -> list[Path]:
                     ax.scatter(q.seconds, q.rel_fro, marker=marker, color=color, s=22, label=method, zorder=3)
                     for _, r in q.iterrows():
                         tag = f"s={r.s}" if method == "poslsh" else (f"{r.window_sigmas:g}σ" if method == "windowed" else "")
-                        ax.annotate(tag, (r.seconds, r.rel_fro), fontsize=6, xytext=(3, 2), textcoords="offset points")
-                front = _pareto(p[["seconds", "rel_fro", "method"]].to_numpy())
+                        if method == "poslsh" and multi:
+                            tag += f" {r.backend}"
+                        ax.annotate(tag, (r.seconds, r.rel_fro), fontsize=8, xytext=(3, 2), textcoords="offset points")
+                front = pareto_front(p[["seconds", "rel_fro", "method"]].to_numpy())
                 ax.step(front[:, 0].astype(float), front[:, 1].astype(float), where="post", color="k", lw=0.8, alpha=0.6)
                 if len(ex):
                     ax.axvline(float(ex.iloc[0]), color="k", ls="--", lw=0.8, label="exact time")
@@ -294,23 +361,12 @@ def plot_bench(run: Path, cfg: dict) -> list[Path]:
                 ax.set_yscale("log")
                 ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
                 winners = ", ".join(sorted(set(front[:, 2])))
-                ax.set_title(f"n={n}: Pareto front = {winners}", fontsize=8)
-                ax.set_xlabel("seconds")
+                ax.set_title(f"n={n}: front = {winners}", fontsize=9)
+                ax.set_xlabel("seconds, end to end")
                 ax.grid(True, which="both", alpha=0.25)
             for ax in axes.flat[len(ns):]:
                 ax.axis("off")
             axes[0][0].set_ylabel("relative error vs exact")
-            axes[0][0].legend(fontsize=6.5)
+            axes[0][0].legend()
             paths += save(fig, run, f"bench_pareto_{'causal' if causal else 'bidir'}")
     return paths
-
-
-def _pareto(points: np.ndarray) -> np.ndarray:
-    """Points (seconds, error, label) not beaten on both time and error, by increasing time."""
-    order = np.argsort(points[:, 0].astype(float))
-    front, best = [], np.inf
-    for i in order:
-        if float(points[i, 1]) < best:
-            front.append(points[i])
-            best = float(points[i, 1])
-    return np.asarray(front, dtype=object)

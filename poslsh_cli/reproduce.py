@@ -49,18 +49,45 @@ def _skip_reason(name: str) -> str | None:
     return None
 
 
+def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) -> None:
+    """Keep the reason in the experiment's own directory, so any report over it says so."""
+    from poslsh_cli.rundir import atomic_write_text
+
+    if (out / "config.yaml").exists():
+        return  # a run was made there before: its results stand
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "skipped.json", json.dumps({"name": name, "command": command, "preset": preset,
+                                                        "reason": reason}, indent=1) + "\n")
+
+
+def _record_session(root: Path, scale: str, started: str, seconds: float, ran: int, failed: list[str]) -> None:
+    from poslsh_cli.rundir import atomic_write_text
+
+    path = root / "reproduce.json"
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        rec = {"scale": scale, "sessions": []}
+    rec["sessions"].append({"started": started, "seconds": round(seconds, 1), "ran": ran, "failed": failed})
+    atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
+
+
 def main(scale: str, root: Path) -> int:
+    import datetime as _dt
+
     root = Path(root) / scale
     root.mkdir(parents=True, exist_ok=True)
-    notes, failed, done = [], [], []
+    failed, done = [], []
+    started = _dt.datetime.now().isoformat(timespec="seconds")
     t0 = time.time()
     for name, command, preset in EXPERIMENTS:
+        out = root / name
         reason = _skip_reason(name)
         if reason:
-            notes.append(f"skipped {name}: {reason}")
+            _mark_skipped(out, name, command, f"{preset}_{scale}", reason)
             print(f"== skipped {name}: {reason}", flush=True)
             continue
-        out = root / name
+        (out / "skipped.json").unlink(missing_ok=True)
         print(f"== {name}: poslsh {command} experiment={preset}_{scale} out={out}", flush=True)
         cmd = [sys.executable, "-m", "poslsh_cli", command, f"experiment={preset}_{scale}", f"out={out}"]
         child = subprocess.Popen(cmd)
@@ -74,21 +101,20 @@ def main(scale: str, root: Path) -> int:
                 child.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 child.kill()
-            print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
-            return 130
+            rc = 130
         if rc == 130:
+            _record_session(root, scale, started, time.time() - t0, len(done), failed + [f"{name} (interrupted)"])
             print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
             return 130
         if rc != 0:
             failed.append(name)
-            notes.append(f"FAILED {name} (exit {rc})")
+            print(f"== FAILED {name} (exit {rc})", flush=True)
             continue
         done.append(out)
-    notes.append(f"scale {scale}; {len(done)} experiments in {time.time() - t0:.0f} s this session")
-    (root / "skipped.json").write_text(json.dumps(notes, indent=1) + "\n")
+    _record_session(root, scale, started, time.time() - t0, len(done), failed)
     if done:
         from poslsh_cli import report
 
-        md, html_path = report.build(done, root, notes)
+        md, html_path = report.build([root], root)
         print(f"report: {md}\n        {html_path}", flush=True)
     return 1 if failed else 0

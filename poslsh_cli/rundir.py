@@ -29,12 +29,22 @@ from typing import Any, Iterable
 from poslsh_cli.config import ConfigError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers see the old file
+    or the new one, never a part. The file gets the usual mode (0666 less the umask), not the
+    0600 of a temporary file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -143,7 +153,8 @@ class RunDir:
                                   "use another out= (or the same keys to resume)")
             fresh = False
         else:
-            if path.exists() and any(p for p in path.iterdir() if not p.name.startswith(".")):
+            # a reproduce marker (skipped.json) does not count: the run replaces it
+            if path.exists() and any(p for p in path.iterdir() if not p.name.startswith(".") and p.name != "skipped.json"):
                 raise ConfigError(f"out={path} exists, is not empty and holds no poslsh run")
             fresh = True
         return cls(path, command, config_yaml, fresh)

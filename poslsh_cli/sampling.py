@@ -98,14 +98,13 @@ class Partitions:
         """Block boundaries per sample, like flash-attention's ``cu_seqlens``.
 
         ``offsets[k]`` is int64 of shape (num_blocks_k + 1,): ``[0, start_1, ..., n]``; block b
-        of sample k holds positions ``offsets[k][b] : offsets[k][b+1]``.
+        of sample k holds positions ``offsets[k][b] : offsets[k][b+1]``. Computed in
+        O(n / delta_k) per sample from the bin edges (never an (n,) array when delta is large),
+        and equal to the boundaries of :meth:`bins_of`: every start is checked against the same
+        float64 expression ``floor((i + u) / delta)``.
         """
-        out = []
-        for k in range(self.num_samples):
-            b = self.bins_of(k)
-            starts = np.flatnonzero(np.diff(b)) + 1
-            out.append(np.concatenate(([0], starts, [self.seq_len])).astype(np.int64))
-        return tuple(out)
+        return tuple(_block_starts(self.seq_len, float(w), float(u))
+                     for w, u in zip(self.widths, self.shifts))
 
     def block_lengths(self) -> list[np.ndarray]:
         """Length of every block, one int64 array per sample."""
@@ -115,6 +114,35 @@ class Partitions:
     def b_max(self) -> int:
         """Largest block (number of positions) over all samples."""
         return int(max(int(np.max(np.diff(o))) for o in self.offsets))
+
+
+def _block_starts(n: int, width: float, shift: float) -> np.ndarray:
+    """``[0, start_1, ..., n]`` where ``floor((i + shift) / width)`` changes, in O(n / width).
+
+    Bin m >= 1 starts at the smallest i with ``floor((i + u) / delta) >= m``, about
+    ``ceil(m delta - u)``; the estimate is corrected by at most a step either way with the exact
+    expression, so the result equals the boundaries of the (n,) bin array bit for bit.
+    """
+    def bin_of(i: np.ndarray) -> np.ndarray:
+        return np.floor((i.astype(np.float64) + shift) / width)
+
+    if width <= 2.0:  # about one bin per position or more: the (n,) array is the cheap way
+        b = bin_of(np.arange(n))
+        return np.concatenate(([0], np.flatnonzero(np.diff(b)) + 1, [n])).astype(np.int64)
+    first = bin_of(np.zeros(1, dtype=np.int64))[0]
+    last = bin_of(np.full(1, n - 1, dtype=np.int64))[0]
+    if last == first:
+        return np.asarray([0, n], dtype=np.int64)
+    m = np.arange(first + 1, last + 1, dtype=np.float64)  # every bin after the first one
+    i = np.clip(np.ceil(m * width - shift).astype(np.int64), 1, n - 1)
+    for _ in range(3):  # rounding puts the estimate at most one step off; correct it exactly
+        down = (i > 1) & (bin_of(i - 1) >= m)
+        up = (i < n - 1) & (bin_of(i) < m)
+        if not (down.any() or up.any()):
+            break
+        i = i - down + up
+    # delta > 2: consecutive bins start at least two positions apart, so starts strictly increase
+    return np.concatenate(([0], i, [n])).astype(np.int64)
 
 
 def sample_partitions(
@@ -156,6 +184,22 @@ def width_max_quantile(q: float, sigma: float, num_samples: int) -> float:
     while f(hi) < 0:
         hi *= 2.0
     return sigma * brentq(f, 0.0, hi, xtol=1e-12)
+
+
+def block_max_cdf(L: np.ndarray | float, sigma: float, num_samples: int) -> np.ndarray:
+    """Law of the realised largest block (positions) over s samples, for n >> sigma.
+
+    A sample of width delta holds interior blocks of ``floor(delta)`` and ``ceil(delta)``
+    positions, and among its ~n/delta bins a ``ceil(delta)`` one appears (edge blocks are only
+    shorter), so its largest block is ``ceil(delta)`` and, at integer L,
+    ``P(b_max <= L) = P(max_k delta_k <= L) = (1 - e^{-L/sigma}(1 + L/sigma))^s``.
+    """
+    return width_max_cdf(np.floor(np.asarray(L, dtype=np.float64)), sigma, num_samples)
+
+
+def block_max_quantile(q: float, sigma: float, num_samples: int) -> int:
+    """Smallest integer L with ``P(b_max <= L) >= q`` under :func:`block_max_cdf`."""
+    return int(math.ceil(width_max_quantile(q, sigma, num_samples) - 1e-9))
 
 
 def block_length_pmf(lengths: np.ndarray, sigma: float) -> np.ndarray:

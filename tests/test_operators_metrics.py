@@ -30,7 +30,8 @@ def test_mean_mask_dense_is_mean_of_indicator_matrices():
     np.testing.assert_array_equal(MeanMask(p).dense(), ref)
 
 
-@pytest.mark.parametrize("n,sigma", [(1, 3.0), (2, 1.0), (10, 2.0), (257, 0.5), (2048, 16.0), (1500, 300.0)])
+@pytest.mark.parametrize("n,sigma", [(1, 3.0), (2, 1.0), (10, 2.0), (257, 0.5), (2048, 16.0), (1500, 300.0),
+                                     (64, 0.01), (64, 0.03), (500, 0.035), (3, 1e-4)])
 def test_kernel_norm_closed_form_equals_eigvalsh(n, sigma):
     ref = np.linalg.eigvalsh(LaplacianKernel(n, sigma).dense())[-1]
     assert laplacian_norm(n, sigma) == pytest.approx(ref, rel=1e-12)
@@ -38,7 +39,7 @@ def test_kernel_norm_closed_form_equals_eigvalsh(n, sigma):
 
 @pytest.mark.parametrize("n,sigma,s", CASES)
 def test_fast_errors_equal_dense(n, sigma, s):
-    """Spectral: relative 1e-6 at the default Lanczos tolerance (1e-10). Max norm: bit-exact."""
+    """Spectral: relative 1e-6 at the default Lanczos tolerance (``LANCZOS_TOL`` = 1e-6). Max norm: bit-exact."""
     g = np.random.default_rng(100 + n)
     K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, s, g))
     fast = spectral_error_fast(K, M, np.random.default_rng(1))

@@ -74,10 +74,13 @@ def test_mean_mask_is_unbiased_for_laplacian_kernel(seed, sigma):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_largest_width_follows_exact_law(seed):
-    """Kolmogorov-Smirnov distance of max_k delta_k against (1 - e^{-t/s}(1+t/s))^s."""
+    """Kolmogorov-Smirnov distance of the sampler's max_k delta_k against (1 - e^{-t/s}(1+t/s))^s.
+
+    The widths come from :func:`sample_partitions` itself (an exponential or a Gamma(1) sampler
+    fails this at these sizes)."""
     sigma, s, reps = 5.0, 16, 3000
     g = np.random.default_rng(seed)
-    maxima = np.array([g.gamma(2.0, sigma, size=s).max() for _ in range(reps)])
+    maxima = np.array([sample_partitions(64, sigma, s, g).widths.max() for _ in range(reps)])
     x = np.sort(maxima)
     cdf = width_max_cdf(x, sigma, s)
     ecdf_hi = np.arange(1, reps + 1) / reps
@@ -86,6 +89,36 @@ def test_largest_width_follows_exact_law(seed):
     assert ks < 1.95 / math.sqrt(reps)  # alpha = 0.001
     med = width_max_quantile(0.5, sigma, s)
     assert width_max_cdf(med, sigma, s) == pytest.approx(0.5, abs=1e-9)
+
+
+@pytest.mark.parametrize("n,sigma,s,seed", [(16384, 4.0, 8, 0), (4096, 16.0, 10, 1), (65536, 1.0, 12, 2)])
+def test_largest_block_follows_its_law(n, sigma, s, seed):
+    """The realised largest block (positions, the b_max of block-stats) against
+    P(b_max <= L) = (1 - e^{-L/s}(1 + L/s))^s at every integer L: the DKW bound at alpha = 0.001."""
+    from poslsh_cli.sampling import block_max_cdf, block_max_quantile
+
+    reps = 2000
+    g = np.random.default_rng(seed)
+    b = np.array([sample_partitions(n, sigma, s, g).b_max for _ in range(reps)])
+    L = np.arange(1, b.max() + 1)
+    emp = np.searchsorted(np.sort(b), L, side="right") / reps
+    assert np.abs(emp - block_max_cdf(L, sigma, s)).max() < math.sqrt(math.log(2 / 1e-3) / (2 * reps))
+    q = block_max_quantile(0.5, sigma, s)
+    assert block_max_cdf(q, sigma, s) >= 0.5 > block_max_cdf(q - 1, sigma, s)
+
+
+def test_offsets_equal_the_bin_array_boundaries(rng):
+    """Offsets come from the bin edges in O(n / delta); they equal the boundaries of bins_of."""
+    from poslsh_cli.sampling import Partitions
+
+    cases = [sample_partitions(int(rng.integers(1, 3000)), float(10 ** rng.uniform(-2, 3.5)), 3, rng) for _ in range(400)]
+    cases += [Partitions(997, 1.0, np.array([w]), np.array([u])) for w in (1.0, 2.0, 3.0, 0.5, 1 / 3, 7.0, 2.5)
+              for u in (0.0, 0.5 * w, np.nextafter(w, 0))]
+    for p in cases:
+        for k in range(p.num_samples):
+            b = p.bins_of(k)
+            ref = np.concatenate(([0], np.flatnonzero(np.diff(b)) + 1, [p.seq_len]))
+            np.testing.assert_array_equal(p.offsets[k], ref)
 
 
 def test_block_length_pmf_matches_realised_blocks():
