@@ -20,6 +20,7 @@ EXPERIMENTS = [
     ("matrix_error", "matrix-error", "matrix_error"),
     ("matrix_dense_check", "matrix-error", "matrix_dense_check"),
     ("block_stats", "block-stats", "block_stats"),
+    ("block_stats_loglog", "block-stats", "block_stats_loglog"),
     ("output_error_minilm", "output-error", "output_error_minilm"),
     ("output_error_qwen3_0_6b", "output-error", "output_error_qwen3_0_6b"),
     ("output_error_mistral_7b", "output-error", "output_error_mistral_7b"),
