@@ -14,12 +14,17 @@ itself, so no denominator is zero. All blocks of all samples and heads are batch
 grouped by length into a few buckets (padding at most doubles a block), so the work is a few
 batched matmuls, with no Python loop over blocks.
 
-Paths are chosen in one place, :func:`exact_alibi`; ``backend="reference"`` (float64, dense) is
-the test oracle. On CUDA the exact path uses FlexAttention with an ALiBi ``score_mod`` (never an
-n x n tensor); on CPU a chunked path keeps memory at O(chunk x n).
+The five methods (``exact``, ``windowed``, ``poslsh``, ``fixed_block``, ``no_bias``) are named in
+:class:`Method` and run through one entry point, :func:`attend`, with an
+:class:`AttentionSpec`; :func:`choose_backend` is the one place a path is picked for a
+device, dtype and gradient. Which keys a query sees (causal, window, same block) is written
+once, in :mod:`poslsh_cli.masks`. ``backend="reference"`` (dense, float64) is the test oracle;
+on CUDA the exact path is FlexAttention with an ALiBi ``score_mod`` (never an n x n tensor); on
+CPU a chunked path keeps memory at O(chunk x n).
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -73,8 +78,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weigh
     if weight is not None:
         scores = scores + torch.log(weight.to(dtype))  # log 0 = -inf drops the pair
     if causal:
-        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, _NEG_INF)
+        i = torch.arange(n, device=q.device)
+        scores = scores.masked_fill(~masks.Causal().grid(i, i, 1)[0], _NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ v, lse
 
@@ -90,39 +95,49 @@ def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = 
 # exact ALiBi and the windowed baseline, without n x n tensors
 
 
+#: Elements of one chunk's (heads, chunk, keys) bias in the chunked exact path: bounds its memory.
+CHUNK_ELEMENTS = 2**26
+
+
 def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
-                  window: int | Sequence[int] | None = None, chunk: int = 512, scale: float | None = None,
+                  window: int | Sequence[int] | None = None, chunk: int | None = None, scale: float | None = None,
                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ALiBi attention by query chunks: memory O(B H chunk n), never (n, n) at once.
 
-    With ``window=w`` (one int, or one per head) only keys with ``|i - j| <= w`` are kept
-    (windowed exact ALiBi) and each chunk touches only ``chunk + 2 max(w)`` keys, so the cost is
-    O(n (chunk + w) d).
-    Softmax statistics are kept in float32 at least.
+    Args:
+        q, k, v: (B, H, n, d), any float dtype; queries, keys, values.
+        sigmas: (H,) kernel bandwidths, ``sigma_h = 1 / slope_h``.
+        causal: drop keys j > i.
+        window: None, one half-width for every head or one per head: keys with ``|i - j| > w_h``
+            are dropped (windowed exact ALiBi); each chunk then touches only
+            ``chunk + 2 max(w)`` keys, so the cost is O(n (chunk + w) d).
+        chunk: queries per chunk (default: as many as keep a chunk's bias within
+            ``CHUNK_ELEMENTS`` elements, at most 1024).
+        return_lse: also return ``lse`` (B, H, n), natural log, float32 or wider.
+
+    Returns (B, H, n, d) in q's dtype. Softmax statistics are kept in float32 at least.
     """
     B, H, n, d = q.shape
     sc = _scale(d, scale)
+    if chunk is None:
+        chunk = max(16, min(1024, CHUNK_ELEMENTS // max(1, B * H * n)))
     slopes = (1.0 / sigmas).to(device=q.device, dtype=torch.float32)[:, None, None]  # (H, 1, 1)
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty_like(q)
     lse_all = torch.empty(B, H, n, device=q.device, dtype=acc) if return_lse else None
     pos = torch.arange(n, device=q.device)
-    w_max = None
-    if window is not None:
-        w_head = torch.as_tensor(window, device=q.device).reshape(-1).expand(H)[:, None, None]  # (H, 1, 1)
-        w_max = int(w_head.max())
+    keep = masks.combine(causal, None if window is None else masks.Window.of(window, H, q.device))
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        lo = 0 if window is None else max(0, a - w_max)
-        hi = b if causal else (n if window is None else min(n, b + w_max))
+        lo, hi = 0, n
+        if keep is not None:  # intervals are monotone: the chunk's keys span lo(a) .. hi(b-1)
+            lo = max(0, int(keep.interval(pos[a:a + 1])[0].min()))
+            hi = min(n, int(keep.interval(pos[b - 1:b])[1].max()) + 1)
         qi, kj = pos[a:b], pos[lo:hi]
         dist = (qi[:, None] - kj[None, :]).abs().to(acc)  # (c, m)
-        drop = torch.zeros_like(dist, dtype=torch.bool)
-        if causal:
-            drop = drop | (kj[None, :] > qi[:, None])
-        if window is not None:
-            drop = drop | (dist > w_head)  # (H, c, m)
-        bias = (-slopes.to(acc) * dist).masked_fill(drop, _NEG_INF)  # (H, c, m)
+        bias = -slopes.to(acc) * dist  # (H, c, m)
+        if keep is not None:
+            bias = bias.masked_fill(~keep.grid(qi, kj, H), _NEG_INF)
         if not return_lse and q.dtype == acc:
             # fused kernel (flash on CPU, memory-efficient on CUDA) with the bias as a float mask
             out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
@@ -177,14 +192,22 @@ def _compiled_flex():  # noqa: ANN202
 def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
                 causal: bool, window: int | Sequence[int] | None = None, backend: str = "auto",
                 scale: float | None = None) -> torch.Tensor:
-    """Exact (``window=None``) or windowed ALiBi attention; the one place a path is chosen.
+    """Exact (``window=None``) or windowed ALiBi attention.
 
-    backend: ``auto`` (FlexAttention on CUDA, chunked elsewhere), ``flex``, ``chunked``, or
-    ``reference`` (float64 dense; tests only).
+    Args:
+        q, k, v: (B, H, n, d), any float dtype; queries, keys, values.
+        sigmas: (H,) or one value: kernel bandwidths ``sigma_h = 1 / slope_h``.
+        causal: drop keys j > i.
+        window: None, one half-width for every head, or one per head (keys with
+            ``|i - j| > w_h`` dropped).
+        backend: ``auto`` (:func:`choose_backend`: FlexAttention on CUDA, chunked elsewhere),
+            ``flex``, ``chunked``, or ``reference`` (dense; tests only).
+
+    Returns (B, H, n, d) in q's dtype.
     """
     sig = _as_sigmas(sigmas, q.shape[1])
     if backend == "auto":
-        backend = "flex" if q.is_cuda else "chunked"
+        backend = choose_backend(Method.WINDOWED if window is not None else Method.EXACT, q, k, v)
     if backend == "reference":
         n, H = q.shape[-2], q.shape[1]
         w = laplacian_weight(n, sig, q.device)
@@ -201,7 +224,10 @@ def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Seque
 
 def no_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       scale: float | None = None) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d)) V`` (PyTorch SDPA: flash/memory-efficient kernels where available)."""
+    """``softmax(q k^T / sqrt(d)) V`` (PyTorch SDPA: flash/memory-efficient kernels where available).
+
+    q, k, v: (B, H, n, d), any float dtype. Returns (B, H, n, d) in q's dtype.
+    """
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                             scale=_scale(q.shape[-1], scale))
 
@@ -335,11 +361,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
     return out.reshape(B, H, s, n, d), lse.reshape(B, H, s, n)
 
 
-#: Which kernel runs the attention inside blocks: "auto" (the fused CPU flash kernel, which also
-#: returns lse, when no gradient is needed; the padded-matmul path otherwise), "fused" or "manual".
-BLOCK_KERNEL = "auto"
-
-
 def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torch.Tensor, causal: bool,
                   sc: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention inside padded blocks: ``qb, kb, vb`` (B, nb, L, d), ``ok`` (nb, L) real keys.
@@ -349,9 +370,7 @@ def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torc
     """
     B, nb, L, d = qb.shape
     acc = torch.promote_types(qb.dtype, torch.float32)
-    grad = torch.is_grad_enabled() and (qb.requires_grad or kb.requires_grad or vb.requires_grad)
-    fused = BLOCK_KERNEL == "fused" or (BLOCK_KERNEL == "auto" and not grad and qb.device.type == "cpu")
-    if fused:
+    if choose_block_kernel(qb, kb, vb) == "fused":
         mask = None
         if not causal and not bool(ok.all()):
             mask = torch.zeros(nb, 1, L, dtype=qb.dtype, device=qb.device).masked_fill(~ok[:, None, :], _NEG_INF)
@@ -362,7 +381,8 @@ def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torc
     scores = (qb @ kb.transpose(-1, -2)).to(acc) * sc  # (B, nb, L, L)
     keep = ok[:, None, :]  # keys that are real positions
     if causal:
-        keep = keep & torch.ones(L, L, dtype=torch.bool, device=qb.device).tril()
+        local = torch.arange(L, device=qb.device)
+        keep = keep & masks.Causal().grid(local, local, 1)
     scores = scores.masked_fill(~keep, _NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # (B, nb, L)
     p = torch.exp(scores - lse[..., None])
@@ -411,7 +431,7 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
     elif isinstance(layout, BlockLayout):
         backend = "blocks"
     elif backend == "auto":
-        backend = poslsh_backend(q, k, v)
+        backend = choose_backend(Method.POSLSH, q, k, v)
     if backend == "flex":
         return poslsh_flex(q, k, v, partitions, causal, scale, layout=layout)
     if backend != "blocks":
@@ -434,12 +454,6 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
             return acc_out
     out, lse = block_attention(q, k, v, layout, causal, scale)
     return merge_by_lse(out, lse, dim=2)[0]
-
-
-def poslsh_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """``flex`` on CUDA when no gradient is needed, ``blocks`` otherwise."""
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return "flex" if q.is_cuda and not grad else "blocks"
 
 
 def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: str,
@@ -488,3 +502,135 @@ def mean_mask_weight(partitions: Sequence[Partitions], device: torch.device | st
     from poslsh_cli.operators import MeanMask
 
     return torch.stack([torch.as_tensor(MeanMask(p).dense(), device=device) for p in partitions])
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods, and the one place a path is chosen
+
+
+class Method(str, enum.Enum):
+    """The attention methods every command compares (DESIGN.md section 1)."""
+
+    EXACT = "exact"  # exact ALiBi: softmax(q k^T / sqrt(d) - |i-j| / sigma) V
+    WINDOWED = "windowed"  # exact ALiBi on |i-j| <= w_h only
+    POSLSH = "poslsh"  # Positional LSH: D~^-1 (A o M~) V with s sampled partitions per head
+    FIXED_BLOCK = "fixed_block"  # one deterministic partition per head, width round(2 sigma)
+    NO_BIAS = "no_bias"  # softmax(q k^T / sqrt(d)) V
+
+
+#: Backends each method can run on; the first is the CPU default.
+BACKENDS: dict[Method, tuple[str, ...]] = {
+    Method.EXACT: ("chunked", "flex", "reference"),
+    Method.WINDOWED: ("chunked", "flex", "reference"),
+    Method.POSLSH: ("blocks", "flex", "reference"),
+    Method.FIXED_BLOCK: ("blocks", "flex", "reference"),
+    Method.NO_BIAS: ("sdpa", "reference"),
+}
+
+#: Which kernel runs the attention inside blocks: "auto" (:func:`choose_block_kernel`), "fused"
+#: (PyTorch's CPU flash kernel, which also returns lse) or "manual" (padded matmuls, any device,
+#: differentiable). Tests switch it to run every path.
+BLOCK_KERNEL = "auto"
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def choose_backend(method: Method | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend for ``method`` on q's device, dtype and gradient needs.
+
+    - exact, windowed: FlexAttention with an ALiBi ``score_mod`` on CUDA (compiled, with
+      backward); query chunks with SDPA elsewhere (FlexAttention has no CPU fast path).
+    - poslsh, fixed_block: FlexAttention with the bins as document ids on CUDA for inference;
+      length-bucketed padded blocks otherwise (differentiable, any device).
+    - no_bias: PyTorch SDPA.
+    """
+    method = Method(method)
+    if method is Method.NO_BIAS:
+        return "sdpa"
+    if method in (Method.EXACT, Method.WINDOWED):
+        return "flex" if q.is_cuda else "chunked"
+    return "flex" if q.is_cuda and not _needs_grad(q, k, v) else "blocks"
+
+
+def choose_block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> str:
+    """Inside the blocks backend: the fused CPU flash kernel when no gradient is needed on the
+    CPU, padded matmuls otherwise (or as :data:`BLOCK_KERNEL` forces)."""
+    if BLOCK_KERNEL != "auto":
+        return BLOCK_KERNEL
+    return "fused" if qb.device.type == "cpu" and not _needs_grad(qb, kb, vb) else "manual"
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """Everything an attention method needs besides q, k, v.
+
+    Attributes:
+        method: which :class:`Method`.
+        sigmas: (H,) float64 kernel bandwidths, ``sigma_h = 1 / slope_h``.
+        causal: drop keys j > i.
+        scale: logit scale (None: 1/sqrt(d)).
+        window: windowed: (H,) key half-widths ``w_h`` (:func:`windows`).
+        partitions: poslsh / fixed_block: one :class:`Partitions` per head.
+    """
+
+    method: Method
+    sigmas: np.ndarray
+    causal: bool
+    scale: float | None = None
+    window: tuple[int, ...] | None = None
+    partitions: tuple[Partitions, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Method(self.method))
+        object.__setattr__(self, "sigmas", np.asarray(self.sigmas, dtype=np.float64).reshape(-1))
+        if self.method is Method.WINDOWED and self.window is None:
+            raise ValueError("windowed attention needs window= (one half-width per head)")
+        if self.method in (Method.POSLSH, Method.FIXED_BLOCK) and not self.partitions:
+            raise ValueError(f"{self.method.value} attention needs partitions= (one per head)")
+
+
+def windows(sigmas: Sequence[float], c: float) -> tuple[int, ...]:
+    """Windowed baseline half-widths ``w_h = ceil(c sigma_h)``."""
+    return tuple(int(math.ceil(c * float(sg))) for sg in np.asarray(sigmas, dtype=np.float64).reshape(-1))
+
+
+def prepare(spec: AttentionSpec, backend: str, device: torch.device | str) -> BlockLayout | FlexLayout | None:
+    """The per-call set-up of a method on ``backend``, apart from q, k, v: for Positional LSH and
+    fixed blocks the block layout of the partitions (:func:`poslsh_layout`); nothing otherwise."""
+    if spec.method in (Method.POSLSH, Method.FIXED_BLOCK) and backend in ("blocks", "flex"):
+        return poslsh_layout(spec.partitions, spec.causal, backend, device)
+    return None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, backend: str = "auto",
+           layout: BlockLayout | FlexLayout | None = None) -> torch.Tensor:
+    """Run ``spec.method`` on q, k, v: the one entry point of every method.
+
+    Args:
+        q, k, v: (B, H, n, d) float16/bfloat16/float32/float64; queries, keys, values (the same
+            number of heads; expand grouped key/value heads first).
+        spec: the method and its parameters (:class:`AttentionSpec`), one sigma per head.
+        backend: ``auto`` (:func:`choose_backend`) or one of ``BACKENDS[spec.method]``.
+        layout: a prepared block layout (:func:`prepare`) for poslsh / fixed_block; it fixes the
+            backend and keeps its set-up out of the call.
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    method = spec.method
+    if backend == "auto":
+        backend = ("flex" if isinstance(layout, FlexLayout) else "blocks") if layout is not None \
+            else choose_backend(method, q, k, v)
+    if backend not in BACKENDS[method]:
+        raise ValueError(f"method {method.value} has no backend {backend!r} (choose from {', '.join(BACKENDS[method])})")
+    if method in (Method.EXACT, Method.WINDOWED):
+        return exact_alibi(q, k, v, spec.sigmas, spec.causal, window=spec.window, backend=backend, scale=spec.scale)
+    if method is Method.NO_BIAS:
+        if backend == "reference":
+            return reference_attention(q, k, v, None, spec.causal, spec.scale)[0].to(q.dtype)
+        return no_bias_attention(q, k, v, spec.causal, scale=spec.scale)
+    if backend == "reference":
+        weight = mean_mask_weight(spec.partitions, q.device)
+        return reference_attention(q, k, v, weight, spec.causal, spec.scale)[0].to(q.dtype)
+    return poslsh_attention(q, k, v, spec.partitions, spec.causal, scale=spec.scale, layout=layout, backend=backend)

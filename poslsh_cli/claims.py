@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -30,6 +31,20 @@ class Verdict:
     status: Status
     evidence: str  # the numbers the status was computed from
     rule: str  # how the status follows from them
+
+
+@dataclass
+class Section:
+    """One experiment run's part of the report: verdicts, computed sentences, tables, figures."""
+
+    command: str
+    run: Path
+    title: str
+    verdicts: list[Verdict] = field(default_factory=list)
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[Any] = field(default_factory=list)  # DataFrames
+    details: list[tuple[str, Any]] = field(default_factory=list)  # (caption, full DataFrame), collapsed
+    figures: list[Path] = field(default_factory=list)
 
 
 def combine(statuses: Iterable[Status]) -> Status:
@@ -137,10 +152,6 @@ def fmt(x: object, digits: int = 3) -> str:
     return str(x)
 
 
-def compare(a: float, b: float, better: str = "lower") -> str:
-    """'lower', 'higher' or 'equal' for a against b, from the numbers."""
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return "not comparable"
-    if a == b:
-        return "equal"
-    return "lower" if a < b else "higher"
+def few(items: list[str], k: int = 6) -> str:
+    """At most k items, then how many more."""
+    return "; ".join(items[:k]) + (f"; … ({len(items) - k} more in the table)" if len(items) > k else "")

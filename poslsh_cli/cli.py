@@ -1,32 +1,36 @@
 """The ``poslsh`` command line: Typer owns the command line, Hydra owns configuration.
 
-Every experiment command takes trailing ``key=value`` Hydra overrides (lists as ``key=[a,b]``
-sweep inside one run). ``-m`` turns comma-separated values (``s=8,16``) into a Hydra multirun,
-so the same command runs jobs one after another (basic launcher), in parallel
+One command per registered experiment (:mod:`poslsh_cli.registry`), plus ``plot``, ``report``
+and ``reproduce``. Every experiment command takes trailing ``key=value`` Hydra overrides (lists
+as ``key=[a,b]`` sweep inside one run). ``-m`` turns comma-separated values (``s=8,16``) into a
+Hydra multirun, so the same command runs jobs one after another (basic launcher), in parallel
 (``hydra/launcher=joblib``) or as a SLURM array (``hydra/launcher=submitit_slurm``).
 
-Flow: argv -> overrides checked and composed for every job (so bad input fails before anything
-is written) -> ``hydra.main`` task -> typed config -> pure experiment functions -> run directory.
+Flow: argv -> overrides parsed and every job composed and validated into a frozen spec (so bad
+input fails before anything is written) -> ``hydra.main`` task -> the same validation -> runner
+-> run directory. Errors are raised below this module and turned into one line here.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 
-from poslsh_cli import __version__
-from poslsh_cli.config import SCHEMAS, ConfigError, config_name, key_help, register_schemas, validate
+from poslsh_cli import __version__, models, registry
+from poslsh_cli.config import CONF_DIR, ConfigError, build_spec, key_help
+from poslsh_cli.experiment import Experiment
 
 app = typer.Typer(
     name="poslsh",
-    help="Reproduce, measure and extend Positional LSH (Wolfson & Wagner, 2026): ALiBi's bias "
-         "exp(-|i-j|/sigma) as the mean of random block-diagonal masks.\n\n"
-         "Experiment commands take KEY=VALUE overrides (lists: key=\\[a,b]); -m runs a Hydra multirun "
-         "over comma-separated values. Results go to runs/<command>/<timestamp>/ or out=DIR; "
-         "re-running with the same out= resumes.",
+    help="Reproduce, measure and extend Positional LSH (Wolfson & Wagner, 2026): ALiBi's bias exp(-|i-j|/sigma) "
+         "as the mean of random block-diagonal masks.\n\n"
+         "Experiment commands take KEY=VALUE overrides (lists: key=\\[a,b]); experiment=NAME applies a preset; "
+         "-m runs a Hydra multirun over comma-separated values. Results go to runs/<command>/<timestamp>/ or "
+         "out=DIR; running again with the same out= resumes.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
@@ -35,6 +39,10 @@ app = typer.Typer(
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 _HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra", "~hydra")
+#: launcher -> (Python module of its plugin, what else it needs)
+LAUNCHERS = {"basic": (None, None), "joblib": ("hydra_plugins.hydra_joblib_launcher", None),
+             "submitit_local": ("hydra_plugins.hydra_submitit_launcher", None),
+             "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "sbatch")}
 
 
 def _version(value: bool) -> None:
@@ -49,15 +57,6 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
     """poslsh: Positional-LSH experiment runner."""
 
 
-def _epilog(command: str) -> str:
-    lines = ["[b]Keys[/b] (KEY=VALUE, defaults from conf/" + config_name(command) + ".yaml):\n\n"]
-    from rich.markup import escape
-
-    for key, default, text in key_help(command):
-        lines.append(f"  [cyan]{key}[/cyan]={escape(default)}  {escape(text)}\n\n")
-    return "".join(lines)
-
-
 def fail(command: str, message: str, code: int = 2) -> None:
     """One clear line on stderr, then exit non-zero."""
     first = " ".join(str(message).strip().splitlines()[:1]) or type(message).__name__
@@ -67,32 +66,69 @@ def fail(command: str, message: str, code: int = 2) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# help text
+
+
+def _paragraphs(text: str) -> str:
+    """Reflow a docstring: lines of a paragraph joined, so the terminal wraps whole sentences."""
+    paras = [" ".join(line.strip() for line in p.splitlines()) for p in text.strip().split("\n\n")]
+    return "\n\n".join(p for p in paras if p)
+
+
+def _yaml_defaults(exp: Experiment) -> dict:
+    """Defaults as written in conf/<command>.yaml, config groups by their chosen name."""
+    import yaml
+
+    data = yaml.safe_load((CONF_DIR / f"{exp.config_name}.yaml").read_text()) or {}
+    for entry in data.pop("defaults", []) or []:
+        if isinstance(entry, dict):
+            for group, name in entry.items():
+                if group in exp.groups:
+                    data[group] = {"name": name}
+    return data
+
+
+def _epilog(exp: Experiment) -> str:
+    from rich.markup import escape
+
+    lines = [f"[b]Keys[/b] (KEY=VALUE, defaults from conf/{exp.config_name}.yaml):\n\n"]
+    for k, default, text in key_help(exp.spec, _yaml_defaults(exp)):
+        if k in exp.groups and k == "model":
+            text = models.help_text()
+        lines.append(f"  [cyan]{k}[/cyan]={escape(default)}  {escape(text)}\n\n")
+    presets = registry.preset_names(exp)
+    if presets:
+        lines.append(f"  [cyan]experiment[/cyan]=NAME  a preset from conf/experiment/: {escape(', '.join(presets))}\n\n")
+    lines.append("  [cyan]hydra/launcher[/cyan]=NAME  with -m: basic (default), joblib (parallel on this machine), "
+                 "submitit_local or submitit_slurm (SLURM array); the last three need pip install -e \".\\[launchers]\"\n\n")
+    return "".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # overrides -> jobs -> hydra.main
 
 
-def _parse(command: str, overrides: list[str], multirun: bool) -> list[list[str]]:
+def _parse(exp: Experiment, overrides: list[str], multirun: bool) -> list[list[str]]:
     """Check overrides and expand them into one list per job (one job unless ``-m``)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    known = {f for f in SCHEMAS[command].__dataclass_fields__}
-    overrides = _model_shorthand(command, overrides)
     for o in overrides:
         if o.startswith("-"):
-            raise ConfigError(f"unknown option {o!r} (see poslsh {command} --help)")
+            raise ConfigError(f"unknown option {o!r} (see poslsh {exp.name} --help)")
         if "=" not in o:
-            raise ConfigError(f"expected KEY=VALUE, got {o!r} (see poslsh {command} --help)")
+            raise ConfigError(f"expected KEY=VALUE, got {o!r} (see poslsh {exp.name} --help)")
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
         raise ConfigError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from None
     for p in parsed:
         key = p.key_or_group
+        if key == "hydra/launcher":
+            _check_launcher(str(p.value()), multirun)
         if key.startswith(_HYDRA_PREFIXES) or key == "hydra":
             continue
-        if key.split(".")[0] not in known and key != "experiment":
-            raise ConfigError(f"unknown key {key!r} for {command}; known keys: {', '.join(sorted(known))}")
         if p.is_sweep_override():
             if not multirun:
                 raise ConfigError(f"{p.input_line!r} is a sweep: add -m for a Hydra multirun, "
@@ -108,34 +144,21 @@ def _parse(command: str, overrides: list[str], multirun: bool) -> list[list[str]
         raise ConfigError(str(exc).splitlines()[0]) from None
 
 
-def _model_shorthand(command: str, overrides: list[str]) -> list[str]:
-    """``model=/path/to/checkpoint`` means the ``custom`` preset with that path."""
-    from poslsh_cli.config import MODEL_PRESETS
+def _check_launcher(name: str, multirun: bool) -> None:
+    """One line for a launcher that cannot run here, before Hydra prints its own pages."""
+    import importlib.util
+    import shutil
 
-    if command != "output-error":
-        return overrides
-    out = []
-    for o in overrides:
-        if o.startswith("model=") and o[6:] not in MODEL_PRESETS:
-            out += ["model=custom", f"model.path={o[6:]}"]
-        else:
-            out.append(o)
-    return out
-
-
-def _compose(command: str, overrides: list[str]) -> Any:
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    register_schemas()
-    try:
-        with initialize_config_module("poslsh_cli.conf", version_base="1.3"):
-            return compose(config_name=config_name(command), overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        cause = exc.__cause__ or exc
-        text = " ".join(str(cause).split("\n")[0:1])
-        raise ConfigError(f"bad value: {text}") from None
+    if name not in LAUNCHERS:
+        raise ConfigError(f"unknown launcher {name!r} (choose from {', '.join(LAUNCHERS)})")
+    if not multirun:
+        raise ConfigError(f"hydra/launcher={name} applies to a multirun: add -m")
+    module, program = LAUNCHERS[name]
+    if module and importlib.util.find_spec(module) is None:
+        raise ConfigError(f"hydra/launcher={name} needs the launcher plugins: pip install -e \".[launchers]\"")
+    if program and shutil.which(program) is None:
+        raise ConfigError(f"hydra/launcher={name} needs SLURM ({program} is not on PATH); "
+                          "hydra/launcher=submitit_local runs the same code path on this machine")
 
 
 def _out_of(job: list[str]) -> Optional[str]:
@@ -146,34 +169,35 @@ def _out_of(job: list[str]) -> Optional[str]:
     return None
 
 
-def launch(command: str, args: list[str], multirun: bool) -> None:
-    """Validate everything, then run ``command`` through ``hydra.main``."""
+def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
+    """Validate every job, then run ``exp`` through ``hydra.main``."""
+    from poslsh_cli.rundir import check_writable, timestamp
+
+    args = models.shorthand(list(args)) if "model" in exp.groups else list(args)
     try:
-        jobs = _parse(command, list(args), multirun)
-        out = _out_of(jobs[0]) or str(Path("runs") / command / _timestamp())
+        jobs = _parse(exp, args, multirun)
+        out = _out_of(jobs[0]) or str(Path("runs") / exp.name / timestamp())
         out = str(Path(out).expanduser().resolve())
         for job in jobs:
             job = [o for o in job if not o.startswith("out=")] + [f"out={out}"]
-            validate(command, _compose(command, job))
-        from poslsh_cli.rundir import check_writable
-
+            registry.compose_spec(exp, job)
         check_writable(Path(out))
     except ConfigError as exc:
-        fail(command, str(exc))
+        fail(exp.name, str(exc))
         return
-    args = _model_shorthand(command, list(args))
     hydra_args = [a for a in args if a.startswith(_HYDRA_PREFIXES)]
     user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
-    argv = [f"poslsh {command}"] + user_args + [f"out={out}"] + [
+    argv = [f"poslsh {exp.name}"] + user_args + [f"out={out}"] + [
         "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     if multirun:
         argv = argv[:1] + ["--multirun"] + argv[1:] + [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}"]
     else:
         argv += [f"hydra.run.dir={out}", "hydra/hydra_logging=disabled"]
     argv += hydra_args
+    replay = " ".join(["poslsh", exp.name] + (["-m"] if multirun else []) + list(args))
     existed = Path(out).exists()
     try:
-        _run_hydra(command, argv, " ".join(["poslsh", command] + list(args)), multirun)
+        _run_hydra(exp, argv, replay, multirun)
     finally:
         if not existed:
             _remove_if_no_run(Path(out))
@@ -188,31 +212,54 @@ def _remove_if_no_run(out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _timestamp() -> str:
-    from poslsh_cli.rundir import timestamp
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (a cancelled job, a preempted SLURM task) stops like Ctrl-C: finished cells stay.
+    Installed in the task itself, so it holds wherever Hydra runs the task."""
+    def _term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
 
-    return timestamp()
+    try:
+        signal.signal(signal.SIGTERM, _term)
+    except ValueError:  # not the main thread
+        pass
 
 
-def _run_hydra(command: str, argv: list[str], user_argv: str, multirun: bool) -> None:
+def _config_text(cfg: Any) -> str:
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data.pop("hydra", None)
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
+def _run_hydra(exp: Experiment, argv: list[str], replay: str, multirun: bool) -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    register_schemas()
+    from poslsh_cli.runner import RunFailed, execute
+
+    registry.register_all_schemas()
 
     def task(cfg: Any) -> None:
-        from poslsh_cli.runner import execute
-
+        _terminate_as_interrupt()
         run_dir = Path(cfg.out)
         if multirun:
             run_dir = run_dir / str(HydraConfig.get().job.num)
-        execute(command, cfg, run_dir, user_argv)
+        try:
+            rc = execute(exp, build_spec(exp.spec, cfg), run_dir, replay, _config_text(cfg))
+        except ConfigError as exc:
+            fail(exp.name, str(exc))
+        except RunFailed as exc:
+            if os.environ.get("POSLSH_DEBUG"):
+                raise
+            fail(exp.name, f"{exc} (set POSLSH_DEBUG=1 for a traceback)", code=1)
+        if rc:
+            raise SystemExit(rc)
 
     saved = sys.argv
     sys.argv = argv
     try:
-        hydra.main(config_path="pkg://poslsh_cli.conf", config_name=config_name(command),
-                   version_base="1.3")(task)()
+        hydra.main(config_path="pkg://poslsh_cli.conf", config_name=exp.config_name, version_base="1.3")(task)()
     finally:
         sys.argv = saved
 
@@ -222,51 +269,21 @@ def _multirun_opt() -> Any:
                         help="Hydra multirun: one job per combination of comma-separated values.")
 
 
-@app.command("sample", context_settings=_EXTRA, epilog=_epilog("sample"))
-def sample_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
-    """Draw positional-LSH partitions; write masks.npz (bins, widths, shifts) and a block table.
+def _experiment_command(exp: Experiment) -> Callable[..., None]:
+    def command(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
+        launch(exp, ctx.args, multirun)
 
-    `poslsh sample n=N sigma=SIGMA s=S seed=SEED` regenerates exactly the masks behind any
-    results row with that seed.
-    """
-    launch("sample", ctx.args, multirun)
-
-
-@app.command("matrix-error", context_settings=_EXTRA, epilog=_epilog("matrix-error"))
-def matrix_error_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
-    """Spectral and max-norm error of the mean of s masks against L* = exp(-|i-j|/sigma).
-
-    One row per (n, sigma, s, trial) and method. method=fast never builds an n x n matrix:
-    O(n) matvecs, Lanczos for ||L*-M~||_2, the band argument for the max norm.
-    """
-    launch("matrix-error", ctx.args, multirun)
+    command.__name__ = exp.config_name
+    command.__doc__ = _paragraphs(exp.help)
+    return command
 
 
-@app.command("block-stats", context_settings=_EXTRA, epilog=_epilog("block-stats"))
-def block_stats_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
-    """Realised block sizes: b_max against the exact law and sigma*loglog(n); block histograms."""
-    launch("block-stats", ctx.args, multirun)
+for _exp in registry.experiments().values():
+    app.command(_exp.name, context_settings=_EXTRA, epilog=_epilog(_exp))(_experiment_command(_exp))
 
 
-@app.command("output-error", context_settings=_EXTRA, epilog=_epilog("output-error"))
-def output_error_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
-    """Positional-LSH attention against exact ALiBi on a model's own q, k, v.
-
-    Captures each layer's query/key/value (after RoPE and q/k norms, GQA expanded) from a local
-    checkpoint, then measures ||T* - T~||_F / ||T*||_F per head for each s, with the no-bias,
-    fixed-block and windowed-ALiBi baselines. Default: the shipped all-MiniLM-L6-v2, n=512.
-    """
-    launch("output-error", ctx.args, multirun)
-
-
-@app.command("bench", context_settings=_EXTRA, epilog=_epilog("bench"))
-def bench_cmd(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
-    """Time exact ALiBi, windowed ALiBi, fixed blocks and Positional LSH side by side.
-
-    Random inputs, one sigma per head (standard slopes). Reports median seconds, peak memory,
-    useful GFLOP/s and relative error against exact, per (n, causal, method, s or window).
-    """
-    launch("bench", ctx.args, multirun)
+# ---------------------------------------------------------------------------------------------
+# commands over run directories
 
 
 @app.command("report")
@@ -290,8 +307,6 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
 
 
 def _common_parent(paths: list[Path]) -> Path:
-    import os
-
     if len(paths) == 1:
         return paths[0]
     return Path(os.path.commonpath([str(p.resolve()) for p in paths]))
@@ -303,7 +318,7 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
     from poslsh_cli.reproduce import main as reproduce_main
 
-    if scale not in ("paper", "quick"):
+    if scale not in registry.SCALES:
         fail("reproduce", f"scale must be paper or quick, got {scale!r}")
     raise SystemExit(reproduce_main(scale, runs))
 
@@ -316,26 +331,21 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
     from poslsh_cli.rundir import find_runs
 
     try:
-        runs = find_runs(run_dirs)
-        for run in runs:
-            paths = plotting.plot_run(run)
-            for p in paths:
+        for run in find_runs(run_dirs):
+            for p in plotting.plot_run(run, registry.experiments()):
                 typer.echo(str(p))
     except ConfigError as exc:
         fail("plot", str(exc))
 
 
 def run() -> None:
-    """Console-script entry point; SIGTERM is handled like Ctrl-C (finished cells are kept)."""
-    def _term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        signal.signal(signal.SIGTERM, _term)
-    except ValueError:  # not the main thread
-        pass
+    """Console-script entry point."""
+    _terminate_as_interrupt()
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
     run()
+
+
+__all__ = ["app", "run", "launch", "fail"]

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+from typing import TYPE_CHECKING, Any
 
-from poslsh_cli.operators import LaplacianKernel, MeanMask
+import numpy as np
+
+if TYPE_CHECKING:  # scipy and the operators load on first use: the CLI starts without them
+    from poslsh_cli.operators import LaplacianKernel, MeanMask
 
 #: Default ARPACK tolerance for ``||L* - M~||_2``: the Ritz residual is below ``tol * |theta|``,
 #: so theta is within a relative ``tol`` of an eigenvalue of ``L* - M~`` (in practice the value
@@ -50,6 +52,8 @@ def spectral_error_fast(
     bound); ``tol`` in the result is the tolerance actually met and ``converged`` says whether
     it is the one asked for.
     """
+    from scipy.sparse.linalg import LinearOperator
+
     n = kernel.seq_len
     count = [0]
 
@@ -83,8 +87,10 @@ def lanczos_restarts(n: int) -> int:
     return int(min(2000, max(100, 2**23 // n)))
 
 
-def _extreme(op: LinearOperator, which: str, v0: np.ndarray, tol: float) -> tuple[float, float]:
+def _extreme(op: Any, which: str, v0: np.ndarray, tol: float) -> tuple[float, float]:
     """One end of the spectrum and the ARPACK tolerance it met (inf: LOBPCG lower bound)."""
+    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
+
     n = op.shape[0]
     for attempt_tol in (tol, max(tol, 1e-3)):
         try:
@@ -96,7 +102,7 @@ def _extreme(op: LinearOperator, which: str, v0: np.ndarray, tol: float) -> tupl
     return _lobpcg_end(op, v0, which == "LA", tol), float("inf")
 
 
-def _lobpcg_end(op: LinearOperator, v0: np.ndarray, largest: bool, tol: float) -> float:
+def _lobpcg_end(op: Any, v0: np.ndarray, largest: bool, tol: float) -> float:
     import warnings
 
     from scipy.sparse.linalg import lobpcg

@@ -1,53 +1,39 @@
 """Run every experiment of the paper at one scale, then the plots and the report.
 
-Each experiment runs as ``poslsh <command> experiment=<preset>_<scale> out=<root>/<scale>/<name>``
-in a child process, so a fixed run directory resumes after an interruption. The large-model
-presets run only where their checkpoint is found ($POSLSH_MODELS/<dir> or model.path) and a GPU
-is present; the report says which were skipped and why.
+The list is the registry's: for every experiment, each of its presets in order, run as
+``poslsh <command> experiment=<preset>_<scale> out=<root>/<scale>/<preset>`` in a child process,
+so a fixed run directory resumes after an interruption. A preset that cannot run here (its
+experiment's ``skip_reason``: no checkpoint, a large model without a GPU) is skipped, and the
+reason is kept in its run directory (``skipped.json``) so any later report says so.
 """
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-#: (run name, command, preset stem): the evidence of the paper's summary, in report order
-EXPERIMENTS = [
-    ("matrix_error", "matrix-error", "matrix_error"),
-    ("matrix_dense_check", "matrix-error", "matrix_dense_check"),
-    ("block_stats", "block-stats", "block_stats"),
-    ("block_stats_loglog", "block-stats", "block_stats_loglog"),
-    ("output_error_minilm", "output-error", "output_error_minilm"),
-    ("output_error_qwen3_0_6b", "output-error", "output_error_qwen3_0_6b"),
-    ("output_error_mistral_7b", "output-error", "output_error_mistral_7b"),
-    ("output_error_llama_4_scout", "output-error", "output_error_llama_4_scout"),
-    ("bench", "bench", "bench"),
-]
-LARGE = {"output_error_qwen3_0_6b": "Qwen3-0.6B", "output_error_mistral_7b": "Mistral-7B-v0.1",
-         "output_error_llama_4_scout": "Llama-4-Scout-17B-16E"}
+from poslsh_cli import registry
+from poslsh_cli.config import ConfigError
 
 
-def _skip_reason(name: str) -> str | None:
-    if name not in LARGE:
+def plan(scale: str) -> list[tuple[str, str, str]]:
+    """(run name, command, preset) for every preset of every experiment, in report order."""
+    return [(stem, exp.name, f"{stem}_{scale}") for exp in registry.experiments().values() for stem in exp.presets
+            if f"{stem}_{scale}" in registry.preset_names(exp)]
+
+
+def skip_reason(command: str, preset: str) -> str | None:
+    """Why a preset cannot run on this machine (from its composed spec), or None."""
+    exp = registry.get(command)
+    if exp.skip_reason is None:
         return None
-    root = os.environ.get("POSLSH_MODELS")
-    if not root:
-        return "POSLSH_MODELS is not set (no checkpoint directory)"
-    path = Path(root) / LARGE[name]
-    if not (path / "config.json").exists():
-        return f"no checkpoint at {path}"
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return "no CUDA GPU (a large model on this CPU would take hours)"
-    except ImportError:
-        return "torch missing"
-    return None
+        return exp.skip_reason(registry.compose_spec(exp, [f"experiment={preset}"]))
+    except ConfigError as exc:
+        return f"the preset does not compose: {exc}"
 
 
 def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) -> None:
@@ -81,16 +67,16 @@ def main(scale: str, root: Path) -> int:
     failed, done = [], []
     started = _dt.datetime.now().isoformat(timespec="seconds")
     t0 = time.time()
-    for name, command, preset in EXPERIMENTS:
+    for name, command, preset in plan(scale):
         out = root / name
-        reason = _skip_reason(name)
+        reason = skip_reason(command, preset)
         if reason:
-            _mark_skipped(out, name, command, f"{preset}_{scale}", reason)
+            _mark_skipped(out, name, command, preset, reason)
             print(f"== skipped {name}: {reason}", flush=True)
             continue
         (out / "skipped.json").unlink(missing_ok=True)
-        print(f"== {name}: poslsh {command} experiment={preset}_{scale} out={out}", flush=True)
-        cmd = [sys.executable, "-m", "poslsh_cli", command, f"experiment={preset}_{scale}", f"out={out}"]
+        print(f"== {name}: poslsh {command} experiment={preset} out={out}", flush=True)
+        cmd = [sys.executable, "-m", "poslsh_cli", command, f"experiment={preset}", f"out={out}"]
         child = subprocess.Popen(cmd)
         try:
             rc = child.wait()

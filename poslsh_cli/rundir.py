@@ -7,10 +7,13 @@ Layout of ``runs/<command>/<timestamp>/`` (or ``out=DIR``)::
     cells/          one JSON file per finished cell, written atomically (tmp + rename)
     results.csv     every finished cell's rows, in grid order; rewritten atomically per cell
     <aux>.csv       extra tables some experiments keep (e.g. block_lengths.csv)
+    work/<cell>/    a long cell's own directory (training): an append-only metrics.csv and
+                    checkpoints/step-NNNNNNNN/, so the cell itself resumes from its last step
     figures/        written by ``poslsh plot``
 
 A cell is one parameter combination and trial. A run killed at any point leaves only whole
-cells behind; started again with the same ``out=`` it computes only the missing ones.
+cells behind (and, inside a long cell, whole checkpoints); started again with the same
+``out=`` it computes only the missing cells and continues a started one from its checkpoint.
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from poslsh_cli.config import ConfigError
 
@@ -195,6 +198,11 @@ class RunDir:
             self.meta["wall_seconds"] = round(self._wall0 + (_dt.datetime.now() - self._t0).total_seconds(), 3)
         atomic_write_text(self.path / "meta.json", json.dumps(self.meta, indent=2, default=_jsonable) + "\n")
 
+    def work(self, key: dict[str, Any], progress: Callable[[int, int, str], None] | None = None) -> CellWork:
+        """The working directory of one cell (see :class:`CellWork`)."""
+        path = self.path / "work" / work_name(key)
+        return CellWork(path, progress) if progress is not None else CellWork(path)
+
     def done_ids(self) -> set[str]:
         if not self.cells_dir.exists():
             return set()
@@ -238,6 +246,125 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+class MetricsLog:
+    """An append-only CSV log (one row per training step or event) that survives being killed.
+
+    ``append`` writes one whole line and flushes it to disk; a line cut short by a kill is
+    dropped when the log is opened again. The header is fixed by the first row written (later
+    rows may leave columns empty). ``truncate_after(column, value)`` keeps only rows with
+    ``row[column] <= value``: on resume from a checkpoint the steps after it are recomputed,
+    so the log never holds a step twice.
+    """
+
+    def __init__(self, path: Path, columns: list[str]):
+        self.path = Path(path)
+        self.columns = list(columns)
+        self._drop_partial_line()
+
+    def _drop_partial_line(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            atomic_write_bytes(self.path, data[: data.rfind(b"\n") + 1])
+
+    def append(self, row: dict[str, Any]) -> None:
+        import csv
+        import io
+
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="raise", lineterminator="\n")
+        if new:
+            w.writeheader()
+        w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(buf.getvalue())
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def frame(self) -> Any:
+        import pandas as pd
+
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return pd.DataFrame(columns=self.columns)
+        return pd.read_csv(self.path)
+
+    def truncate_after(self, column: str, value: float) -> None:
+        df = self.frame()
+        if len(df) and (df[column] > value).any():
+            atomic_write_text(self.path, df[df[column] <= value].to_csv(index=False))
+
+
+class Checkpoints:
+    """Step checkpoints ``<root>/step-NNNNNNNN/``: each is written into a temporary directory and
+    renamed into place, so a kill during a save leaves the previous checkpoint as the latest."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @staticmethod
+    def name(step: int) -> str:
+        return f"step-{int(step):08d}"
+
+    def save(self, step: int, write: Callable[[Path], None], keep: int | None = None) -> Path:
+        """``write(tmp_dir)`` fills the checkpoint; then it becomes ``step-NNNNNNNN``. With ``keep``,
+        older checkpoints beyond the newest ``keep`` are removed."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / self.name(step)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self.root))
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o777 & ~_umask())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if keep is not None:
+            for _, old in self.all()[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def all(self) -> list[tuple[int, Path]]:
+        if not self.root.exists():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
+                out.append((int(p.name[5:]), p))
+        return sorted(out)
+
+    def latest(self) -> tuple[int, Path] | None:
+        found = self.all()
+        return found[-1] if found else None
+
+
+def work_name(key: dict[str, Any]) -> str:
+    """A readable directory name for a cell: ``position=poslsh_s=10_seed=0``."""
+    import re
+
+    text = "_".join(f"{k}={v}" for k, v in key.items())
+    return re.sub(r"[^A-Za-z0-9=.,+-]+", "_", text)[:120] + "-" + cell_id(key)[:6]
+
+
+@dataclass(frozen=True)
+class CellWork:
+    """A cell's own working directory ``<run>/work/<cell>/`` (created on first use) and a
+    progress callback ``progress(done, total, text)`` the runner shows under its bar."""
+
+    path: Path
+    progress: Callable[[int, int, str], None] = lambda done, total, text: None
+
+    def metrics(self, columns: list[str], name: str = "metrics.csv") -> MetricsLog:
+        return MetricsLog(self.path / name, columns)
+
+    def checkpoints(self) -> Checkpoints:
+        return Checkpoints(self.path / "checkpoints")
+
+
 def _strip_out(yaml_text: str) -> str:
     return "\n".join(line for line in yaml_text.splitlines() if not line.startswith("out:"))
 
@@ -274,5 +401,5 @@ def find_runs(paths: Iterable[Path]) -> list[Path]:
     return out
 
 
-__all__ = ["RunDir", "atomic_write_text", "atomic_write_bytes", "check_writable", "timestamp",
-           "load_run", "find_runs", "cell_id"]
+__all__ = ["RunDir", "MetricsLog", "Checkpoints", "CellWork", "atomic_write_text", "atomic_write_bytes",
+           "check_writable", "timestamp", "load_run", "find_runs", "cell_id", "work_name"]

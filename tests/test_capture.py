@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from poslsh_cli.attention import reference_attention
-from poslsh_cli.capture import (builtin_text, capture_qkv, check_checkpoint, load, minilm_path, read_text,
-                                tokenize)
+from poslsh_cli.capture import builtin_text, capture_qkv, check_checkpoint, load, read_text, tokenize
 from poslsh_cli.config import ConfigError
+from poslsh_cli.models import minilm_path
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"]
 

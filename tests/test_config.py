@@ -1,72 +1,105 @@
-"""Every preset in conf/ composes and validates; the schemas refuse unknown keys."""
-from pathlib import Path
+"""Configuration: every command composes and validates from the registry; the one validation
+turns values into concrete types with one-line messages; every preset belongs to one command."""
+from dataclasses import FrozenInstanceError
 
 import pytest
 
-from poslsh_cli.cli import _compose
-from poslsh_cli.config import CONF_DIR, SCHEMAS, ConfigError, config_name, validate
+from poslsh_cli import registry
+from poslsh_cli.config import CONF_DIR, ConfigError
+
+COMMANDS = sorted(registry.experiments())
 
 
-@pytest.mark.parametrize("command", sorted(SCHEMAS))
-def test_default_config_composes_and_validates(command):
-    assert (CONF_DIR / f"{config_name(command)}.yaml").exists()
-    cfg = validate(command, _compose(command, []))
-    assert cfg.seed == 0
+def spec_of(command, overrides=()):
+    return registry.compose_spec(registry.get(command), list(overrides))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_default_config_composes_into_a_frozen_spec(command):
+    exp = registry.get(command)
+    assert (CONF_DIR / f"{exp.config_name}.yaml").exists()
+    spec = spec_of(command)
+    assert spec.seed == 0 and isinstance(spec, exp.spec)
+    with pytest.raises(FrozenInstanceError):
+        spec.seed = 1
 
 
 def test_conf_dir_is_inside_the_package():
+    from pathlib import Path
+
     import poslsh_cli
 
     assert Path(poslsh_cli.__file__).parent / "conf" == CONF_DIR
 
 
-def test_scalars_become_lists():
-    cfg = validate("matrix-error", _compose("matrix-error", ["n=64", "sigma=2", "s=3"]))
-    assert cfg.n == (64,) and cfg.sigma == (2.0,) and cfg.s == (3,)
+def test_values_become_concrete_types():
+    from poslsh_cli.experiments.bench import BenchMethod
+    from poslsh_cli.experiments.matrix_error import Method
+
+    cfg = spec_of("matrix-error", ["n=64", "sigma=2", "s=3", "method=both"])
+    assert cfg.n == (64,) and cfg.sigma == (2.0,) and cfg.s == (3,) and cfg.method is Method.BOTH
+    b = spec_of("bench", ["causal=true", "methods=[exact,poslsh]"])
+    assert b.causal == (True,) and b.methods == (BenchMethod.EXACT, BenchMethod.POSLSH)
+    o = spec_of("output-error", ["layers=[3,1]", "causal=false", "baselines=[]"])
+    assert o.layers == (3, 1) and o.causal is False and o.baselines == ()
+    assert spec_of("output-error").layers == "all" and spec_of("output-error").causal == "auto"
 
 
-def test_unknown_key_refused_by_schema():
-    with pytest.raises(ConfigError):
-        _compose("matrix-error", ["nope=1"])
-
-
-def test_non_integer_n_refused():
-    with pytest.raises(ConfigError, match="n must be an integer"):
-        validate("matrix-error", _compose("matrix-error", ["n=[1.5]"]))
-
-
-def _command_of(preset: str) -> str:
-    for prefix, command in (("matrix_", "matrix-error"), ("block_stats", "block-stats"),
-                            ("output_error", "output-error"), ("bench", "bench")):
-        if preset.startswith(prefix):
-            return command
-    raise AssertionError(f"preset {preset} has no command")
+@pytest.mark.parametrize("command,overrides,needle", [
+    ("matrix-error", ["nope=1"], "unknown key"),
+    ("matrix-error", ["n=[1.5]"], "n must be an integer, got 1.5"),
+    ("matrix-error", ["n=[]"], "n must not be empty"),
+    ("bench", ["causal=[maybe]"], "causal must be true or false, got 'maybe'"),
+    ("output-error", ["causal=maybe"], "causal must be auto, true or false, got 'maybe'"),
+    ("output-error", ["layers=[-1]"], "layers must be >= 0, got -1"),
+    ("output-error", ["model.path=[1]"], "model.path must be a string"),
+    ("output-error", ["model=nope"], "Could not find 'model/nope'"),
+    ("sample", ["heads=0"], "heads must be >= 1"),
+])
+def test_bad_values_are_refused_with_one_message(command, overrides, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        spec_of(command, overrides)
+    assert needle in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
-def test_every_experiment_preset_composes_and_validates(preset):
-    command = _command_of(preset)
-    cfg = validate(command, _compose(command, [f"experiment={preset}"]))
-    assert cfg.seed == 0
+def test_every_preset_belongs_to_one_command_and_validates(preset):
+    exp = registry.owner_of_preset(preset)
+    assert preset in registry.preset_names(exp)
+    assert spec_of(exp.name, [f"experiment={preset}"]).seed == 0
 
 
-def test_every_experiment_has_quick_and_paper_scale():
-    stems = {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")}
-    bases = {s.rsplit("_", 1)[0] for s in stems}
-    for base in bases:
-        assert {f"{base}_quick", f"{base}_paper"} <= stems, base
+def test_every_preset_has_quick_and_paper_scale():
+    for exp in registry.experiments().values():
+        for stem in exp.presets:
+            for scale in registry.SCALES:
+                assert (CONF_DIR / "experiment" / f"{stem}_{scale}.yaml").exists(), (exp.name, stem, scale)
 
 
-def test_reproduce_list_points_at_existing_presets():
-    from poslsh_cli.reproduce import EXPERIMENTS
+def test_reproduce_plan_covers_every_preset():
+    from poslsh_cli.reproduce import plan
 
-    for _, command, preset in EXPERIMENTS:
-        for scale in ("quick", "paper"):
-            assert (CONF_DIR / "experiment" / f"{preset}_{scale}.yaml").exists()
-            assert _command_of(f"{preset}_{scale}") == command
+    for scale in registry.SCALES:
+        planned = {preset for _, _, preset in plan(scale)}
+        files = {p.stem for p in (CONF_DIR / "experiment").glob(f"*_{scale}.yaml")}
+        assert planned == files
 
 
-@pytest.mark.parametrize("preset", ["output_error_qwen3_0_6b_paper", "output_error_minilm_quick"])
-def test_model_presets_select_their_checkpoint(preset):
-    cfg = validate("output-error", _compose("output-error", [f"experiment={preset}"]))
-    assert cfg.model.name in ("qwen3-0.6b", "minilm")
+@pytest.mark.parametrize("preset,name", [("output_error_qwen3_0_6b_paper", "qwen3-0.6b"),
+                                         ("output_error_minilm_quick", "minilm")])
+def test_model_presets_select_their_checkpoint(preset, name):
+    spec = spec_of("output-error", [f"experiment={preset}"])
+    assert spec.model.name == name and spec.model.gpu == (name != "minilm")
+
+
+def test_model_references_resolve_in_one_place(tmp_path, monkeypatch):
+    from poslsh_cli import models
+
+    monkeypatch.setenv("POSLSH_MODELS", str(tmp_path))
+    spec = spec_of("output-error", ["model=qwen3-0.6b"])
+    assert models.resolve(spec.model) == tmp_path / "Qwen3-0.6B"
+    assert models.unavailable(spec.model).startswith("no checkpoint at")
+    assert models.shorthand(["model=/x/y", "n=3"]) == ["model=custom", "model.path=/x/y", "n=3"]
+    monkeypatch.delenv("POSLSH_MODELS")
+    with pytest.raises(ConfigError, match=r"has no path: set model.path=DIR or POSLSH_MODELS \(looked for"):
+        models.resolve(spec.model)

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from poslsh_cli import report
+from poslsh_cli import registry
 from poslsh_cli.claims import Status
 from poslsh_cli.cli import app
 
@@ -48,21 +48,21 @@ def matrix_table(exponent, noise, s=(8, 16, 32, 64, 128), trials=3, seed=0, conv
 
 
 def test_decay_verdicts_pass_fail_inconclusive_and_no_data():
-    sec = report.section_matrix_error(RUN, matrix_table(-0.5, 0.03))
+    sec = registry.get('matrix-error').report(RUN, matrix_table(-0.5, 0.03))
     assert status_of(sec, "spectral error decays") is Status.SUPPORTED
-    sec = report.section_matrix_error(RUN, matrix_table(-1.0, 0.03))
+    sec = registry.get('matrix-error').report(RUN, matrix_table(-1.0, 0.03))
     assert status_of(sec, "spectral error decays") is Status.NOT_SUPPORTED
     # flat and noisy: the interval holds -0.5 but also 0, so it says nothing
-    sec = report.section_matrix_error(RUN, matrix_table(0.0, 1.5, s=(8, 16, 32)))
+    sec = registry.get('matrix-error').report(RUN, matrix_table(0.0, 1.5, s=(8, 16, 32)))
     assert status_of(sec, "spectral error decays") is Status.INCONCLUSIVE
-    sec = report.section_matrix_error(RUN, matrix_table(-0.5, 0.03, s=(1, 2, 4)))
+    sec = registry.get('matrix-error').report(RUN, matrix_table(-0.5, 0.03, s=(1, 2, 4)))
     assert status_of(sec, "spectral error decays") is Status.NOT_MEASURED
 
 
 def test_unconverged_rows_are_flagged_and_left_out_of_fits():
     good = matrix_table(-0.5, 0.03)
     bad = matrix_table(3.0, 0.0, converged=False)
-    sec = report.section_matrix_error(RUN, pd.concat([good, bad]))
+    sec = registry.get('matrix-error').report(RUN, pd.concat([good, bad]))
     assert status_of(sec, "spectral error decays") is Status.SUPPORTED
     assert any("did not meet the Lanczos tolerance" in p and str(len(bad)) in p for p in sec.paragraphs)
 
@@ -70,11 +70,11 @@ def test_unconverged_rows_are_flagged_and_left_out_of_fits():
 def test_dense_check_verdict_follows_the_difference():
     fast = matrix_table(-0.5, 0.03, s=(1, 4))
     dense = fast.assign(method="dense")
-    sec = report.section_matrix_error(RUN, pd.concat([fast, dense]))
+    sec = registry.get('matrix-error').report(RUN, pd.concat([fast, dense]))
     assert status_of(sec, "equals the dense") is Status.SUPPORTED
     assert "Fast O(n) path" in sec.title and not any("decays" in v.claim for v in sec.verdicts)
     off = dense.assign(spectral_err=dense.spectral_err * 1.01)
-    sec = report.section_matrix_error(RUN, pd.concat([fast, off]))
+    sec = registry.get('matrix-error').report(RUN, pd.concat([fast, off]))
     assert status_of(sec, "equals the dense") is Status.NOT_SUPPORTED
 
 
@@ -98,23 +98,23 @@ def output_table(poslsh_at_64, baselines=("no_bias", "fixed_block"), exponent=-0
 
 
 def test_baseline_verdicts_need_their_baseline():
-    sec = report.section_output_error(RUN, output_table(0.05))
+    sec = registry.get('output-error').report(RUN, output_table(0.05))
     assert status_of(sec, "no-bias") is Status.SUPPORTED and status_of(sec, "fixed-block") is Status.SUPPORTED
     assert status_of(sec, "falls like") is Status.SUPPORTED
-    sec = report.section_output_error(RUN, output_table(0.5))
+    sec = registry.get('output-error').report(RUN, output_table(0.5))
     assert status_of(sec, "no-bias") is Status.NOT_SUPPORTED
-    sec = report.section_output_error(RUN, output_table(0.05, baselines=()))  # baselines=[]
+    sec = registry.get('output-error').report(RUN, output_table(0.05, baselines=()))  # baselines=[]
     assert status_of(sec, "no-bias") is Status.NOT_MEASURED and status_of(sec, "fixed-block") is Status.NOT_MEASURED
-    sec = report.section_output_error(RUN, output_table(0.05, baselines=("no_bias",)))
+    sec = registry.get('output-error').report(RUN, output_table(0.05, baselines=("no_bias",)))
     assert status_of(sec, "no-bias") is Status.SUPPORTED and status_of(sec, "fixed-block") is Status.NOT_MEASURED
 
 
 def test_windowed_sentence_follows_the_numbers():
     df = output_table(0.05)
     win = df[df.method == "no_bias"].assign(method="windowed", window=8)
-    sec = report.section_output_error(RUN, pd.concat([df, win.assign(rel_fro=0.01)]))
+    sec = registry.get('output-error').report(RUN, pd.concat([df, win.assign(rel_fro=0.01)]))
     assert any("is more accurate than Positional LSH" in p for p in sec.paragraphs)
-    sec = report.section_output_error(RUN, pd.concat([df, win.assign(rel_fro=0.5)]))
+    sec = registry.get('output-error').report(RUN, pd.concat([df, win.assign(rel_fro=0.5)]))
     assert any("is less accurate than Positional LSH" in p for p in sec.paragraphs)
 
 
@@ -140,15 +140,15 @@ def bench_table(power, base=0.0, causal=(False,)):
 
 
 def test_time_verdict_supported_not_supported_and_overhead_dominated():
-    assert status_of(report.section_bench(RUN, bench_table(1.0)), "near-linearly") is Status.SUPPORTED
-    assert status_of(report.section_bench(RUN, bench_table(2.0)), "near-linearly") is Status.NOT_SUPPORTED
+    assert status_of(registry.get('bench').report(RUN, bench_table(1.0)), "near-linearly") is Status.SUPPORTED
+    assert status_of(registry.get('bench').report(RUN, bench_table(2.0)), "near-linearly") is Status.NOT_SUPPORTED
     # a fixed cost of 10 s swamps the growth: a slope near 0 is not evidence of linear time
-    flat = report.section_bench(RUN, bench_table(1.0, base=10.0))
+    flat = registry.get('bench').report(RUN, bench_table(1.0, base=10.0))
     assert status_of(flat, "near-linearly") is Status.INCONCLUSIVE
 
 
 def test_bench_report_groups_by_causal():
-    sec = report.section_bench(RUN, bench_table(1.0, causal=(False, True)))
+    sec = registry.get('bench').report(RUN, bench_table(1.0, causal=(False, True)))
     assert status_of(sec, "near-linearly") is Status.SUPPORTED
     assert any(p.startswith("causal:") for p in sec.paragraphs) and any(p.startswith("bidirectional:") for p in sec.paragraphs)
     assert any("of the end-to-end" in p for p in sec.paragraphs)
@@ -180,9 +180,9 @@ def block_table(grow, c=1.0, trials=5):
 
 def test_loglog_band_verdict():
     claim = "stays bounded"
-    assert status_of(report.section_block_stats(RUN, block_table(grow=False)), claim) is Status.SUPPORTED
-    assert status_of(report.section_block_stats(RUN, block_table(grow=True)), claim) is Status.NOT_SUPPORTED
-    assert status_of(report.section_block_stats(RUN, block_table(grow=False, c=None)), claim) is Status.NOT_MEASURED
+    assert status_of(registry.get('block-stats').report(RUN, block_table(grow=False)), claim) is Status.SUPPORTED
+    assert status_of(registry.get('block-stats').report(RUN, block_table(grow=True)), claim) is Status.NOT_SUPPORTED
+    assert status_of(registry.get('block-stats').report(RUN, block_table(grow=False, c=None)), claim) is Status.NOT_MEASURED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +224,8 @@ def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
     directory), resumes, and a later `poslsh report` on the same root still lists the skip."""
     code = (
         "import sys; import poslsh_cli.reproduce as r;"
-        "r.EXPERIMENTS = [('block_stats','block-stats','block_stats'),"
-        "('output_error_qwen3_0_6b','output-error','output_error_qwen3_0_6b')];"
+        "r.plan = lambda scale: [('block_stats','block-stats','block_stats_quick'),"
+        "('output_error_qwen3_0_6b','output-error','output_error_qwen3_0_6b_quick')];"
         f"sys.exit(r.main('quick', {str(tmp_path)!r}))"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "POSLSH_MODELS"}

@@ -15,24 +15,64 @@ p.v), so ``gflops`` says how well the method uses the hardware, not just how it 
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
-from poslsh_cli.attention import exact_alibi, fixed_block_partitions, poslsh_attention, poslsh_layout
-from poslsh_cli.experiments import resolve_device, synchronize, torch_dtype
-from poslsh_cli.metrics import output_errors
-from poslsh_cli.sampling import alibi_sigmas, derive_seed, sample_partitions
+from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
+from poslsh_cli.config import Spec, key
+from poslsh_cli.experiment import Experiment, check_device, resolve_device, synchronize, torch_dtype
+from poslsh_cli.metrics import fit_loglog_slope
+from poslsh_cli.sampling import derive_seed
 
-COLUMNS = ["method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
-           "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats"]
+COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
+           "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats")
+
+
+class BenchMethod(str, enum.Enum):
+    EXACT = "exact"
+    POSLSH = "poslsh"
+    WINDOWED = "windowed"
+    FIXED_BLOCK = "fixed_block"
+
+
+class Dtype(str, enum.Enum):
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+@dataclass(frozen=True)
+class BenchSpec(Spec):
+    n: tuple[int, ...] = key("sequence lengths (int or list)", [1024, 2048, 4096, 8192, 16384, 32768], ge=2)
+    heads: int = key("number of heads; standard ALiBi slopes give one sigma per head", 8, ge=1)
+    sigma: Optional[float] = key("one sigma for every head instead of the ALiBi slopes", None, gt=0)
+    head_dim: int = key("head dimension d", 64, ge=1)
+    causal: tuple[bool, ...] = key("causal attention (bool or list)", [False])
+    s: tuple[int, ...] = key("Positional-LSH sample counts (each is one method point)", [1, 2, 4, 8, 16, 32], ge=1)
+    window_sigmas: tuple[float, ...] = key("windowed exact ALiBi half-widths w = ceil(c*sigma), one point per c",
+                                           [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], gt=0)
+    methods: tuple[BenchMethod, ...] = key("methods to time: exact, poslsh, windowed, fixed_block",
+                                           list(BenchMethod), noun="method")
+    exact_max_n: int = key("largest n for which exact ALiBi is timed (and rel_fro computed)", 32768, ge=2)
+    dtype: Dtype = key("input and compute dtype", Dtype.FLOAT32)
+    repeats: int = key("timed repeats per point (median reported), after warmup", 3, ge=1)
+    warmup: int = key("untimed calls before timing", 1, ge=0)
+    backward: bool = key("time forward + backward instead of forward only", False)
+    device: str = key("auto (CUDA when present), cpu, cuda, cuda:N", "auto")
+
+    def check(self) -> None:
+        check_device(self.device)
+
 
 @dataclass(frozen=True)
 class BenchRow:
@@ -59,10 +99,10 @@ class BenchRow:
 
 @dataclass
 class Context:
-    device: torch.device
-    dtype: torch.dtype
-    sigmas: np.ndarray
-    exact: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
+    device: Any
+    dtype: Any
+    sigmas: Any  # (heads,) float64
+    exact: dict[tuple[int, bool], Any] = field(default_factory=dict)
 
 
 def _mmap_threshold(nbytes: int) -> None:
@@ -87,42 +127,49 @@ def _mmap_threshold(nbytes: int) -> None:
 _TIMING_THRESHOLD, _MEMORY_THRESHOLD = 32 * 2**20, 64 * 2**10
 
 
-def prepare(cfg: Any) -> Context:
+def prepare(spec: BenchSpec) -> Context:
+    import numpy as np
+
+    from poslsh_cli.sampling import alibi_sigmas
+
     _mmap_threshold(_TIMING_THRESHOLD)
-    device = resolve_device(cfg.device)
-    sigmas = alibi_sigmas(cfg.heads) if cfg.sigma is None else np.full(cfg.heads, float(cfg.sigma))
-    return Context(device=device, dtype=torch_dtype(cfg.dtype), sigmas=sigmas)
+    device = resolve_device(spec.device)
+    sigmas = alibi_sigmas(spec.heads) if spec.sigma is None else np.full(spec.heads, float(spec.sigma))
+    return Context(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
 
 
-def poslsh_backends(device: torch.device) -> tuple[str, ...]:
+def poslsh_backends(device: Any) -> tuple[str, ...]:
     """Positional-LSH paths timed on ``device``: FlexAttention and padded blocks on CUDA; on CPU
     only blocks (uncompiled FlexAttention is a dense fallback, not a fast path)."""
     return ("flex", "blocks") if device.type == "cuda" else ("blocks",)
 
 
-def cells(cfg: Any, ctx: Any = None) -> list[dict[str, Any]]:
+def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     """Grid order per (n, causal): exact, Positional LSH per s (and backend on CUDA), windowed
     per c, fixed block. The backend enters the key only where there is more than one."""
     backends = poslsh_backends(ctx.device) if ctx is not None else ("blocks",)
     tag = (lambda b: {"backend": b}) if len(backends) > 1 else (lambda b: {})
+    methods = set(spec.methods)
     out = []
-    for n in cfg.n:
-        for causal in cfg.causal:
+    for n in spec.n:
+        for causal in spec.causal:
             base = {"n": n, "causal": causal}
-            if "exact" in cfg.methods and n <= cfg.exact_max_n:
-                out.append({**base, "method": "exact"})
-            if "poslsh" in cfg.methods:
-                out += [{**base, "method": "poslsh", "s": s, **tag(b)} for s in cfg.s for b in backends]
-            if "windowed" in cfg.methods:
-                out += [{**base, "method": "windowed", "window_sigmas": c} for c in cfg.window_sigmas]
-            if "fixed_block" in cfg.methods:
-                out += [{**base, "method": "fixed_block", **tag(b)} for b in backends]
+            if BenchMethod.EXACT in methods and n <= spec.exact_max_n:
+                out.append({**base, "method": BenchMethod.EXACT.value})
+            if BenchMethod.POSLSH in methods:
+                out += [{**base, "method": BenchMethod.POSLSH.value, "s": s, **tag(b)} for s in spec.s for b in backends]
+            if BenchMethod.WINDOWED in methods:
+                out += [{**base, "method": BenchMethod.WINDOWED.value, "window_sigmas": c} for c in spec.window_sigmas]
+            if BenchMethod.FIXED_BLOCK in methods:
+                out += [{**base, "method": BenchMethod.FIXED_BLOCK.value, **tag(b)} for b in backends]
     return out
 
 
-def _inputs(cfg: Any, ctx: Context, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(derive_seed(cfg.seed, "bench-inputs", n, cfg.heads, cfg.head_dim))
-    shape = (1, cfg.heads, n, cfg.head_dim)
+def _inputs(spec: BenchSpec, ctx: Context, n: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(derive_seed(spec.seed, "bench-inputs", n, spec.heads, spec.head_dim))
+    shape = (1, spec.heads, n, spec.head_dim)
     return tuple(torch.randn(shape, generator=g).to(device=ctx.device, dtype=ctx.dtype) for _ in range(3))
 
 
@@ -167,18 +214,20 @@ class Timing:
     prepare_seconds: float  # median of the preparation part
     attention_seconds: float  # median of the attention part
     peak_mem_mb: float
-    out: torch.Tensor
+    out: Any
 
 
-def measure(prepare: Callable[[], Any], attend: Callable[[Any], torch.Tensor], device: torch.device, repeats: int,
-            warmup: int, backward: bool, inputs: tuple[torch.Tensor, ...]) -> Timing:
+def measure(prepare: Callable[[], Any], attend: Callable[[Any], Any], device: Any, repeats: int,
+            warmup: int, backward: bool, inputs: tuple[Any, ...]) -> Timing:
     """Time ``attend(prepare())``: end to end and each part, within the same calls.
 
     ``prepare`` is the method's per-call set-up (for Positional LSH: drawing the masks and
     building their layout; nothing for exact attention), ``attend`` the attention. Forward +
     backward when ``backward``. Peak memory is measured in one more, untimed, end-to-end call.
     """
-    def call() -> tuple[float, float, torch.Tensor]:
+    import torch
+
+    def call() -> tuple[float, float, Any]:
         synchronize(device)
         t0 = time.perf_counter()
         plan = prepare()
@@ -221,73 +270,81 @@ def measure(prepare: Callable[[], Any], attend: Callable[[Any], torch.Tensor], d
     return Timing(statistics.median(total), statistics.median(prep), statistics.median(att), peak, out)
 
 
-def _exact_fn(q, k, v, ctx: Context, causal: bool, window: list[int] | None = None) -> Callable[[Any], torch.Tensor]:
-    sig = torch.as_tensor(ctx.sigmas)
-    return lambda _plan=None: exact_alibi(q, k, v, sig, causal, window=window)
+def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
+    import numpy as np
+    import torch
 
+    from poslsh_cli.attention import AttentionSpec, Method, attend, fixed_block_partitions, prepare as prepare_layout
+    from poslsh_cli.attention import windows
+    from poslsh_cli.metrics import output_errors
+    from poslsh_cli.sampling import sample_partitions
 
-def run_cell(cfg: Any, key: dict[str, Any], ctx: Context) -> tuple[list[dict], dict]:
-    n, causal, method = key["n"], key["causal"], key["method"]
-    q, k, v = _inputs(cfg, ctx, n)
-    if cfg.backward:
+    n, causal, method = key["n"], key["causal"], Method(key["method"])
+    q, k, v = _inputs(spec, ctx, n)
+    if spec.backward:
         for t in (q, k, v):
             t.requires_grad_(True)
-    d, H = cfg.head_dim, cfg.heads
+    d, H = spec.head_dim, spec.heads
     pairs_full = n * (n + 1) / 2 if causal else float(n) * n
     s, window_c, seed = 0, math.nan, -1
-    prepare: Callable[[], Any] = lambda: None  # noqa: E731
     backend = "flex" if ctx.device.type == "cuda" else "chunked-sdpa"
-    if method == "exact":
-        attend = _exact_fn(q, k, v, ctx, causal)
-        pairs = H * pairs_full
-    elif method == "windowed":
-        window_c = key["window_sigmas"]
-        w = [int(math.ceil(window_c * sg)) for sg in ctx.sigmas]
-        attend = _exact_fn(q, k, v, ctx, causal, window=w)
-        pairs = sum(_band_pairs(n, wh, causal) for wh in w)
+    if method in (Method.EXACT, Method.WINDOWED):
+        if method is Method.WINDOWED:
+            window_c = key["window_sigmas"]
+            att = AttentionSpec(method, ctx.sigmas, causal, window=windows(ctx.sigmas, window_c))
+            pairs = sum(_band_pairs(n, wh, causal) for wh in att.window)
+        else:
+            att = AttentionSpec(method, ctx.sigmas, causal)
+            pairs = H * pairs_full
+
+        def prepare() -> AttentionSpec:
+            return att
+
+        def run(plan: Any) -> Any:
+            return attend(q, k, v, plan)
     else:
         path = key.get("backend", poslsh_backends(ctx.device)[0])
-        if method == "poslsh":
+        if method is Method.POSLSH:
             s = key["s"]
-            seed = derive_seed(cfg.seed, "bench", n, s)
+            seed = derive_seed(spec.seed, "bench", n, s)
 
-            def draw() -> list:
+            def draw() -> tuple:
                 g = np.random.default_rng(seed)
-                return [sample_partitions(n, float(sg), s, g) for sg in ctx.sigmas]
+                return tuple(sample_partitions(n, float(sg), s, g) for sg in ctx.sigmas)
         else:
             s = 1
 
-            def draw() -> list:
-                return fixed_block_partitions(n, ctx.sigmas)
+            def draw() -> tuple:
+                return tuple(fixed_block_partitions(n, ctx.sigmas))
 
-        def prepare() -> tuple[list, Any]:
-            parts = draw()
-            return parts, poslsh_layout(parts, causal, path, ctx.device)
+        def prepare() -> tuple[AttentionSpec, Any]:
+            plan = AttentionSpec(method, ctx.sigmas, causal, partitions=draw())
+            return plan, prepare_layout(plan, path, ctx.device)
 
-        def attend(plan: tuple[list, Any]) -> torch.Tensor:
-            return poslsh_attention(q, k, v, plan[0], causal, layout=plan[1])
+        def run(plan: tuple[AttentionSpec, Any]) -> Any:
+            return attend(q, k, v, plan[0], layout=plan[1])
 
-        parts = draw()
-        lengths = np.concatenate([np.diff(o) for p in parts for o in p.offsets]).astype(np.float64)
+        lengths = np.concatenate([np.diff(o) for p in draw() for o in p.offsets]).astype(np.float64)
         pairs = float(np.sum(lengths * (lengths + 1) / 2 if causal else lengths**2))
         backend = {"flex": "block-flex", "blocks": "block-flash-cpu" if ctx.device.type == "cpu"
                    else "block-padded"}[path]
-    t = measure(prepare, attend, ctx.device, cfg.repeats, cfg.warmup, cfg.backward, (q, k, v))
-    gflop = 4.0 * d * pairs / 1e9 * (3.0 if cfg.backward else 1.0)
+    t = measure(prepare, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v))
+    gflop = 4.0 * d * pairs / 1e9 * (3.0 if spec.backward else 1.0)
     rel = math.nan
-    if method == "exact":
+    if method is Method.EXACT:
         ctx.exact[(n, causal)] = t.out[0]
-    elif n <= cfg.exact_max_n and "exact" in cfg.methods:
+    elif n <= spec.exact_max_n and BenchMethod.EXACT in spec.methods:
         ref = ctx.exact.get((n, causal))
         if ref is None:  # resumed run: recompute the reference, untimed
             with torch.no_grad():
-                ref = ctx.exact[(n, causal)] = _exact_fn(q.detach(), k.detach(), v.detach(), ctx, causal)()[0]
+                ref = ctx.exact[(n, causal)] = attend(q.detach(), k.detach(), v.detach(),
+                                                      AttentionSpec(Method.EXACT, ctx.sigmas, causal))[0]
         rel = float(np.median(output_errors(ref, t.out[0])[0]))
-    row = BenchRow(method=method, n=n, head_dim=d, heads=H, s=s, causal=causal, seconds=t.seconds,
-                   peak_mem_mb=t.peak_mem_mb, rel_fro=rel, window_sigmas=window_c, dtype=cfg.dtype,
+    row = BenchRow(method=method.value, n=n, head_dim=d, heads=H, s=s, causal=causal, seconds=t.seconds,
+                   peak_mem_mb=t.peak_mem_mb, rel_fro=rel, window_sigmas=window_c, dtype=spec.dtype.value,
                    device=str(ctx.device), backend=backend, sample_seconds=t.prepare_seconds,
                    attention_seconds=t.attention_seconds, gflop=gflop, gflops=gflop / t.seconds,
-                   seed=seed, repeats=cfg.repeats)
+                   seed=seed, repeats=spec.repeats)
     return [asdict(row)], {}
 
 
@@ -356,3 +413,172 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
                          f"{best.seconds:.3g}" if best is not None else "-",
                          f"{ex_t / best.seconds:.2f}x" if best is not None and np.isfinite(ex_t) else "-"])
     return head, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    """Time against n (end to end: Positional LSH includes drawing its masks) with crossovers,
+    and the error-time Pareto front per n, one pair of figures per causal setting."""
+    import matplotlib.ticker
+    import pandas as pd
+
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    if "backend" not in df.columns:
+        df = df.assign(backend="")
+    paths = []
+    for causal, g in df.groupby("causal"):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        multi = g[g.method == "poslsh"].backend.nunique() > 1
+        lines = [("exact", {}, "k", "-", "exact ALiBi")]
+        pos = g[g.method == "poslsh"][["s", "backend"]].drop_duplicates().sort_values(["s", "backend"])
+        lines += [("poslsh", {"s": s, "backend": b}, f"C{i % 10}", "-" if b != "flex" else "-.",
+                   f"Positional LSH s={s}" + (f" ({b})" if multi else ""))
+                  for i, (s, b) in enumerate(pos.itertuples(index=False))]
+        cs = sorted(g[g.method == "windowed"].window_sigmas.unique())
+        lines += [("windowed", {"window_sigmas": c}, plt.cm.Purples(0.35 + 0.6 * i / max(1, len(cs))), "--",
+                   f"windowed w={c:g}σ") for i, c in enumerate(cs)]
+        lines += [("fixed_block", {}, "C7", ":", "fixed block")]
+        for method, params, color, ls, label in lines:
+            def sel(frame: pd.DataFrame, params: dict = params) -> pd.DataFrame:
+                for k, v in params.items():
+                    frame = frame[frame[k] == v]
+                return frame
+
+            m = sel(g[g.method == method]).sort_values("n")
+            if m.empty:
+                continue
+            x = crossover(g, method, sel) if method != "exact" else float("nan")
+            ax.plot(m.n, m.seconds, ls, color=color, marker="o", ms=3, lw=1.2,
+                    label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
+            if np.isfinite(x):
+                ax.plot([x], [m.set_index("n").seconds[x]], "*", color=color, ms=11, mec="k", mew=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("seconds, end to end (median)")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(ncol=2)
+        dev = str(g.device.iloc[0])
+        ax.set_title(f"Attention time, {int(g.heads.iloc[0])} heads, d={int(g.head_dim.iloc[0])}, "
+                     f"{g.dtype.iloc[0]}, {'causal' if causal else 'bidirectional'}, {dev}; ★ crossover")
+        paths += save(fig, run, f"bench_time_vs_n_{'causal' if causal else 'bidir'}")
+
+        pts = g[g.method.isin(["poslsh", "windowed", "fixed_block"]) & g.rel_fro.notna()]
+        ns = sorted(pts.n.unique())
+        if ns:
+            cols = min(3, len(ns))
+            rows = int(np.ceil(len(ns) / cols))
+            fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.8 * rows), squeeze=False, layout="constrained")
+            for ax, n in zip(axes.flat, ns):
+                p = pts[pts.n == n]
+                ex = g[(g.method == "exact") & (g.n == n)].seconds
+                for method, marker, color in (("poslsh", "o", "C0"), ("windowed", "s", "C4"), ("fixed_block", "^", "C7")):
+                    q = p[p.method == method]
+                    ax.scatter(q.seconds, q.rel_fro, marker=marker, color=color, s=22, label=method, zorder=3)
+                    for _, r in q.iterrows():
+                        tag = f"s={r.s}" if method == "poslsh" else (f"{r.window_sigmas:g}σ" if method == "windowed" else "")
+                        if method == "poslsh" and multi:
+                            tag += f" {r.backend}"
+                        ax.annotate(tag, (r.seconds, r.rel_fro), fontsize=8, xytext=(3, 2), textcoords="offset points")
+                front = pareto_front(p[["seconds", "rel_fro", "method"]].to_numpy())
+                ax.step(front[:, 0].astype(float), front[:, 1].astype(float), where="post", color="k", lw=0.8, alpha=0.6)
+                if len(ex):
+                    ax.axvline(float(ex.iloc[0]), color="k", ls="--", lw=0.8, label="exact time")
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                winners = ", ".join(sorted(set(front[:, 2])))
+                ax.set_title(f"n={n}: front = {winners}", fontsize=9)
+                ax.set_xlabel("seconds, end to end")
+                ax.grid(True, which="both", alpha=0.25)
+            for ax in axes.flat[len(ns):]:
+                ax.axis("off")
+            axes[0][0].set_ylabel("relative error vs exact")
+            axes[0][0].legend()
+            paths += save(fig, run, f"bench_pareto_{'causal' if causal else 'bidir'}")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("bench", run, "Speed: Positional-LSH attention against exact and windowed ALiBi")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    dev = df.device.iloc[0]
+    if "backend" not in df.columns:
+        df = df.assign(backend="")
+    statuses, ev = [], []
+    for causal, g in df.groupby("causal"):
+        mode = "causal" if causal else "bidirectional"
+        p = g[g.method == "poslsh"]
+        for (s, backend), gs in p.groupby(["s", "backend"]):
+            x = crossover(g, "poslsh", lambda f, s=s, b=backend: f[(f.s == s) & (f.backend == b)])
+            where = f"from n={int(x)} on" if math.isfinite(x) else "at no measured n"
+            sec.paragraphs.append(f"{mode}: Positional LSH s={s} ({backend}) is faster than exact {where} ({dev}).")
+            ns = upper_half(gs.n)
+            fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None
+            statuses.append(time_status(fit))
+            ev.append(f"{mode} s={s} {backend}: {fit.slope:.2f}" if fit else f"{mode} s={s} {backend}: fewer than 3 n")
+            big = gs[gs.n == gs.n.max()]
+            if "sample_seconds" in gs.columns and len(big):
+                share = float(big.sample_seconds.iloc[0] / big.seconds.iloc[0])
+                if math.isfinite(share):
+                    sec.paragraphs.append(f"{mode}, s={s} ({backend}), n={int(big.n.iloc[0])}: drawing the masks and "
+                                          f"building their layout take {share:.1%} of the end-to-end "
+                                          f"{big.seconds.iloc[0]:.3g} s.")
+        ex = g[g.method == "exact"]
+        ns = upper_half(ex.n)
+        if ns:
+            ev.append(f"{mode} exact: {fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds).slope:.2f}")
+    sec.verdicts.append(Verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", combine(statuses),
+                                "log-log slopes over the larger n: " + "; ".join(ev) if ev else "no Positional-LSH rows",
+                                TIME_RULE))
+    # the error-time Pareto front per n, and Positional LSH against windowed ALiBi at matched error
+    for causal, g in df.groupby("causal"):
+        mode = "causal" if causal else "bidirectional"
+        pts = g[g.method != "exact"].dropna(subset=["rel_fro"])
+        fronts, beaten, total = [], 0, 0
+        for n, gn in pts.groupby("n"):
+            front = pareto_front(gn[["seconds", "rel_fro", "method"]].to_numpy())
+            fronts.append(f"n={n}: {', '.join(sorted(set(front[:, 2])))}")
+            win = gn[gn.method == "windowed"]
+            for _, r in gn[gn.method == "poslsh"].iterrows():
+                total += 1
+                beaten += bool(((win.seconds <= r.seconds) & (win.rel_fro <= r.rel_fro)).any())
+        if fronts:
+            sec.paragraphs.append(f"{mode}: error–time Pareto front (end-to-end time) per n: " + "; ".join(fronts) + ".")
+        if total and (pts.method == "windowed").any():
+            sec.paragraphs.append(f"{mode}: {beaten} of {total} Positional-LSH points are matched by a windowed exact "
+                                  "ALiBi point that is at least as fast and at least as accurate.")
+    return sec
+
+
+EXPERIMENT = Experiment(
+    name="bench",
+    spec=BenchSpec,
+    help="""Time exact ALiBi, windowed ALiBi, fixed blocks and Positional LSH side by side.
+
+    Random inputs, one sigma per head (standard slopes). Reports the end-to-end median time
+    (Positional LSH draws its masks in every call: sampling + layout + attention, with the
+    parts in sample_seconds and attention_seconds), peak memory, useful GFLOP/s and relative
+    error against exact, per (n, causal, method, s or window).""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    prepare=prepare,
+    plot=plot,
+    report=report,
+    presets=("bench", "bench_gpu"),
+    order=40,
+)

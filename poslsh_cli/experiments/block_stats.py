@@ -1,4 +1,5 @@
-"""Block statistics of positional-LSH partitions: b_max against the exact law and sigma log log n.
+"""``poslsh block-stats``: block sizes of positional-LSH partitions; b_max against the exact law
+and sigma log log n.
 
 The largest width of s samples has the exact law
 ``P(max_k delta_k <= t) = (1 - e^{-t/sigma}(1 + t/sigma))^s``, and the realised largest block
@@ -10,15 +11,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
-import numpy as np
+from poslsh_cli.claims import Section, Status, Verdict, combine, slope_text
+from poslsh_cli.config import Spec, key
+from poslsh_cli.experiment import Experiment, grid_cells
+from poslsh_cli.metrics import fit_loglog_slope
+from poslsh_cli.sampling import derive_seed
 
-from poslsh_cli.experiments import grid_cells
-from poslsh_cli.sampling import block_max_quantile, derive_seed, sample_partitions, width_max_quantile
+COLUMNS = ("n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",
+           "num_blocks", "max_width", "b_max_loglog", "b_max_law_q05", "b_max_law_q95", "s_per_log_n")
 
-COLUMNS = ["n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",
-           "num_blocks", "max_width", "b_max_loglog", "b_max_law_q05", "b_max_law_q95", "s_per_log_n"]
+
+@dataclass(frozen=True)
+class BlockStatsSpec(Spec):
+    n: tuple[int, ...] = key("sequence lengths (int or list)", [1024, 4096, 16384, 65536, 262144, 1048576], ge=2)
+    sigma: tuple[float, ...] = key("bandwidths sigma > 0 (float or list)", [4.0, 16.0, 64.0], gt=0)
+    s: tuple[int, ...] = key("numbers of samples (int or list)", [16], ge=1)
+    s_per_log_n: Optional[float] = key("c > 0: s = ceil(c ln n) for each n instead of s (the paper's regime for "
+                                       "b_max ~ sigma log log n); null: the fixed s list", None, gt=0)
+    trials: int = key("independent repetitions per (n, sigma, s)", 20, ge=1)
 
 
 @dataclass(frozen=True)
@@ -44,24 +57,27 @@ def samples_for(n: int, c: float) -> int:
     return max(1, int(math.ceil(c * math.log(n) - 1e-9)))
 
 
-def cells(cfg: Any, ctx: Any = None) -> list[dict[str, Any]]:
-    if getattr(cfg, "s_per_log_n", None) is None:
-        return grid_cells(cfg)
-    c = float(cfg.s_per_log_n)
-    return [{"n": n, "sigma": sigma, "s": samples_for(n, c), "trial": t}
-            for n in cfg.n for sigma in cfg.sigma for t in range(cfg.trials)]
+def cells(spec: BlockStatsSpec, ctx: Any = None) -> list[dict[str, Any]]:
+    if spec.s_per_log_n is None:
+        return grid_cells(spec)
+    return [{"n": n, "sigma": sigma, "s": samples_for(n, spec.s_per_log_n), "trial": t}
+            for n in spec.n for sigma in spec.sigma for t in range(spec.trials)]
 
 
 def cell_seed(root_seed: int, key: dict[str, Any]) -> int:
     return derive_seed(root_seed, "block-stats", key["n"], float(key["sigma"]), key["s"], key["trial"])
 
 
-def run_cell(cfg: Any, key: dict[str, Any], ctx: Any = None) -> tuple[list[dict], dict]:
+def run_cell(spec: BlockStatsSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
+    import numpy as np
+
+    from poslsh_cli.sampling import block_max_quantile, sample_partitions, width_max_quantile
+
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
-    seed = cell_seed(cfg.seed, key)
+    seed = cell_seed(spec.seed, key)
     parts = sample_partitions(n, sigma, s, np.random.default_rng(seed))
     lengths = np.concatenate(parts.block_lengths())
-    c = getattr(cfg, "s_per_log_n", None)
+    c = spec.s_per_log_n
     row = BlockStatsRow(n=n, sigma=sigma, s=s, trial=trial, seed=seed, b_max=int(lengths.max()),
                         b_max_theory_median=width_max_quantile(0.5, sigma, s),
                         mean_block=float(lengths.mean()), num_blocks=lengths.size / s,
@@ -84,3 +100,190 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
                      f"{g['b_max_theory_median'].iloc[0]:.1f}", f"{g['b_max_loglog'].iloc[0]:.1f}",
                      f"{g['mean_block'].mean():.2f}", f"{g['num_blocks'].mean():.1f}"])
     return head, rows
+
+
+def _with_rule(df: Any) -> Any:
+    """Rows labelled by how s was chosen (fixed, or ceil(c ln n)), and b_max / (sigma ln ln n)."""
+    import numpy as np
+
+    if "s_per_log_n" not in df.columns:  # runs made before s could grow with n
+        df = df.assign(s_per_log_n=np.nan)
+    return df.assign(rule=[f"s = ⌈{c:g} ln n⌉" if c == c else f"s = {s}" for c, s in zip(df.s_per_log_n, df.s)],
+                     ratio=df.b_max / df.b_max_loglog)
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    import numpy as np
+    import pandas as pd
+
+    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.sampling import block_length_pmf, block_max_quantile
+
+    plt = pyplot()
+    df = _with_rule(df)
+    sigmas = sorted(df["sigma"].unique())
+    paths = []
+    fig, axes = plt.subplots(1, len(sigmas), figsize=(4.3 * len(sigmas), 3.9), squeeze=False)
+    for ax, sigma in zip(axes[0], sigmas):
+        for i, (rule, g) in enumerate(df[df.sigma == sigma].groupby("rule")):
+            agg = g.groupby("n").agg(med=("b_max", "median"), lo=("b_max", lambda v: v.quantile(0.1)),
+                                     hi=("b_max", lambda v: v.quantile(0.9)),
+                                     law=("b_max_theory_median", "first")).reset_index()
+            c = f"C{i % 10}"
+            ax.plot(agg["n"], agg["med"], "o-", color=c, ms=4, label=rule)
+            ax.fill_between(agg["n"], agg["lo"], agg["hi"], color=c, alpha=0.15, lw=0)
+            ax.plot(agg["n"], agg["law"], "--", color=c, lw=1)
+        ll = df[df.sigma == sigma].groupby("n")["b_max_loglog"].first()
+        ax.plot(ll.index, ll.to_numpy(), ":", color="k", lw=1.2, label="σ ln ln n")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length n")
+        ax.set_title(f"σ = {sigma:g}")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(title="solid: median b_max (10–90%)\ndashed: exact law median", title_fontsize=8)
+    axes[0][0].set_ylabel("largest block b_max (positions)")
+    fig.suptitle("Largest block against n")
+    paths += save(fig, run, "b_max_vs_n")
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, ((sigma, rule), g) in enumerate(df.groupby(["sigma", "rule"])):
+        agg = g.groupby("n").agg(med=("ratio", "median"), s=("s", "first"), ll=("b_max_loglog", "first")).reset_index()
+        c = f"C{i % 10}"
+        ax.plot(agg["n"], agg["med"], "o-", color=c, ms=4, label=f"σ={sigma:g}, {rule}")
+        lo = [block_max_quantile(0.05, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
+        hi = [block_max_quantile(0.95, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
+        ax.fill_between(agg["n"], lo, hi, color=c, alpha=0.12, lw=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("b_max / (σ ln ln n), median over trials")
+    ax.set_title("Largest block relative to σ log log n; bands: exact law, 5–95%")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(ncol=2)
+    paths += save(fig, run, "b_max_over_loglog")
+
+    hist_file = run / "block_lengths.csv"
+    if hist_file.exists():
+        h = pd.read_csv(hist_file)
+        sig = sorted(h["sigma"].unique())
+        fig, axes = plt.subplots(1, len(sig), figsize=(4.2 * len(sig), 3.6), squeeze=False)
+        for ax, sigma in zip(axes[0], sig):
+            g = h[(h["sigma"] == sigma) & (h["n"] == h[h["sigma"] == sigma]["n"].max())]
+            counts = g.groupby("length")["count"].sum()
+            lengths = np.arange(1, int(counts.index.max()) + 1)
+            emp = counts.reindex(lengths, fill_value=0).to_numpy() / counts.sum()
+            ax.bar(lengths, emp, width=1.0, color="C0", alpha=0.6, label="realised")
+            ax.plot(lengths, block_length_pmf(lengths, sigma), "k-", lw=1.2, label="theory")
+            ax.set_yscale("log")
+            ax.set_xlabel("block length")
+            ax.set_title(f"σ={sigma:g}, n={int(g['n'].max())}")
+            ax.legend()
+        axes[0][0].set_ylabel("fraction of blocks")
+        paths += save(fig, run, "block_length_hist")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+#: b_max / (sigma log log n) "stays in a bounded band" when its per-n medians stay within this
+#: factor of each other over n spanning at least 2^8.
+BAND_FACTOR = 1.5
+BAND_RULE = (f"per σ, the median of b_max / (σ ln ln n) at each n; SUPPORTED when the largest over the smallest is "
+             f"at most {BAND_FACTOR} over at least four n spanning at least 2^8, else NOT SUPPORTED; INCONCLUSIVE "
+             "with fewer n; NOT MEASURED without runs where s grows like log n (s_per_log_n)")
+
+
+def report(run: Path, df: Any) -> Section:
+    import numpy as np
+    import pandas as pd
+    from scipy import stats
+
+    from poslsh_cli.sampling import width_max_cdf, width_max_quantile
+
+    sec = Section("block-stats", run, "Block sizes: the largest block against the exact law and σ log log n")
+    df = _with_rule(df)
+    # 1. the exact law of the largest width (continuous: Kolmogorov-Smirnov)
+    pvals = [stats.kstest(g.max_width.to_numpy(), lambda t, sg=sigma, ss=s: width_max_cdf(t, sg, ss)).pvalue
+             for (sigma, s), g in df.groupby(["sigma", "s"])]
+    ok = min(pvals) * len(pvals) > 0.01
+    sec.verdicts.append(Verdict("the largest width follows (1 − e^{−t/σ}(1 + t/σ))^s exactly",
+                                Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
+                                f"smallest Kolmogorov–Smirnov p-value {min(pvals):.3g} over {len(pvals)} (σ, s) groups",
+                                "every group's p-value above 1% after Bonferroni over the groups"))
+    # 2. the realised largest block (positions) against its law: inside the 5-95% range 90% of the time
+    if {"b_max_law_q05", "b_max_law_q95"} <= set(df.columns):
+        inside = (df.b_max >= df.b_max_law_q05) & (df.b_max <= df.b_max_law_q95)
+        k, m = int(inside.sum()), len(inside)
+        p = float(stats.binom.cdf(k, m, 0.9))
+        sec.verdicts.append(Verdict(
+            "the realised largest block b_max follows the law of max ceil(δ_k)",
+            Status.SUPPORTED if p > 0.01 else Status.NOT_SUPPORTED,
+            f"{k}/{m} cells ({k / m:.1%}) inside the law's 5–95% range; binomial lower-tail p = {p:.3g}",
+            "at least 90% of cells expected inside; NOT SUPPORTED when fewer is significant at 1%"))
+    logs, fixed = df[df.s_per_log_n.notna()], df[df.s_per_log_n.isna()]
+    # 3. s ~ log n: b_max / (sigma log log n) bounded
+    if logs.empty:
+        sec.verdicts.append(Verdict("b_max / (σ log log n) stays bounded as n grows when s grows like log n",
+                                    Status.NOT_MEASURED, "this run keeps s fixed (run experiment=block_stats_loglog_paper)",
+                                    BAND_RULE))
+    else:
+        statuses, ev = [], []
+        for sigma, g in logs.groupby("sigma"):
+            med = g.groupby("n").ratio.median()
+            law = pd.Series({n: width_max_quantile(0.5, sigma, int(g[g.n == n].s.iloc[0])) / (sigma * math.log(math.log(n)))
+                             for n in med.index})
+            band = float(med.max() / med.min())
+            if len(med) < 4 or med.index.max() / med.index.min() < 2**8:
+                statuses.append(Status.INCONCLUSIVE)
+            else:
+                statuses.append(Status.SUPPORTED if band <= BAND_FACTOR else Status.NOT_SUPPORTED)
+            ev.append(f"σ={sigma:g}: median ratio {med.iloc[0]:.2f} at n=2^{math.log2(med.index[0]):.0f} → "
+                      f"{med.iloc[-1]:.2f} at n=2^{math.log2(med.index[-1]):.0f}, band ×{band:.2f} "
+                      f"(exact law ×{law.max() / law.min():.2f})")
+        c = float(logs.s_per_log_n.iloc[0])
+        sec.verdicts.append(Verdict(f"b_max / (σ log log n) stays bounded as n grows when s = ⌈{c:g} ln n⌉",
+                                    combine(statuses), "; ".join(ev), BAND_RULE))
+    # fixed s: does b_max grow with n? (its law does not depend on n)
+    for (sigma, s), g in fixed.groupby(["sigma", "s"]):
+        if g.n.nunique() < 2:
+            continue
+        med = g.groupby("n").b_max.median()
+        fit = fit_loglog_slope(np.log2(g.n.to_numpy(dtype=float)), g.b_max.to_numpy(dtype=float))
+        sec.paragraphs.append(
+            f"σ={sigma:g}, s={s} fixed: median b_max {med.iloc[0]:g} at n={med.index[0]} and {med.iloc[-1]:g} at "
+            f"n={med.index[-1]} (log-log slope against log₂ n {slope_text(fit)}).")
+    summary_rows = []
+    for (sigma, rule), g in df.groupby(["sigma", "rule"]):
+        agg = g.groupby("n").agg(b=("b_max", "median"), law=("b_max_theory_median", "first"), r=("ratio", "median"))
+        summary_rows.append({"σ": sigma, "s": rule, "n": f"{agg.index.min()}–{agg.index.max()} ({len(agg)} values)",
+                             "trials": g.trial.nunique(), "b_max median": f"{agg.b.min():g}–{agg.b.max():g}",
+                             "law median of max δ": f"{agg.law.min():.1f}–{agg.law.max():.1f}",
+                             "b_max / (σ ln ln n)": f"{agg.r.min():.2f}–{agg.r.max():.2f}"})
+    sec.tables.append(pd.DataFrame(summary_rows))
+    full = df.groupby(["sigma", "s", "n"]).agg(trials=("trial", "nunique"), b_max_median=("b_max", "median"),
+                                               law_median=("b_max_theory_median", "first"),
+                                               sigma_loglog_n=("b_max_loglog", "first"), ratio=("ratio", "median"),
+                                               mean_block=("mean_block", "mean")).reset_index()
+    sec.details.append(("every (σ, s, n): medians over trials (results.csv has every trial)", full.round(3)))
+    return sec
+
+
+EXPERIMENT = Experiment(
+    name="block-stats",
+    spec=BlockStatsSpec,
+    help="""Realised block sizes: b_max against the exact law and sigma*loglog(n); block histograms.
+
+    s_per_log_n=c takes s = ceil(c ln n) samples at each n, the regime of the paper's
+    b_max ~ sigma log log n.""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    plot=plot,
+    report=report,
+    presets=("block_stats", "block_stats_loglog"),
+    order=20,
+)

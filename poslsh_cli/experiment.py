@@ -1,0 +1,92 @@
+"""What an experiment command is: one :class:`Experiment` exported by one module of
+:mod:`poslsh_cli.experiments` (the registry, :mod:`poslsh_cli.registry`, finds it), plus the
+helpers every experiment shares (cell grids, devices, dtypes).
+
+An experiment is pure functions from a validated spec to result rows:
+
+    prepare(spec) -> ctx                 optional: shared state (a loaded model, captured q/k/v);
+                                         may refuse input with ConfigError before anything is written
+    cells(spec, ctx) -> [key, ...]       the grid, one dict per cell, in a fixed order
+    run_cell(spec, key, ctx, work) -> (rows, aux)
+                                         one cell's rows (results.csv) and auxiliary tables;
+                                         ``work`` is the cell's own directory (CellWork) for long
+                                         cells that keep metrics logs and checkpoints
+    summary(df) -> (header, rows)        the end-of-run console table
+    plot(run_dir, df) -> [paths]         figures into run_dir/figures/
+    report(run_dir, df) -> Section       claims, verdicts, tables for ``poslsh report``
+
+No printing and no file writing in the first four: the runner (:mod:`poslsh_cli.runner`) owns
+side effects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from poslsh_cli.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str  # the command, e.g. "matrix-error"; its defaults are conf/<name with _>.yaml
+    spec: type  # frozen dataclass of typed keys (a config.Spec)
+    help: str  # --help text: a first line, then paragraphs separated by blank lines
+    columns: tuple[str, ...]  # results.csv column order (more columns may follow)
+    cells: Callable[[Any, Any], list[dict[str, Any]]]
+    run_cell: Callable[[Any, dict[str, Any], Any, Any], tuple[list[dict], dict]]
+    summary: Optional[Callable[[Any], tuple[list[str], list[list[str]]]]] = None
+    prepare: Optional[Callable[[Any], Any]] = None
+    plot: Optional[Callable[[Path, Any], list[Path]]] = None
+    report: Optional[Callable[[Path, Any], Any]] = None
+    #: preset stems in conf/experiment/ (each as <stem>_quick.yaml and <stem>_paper.yaml), in the
+    #: order `poslsh reproduce` runs them
+    presets: tuple[str, ...] = ()
+    #: position in `reproduce` and in reports
+    order: int = 100
+    #: Hydra config groups the command composes (e.g. model)
+    groups: tuple[str, ...] = ()
+    #: why the experiment cannot run here for this spec (reproduce skips it and says so), or None
+    skip_reason: Optional[Callable[[Any], Optional[str]]] = None
+
+    @property
+    def config_name(self) -> str:
+        return self.name.replace("-", "_")
+
+
+def grid_cells(spec: Any) -> list[dict[str, Any]]:
+    """The (n, sigma, s, trial) grid of the matrix experiments, in a fixed order."""
+    return [{"n": n, "sigma": sigma, "s": s, "trial": t}
+            for n, sigma, s, t in product(spec.n, spec.sigma, spec.s, range(spec.trials))]
+
+
+def resolve_device(name: str) -> Any:
+    """``auto`` -> CUDA when present, else CPU; refuses CUDA where there is none."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but CUDA is not available")
+    return torch.device(name)
+
+
+def check_device(name: str) -> None:
+    if not (name in ("auto", "cpu") or str(name).startswith("cuda")):
+        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def synchronize(device: Any) -> None:
+    """Wait for queued CUDA work, so wall-clock timings are honest."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,74 @@
+"""The experiment registry: every module of :mod:`poslsh_cli.experiments` that exports
+``EXPERIMENT`` is a command. The CLI, Hydra's schemas, ``plot``, ``report`` and ``reproduce``
+all read this registry; adding a command is one module, one YAML in ``conf/`` and its tests.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import lru_cache
+
+from typing import Any
+
+from poslsh_cli import models
+from poslsh_cli.config import CONF_DIR, ConfigError, build_spec, compose, register_schemas
+from poslsh_cli.experiment import Experiment
+
+SCALES = ("quick", "paper")
+
+
+@lru_cache(maxsize=1)
+def experiments() -> dict[str, Experiment]:
+    """Every registered experiment by command name, in report order."""
+    import poslsh_cli.experiments as pkg
+
+    found = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        exp = getattr(module, "EXPERIMENT", None)
+        if isinstance(exp, Experiment):
+            found.append(exp)
+    found.sort(key=lambda e: (e.order, e.name))
+    names = [e.name for e in found]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise RuntimeError(f"two experiment modules claim the command {sorted(dup)[0]!r}")
+    return {e.name: e for e in found}
+
+
+def get(name: str) -> Experiment:
+    try:
+        return experiments()[name]
+    except KeyError:
+        raise ConfigError(f"no experiment command {name!r}") from None
+
+
+def preset_names(exp: Experiment) -> list[str]:
+    """The preset files of ``exp`` that exist, as ``experiment=`` values."""
+    return [f"{stem}_{scale}" for stem in exp.presets for scale in SCALES
+            if (CONF_DIR / "experiment" / f"{stem}_{scale}.yaml").exists()]
+
+
+def owner_of_preset(name: str) -> Experiment:
+    """The experiment a preset (``<stem>_<scale>``) belongs to."""
+    stem = name.rsplit("_", 1)[0]
+    owners = [e for e in experiments().values() if stem in e.presets]
+    if len(owners) != 1:
+        raise ConfigError(f"preset {name!r} belongs to {len(owners)} experiments")
+    return owners[0]
+
+
+def register_all_schemas() -> None:
+    """Every command's schema (and the model group's) in Hydra's ConfigStore."""
+    register_schemas({e.config_name: e.spec for e in experiments().values()}, {"model": models.ModelSpec})
+
+
+def compose_config(exp: Experiment, overrides: list[str]) -> Any:
+    """``conf/<command>.yaml`` composed with ``overrides`` (Hydra checks key names)."""
+    register_all_schemas()
+    return compose(exp.config_name, overrides)
+
+
+def compose_spec(exp: Experiment, overrides: list[str]) -> Any:
+    """The validated, frozen spec of ``exp`` for ``overrides``: composition, then the one validation."""
+    return build_spec(exp.spec, compose_config(exp, overrides))

@@ -1,0 +1,177 @@
+"""The architecture holds: no import cycles, each command named in its own module only, a CLI
+that starts without the numerical stack, and run directories that can hold training."""
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import poslsh_cli
+from poslsh_cli import registry
+from poslsh_cli.rundir import Checkpoints, MetricsLog, RunDir
+
+PKG = Path(poslsh_cli.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every poslsh_cli module -> the poslsh_cli modules it imports, at module level or inside
+    functions (a function-level import is still a dependency)."""
+    modules = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in graph[node]:
+            if dep == "poslsh_cli" or (node == "poslsh_cli.experiments" and dep.startswith(node)):
+                continue  # the package __init__ files import nothing of ours
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if state.get(dep) is None:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in graph:
+        if state.get(node) is None:
+            visit(node, [node])
+
+
+def test_each_command_is_named_in_its_own_module_only():
+    """A command's name appears as a string literal only in the module that defines it."""
+    for exp in registry.experiments().values():
+        owners = []
+        for path in PKG.rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            if any(isinstance(n, ast.Constant) and n.value == exp.name for n in ast.walk(tree)):
+                owners.append(module_name(path))
+        assert len(owners) <= 2 and any(o.startswith("poslsh_cli.experiments.") for o in owners), (exp.name, owners)
+        assert len(owners) == 1, (exp.name, owners)
+
+
+def test_the_cli_starts_without_the_numerical_stack():
+    code = "import sys, poslsh_cli.cli; print(sorted(m for m in ('torch','scipy','pandas','matplotlib') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_registry_lists_every_command_once_with_its_yaml():
+    exps = registry.experiments()
+    assert {"sample", "matrix-error", "block-stats", "output-error", "bench"} <= set(exps)
+    for exp in exps.values():
+        assert (poslsh_cli.config.CONF_DIR / f"{exp.config_name}.yaml").exists()
+        assert exp.columns and exp.help.strip()
+
+
+def test_adding_a_command_is_one_module_and_one_yaml(tmp_path):
+    """A toy experiment module + its YAML, placed in a copy of the package, becomes a working
+    command with help, validation, a run directory and a summary: nothing else changes."""
+    import shutil
+
+    pkg = tmp_path / "poslsh_cli"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "experiments" / "toy.py").write_text('''
+from dataclasses import dataclass
+from poslsh_cli.config import Spec, key
+from poslsh_cli.experiment import Experiment
+
+
+@dataclass(frozen=True)
+class ToySpec(Spec):
+    x: tuple[int, ...] = key("values to square", [1, 2], ge=0)
+
+
+EXPERIMENT = Experiment(
+    name="toy", spec=ToySpec, help="Square numbers.", columns=("x", "y"),
+    cells=lambda spec, ctx: [{"x": x} for x in spec.x],
+    run_cell=lambda spec, key, ctx, work: ([{"x": key["x"], "y": key["x"] ** 2}], {}),
+    summary=lambda df: (["x", "y"], [[str(a), str(b)] for a, b in zip(df.x, df.y)]))
+''')
+    (pkg / "conf" / "toy.yaml").write_text("defaults:\n  - _schema_toy\n  - _self_\n  - experiment: null\n"
+                                           "x: [1, 2]\nseed: 0\nout: null\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "poslsh_cli", *a], capture_output=True, text=True,  # noqa: E731
+                                    env=env, cwd=tmp_path, timeout=120)
+    r = run("toy", "--help")
+    assert r.returncode == 0 and "values to square" in r.stdout
+    r = run("toy", "x=[3,4]", f"out={tmp_path / 'out'}")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "results.csv").read_text().splitlines() == ["x,y", "3,9", "4,16"]
+    r = run("toy", "x=[-1]", f"out={tmp_path / 'bad'}")
+    assert r.returncode == 2 and r.stderr.strip() == "poslsh toy: error: x must be >= 0, got -1"
+
+
+# ---------------------------------------------------------------------------------------------
+# run directories that can hold training
+
+
+def test_metrics_log_appends_survives_a_cut_line_and_truncates_on_resume(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.csv", ["step", "loss", "val_loss"])
+    for step in range(1, 6):
+        log.append({"step": step, "loss": 1.0 / step, "val_loss": None if step % 2 else 0.5})
+    with open(tmp_path / "metrics.csv", "a") as fh:  # a kill in the middle of a write
+        fh.write("6,0.16")
+    log = MetricsLog(tmp_path / "metrics.csv", ["step", "loss", "val_loss"])
+    df = log.frame()
+    assert list(df.step) == [1, 2, 3, 4, 5] and df.val_loss.isna().sum() == 3
+    log.truncate_after("step", 3)  # resumed from the step-3 checkpoint: 4 and 5 are recomputed
+    log.append({"step": 4, "loss": 0.25, "val_loss": 0.4})
+    assert list(log.frame().step) == [1, 2, 3, 4]
+
+
+def test_checkpoints_are_atomic_and_the_latest_wins(tmp_path):
+    ck = Checkpoints(tmp_path / "checkpoints")
+    assert ck.latest() is None
+    for step in (10, 20, 30):
+        ck.save(step, lambda d, step=step: (d / "weights.txt").write_text(str(step)), keep=2)
+    assert [s for s, _ in ck.all()] == [20, 30]
+    step, path = ck.latest()
+    assert step == 30 and (path / "weights.txt").read_text() == "30"
+
+    def broken(d):
+        (d / "weights.txt").write_text("half")
+        raise KeyboardInterrupt  # killed while saving
+
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(40, broken)
+    assert ck.latest()[0] == 30 and not [p for p in ck.root.iterdir() if p.name.startswith(".")]
+
+
+def test_a_cell_has_its_own_work_directory(tmp_path):
+    run = RunDir.open(tmp_path / "run", "toy", "x: 1\n")
+    run.start("poslsh toy", 0, 1)
+    work = run.work({"position": "poslsh", "s": 10, "seed": 0})
+    assert re.match(r"position=poslsh_s=10_seed=0-[0-9a-f]{6}$", work.path.name)
+    work.metrics(["step", "loss"]).append({"step": 1, "loss": 2.0})
+    work.checkpoints().save(1, lambda d: (d / "x").write_text("1"))
+    assert (work.path / "metrics.csv").exists() and work.checkpoints().latest()[0] == 1
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["command"] == "toy"
