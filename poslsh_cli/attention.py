@@ -85,7 +85,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weigh
 
 
 def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Dense ``L*`` per head, (H, n, n) float64 (tests and small references only)."""
+    """Dense ``L*_ij = exp(-|i-j| / sigma_h)`` per head: sigmas (H,) -> (H, n, n) float64
+    (tests and small references only)."""
     i = torch.arange(n, device=device, dtype=torch.float64)
     dist = (i[:, None] - i[None, :]).abs()
     return torch.exp(-dist[None] / sigmas.to(device=device, dtype=torch.float64)[:, None, None])
@@ -157,10 +158,16 @@ def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.
                compile: bool = True) -> torch.Tensor:
     """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-|i-j|/sigma_h``.
 
-    ``window``: one half-width for every head or one per head (keys with ``|i-j| > w_h`` are
-    dropped). The ``BlockMask`` comes from the mask's key intervals (:func:`masks.block_mask`),
-    so no n x n grid is ever evaluated. Compiled on CUDA (fused kernel); uncompiled it runs
-    anywhere (tests).
+    Args:
+        q, k, v: (B, H, n, d), float16/bfloat16/float32; queries, keys, values.
+        sigmas: (H,) kernel bandwidths.
+        causal: drop keys j > i.
+        window: None, one half-width for every head or one per head (keys with ``|i-j| > w_h``
+            are dropped).
+        compile: run ``torch.compile``d (CUDA); uncompiled it runs anywhere (tests).
+
+    The ``BlockMask`` comes from the mask's key intervals (:func:`masks.block_mask`), so no
+    n x n grid is ever evaluated. Returns (B, H, n, d) in q's dtype.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -335,8 +342,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bias-free attention inside every block of every sample; outputs per sample, not merged.
 
+    Args:
+        q, k, v: (B, H, n, d), any float dtype; queries, keys, values.
+        layout: where the blocks of every (head, sample) are (:class:`BlockLayout`, H heads, n).
+        causal: attend only to keys j <= i inside each block.
+
     Returns ``out (B, H, s, n, d)`` in q's dtype and ``lse (B, H, s, n)`` (float32 or wider,
-    natural log).
+    natural log): ``lse = log sum_{j in block(i)} exp(q_i . k_j * scale)``.
     """
     B, H, n, d = q.shape
     s = layout.num_samples
@@ -474,7 +486,15 @@ def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: S
     mask keeps keys in the same block (the sampled bins are document ids), ``lse`` returned by
     the kernel, then the merge. Key/value heads are shared across samples through grouped-query
     attention (query head ``h*s + k`` reads kv head ``h``), so only q is repeated s times.
-    Compiled on CUDA; uncompiled (dense, slow) elsewhere, which is how the tests check it.
+
+    Args:
+        q, k, v: (B, H, n, d), float16/bfloat16/float32; queries, keys, values.
+        partitions: H partitions with the same s (ignored when ``layout`` is given).
+        layout: a prepared :class:`FlexLayout` for the same H, n and causal flag.
+        compile: default: compiled on CUDA; uncompiled (dense, slow) elsewhere, which is how the
+            tests check it.
+
+    Returns (B, H, n, d) in q's dtype.
     """
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 

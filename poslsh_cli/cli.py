@@ -154,7 +154,11 @@ def _check_launcher(name: str, multirun: bool) -> None:
     if not multirun:
         raise ConfigError(f"hydra/launcher={name} applies to a multirun: add -m")
     module, program = LAUNCHERS[name]
-    if module and importlib.util.find_spec(module) is None:
+    try:
+        missing = module is not None and importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # not even the hydra_plugins namespace
+        missing = True
+    if missing:
         raise ConfigError(f"hydra/launcher={name} needs the launcher plugins: pip install -e \".[launchers]\"")
     if program and shutil.which(program) is None:
         raise ConfigError(f"hydra/launcher={name} needs SLURM ({program} is not on PATH); "

@@ -103,6 +103,8 @@ def test_sample_with_alibi_heads(tmp_path):
     (["block-stats", "sigma=-3"], "sigma must be > 0"),
     (["sample", "n=10", "sigma=null"], "give sigma= or heads="),
     (["matrix-error", "n"], "expected KEY=VALUE"),
+    (["matrix-error", "n=64", "hydra/launcher=joblib"], "applies to a multirun: add -m"),
+    (["matrix-error", "-m", "n=64", "hydra/launcher=nope"], "unknown launcher 'nope'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     out = tmp_path / "never"
@@ -111,6 +113,41 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("launcher,needle", [("joblib", 'pip install -e ".[launchers]"'),
+                                             ("submitit_slurm", "needs SLURM")])
+def test_launchers_that_cannot_run_here_say_why_in_one_line(tmp_path, launcher, needle):
+    import importlib.util
+    import shutil
+
+    try:
+        plugins = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:
+        plugins = False
+    if launcher == "joblib" and plugins or launcher == "submitit_slurm" and shutil.which("sbatch"):
+        pytest.skip("this machine can run that launcher")
+    if launcher == "submitit_slurm" and not plugins:
+        needle = 'pip install -e ".[launchers]"'
+    r = invoke("matrix-error", "-m", "n=64,128", f"hydra/launcher={launcher}", f"out={tmp_path / 'x'}")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_multirun_meta_records_the_replayable_argv(tmp_path):
+    r = invoke("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=1", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    argv = json.loads((tmp_path / "0" / "meta.json").read_text())["argv"]
+    assert argv.startswith("poslsh block-stats -m ") and "n=64,128" in argv
+
+
+def test_help_lists_presets_launchers_and_model_folders():
+    r = invoke("output-error", "--help")
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.split())
+    assert "experiment=NAME" in text and "output_error_minilm_quick" in text
+    assert "hydra/launcher=NAME" in text and "submitit_slurm" in text
+    assert "$POSLSH_MODELS/Qwen3-0.6B" in text and "get_alibi_slopes" in text
 
 
 def test_unwritable_out_is_refused(tmp_path):

@@ -103,3 +103,18 @@ def test_model_references_resolve_in_one_place(tmp_path, monkeypatch):
     monkeypatch.delenv("POSLSH_MODELS")
     with pytest.raises(ConfigError, match=r"has no path: set model.path=DIR or POSLSH_MODELS \(looked for"):
         models.resolve(spec.model)
+
+
+def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
+    """reproduce skips (and says why) rather than fails: CUDA presets without CUDA, large models
+    without their checkpoint."""
+    import torch
+
+    from poslsh_cli.reproduce import skip_reason
+
+    monkeypatch.delenv("POSLSH_MODELS", raising=False)
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in skip_reason("bench", "bench_gpu_quick")
+    assert skip_reason("bench", "bench_quick") is None
+    assert skip_reason("output-error", "output_error_mistral_7b_quick").startswith("POSLSH_MODELS is not set")
+    assert skip_reason("output-error", "output_error_minilm_quick") is None

@@ -138,6 +138,16 @@ def prepare(spec: BenchSpec) -> Context:
     return Context(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
 
 
+def skip_reason(spec: BenchSpec) -> str | None:
+    """A CUDA preset on a machine without CUDA is skipped (reproduce), not failed."""
+    if spec.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"device={spec.device} but this machine has no CUDA GPU"
+    return None
+
+
 def poslsh_backends(device: Any) -> tuple[str, ...]:
     """Positional-LSH paths timed on ``device``: FlexAttention and padded blocks on CUDA; on CPU
     only blocks (uncompiled FlexAttention is a dense fallback, not a fast path)."""
@@ -581,4 +591,5 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("bench", "bench_gpu"),
     order=40,
+    skip_reason=skip_reason,
 )

@@ -267,9 +267,9 @@ def plot(run: Path, df: Any) -> list[Path]:
     plt = pyplot()
     paths = []
     layers = sorted(df["layer"].unique())
-    cols = min(3, len(layers))
+    cols = min(2 if len(layers) <= 6 else 4, len(layers))  # readable at report width
     rows = int(np.ceil(len(layers) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.5 * rows), squeeze=False, sharey=True,
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.5 * rows), squeeze=False, sharey=True,
                              layout="constrained")
     styles = {"no_bias": ("C3", "no bias"), "fixed_block": ("C2", "fixed block"), "windowed": ("C4", "windowed ALiBi")}
     model = str(df["model"].iloc[0])
