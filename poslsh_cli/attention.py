@@ -25,6 +25,7 @@ CPU a chunked path keeps memory at O(chunk x n).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -207,14 +208,23 @@ def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Seque
         causal: drop keys j > i.
         window: None, one half-width for every head, or one per head (keys with
             ``|i - j| > w_h`` dropped).
-        backend: ``auto`` (:func:`choose_backend`: FlexAttention on CUDA, chunked elsewhere),
-            ``flex``, ``chunked``, or ``reference`` (dense; tests only).
+        backend: ``auto`` (:func:`choose_backend`), ``flex``, ``chunked``, ``dense`` (one SDPA
+            call with the (H, n, n) bias), ``rank1`` (causal exact only: one extra q/k
+            coordinate, bias-free causal SDPA) or ``reference`` (dense float64; tests only).
 
     Returns (B, H, n, d) in q's dtype.
     """
     sig = _as_sigmas(sigmas, q.shape[1])
+    method = Method.WINDOWED if window is not None else Method.EXACT
     if backend == "auto":
-        backend = choose_backend(Method.WINDOWED if window is not None else Method.EXACT, q, k, v)
+        backend = choose_backend(method, q, k, v, causal)
+    if backend == "dense":
+        bias = alibi_bias(q.shape[-2], sig, causal, window, q.device, _bias_dtype(q.dtype))
+        return dense_bias_attention(q, k, v, bias, scale)
+    if backend == "rank1":
+        if window is not None or not causal:
+            raise ValueError("the rank-one path computes causal exact ALiBi only")
+        return alibi_rank1(q, k, v, sig, scale)
     if backend == "reference":
         n, H = q.shape[-2], q.shape[1]
         w = laplacian_weight(n, sig, q.device)
@@ -237,6 +247,137 @@ def no_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                             scale=_scale(q.shape[-1], scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# training paths: one dense attention with an additive bias, and causal ALiBi as a rank-one term
+
+
+def dense_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale + bias) V`` in one SDPA call (differentiable in q, k, v).
+
+    Args:
+        q, k, v: (B, H, n, d); queries, keys, values.
+        bias: (H, n, n) additive logit bias, ``-inf`` where a key is dropped (causal and
+            empty-mask entries); every row keeps at least its diagonal.
+
+    Returns (B, H, n, d) in q's dtype. Memory O(H n^2): for training lengths (n up to
+    :data:`DENSE_MAX_N`), where it costs one attention whatever the number of samples s.
+    """
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias[None].to(q.dtype), scale=_scale(q.shape[-1], scale))
+
+
+def _bias_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Biases are built in float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def alibi_bias(n: int, sigmas: torch.Tensor, causal: bool, window: int | Sequence[int] | None = None,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ALiBi bias ``-|i-j| / sigma_h``, (H, n, n) in ``dtype``, ``-inf`` where the causal or
+    window mask drops a key. It depends only on its arguments, so the last few are cached
+    (training rebuilds it in every layer at every step otherwise); treat it as read-only."""
+    sig = tuple(float(x) for x in sigmas.reshape(-1))
+    win = None if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(len(sig)))
+    return _alibi_bias(n, sig, causal, win, str(device), dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _alibi_bias(n: int, sigmas: tuple[float, ...], causal: bool, window: tuple[int, ...] | None, device: str,
+                dtype: torch.dtype) -> torch.Tensor:
+    H = len(sigmas)
+    i = torch.arange(n, device=device)
+    sig = torch.tensor(sigmas, device=device, dtype=dtype)
+    bias = -(i[:, None] - i[None, :]).abs().to(dtype)[None] / sig[:, None, None]
+    keep = masks.combine(causal, None if window is None else masks.Window.of(window, H, device))
+    return bias if keep is None else bias.masked_fill(~keep.grid(i, i, H), _NEG_INF)
+
+
+def mean_mask_dense(partitions: Sequence[Partitions], device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Dense ``M~`` per head, (H, n, n), built on ``device`` in O(H (s n + n b_max)) work plus the
+    (H, n, n) output: ``M~_{i,i+r} = #{k : rem_k(i) >= r} / s`` where ``rem_k(i)`` counts the
+    later positions of i's block in sample k; counts are integers, so the result is exact."""
+    H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
+    bins = device_bins(partitions, device).reshape(H * s, n)
+    end = masks.SameBlock.of(bins).end  # (H*s, n) last position of each position's block
+    rem = (end - torch.arange(n, device=device)).reshape(H, s, n).transpose(1, 2)  # (H, n, s)
+    R = int(rem.max()) + 1
+    hist = torch.zeros(H, n, R, dtype=dtype, device=device)
+    hist.scatter_add_(-1, rem, torch.ones_like(rem, dtype=dtype))
+    band = hist.flip(-1).cumsum(-1).flip(-1) / s  # (H, n, R): M~_{i, i+r}
+    i = torch.arange(n, device=device)
+    j = i[:, None] + torch.arange(R, device=device)[None, :]  # (n, R)
+    upper = torch.zeros(H, n, n, dtype=dtype, device=device)
+    upper.scatter_add_(-1, j.clamp(max=n - 1).expand(H, n, R), band * (j < n))
+    return upper + upper.transpose(-1, -2) - torch.eye(n, dtype=dtype, device=device)
+
+
+def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``log M~`` (H, n, n) in ``dtype`` with ``log 0 = -inf``, and ``-inf`` above the diagonal when
+    causal: with it, ``softmax(q k^T / sqrt(d) + log M~) V`` is Positional-LSH attention exactly
+    (DESIGN.md section 6).
+
+    Built row by row from the band: ``M~_{i,i-r} = #{k : i - start_k(i) >= r} / s`` (keys
+    before i) and ``M~_{i,i+r} = #{k : end_k(i) - i >= r} / s`` (keys after, bidirectional only),
+    the logarithm taken on the band only, scattered into a ``-inf`` matrix: O(H n b_max) work
+    besides filling the (H, n, n) output.
+    """
+    H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
+    bins = device_bins(partitions, device).reshape(H * s, n)
+    blocks = masks.SameBlock.of(bins)
+    pos = torch.arange(n, device=device)
+    out = torch.full((H, n, n), _NEG_INF, dtype=dtype, device=device)
+    sides = [(pos - blocks.start, -1)] + ([] if causal else [(blocks.end - pos, 1)])
+    for reach_all, sign in sides:
+        reach_all = reach_all.reshape(H, s, n).transpose(1, 2)  # (H, n, s): how far i's block extends
+        for h in range(H):  # each head's own band width: narrow heads cost little
+            reach = reach_all[h]
+            R = int(reach.max()) + 1
+            hist = torch.zeros(n, R, dtype=dtype, device=device)
+            hist.scatter_add_(-1, reach, torch.ones_like(reach, dtype=dtype))
+            band = torch.log(hist.flip(-1).cumsum(-1).flip(-1) / s)  # (n, R): log M~_{i, i + sign r}
+            j = pos[:, None] + sign * torch.arange(R, device=device)[None, :]  # (n, R)
+            outside = (j < 0) | (j >= n)
+            # entries past the sequence are sent to the diagonal with its own value, log 1 = 0
+            out[h].scatter_(-1, torch.where(outside, pos[:, None], j), band.masked_fill(outside, 0.0))
+    return out
+
+
+def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor,
+                scale: float | None = None) -> torch.Tensor:
+    """Causal exact ALiBi with the bias-free causal SDPA kernel.
+
+    Under the causal mask ``-m_h (i - j) = m_h j - m_h i`` and ``-m_h i`` is constant along a
+    row, where softmax ignores it; ``m_h j`` is a rank-one term that fits in one more q/k
+    coordinate: q gets 1, k gets ``m_h (j - c) / scale`` (c = (n-1)/2 keeps the values small),
+    zero-padded to a multiple of 8. The logits then carry the offset ``m_h (j - c)``, up to
+    ``m_h (n-1)/2`` in size, so their rounding error is about ``eps * m_h (n-1)/2`` (float32 at
+    n=1024, m=1/2: 3e-5, far below what training notices); float32 or wider only (bf16 cannot
+    hold it).
+
+    Args:
+        q, k, v: (B, H, n, d) float32/float64; queries, keys, values.
+        sigmas: (H,) kernel bandwidths, ``m_h = 1 / sigma_h``.
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    B, H, n, d = q.shape
+    sc = _scale(d, scale)
+    extra = -(-(d + 1) // 8) * 8 - d  # at least one coordinate, total a multiple of 8
+    slopes = (1.0 / sigmas).to(device=q.device, dtype=q.dtype)  # (H,)
+    pos = torch.arange(n, device=q.device, dtype=q.dtype) - (n - 1) / 2
+    qe = q.new_zeros(B, H, n, extra)
+    qe[..., 0] = 1.0
+    ke = k.new_zeros(B, H, n, extra)
+    ke[..., 0] = (slopes[:, None] * pos[None, :] / sc)[None]
+    ve = v.new_zeros(B, H, n, extra)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.cat([q, qe], -1), torch.cat([k, ke], -1), torch.cat([v, ve], -1), is_causal=True, scale=sc)
+    return out[..., :d]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,8 +574,8 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
             it fixes the backend. Built from ``partitions`` when omitted.
         sample_chunk: blocks path only; samples processed that many at a time, merged online.
         backend: ``blocks`` (length-bucketed padded blocks, any device, differentiable), ``flex``
-            (FlexAttention with the bins as document ids), or ``auto`` (flex on CUDA for
-            inference, blocks otherwise).
+            (FlexAttention with the bins as document ids), ``dense`` (one SDPA call with the bias
+            ``log M~``: training lengths) or ``auto`` (:func:`choose_backend`).
 
     Returns (B, H, n, d) in q's dtype.
     """
@@ -443,7 +584,9 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
     elif isinstance(layout, BlockLayout):
         backend = "blocks"
     elif backend == "auto":
-        backend = choose_backend(Method.POSLSH, q, k, v)
+        backend = choose_backend(Method.POSLSH, q, k, v, causal)
+    if backend == "dense":
+        return dense_bias_attention(q, k, v, poslsh_bias(partitions, causal, q.device, _bias_dtype(q.dtype)), scale)
     if backend == "flex":
         return poslsh_flex(q, k, v, partitions, causal, scale, layout=layout)
     if backend != "blocks":
@@ -538,12 +681,12 @@ class Method(str, enum.Enum):
     NO_BIAS = "no_bias"  # softmax(q k^T / sqrt(d)) V
 
 
-#: Backends each method can run on; the first is the CPU default.
+#: Backends each method can run on.
 BACKENDS: dict[Method, tuple[str, ...]] = {
-    Method.EXACT: ("chunked", "flex", "reference"),
-    Method.WINDOWED: ("chunked", "flex", "reference"),
-    Method.POSLSH: ("blocks", "flex", "reference"),
-    Method.FIXED_BLOCK: ("blocks", "flex", "reference"),
+    Method.EXACT: ("chunked", "flex", "dense", "rank1", "reference"),
+    Method.WINDOWED: ("chunked", "flex", "dense", "reference"),
+    Method.POSLSH: ("blocks", "flex", "dense", "reference"),
+    Method.FIXED_BLOCK: ("blocks", "flex", "dense", "reference"),
     Method.NO_BIAS: ("sdpa", "reference"),
 }
 
@@ -552,26 +695,47 @@ BACKENDS: dict[Method, tuple[str, ...]] = {
 #: differentiable). Tests switch it to run every path.
 BLOCK_KERNEL = "auto"
 
+#: Largest n at which training (gradients needed) runs one dense attention with an (H, n, n)
+#: bias instead of the block or chunked paths: there it costs one attention whatever s is.
+DENSE_MAX_N = 4096
+#: From this n on, causal exact ALiBi with gradients (float32/64, CPU) takes the rank-one path
+#: rather than the dense bias: measured by `poslsh step-bench` on a 2-core CPU, a training step
+#: of the 0.9M-parameter default model took 0.275 s (rank1) against 0.247 s (dense) at L=256, and
+#: 1.57 s against 1.91 s at L=1024 (padding costs more than the bias at small L, less at large L).
+RANK1_MIN_N = 512
+
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def choose_backend(method: Method | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The backend for ``method`` on q's device, dtype and gradient needs.
+def choose_backend(method: Method | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool = False) -> str:
+    """The backend for ``method`` given q's device, dtype, length and gradient needs.
 
-    - exact, windowed: FlexAttention with an ALiBi ``score_mod`` on CUDA (compiled, with
-      backward); query chunks with SDPA elsewhere (FlexAttention has no CPU fast path).
-    - poslsh, fixed_block: FlexAttention with the bins as document ids on CUDA for inference;
-      length-bucketed padded blocks otherwise (differentiable, any device).
     - no_bias: PyTorch SDPA.
+    - exact, windowed: FlexAttention with an ALiBi ``score_mod`` on CUDA. On the CPU with
+      gradients: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1`` (one extra q/k
+      coordinate on the bias-free causal kernel), shorter or windowed ones the dense bias (up to
+      DENSE_MAX_N); query chunks otherwise.
+    - poslsh, fixed_block: with gradients, the dense ``log M~`` bias up to DENSE_MAX_N and the
+      padded blocks beyond; for inference FlexAttention on CUDA and the blocks elsewhere.
     """
     method = Method(method)
+    grad = _needs_grad(q, k, v)
+    short = q.shape[-2] <= DENSE_MAX_N
     if method is Method.NO_BIAS:
         return "sdpa"
     if method in (Method.EXACT, Method.WINDOWED):
-        return "flex" if q.is_cuda else "chunked"
-    return "flex" if q.is_cuda and not _needs_grad(q, k, v) else "blocks"
+        if q.is_cuda:
+            return "flex"
+        if (method is Method.EXACT and grad and causal and q.shape[-2] >= RANK1_MIN_N
+                and q.dtype in (torch.float32, torch.float64)):
+            return "rank1"
+        return "dense" if grad and short else "chunked"
+    if grad:
+        return "dense" if short else "blocks"
+    return "flex" if q.is_cuda else "blocks"
 
 
 def choose_block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> str:
@@ -641,7 +805,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     method = spec.method
     if backend == "auto":
         backend = ("flex" if isinstance(layout, FlexLayout) else "blocks") if layout is not None \
-            else choose_backend(method, q, k, v)
+            else choose_backend(method, q, k, v, spec.causal)
     if backend not in BACKENDS[method]:
         raise ValueError(f"method {method.value} has no backend {backend!r} (choose from {', '.join(BACKENDS[method])})")
     if method in (Method.EXACT, Method.WINDOWED):

@@ -144,6 +144,22 @@ def _parse(exp: Experiment, overrides: list[str], multirun: bool) -> list[list[s
         raise ConfigError(str(exc).splitlines()[0]) from None
 
 
+def _positional(exp: Experiment, args: list[str]) -> list[str]:
+    """Plain arguments (paths) become the experiment's positional key: ``key=['a','b']``."""
+    if exp.positional is None:
+        return args
+    plain = [a for a in args if not a.startswith("-") and ("=" not in a or os.path.exists(a))]
+    if not plain:
+        return args
+    if any(a.startswith(f"{exp.positional}=") for a in args):
+        raise ConfigError(f"give {exp.positional} either as plain arguments or as {exp.positional}=, not both")
+    for a in plain:
+        if "'" in a:
+            raise ConfigError(f"cannot pass a path with a quote: {a!r}")
+    quoted = ",".join(f"'{a}'" for a in plain)
+    return [a for a in args if a not in plain] + [f"{exp.positional}=[{quoted}]"]
+
+
 def _check_launcher(name: str, multirun: bool) -> None:
     """One line for a launcher that cannot run here, before Hydra prints its own pages."""
     import importlib.util
@@ -179,6 +195,7 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
 
     args = models.shorthand(list(args)) if "model" in exp.groups else list(args)
     try:
+        args = _positional(exp, args)
         jobs = _parse(exp, args, multirun)
         out = _out_of(jobs[0]) or str(Path("runs") / exp.name / timestamp())
         out = str(Path(out).expanduser().resolve())

@@ -49,6 +49,11 @@ class Experiment:
     groups: tuple[str, ...] = ()
     #: why the experiment cannot run here for this spec (reproduce skips it and says so), or None
     skip_reason: Optional[Callable[[Any], Optional[str]]] = None
+    #: a list-valued key that plain (non KEY=VALUE) arguments fill: ``poslsh perplexity RUN...``
+    positional: Optional[str] = None
+    #: extra overrides `poslsh reproduce` adds for a preset, given the scale's root directory
+    #: (e.g. the train run a perplexity preset evaluates)
+    reproduce_overrides: Optional[Callable[[Path], list[str]]] = None
 
     @property
     def config_name(self) -> str:

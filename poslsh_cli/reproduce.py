@@ -25,13 +25,20 @@ def plan(scale: str) -> list[tuple[str, str, str]]:
             if f"{stem}_{scale}" in registry.preset_names(exp)]
 
 
-def skip_reason(command: str, preset: str) -> str | None:
+def overrides(command: str, preset: str, root: Path) -> list[str]:
+    """What reproduce passes for a preset: the preset and the experiment's own extra overrides."""
+    exp = registry.get(command)
+    extra = exp.reproduce_overrides(root) if exp.reproduce_overrides is not None else []
+    return [f"experiment={preset}", *extra]
+
+
+def skip_reason(command: str, preset: str, root: Path = Path(".")) -> str | None:
     """Why a preset cannot run on this machine (from its composed spec), or None."""
     exp = registry.get(command)
     if exp.skip_reason is None:
         return None
     try:
-        return exp.skip_reason(registry.compose_spec(exp, [f"experiment={preset}"]))
+        return exp.skip_reason(registry.compose_spec(exp, overrides(command, preset, root)))
     except ConfigError as exc:
         return f"the preset does not compose: {exc}"
 
@@ -69,14 +76,14 @@ def main(scale: str, root: Path) -> int:
     t0 = time.time()
     for name, command, preset in plan(scale):
         out = root / name
-        reason = skip_reason(command, preset)
+        reason = skip_reason(command, preset, root)
         if reason:
             _mark_skipped(out, name, command, preset, reason)
             print(f"== skipped {name}: {reason}", flush=True)
             continue
         (out / "skipped.json").unlink(missing_ok=True)
         print(f"== {name}: poslsh {command} experiment={preset} out={out}", flush=True)
-        cmd = [sys.executable, "-m", "poslsh_cli", command, f"experiment={preset}", f"out={out}"]
+        cmd = [sys.executable, "-m", "poslsh_cli", command, *overrides(command, preset, root), f"out={out}"]
         child = subprocess.Popen(cmd)
         try:
             rc = child.wait()

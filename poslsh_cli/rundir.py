@@ -343,11 +343,12 @@ class Checkpoints:
 
 
 def work_name(key: dict[str, Any]) -> str:
-    """A readable directory name for a cell: ``position=poslsh_s=10_seed=0``."""
+    """A readable directory name for a cell: ``position-poslsh_s-10_seed-0-<id>`` (no ``=``, so the
+    path can be passed as an override value)."""
     import re
 
-    text = "_".join(f"{k}={v}" for k, v in key.items())
-    return re.sub(r"[^A-Za-z0-9=.,+-]+", "_", text)[:120] + "-" + cell_id(key)[:6]
+    text = "_".join(f"{k}-{v}" for k, v in key.items())
+    return re.sub(r"[^A-Za-z0-9.,+-]+", "_", text)[:120] + "-" + cell_id(key)[:6]
 
 
 @dataclass(frozen=True)

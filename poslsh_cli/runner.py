@@ -66,6 +66,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     keys = exp.cells(spec, ctx)
     try:
         run.start(argv, spec.seed, len(keys))
+        if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
+            run.write_meta(**ctx.meta)
         for rel, produce in (getattr(ctx, "files", None) or {}).items():
             target = run.path / rel
             if not target.exists():

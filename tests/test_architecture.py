@@ -170,7 +170,7 @@ def test_a_cell_has_its_own_work_directory(tmp_path):
     run = RunDir.open(tmp_path / "run", "toy", "x: 1\n")
     run.start("poslsh toy", 0, 1)
     work = run.work({"position": "poslsh", "s": 10, "seed": 0})
-    assert re.match(r"position=poslsh_s=10_seed=0-[0-9a-f]{6}$", work.path.name)
+    assert re.match(r"position-poslsh_s-10_seed-0-[0-9a-f]{6}$", work.path.name)
     work.metrics(["step", "loss"]).append({"step": 1, "loss": 2.0})
     work.checkpoints().save(1, lambda d: (d / "x").write_text("1"))
     assert (work.path / "metrics.csv").exists() and work.checkpoints().latest()[0] == 1

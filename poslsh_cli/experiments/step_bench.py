@@ -1,0 +1,254 @@
+"""``poslsh step-bench``: the cost of a training step (forward, backward, AdamW) of the same
+model under each position scheme and attention path, side by side in one run.
+
+Cells: (L, position, s, backend). ``backend=auto`` is what ``poslsh train`` uses
+(:func:`poslsh_cli.attention.choose_backend`: causal ALiBi as one extra q/k coordinate on the
+bias-free causal SDPA kernel, Positional LSH as one dense attention with the bias ``log M~``);
+``backend=dense`` forces the dense-bias route, so exact ALiBi and Positional LSH can be compared
+through the same kernel. Seconds per step are the median of ``steps`` timed steps after
+``warmup``; memory is the peak rise (CUDA allocator, or the process's resident set on the CPU)
+during one more step. Ratios within the run are what to compare; absolute times depend on the
+machine and what else it runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.claims import Section, Status, Verdict
+from poslsh_cli.config import Spec, key
+from poslsh_cli.experiment import Experiment, check_device, resolve_device, synchronize
+from poslsh_cli.positions import Arch, Position, PositionState
+from poslsh_cli.sampling import derive_seed
+
+COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
+           "peak_mem_mb", "params", "device", "steps")
+
+#: Goals of the training issue, checked by the report: ALiBi against RoPE, Positional LSH against
+#: exact ALiBi through the same dense-bias route.
+ALIBI_GOAL, POSLSH_GOAL = 1.5, 1.3
+
+
+@dataclass(frozen=True)
+class StepBenchSpec(Spec):
+    seq_len: tuple[int, ...] = key("training lengths L", [256, 1024], ge=2)
+    position: tuple[Position, ...] = key("position schemes", [Position.ROPE, Position.ALIBI, Position.POSLSH],
+                                         noun="position")
+    s: tuple[int, ...] = key("Positional-LSH masks per head (poslsh only)", [10, 20], ge=1)
+    backend: tuple[str, ...] = key("attention paths: auto (as poslsh train), dense (the dense-bias route), "
+                                   "rank1 (exact ALiBi only: one extra q/k coordinate)", ["auto", "dense", "rank1"])
+    batch: int = key("sequences per step", 16, ge=1)
+    steps: int = key("timed steps (median reported)", 5, ge=1)
+    warmup: int = key("untimed steps first", 2, ge=0)
+    hidden: int = key("model width", 128, ge=1)
+    layers: int = key("decoder layers", 4, ge=1)
+    heads: int = key("attention heads", 8, ge=1)
+    kv_heads: int = key("key/value heads", 8, ge=1)
+    head_dim: int = key("head dimension", 16, ge=1)
+    intermediate: int = key("MLP width", 384, ge=1)
+    device: str = key("auto (CUDA when present), cpu, cuda, cuda:N", "auto")
+
+    def check(self) -> None:
+        from poslsh_cli.config import ConfigError
+
+        check_device(self.device)
+        for b in self.backend:
+            if b not in ("auto", "dense", "rank1"):
+                raise ConfigError(f"backend must be auto, dense or rank1, got {b!r}")
+
+
+@dataclass
+class Context:
+    device: Any
+    arch: Arch
+
+
+def prepare(spec: StepBenchSpec) -> Context:
+    from poslsh_cli.experiments.train import fast_cpu_math
+
+    fast_cpu_math()
+    return Context(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
+                                                     spec.intermediate, spec.head_dim, max(8192, 4 * max(spec.seq_len))))
+
+
+def attention_path(position: Position, backend: str, n: int, device: Any) -> str:
+    """The path a training step takes: what the chooser picks for gradients at length n."""
+    import torch
+
+    from poslsh_cli.attention import Method, choose_backend
+
+    if position is Position.ROPE:
+        return "sdpa+rope"
+    if backend == "rank1":
+        return "rank1" if position is Position.ALIBI else ""
+    if backend == "dense":
+        return "dense" if position is not Position.NONE else "sdpa"
+    method = {Position.NONE: Method.NO_BIAS, Position.ALIBI: Method.EXACT, Position.POSLSH: Method.POSLSH,
+              Position.FIXED_BLOCK: Method.FIXED_BLOCK, Position.WINDOWED: Method.WINDOWED}[position]
+    q = torch.empty(1, 1, n, 1, device=device, requires_grad=True)
+    with torch.enable_grad():
+        return choose_backend(method, q, q, q, causal=True)
+
+
+def cells(spec: StepBenchSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
+    """One cell per distinct path: a backend that resolves to a path already listed is skipped."""
+    import torch
+
+    device = ctx.device if ctx is not None else torch.device("cpu")
+    out = []
+    for n in spec.seq_len:
+        for p in spec.position:
+            seen = set()
+            for b in (spec.backend if p is not Position.ROPE else ("auto",)):
+                path = attention_path(p, b, n, device)
+                if not path or path in seen:  # rank1 is exact ALiBi's only
+                    continue
+                seen.add(path)
+                for s in (spec.s if p is Position.POSLSH else (0,)):
+                    out.append({"seq_len": n, "position": p.value, "s": s, "backend": b})
+    return out
+
+
+def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
+    import numpy as np
+    import torch
+
+    from poslsh_cli.data import VOCAB
+    from poslsh_cli.experiments.bench import _MEMORY_THRESHOLD, _TIMING_THRESHOLD, _mmap_threshold, _RssPeak
+    from poslsh_cli.positions import build_model
+
+    n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
+    state = PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed,
+                                   backend=backend if backend in ("dense", "rank1") else "auto")
+    model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))
+    x = torch.as_tensor(rng.integers(0, VOCAB, size=(spec.batch, n + 1)), device=ctx.device)
+
+    def step(t: int) -> float:
+        state.step = t  # fresh masks every step, as in training
+        synchronize(ctx.device)
+        t0 = time.perf_counter()
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        synchronize(ctx.device)
+        return time.perf_counter() - t0
+
+    for t in range(spec.warmup):
+        step(t)
+    times = [step(spec.warmup + t) for t in range(spec.steps)]
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device)
+        step(-1)
+        peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20
+    else:  # freed memory goes back to the OS during this step, so the resident set follows live tensors
+        _mmap_threshold(_MEMORY_THRESHOLD)
+        try:
+            with _RssPeak() as mem:
+                step(-1)
+        finally:
+            _mmap_threshold(_TIMING_THRESHOLD)
+        peak = mem.mb
+    sec = statistics.median(times)
+    row = {"seq_len": n, "position": position.value, "s": s, "backend": backend,
+           "attention_path": attention_path(position, backend, n, ctx.device), "batch": spec.batch,
+           "step_seconds": sec, "tokens_per_s": spec.batch * n / sec, "peak_mem_mb": peak,
+           "params": int(sum(p.numel() for p in model.parameters())), "device": str(ctx.device), "steps": spec.steps}
+    return [row], {}
+
+
+def _time(g: Any, position: str, path: str | None = None, s: int | None = None) -> float:
+    sel = g[g.position == position]
+    if path is not None:
+        sel = sel[sel.attention_path == path]
+    if s is not None:
+        sel = sel[sel.s == s]
+    return float(sel.step_seconds.median()) if len(sel) else float("nan")
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense"]
+    rows = []
+    for n, g in df.groupby("seq_len"):
+        rope, dense = _time(g, "rope"), _time(g, "alibi", "dense")
+        for r in g.itertuples():
+            rows.append([str(n), r.position, str(r.s) if r.s else "-", r.attention_path, f"{r.step_seconds:.3f}",
+                         f"{r.tokens_per_s:.0f}", f"{r.peak_mem_mb:.0f}",
+                         f"{r.step_seconds / rope:.2f}x" if rope == rope else "-",
+                         f"{r.step_seconds / dense:.2f}x" if dense == dense else "-"])
+    return head, rows
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    labels = [f"{r.position}{f' s={r.s}' if r.s else ''}\n{r.attention_path}" for r in df.drop_duplicates(
+        ["position", "s", "attention_path"]).itertuples()]
+    keys = df.drop_duplicates(["position", "s", "attention_path"])[["position", "s", "attention_path"]]
+    width = 0.8 / max(1, df.seq_len.nunique())
+    for i, (n, g) in enumerate(df.groupby("seq_len")):
+        vals = [float(g[(g.position == k.position) & (g.s == k.s) & (g.attention_path == k.attention_path)]
+                      .step_seconds.median()) for k in keys.itertuples()]
+        ax.bar([j + i * width for j in range(len(keys))], vals, width=width, label=f"L={n}", color=f"C{i}")
+    ax.set_xticks([j + width * (df.seq_len.nunique() - 1) / 2 for j in range(len(keys))], labels, fontsize=8)
+    ax.set_ylabel("seconds per training step (median)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"Training step cost, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")
+    return save(fig, run, "step_time")
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("step-bench", run, "Training-step cost of each position scheme")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    ev_a, st_a, ev_p, st_p = [], [], [], []
+    for n, g in df.groupby("seq_len"):
+        rope, fast = _time(g, "rope"), float(g[(g.position == "alibi") & (g.backend == "auto")].step_seconds.median())
+        if rope == rope and fast == fast:
+            st_a.append(Status.SUPPORTED if fast / rope <= ALIBI_GOAL else Status.NOT_SUPPORTED)
+            ev_a.append(f"L={n}: {fast / rope:.2f}x")
+        dense = _time(g, "alibi", "dense")
+        for s in sorted(g[g.position == "poslsh"].s.unique()):
+            p = _time(g, "poslsh", "dense", s)
+            if dense == dense and p == p:
+                st_p.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
+                ev_p.append(f"L={n} s={s}: {p / dense:.2f}x")
+    from poslsh_cli.claims import combine
+
+    sec.verdicts.append(Verdict(f"causal exact ALiBi trains within {ALIBI_GOAL}x the step time of RoPE (SDPA)",
+                                combine(st_a), "; ".join(ev_a) or "needs rope and alibi (auto) rows",
+                                "median step time of alibi on the path poslsh train takes (auto) over rope, at every L"))
+    sec.verdicts.append(Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same "
+                                "dense-bias route, whatever s", combine(st_p),
+                                "; ".join(ev_p) or "needs poslsh and alibi with backend=dense rows",
+                                "median step time ratio at every L and s"))
+    return sec
+
+
+EXPERIMENT = Experiment(
+    name="step-bench",
+    spec=StepBenchSpec,
+    help="""Time a training step (forward, backward, AdamW) of the same model under each position
+    scheme and attention path, with memory, side by side in one run.""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    prepare=prepare,
+    plot=plot,
+    report=report,
+    presets=("step_bench",),
+    order=45,
+)

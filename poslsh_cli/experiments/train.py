@@ -1,0 +1,400 @@
+"""``poslsh train``: train a byte-level decoder (Qwen3 architecture, from a transformers config)
+under a position scheme: the paper's from-scratch and fine-tuning experiments, at laptop scale
+on the CPU and at the paper's scale on a GPU.
+
+Cells: every (seed, position, s) combination (s only for poslsh), each a sub-run in
+``work/<cell>/`` with its own append-only ``metrics.csv``, step checkpoints
+(``checkpoints/step-NNNNNNNN``, loadable by ``AutoModelForCausalLM.from_pretrained``) and the
+final model in ``final/``. Everything random derives from the cell's seed: the initial weights,
+the batch of step t (from (seed, t)) and the masks of step t, layer l, head h; so a run killed
+at any point and started again with the same ``out=`` continues from its last checkpoint and
+ends with the same weights and losses as an uninterrupted run (CPU).
+
+``pretrain=P pretrain_steps=N`` first trains one model with scheme P (shared by every cell of a
+seed, itself resumable), then trains each cell's scheme from it: the paper's fine-tuning
+experiment. ``init=CHECKPOINT`` starts from an existing byte-level checkpoint instead.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from poslsh_cli.claims import Section, Status, Verdict
+from poslsh_cli.config import ConfigError, Spec, check, key
+from poslsh_cli.experiment import Experiment, check_device, resolve_device
+from poslsh_cli.positions import Arch, Position, PositionState
+from poslsh_cli.sampling import derive_seed
+
+COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
+           "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint")
+METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class TrainSpec(Spec):
+    seed: tuple[int, ...] = key("seeds (list sweeps): each trains its own model", [0], ge=0)
+    position: tuple[Position, ...] = key("position schemes (list sweeps): none, alibi, poslsh, fixed_block, "
+                                         "windowed, rope", [Position.ALIBI, Position.POSLSH], noun="position")
+    s: tuple[int, ...] = key("Positional-LSH masks per head per step (list sweeps; poslsh only)", [10], ge=1)
+    all_seeds: Optional[tuple[Position, ...]] = key("schemes trained with every seed; the others with the first "
+                                                    "seed only (null: all)", None, noun="position")
+    window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
+    data: str = key("builtin (Python's documentation prose, 0.76 MB), a text file or a folder of them", "builtin")
+    val_fraction: float = key("the last part of the corpus, held out for validation", 0.1, gt=0)
+    seq_len: int = key("training length L in bytes", 256, ge=2)
+    batch: int = key("sequences per step", 16, ge=1)
+    steps: int = key("optimizer steps (per stage)", 1000, ge=1)
+    lr: float = key("peak learning rate (AdamW; linear warm-up, cosine decay to 10%)", 2e-3, gt=0)
+    warmup: int = key("warm-up steps", 100, ge=0)
+    weight_decay: float = key("AdamW weight decay", 0.1, ge=0)
+    grad_clip: float = key("gradient norm clip (0: none)", 1.0, ge=0)
+    hidden: int = key("model width", 128, ge=1)
+    layers: int = key("decoder layers", 4, ge=1)
+    heads: int = key("attention heads (one ALiBi slope each)", 8, ge=1)
+    kv_heads: int = key("key/value heads (grouped-query attention)", 8, ge=1)
+    head_dim: int = key("head dimension", 16, ge=1)
+    intermediate: int = key("MLP width", 384, ge=1)
+    eval_every: int = key("evaluate on the validation bytes every this many steps (0: only at the end)", 100, ge=0)
+    eval_tokens: int = key("validation bytes per evaluation (non-overlapping windows of L)", 32768, ge=2)
+    checkpoint_every: int = key("save a resumable checkpoint every this many steps", 200, ge=1)
+    init: Optional[str] = key("a byte-level checkpoint to start from (fine-tuning)", None)
+    pretrain: Optional[Position] = key("train this scheme first (pretrain_steps), then each cell from it", None)
+    pretrain_steps: int = key("steps of the shared pretraining stage", 0, ge=0)
+    device: str = key("auto (CUDA when present), cpu, cuda, cuda:N", "auto")
+
+    def check(self) -> None:
+        check_device(self.device)
+        check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
+        check(self.heads % self.kv_heads == 0, f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.pretrain is not None:
+            check(self.pretrain_steps >= 1, "pretrain= needs pretrain_steps >= 1")
+
+
+@dataclass
+class Context:
+    corpus: Any
+    arch: Arch
+    device: Any
+    init: Optional[Path]
+    meta: dict = field(default_factory=dict)
+
+
+def fast_cpu_math() -> None:
+    """Flush denormal floats to zero for this process, as GPU kernels do: the softmax of a
+    biased or masked attention underflows into denormals, which CPUs handle up to 2x slower
+    (measured on the backward of the flash kernel); values below 1.2e-38 do not matter here."""
+    import torch
+
+    torch.set_flush_denormal(True)
+
+
+def prepare(spec: TrainSpec) -> Context:
+    import torch
+
+    from poslsh_cli.capture import check_checkpoint
+    from poslsh_cli.data import VOCAB, load_corpus
+
+    device = resolve_device(spec.device)
+    fast_cpu_math()
+    corpus = load_corpus(spec.data, spec.val_fraction, min_bytes=spec.seq_len + 1)
+    init = None
+    arch = Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim,
+                max_positions=max(32 * spec.seq_len, 8192))
+    if spec.init is not None:
+        init = Path(spec.init).expanduser().resolve()
+        check_checkpoint(init)
+        cfg = json.loads((init / "config.json").read_text())
+        if cfg.get("vocab_size") != VOCAB:
+            raise ConfigError(f"init={spec.init}: vocabulary {cfg.get('vocab_size')} is not byte-level ({VOCAB})")
+        if cfg.get("model_type") != "qwen3":
+            raise ConfigError(f"init={spec.init}: model_type {cfg.get('model_type')!r}; poslsh train uses qwen3")
+        arch = Arch(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                    cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["head_dim"],
+                    cfg.get("max_position_embeddings", arch.max_positions))
+    return Context(corpus, arch, device, init,
+                   meta={"corpus": {"source": corpus.source, "sha256": corpus.sha256, "train_bytes": len(corpus.train),
+                                    "val_bytes": len(corpus.val), "val_fraction": spec.val_fraction}})
+
+
+def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
+    out = []
+    for i, seed in enumerate(spec.seed):
+        for p in spec.position:
+            if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
+                continue
+            for s in (spec.s if p is Position.POSLSH else (0,)):
+                out.append({"position": p.value, "s": s, "seed": seed})
+    return out
+
+
+def state_for(spec: TrainSpec, position: Position, s: int, seed: int, heads: int) -> PositionState:
+    return PositionState.standard(position, heads, num_samples=s, window_sigmas=spec.window_sigmas, seed=seed)
+
+
+def learning_rate(spec: TrainSpec, step: int, steps: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to 10% of it at the last step."""
+    warm = min(spec.warmup, max(steps - 1, 0))
+    if step <= warm:
+        return spec.lr * step / max(1, warm)
+    frac = (step - warm) / max(1, steps - warm)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def evaluate(model: Any, state: PositionState, tokens: Any, length: int, stride: int | None = None,
+             max_tokens: int | None = None, batch: int = 8, key: str = "eval") -> tuple[float, int]:
+    """(sum of natural-log losses, predicted positions) over the evaluation windows of ``tokens``.
+
+    Positional-LSH masks are fixed by ``key`` (not by the training step), so an evaluation
+    replays. The model runs in eval mode without gradients.
+    """
+    import numpy as np
+    import torch
+
+    from poslsh_cli.data import eval_windows
+
+    windows = list(eval_windows(tokens, length, stride, max_tokens))
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    state.eval_key = key
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            for a in range(0, len(windows), batch):
+                group = windows[a:a + batch]
+                x = torch.as_tensor(np.stack([w.tokens for w in group]), device=device)
+                logits = model(input_ids=x).logits.float()  # (b, L, V)
+                nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                        x[:, 1:].reshape(-1), reduction="none").view(len(group), -1)
+                for i, w in enumerate(group):  # target position p >= score_from is predicted by p - 1
+                    total += float(nll[i, w.score_from - 1:].double().sum())
+                    count += length - w.score_from
+    finally:
+        state.eval_key = None
+        model.train(was_training)
+    return total, count
+
+
+def _save(model: Any, path: Path, extra: dict[str, Any], optimizer: Any = None) -> None:
+    import torch
+
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "poslsh_train.json").write_text(json.dumps(extra, indent=1) + "\n")
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), path / "optimizer.pt")
+
+
+def _load(path: Path, state: PositionState, device: Any) -> Any:
+    import transformers as tf
+
+    from poslsh_cli.positions import install
+
+    tf.logging.set_verbosity_error()
+    model = tf.Qwen3ForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                attn_implementation="sdpa")
+    return install(model, state).to(device)
+
+
+def train_stage(spec: TrainSpec, ctx: Context, path: Path, state: PositionState, seed: int, steps: int,
+                init: Optional[Path], progress: Any, label: str) -> Path:
+    """Train ``steps`` steps under ``state`` into ``path`` (resumable); returns ``path/final``."""
+    import numpy as np
+    import torch
+
+    from poslsh_cli.data import train_batch
+    from poslsh_cli.positions import build_model
+    from poslsh_cli.rundir import Checkpoints, MetricsLog
+
+    final = path / "final"
+    if (final / "config.json").exists():
+        return final
+    path.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(path / "metrics.csv", METRICS)
+    ckpts = Checkpoints(path / "checkpoints")
+    info = {"position": state.position.value, "s": state.num_samples, "seed": seed, "seq_len": spec.seq_len,
+            "steps": steps, "data": spec.data, "data_sha256": ctx.corpus.sha256, "val_fraction": spec.val_fraction,
+            "init": str(init) if init else None}
+    start, last = 0, ckpts.latest()
+    if last is not None:
+        start, src = last
+        model = _load(src, state, ctx.device)
+        metrics.truncate_after("step", start)
+    elif init is not None:
+        model = _load(init, state, ctx.device)
+    else:
+        model = build_model(ctx.arch, state, derive_seed(seed, "init")).to(ctx.device)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
+    if last is not None:
+        opt.load_state_dict(torch.load(last[1] / "optimizer.pt", weights_only=True))
+    done = metrics.frame()
+    elapsed = float(done.seconds.iloc[-1]) if len(done) else 0.0
+    tokens_per_step = spec.batch * spec.seq_len
+    for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
+        state.step = step
+        lr = learning_rate(spec, step, steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rng = np.random.default_rng(derive_seed(seed, "batch", step))
+        xb = torch.as_tensor(train_batch(ctx.corpus.train, spec.seq_len, spec.batch, rng), device=ctx.device)
+        logits = model(input_ids=xb[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), xb[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+        opt.step()
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        loss = loss.item()
+        row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "val_loss": None,
+               "val_bpb": None, "lr": lr, "seconds": round(elapsed, 4), "step_seconds": round(dt, 5),
+               "tokens_per_s": round(tokens_per_step / dt, 1)}
+        if (spec.eval_every and step % spec.eval_every == 0) or step == steps:
+            total, count = evaluate(model, state, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
+            row["val_loss"] = total / count
+            row["val_bpb"] = total / count / LN2
+        metrics.append(row)
+        progress(step, steps, f"{label} loss {loss:.3f}" + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))
+        if step % spec.checkpoint_every == 0 and step < steps:
+            ckpts.save(step, lambda d: _save(model, d, {**info, "step": step}, opt), keep=2)
+    tmp = path / ".final.tmp"
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    _save(model, tmp, {**info, "step": steps})
+    tmp.replace(final)
+    return final
+
+
+def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> tuple[list[dict], dict]:
+    import pandas as pd
+
+    from poslsh_cli.positions import load_model
+
+    position, s, seed = Position(key["position"]), key["s"], key["seed"]
+    state = state_for(spec, position, s, seed, ctx.arch.heads)
+    init = ctx.init
+    if spec.pretrain is not None:
+        base = state_for(spec, spec.pretrain, spec.s[0] if spec.pretrain is Position.POSLSH else 0, seed, ctx.arch.heads)
+        shared = work.path.parent / f"pretrain-{spec.pretrain.value}-seed{seed}"
+        init = train_stage(spec, ctx, shared, base, seed, spec.pretrain_steps, ctx.init, work.progress,
+                           f"pretrain {spec.pretrain.value}")
+    label = f"{position.value}" + (f" s={s}" if s else "") + f" seed={seed}"
+    final = train_stage(spec, ctx, work.path, state, seed, spec.steps, init, work.progress, label)
+    model, loaded = load_model(final, str(ctx.device))
+    total, count = evaluate(model, loaded, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
+    m = pd.read_csv(work.path / "metrics.csv")
+    tail = m.tail(max(1, len(m) // 10))
+    run_root = work.path.parent.parent
+    row = {"position": position.value, "s": s, "seed": seed, "seq_len": spec.seq_len, "steps": spec.steps,
+           "tokens": int(m.tokens.iloc[-1]), "params": int(sum(p.numel() for p in model.parameters())),
+           "train_loss": float(tail.loss.mean()), "val_loss": total / count, "val_bpb": total / count / LN2,
+           "val_ppl": math.exp(total / count), "seconds": float(m.seconds.iloc[-1]),
+           "tokens_per_s": float(m.tokens.iloc[-1] / m.seconds.iloc[-1]),
+           "pretrain": spec.pretrain.value if spec.pretrain else "", "init": str(ctx.init or ""),
+           "checkpoint": str(final.relative_to(run_root))}
+    return [row], {}
+
+
+def skip_reason(spec: TrainSpec) -> str | None:
+    """The GPU preset is refused (reproduce: skipped) on a machine without CUDA."""
+    if spec.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"device={spec.device} but this machine has no CUDA GPU"
+    return None
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    head = ["position", "s", "seed", "params", "train loss", "val bpb", "val ppl", "tokens/s", "secs"]
+    rows = [[r.position, str(r.s) if r.s else "-", str(r.seed), f"{r.params:,}", f"{r.train_loss:.3f}",
+             f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.tokens_per_s:.0f}", f"{r.seconds:.0f}"]
+            for r in df.itertuples()]
+    return head, rows
+
+
+def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
+    """(row, metrics DataFrame) for every finished cell, from its work directory."""
+    import pandas as pd
+
+    out = []
+    for r in df.to_dict("records"):
+        path = Path(run) / r["checkpoint"]
+        m = path.parent / "metrics.csv"
+        if m.exists():
+            out.append((r, pd.read_csv(m)))
+    return out
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    """Learning curves: training loss and validation bits per byte against steps, per cell."""
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (r, m) in enumerate(metrics_of(run, df)):
+        label = r["position"] + (f" s={r['s']}" if r["s"] else "") + f" seed={r['seed']}"
+        c = f"C{i % 10}"
+        axes[0].plot(m.step, m.loss.rolling(max(1, len(m) // 50), min_periods=1).mean(), color=c, lw=1.1, label=label)
+        v = m.dropna(subset=["val_bpb"])
+        axes[1].plot(v.step, v.val_bpb, "o-", color=c, ms=3, lw=1.1, label=label)
+    axes[0].set_ylabel("training loss (nats per byte, running mean)")
+    axes[1].set_ylabel("validation bits per byte")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.25)
+    axes[1].legend(ncol=2)
+    fig.suptitle(f"Learning curves (L = {int(df.seq_len.iloc[0])})")
+    return save(fig, run, "learning_curves")
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("train", run, "Training: validation bits per byte at the training length")
+    cols = ["position", "s", "seed", "pretrain", "params", "steps", "val_bpb", "val_ppl", "tokens_per_s"]
+    sec.tables.append(df[[c for c in cols if c in df.columns]].round(4))
+    sec.paragraphs.append("Bits per byte on the held-out validation bytes at the training length, non-overlapping "
+                          "windows; `poslsh perplexity` measures longer lengths and swapped attention.")
+    if df.position.nunique() < 2:
+        sec.verdicts.append(Verdict("schemes compared at the training length", Status.NOT_MEASURED,
+                                    "one scheme in this run", "needs two or more schemes"))
+    else:
+        best = df.groupby(["position", "s"]).val_bpb.mean().sort_values()
+        sec.paragraphs.append("Mean over seeds, best first: " + ", ".join(
+            f"{p}{f' s={s}' if s else ''} {v:.4f}" for (p, s), v in best.items()) + ".")
+    return sec
+
+
+EXPERIMENT = Experiment(
+    name="train",
+    spec=TrainSpec,
+    help="""Train a byte-level Qwen3-architecture decoder under a position scheme (none, alibi, poslsh,
+    fixed_block, windowed, rope).
+
+    List values sweep: position=[none,alibi,poslsh] s=[10,20] seed=[0,1] trains every combination,
+    each in its own sub-run with metrics.csv, resumable checkpoints (AutoModelForCausalLM loads
+    them) and final/. pretrain=rope pretrain_steps=N fine-tunes every cell from one shared
+    pretrained model; init=CHECKPOINT from an existing one.""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    prepare=prepare,
+    plot=plot,
+    report=report,
+    presets=("train", "train_finetune", "train_gpu"),
+    order=50,
+    skip_reason=skip_reason,
+)

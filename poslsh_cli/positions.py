@@ -1,0 +1,229 @@
+"""Position schemes for a decoder-only language model built by transformers (Qwen3 architecture).
+
+    none          no positional information (NoPE): causal attention, no bias, no rotary
+    alibi         exact ALiBi, bias -|i-j| / sigma_h with the standard slopes
+    poslsh        Positional LSH: s masks per head, drawn anew at every step (DESIGN.md section 6)
+    fixed_block   one deterministic partition per head, width round(2 sigma_h)
+    windowed      exact ALiBi within |i-j| <= ceil(c sigma_h)
+    rope          the architecture's own rotary embedding and SDPA attention
+
+For every scheme but ``rope`` the rotary embedding is replaced by the identity and attention is
+the project's (:func:`poslsh_cli.attention.attend`), installed through transformers' own
+attention-function registry (``AttentionInterface``) under the name ``poslsh``. Positional-LSH
+masks for training step t, layer l, head h come from the seed ``derive_seed(seed, "masks", t,
+l, h)``: any step's masks replay. The scheme is stored in the checkpoint's ``config.json``
+(``poslsh``), so :func:`load_model` restores it and ``AutoModelForCausalLM.from_pretrained``
+still loads the weights.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poslsh_cli.config import ConfigError
+from poslsh_cli.sampling import alibi_sigmas, derive_seed
+
+ATTENTION_NAME = "poslsh"
+
+
+class Position(str, enum.Enum):
+    NONE = "none"
+    ALIBI = "alibi"
+    POSLSH = "poslsh"
+    FIXED_BLOCK = "fixed_block"
+    WINDOWED = "windowed"
+    ROPE = "rope"
+
+
+@dataclass
+class PositionState:
+    """What a model's attention layers need to apply a scheme; shared by every layer.
+
+    ``step`` is the training step whose masks are drawn (set by the training loop);
+    ``eval_key`` replaces it for evaluation (fixed masks, so a validation loss replays).
+    """
+
+    position: Position
+    sigmas: np.ndarray  # (H,) float64
+    num_samples: int = 0
+    window_sigmas: float = 4.0
+    seed: int = 0
+    step: int = 0
+    backend: str = "auto"
+    eval_key: str | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.position = Position(self.position)
+        self.sigmas = np.asarray(self.sigmas, dtype=np.float64).reshape(-1)
+
+    @classmethod
+    def standard(cls, position: Position | str, heads: int, **kw: Any) -> "PositionState":
+        """One sigma per head from the standard ALiBi slopes."""
+        return cls(Position(position), alibi_sigmas(heads), **kw)
+
+    def attention_spec(self, layer: int, n: int, scale: float | None) -> Any:
+        """The :class:`~poslsh_cli.attention.AttentionSpec` of ``layer`` at length n, this step."""
+        from poslsh_cli.attention import AttentionSpec, Method, fixed_block_partitions, windows
+        from poslsh_cli.sampling import sample_partitions
+
+        key = (self.step, self.eval_key, layer, n)
+        spec = self._cache.get(key)
+        if spec is not None:
+            return spec
+        p, sig = self.position, self.sigmas
+        if p is Position.POSLSH:
+            tag = ("eval", self.eval_key) if self.eval_key is not None else ("step", self.step)
+            parts = tuple(sample_partitions(n, float(sg), self.num_samples,
+                                            np.random.default_rng(derive_seed(self.seed, "masks", *tag, layer, h)))
+                          for h, sg in enumerate(sig))
+            spec = AttentionSpec(Method.POSLSH, sig, True, scale=scale, partitions=parts)
+        elif p is Position.FIXED_BLOCK:
+            spec = AttentionSpec(Method.FIXED_BLOCK, sig, True, scale=scale,
+                                 partitions=tuple(fixed_block_partitions(n, sig)))
+        elif p is Position.WINDOWED:
+            spec = AttentionSpec(Method.WINDOWED, sig, True, scale=scale, window=windows(sig, self.window_sigmas))
+        elif p is Position.ALIBI:
+            spec = AttentionSpec(Method.EXACT, sig, True, scale=scale)
+        elif p is Position.NONE:
+            spec = AttentionSpec(Method.NO_BIAS, sig, True, scale=scale)
+        else:
+            raise ValueError("rope uses the model's own attention")
+        if len(self._cache) > 64:
+            self._cache.clear()
+        self._cache[key] = spec
+        return spec
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k not in ("step", "eval_key")}
+        d["position"] = self.position.value
+        d["sigmas"] = [float(x) for x in self.sigmas]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PositionState":
+        return cls(**{k: v for k, v in d.items() if k in ("position", "sigmas", "num_samples", "window_sigmas",
+                                                          "seed", "backend")})
+
+
+def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
+                      dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
+    """The ``poslsh`` entry of transformers' attention registry.
+
+    query (B, H, n, d), key/value (B, H_kv, n, d) as the model's attention module passes them
+    (grouped key/value heads are expanded here); causal always (decoder). Returns the output
+    as (B, n, H, d), the layout transformers expects, and no attention weights.
+    """
+    from poslsh_cli.attention import attend
+
+    state: PositionState = module.poslsh_position
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    spec = state.attention_spec(module.layer_idx, query.shape[-2], scaling)
+    out = attend(query, key, value, spec, backend=state.backend)  # (B, H, n, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_rotary() -> Any:
+    import torch
+
+    class NoRotary(torch.nn.Module):
+        """Identity rotary embedding: cos = 1, sin = 0, so q and k are left as they are."""
+
+        def __init__(self, head_dim: int) -> None:
+            super().__init__()
+            self.head_dim = head_dim
+
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (*position_ids.shape, self.head_dim)
+            return x.new_ones(shape), x.new_zeros(shape)
+
+    return NoRotary
+
+
+def install(model: Any, state: PositionState) -> Any:
+    """Apply ``state`` to a transformers causal LM in place (and record it in its config)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    config = model.config
+    heads = config.num_attention_heads
+    if len(state.sigmas) != heads:
+        raise ConfigError(f"the position scheme has {len(state.sigmas)} sigmas for a model with {heads} heads")
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
+            m.poslsh_position = state
+    inner = model.model if hasattr(model, "model") else model
+    if state.position is Position.ROPE:
+        model.set_attn_implementation("sdpa")
+        if getattr(inner, "_poslsh_rotary", None) is not None:
+            inner.rotary_emb = inner._poslsh_rotary
+    else:
+        model.set_attn_implementation(ATTENTION_NAME)
+        if getattr(inner, "_poslsh_rotary", None) is None:
+            inner._poslsh_rotary = inner.rotary_emb
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        inner.rotary_emb = _no_rotary()(head_dim)
+    config.poslsh = state.to_json()
+    model.poslsh_position = state
+    return model
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Sizes of the Qwen3 decoder trained from scratch (byte vocabulary)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    head_dim: int
+    max_positions: int
+
+
+def build_model(arch: Arch, state: PositionState, seed: int) -> Any:
+    """A randomly initialised Qwen3ForCausalLM (vocabulary 256, tied embeddings) with ``state``."""
+    import torch
+    import transformers as tf
+
+    from poslsh_cli.data import VOCAB
+
+    tf.logging.set_verbosity_error()
+    config = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+                            num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                            num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
+                            max_position_embeddings=arch.max_positions, tie_word_embeddings=True,
+                            use_cache=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None,
+                            pad_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.Qwen3ForCausalLM(config)
+    return install(model, state)
+
+
+def load_model(path: Path, device: str = "cpu") -> tuple[Any, PositionState]:
+    """A checkpoint saved by ``poslsh train`` (or any byte-level causal LM), with its scheme."""
+    import transformers as tf
+
+    from poslsh_cli.capture import check_checkpoint
+
+    tf.logging.set_verbosity_error()
+    check_checkpoint(Path(path))
+    try:
+        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                        attn_implementation="sdpa")
+    except Exception as exc:  # a broken checkpoint: one line
+        text = str(exc).strip().splitlines()
+        raise ConfigError(f"{path}: cannot load the checkpoint ({text[0] if text else type(exc).__name__})") from None
+    saved = getattr(model.config, "poslsh", None)
+    state = PositionState.from_json(saved) if saved else PositionState.standard(
+        Position.ROPE, model.config.num_attention_heads)
+    install(model, state)
+    return model.to(device).eval(), state

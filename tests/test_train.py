@@ -1,0 +1,345 @@
+"""Training paths and ``poslsh train`` / ``perplexity`` / ``step-bench``: float64 references for
+the training attention paths, position schemes inside a real transformers model, resume after
+SIGKILL with identical results, perplexity equal to transformers' own forward, bad input."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from poslsh_cli import attention as A
+from poslsh_cli.attention import (AttentionSpec, Method, attend, mean_mask_dense, mean_mask_weight,
+                                  reference_attention)
+from poslsh_cli.cli import app
+from poslsh_cli.data import count_predicted, eval_windows, load_corpus
+from poslsh_cli.positions import Arch, Position, PositionState, build_model, load_model
+from poslsh_cli.sampling import alibi_sigmas, sample_partitions
+
+runner = CliRunner()
+TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32",
+        "batch=4", "eval_tokens=2048", "warmup=2"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def qkv(B=2, H=4, n=80, d=8, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(B, H, n, d, generator=g, dtype=torch.float64) for _ in range(3)]
+    return [t.requires_grad_(grad) for t in ts]
+
+
+# ---------------------------------------------------------------------------------------------
+# the training attention paths against float64 references
+
+
+@pytest.mark.parametrize("n,sigma_list,s", [(1, [2.0], 3), (80, [0.3, 2.0, 9.0, 300.0], 1), (300, [1.0, 4.0, 16.0, 64.0], 20)])
+def test_mean_mask_dense_equals_the_reference_exactly(n, sigma_list, s):
+    g = np.random.default_rng(n)
+    parts = [sample_partitions(n, sg, s, g) for sg in sigma_list]
+    torch.testing.assert_close(mean_mask_dense(parts), mean_mask_weight(parts), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_bias_poslsh_equals_blocks_and_reference_in_float64(causal):
+    """T~ = softmax(q k^T/sqrt(d) + log M~) V: the dense route equals the block-and-merge route."""
+    q, k, v = qkv(n=200)
+    g = np.random.default_rng(1)
+    parts = tuple(sample_partitions(200, sg, 10, g) for sg in (1.0, 4.0, 16.0, 64.0))
+    spec = AttentionSpec(Method.POSLSH, [1.0, 4.0, 16.0, 64.0], causal, partitions=parts)
+    ref = attend(q, k, v, spec, backend="reference")
+    torch.testing.assert_close(attend(q, k, v, spec, backend="dense"), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(attend(q, k, v, spec, backend="blocks"), ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [None, [1, 3, 9, 400]])
+def test_dense_and_rank1_alibi_equal_the_reference_with_gradients(window):
+    """Causal exact ALiBi as one extra q/k coordinate (rank1) and as a dense bias: outputs and
+    gradients equal the float64 reference."""
+    sig = [0.5, 2.0, 8.0, 64.0]
+    backends = ["dense"] + (["rank1"] if window is None else [])
+    q, k, v = qkv(n=70, grad=True)
+    method = Method.EXACT if window is None else Method.WINDOWED
+    spec = AttentionSpec(method, sig, True, window=None if window is None else tuple(window))
+    ref = attend(q, k, v, spec, backend="reference")
+    gref = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for b in backends:
+        out = attend(q, k, v, spec, backend=b)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-11)
+        for a, r in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), gref):
+            torch.testing.assert_close(a, r, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [256, 1024])
+def test_rank1_float32_error_follows_its_precision_bound(n):
+    """Float32 rank-one ALiBi: within twice the naive float32 error plus the rounding of its
+    logit offset, eps * max_h m_h (n-1)/2, carried to the output by at most max |v|."""
+    from poslsh_cli.attention import laplacian_weight
+
+    q, k, v = qkv(B=1, H=8, n=n, d=16)
+    sig = torch.as_tensor(alibi_sigmas(8))
+    w = laplacian_weight(n, sig)
+    ref, _ = reference_attention(q, k, v, w, True)
+    naive, _ = reference_attention(q.float(), k.float(), v.float(), w, True, dtype=torch.float32)
+    eps = torch.finfo(torch.float32).eps
+    offset = float((1 / sig).max()) * (n - 1) / 2
+    tol = 2 * (naive.double() - ref).abs().max().item() + 2 * eps * offset * v.abs().max().item()
+    err = (A.alibi_rank1(q.float(), k.float(), v.float(), sig).double() - ref).abs().max().item()
+    assert err <= tol, (err, tol)
+
+
+def test_the_chooser_picks_the_training_paths_by_length_and_gradient():
+    x = torch.zeros(1, 1, 64, 8, requires_grad=True)
+    y = torch.zeros(1, 1, A.RANK1_MIN_N, 8, requires_grad=True)
+    assert A.choose_backend(Method.EXACT, x, x, x, causal=True) == "dense"
+    assert A.choose_backend(Method.EXACT, y, y, y, causal=True) == "rank1"
+    assert A.choose_backend(Method.EXACT, y, y, y, causal=False) == "dense"
+    assert A.choose_backend(Method.EXACT, y.bfloat16(), y.bfloat16(), y.bfloat16(), causal=True) == "dense"
+    assert A.choose_backend(Method.WINDOWED, x, x, x, causal=True) == "dense"
+    assert A.choose_backend(Method.POSLSH, x, x, x, causal=True) == "dense"
+    long = torch.zeros(1, 1, A.DENSE_MAX_N + 1, 8, requires_grad=True)
+    assert A.choose_backend(Method.POSLSH, long, long, long, causal=True) == "blocks"
+    with torch.no_grad():  # inference keeps the memory-light paths
+        assert A.choose_backend(Method.POSLSH, x, x, x, causal=True) == "blocks"
+        assert A.choose_backend(Method.EXACT, x, x, x, causal=True) == "chunked"
+
+
+# ---------------------------------------------------------------------------------------------
+# position schemes inside a transformers model
+
+
+ARCH = Arch(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, head_dim=8, max_positions=512)
+
+
+@pytest.mark.parametrize("position", list(Position))
+def test_every_scheme_matches_its_float64_reference_inside_the_model(position):
+    """The installed attention (float32, chosen path) gives the logits of the same model run on the
+    dense float64 reference path; rope keeps the architecture's own attention."""
+    state = PositionState.standard(position, 4, num_samples=5, seed=3)
+    model = build_model(ARCH, state, seed=0).eval()
+    x = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = model(input_ids=x).logits
+        if position is Position.ROPE:
+            assert model.config._attn_implementation == "sdpa"
+            return
+        state.backend = "reference"
+        ref = model(input_ids=x).logits
+    torch.testing.assert_close(fast, ref, rtol=0, atol=2e-4)
+    assert model.config.poslsh["position"] == position.value
+
+
+def test_poslsh_masks_are_fresh_each_step_and_replay():
+    state = PositionState.standard(Position.POSLSH, 4, num_samples=3, seed=7)
+    state.step = 1
+    a = state.attention_spec(0, 50, None).partitions
+    state.step = 2
+    b = state.attention_spec(0, 50, None).partitions
+    state.step, state._cache = 1, {}
+    c = state.attention_spec(0, 50, None).partitions
+    assert not np.array_equal(a[0].widths, b[0].widths)
+    assert all(np.array_equal(x.widths, y.widths) and np.array_equal(x.shifts, y.shifts) for x, y in zip(a, c))
+
+
+# ---------------------------------------------------------------------------------------------
+# data and evaluation windows
+
+
+def test_eval_windows_predict_every_byte_once():
+    tokens = np.arange(1000) % 256
+    assert count_predicted(tokens, 100) == 10 * 99  # non-overlapping: all but each window's first
+    seen = np.zeros(1000, int)
+    start = 0
+    for i, w in enumerate(eval_windows(tokens, 100, stride=25)):
+        seen[start + w.score_from:start + 100] += 1
+        start += 25
+    assert seen[0] == 0 and (seen[1:start + 75] == 1).all()
+
+
+def test_corpus_split_and_bad_data(tmp_path):
+    c = load_corpus("builtin", 0.1)
+    assert abs(len(c.val) / (len(c.train) + len(c.val)) - 0.1) < 1e-3 and len(c.sha256) == 64
+    (tmp_path / "empty.txt").write_text("  \n")
+    from poslsh_cli.config import ConfigError
+
+    with pytest.raises(ConfigError, match="empty"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_corpus(str(tmp_path / "nope.txt"))
+    (tmp_path / "short.txt").write_text("a few bytes only")
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        load_corpus(str(tmp_path / "short.txt"), min_bytes=33)
+
+
+# ---------------------------------------------------------------------------------------------
+# poslsh train, perplexity, step-bench end to end
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "run"
+    r = invoke("train", *TINY, "position=[none,alibi,poslsh,fixed_block,windowed,rope]", "s=[3]", "steps=6",
+               "eval_every=3", "checkpoint_every=4", f"out={out}")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
+    from transformers import AutoModelForCausalLM
+
+    df = pd.read_csv(trained / "results.csv")
+    assert list(df.position) == ["none", "alibi", "poslsh", "fixed_block", "windowed", "rope"]
+    assert (df.s == [0, 0, 3, 0, 0, 0]).all() and (df.val_bpb > 0).all() and (df.val_bpb < 9).all()
+    meta = json.loads((trained / "meta.json").read_text())
+    assert len(meta["corpus"]["sha256"]) == 64 and meta["corpus"]["source"] == "builtin"
+    for r in df.itertuples():
+        final = trained / r.checkpoint
+        m = pd.read_csv(final.parent / "metrics.csv")
+        assert list(m.step) == [1, 2, 3, 4, 5, 6] and m.val_bpb.notna().sum() == 2
+        assert (final.parent / "checkpoints" / "step-00000004" / "optimizer.pt").exists()
+        model = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)  # plain transformers loads it
+        assert model.config.poslsh["position"] == r.position
+        model2, state = load_model(final)
+        assert state.position.value == r.position
+    assert invoke("plot", trained).exit_code == 0 and (trained / "figures" / "learning_curves.png").exists()
+
+
+def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    df = pd.read_csv(trained / "results.csv")
+    ck = trained / df[df.position == "rope"].checkpoint.iloc[0]
+    out = tmp_path / "ppl"
+    r = invoke("perplexity", ck, "lengths=[32,64]", "max_tokens=2048", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    model = AutoModelForCausalLM.from_pretrained(ck, local_files_only=True).eval()
+    val = load_corpus("builtin", 0.1).val
+    for length in (32, 64):
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for w in eval_windows(val, length, max_tokens=2048):
+                x = torch.as_tensor(w.tokens)[None]
+                logits = model(input_ids=x).logits[0, :-1]
+                total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+                count += length - 1
+        row = res[res.length == length].iloc[0]
+        assert row.tokens == count
+        assert row.loss == pytest.approx(total / count, rel=1e-5)
+        assert row.bits_per_byte == pytest.approx(total / count / math.log(2), rel=1e-5)
+
+
+def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
+    out = tmp_path / "ppl"
+    r = invoke("perplexity", trained, "attention=[own,alibi,poslsh]", "s=[2,4]", "max_tokens=2048", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    assert sorted(res.length.unique()) == [32, 64, 128, 256]
+    assert set(res.attention) == {"own", "alibi", "poslsh"} and set(res[res.attention == "poslsh"].s) == {2, 4}
+    own = res[(res.attention == "own")]
+    assert len(own) == 6 * 4 and (own.bits_per_byte > 0).all()
+    # an alibi-trained model evaluated "own" and with alibi swapped in is the same computation
+    a = res[(res.position == "alibi")]
+    pd.testing.assert_series_equal(a[a.attention == "own"].set_index("length").loss,
+                                   a[a.attention == "alibi"].set_index("length").loss, check_names=False)
+    assert invoke("plot", out).exit_code == 0 and (out / "figures" / "bpb_vs_length.png").exists()
+    r = invoke("report", out)
+    assert r.exit_code == 0 and "Language modelling" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["position=[magic]"], "unknown position 'magic'"),
+    (["position=[poslsh]", "s=[0]"], "s must be >= 1, got 0"),
+    (["data={tmp}/missing.txt"], "no such file"),
+    (["data={tmp}/empty.txt"], "the text is empty"),
+    (["data={tmp}/short.txt"], "fewer than one window"),
+    (["init={tmp}"], "no config.json"),
+    (["pretrain=rope"], "pretrain= needs pretrain_steps >= 1"),
+    (["heads=4", "kv_heads=3"], "not a multiple of kv_heads"),
+])
+def test_train_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("too short for one window of 32 bytes")
+    out = tmp_path / "out"
+    r = invoke("train", *TINY, "steps=2", *[a.format(tmp=tmp_path) for a in args], f"out={out}")
+    assert r.exit_code == 2, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_perplexity_bad_input(tmp_path):
+    r = invoke("perplexity", tmp_path / "nope", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "neither a checkpoint directory" in r.stderr
+    r = invoke("perplexity", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "give at least one train run" in r.stderr
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
+    """SIGKILL half-way (no chance to clean up), start again: it continues from the last
+    checkpoint and ends with the uninterrupted run's losses and weights, bit for bit (CPU)."""
+    from safetensors.torch import load_file
+
+    args = [*TINY, "position=[poslsh]", "s=[4]", "steps=12", "eval_every=4", "checkpoint_every=3"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "poslsh_cli", "train", *args]
+    ref = subprocess.run(cmd + [f"out={tmp_path / 'ref'}"], capture_output=True, env=env, timeout=600)
+    assert ref.returncode == 0, ref.stderr.decode()
+    proc = subprocess.Popen(cmd + [f"out={tmp_path / 'cut'}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    metrics = None
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        found = list((tmp_path / "cut" / "work").glob("*/metrics.csv")) if (tmp_path / "cut" / "work").exists() else []
+        if found and len(found[0].read_text().splitlines()) >= 9:  # header + 8 steps: past the step-6 checkpoint
+            metrics = found[0]
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert metrics is not None
+    res = subprocess.run(cmd + [f"out={tmp_path / 'cut'}"], capture_output=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr.decode()
+    a = pd.read_csv(next((tmp_path / "ref" / "work").glob("*/metrics.csv")))
+    b = pd.read_csv(metrics)
+    assert list(b.step) == list(range(1, 13))
+    pd.testing.assert_frame_equal(a[["step", "loss", "val_loss"]], b[["step", "loss", "val_loss"]])
+    wa = load_file(next((tmp_path / "ref" / "work").glob("*/final/model.safetensors")))
+    wb = load_file(next((tmp_path / "cut" / "work").glob("*/final/model.safetensors")))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = pd.read_csv(tmp_path / "ref" / "results.csv"), pd.read_csv(tmp_path / "cut" / "results.csv")
+    assert ra.val_loss.iloc[0] == rb.val_loss.iloc[0]
+
+
+def test_finetuning_shares_one_pretraining_stage(tmp_path):
+    out = tmp_path / "ft"
+    r = invoke("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",
+               "eval_every=0", f"out={out}")
+    assert r.exit_code == 0, r.output
+    stages = sorted(p.name for p in (out / "work").iterdir())
+    assert sum(name.startswith("pretrain-rope-seed0") for name in stages) == 1
+    df = pd.read_csv(out / "results.csv")
+    assert (df.pretrain == "rope").all()
+    info = json.loads((out / df.checkpoint.iloc[0] / "poslsh_train.json").read_text())
+    assert info["init"].endswith("pretrain-rope-seed0/final")
+
+
+def test_step_bench_compares_paths_in_one_run(tmp_path):
+    r = invoke("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
+               "intermediate=64", "batch=2", "steps=1", "warmup=0", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    paths = set(zip(df.position, df.attention_path))
+    assert {("rope", "sdpa+rope"), ("alibi", "rank1"), ("alibi", "dense"), ("poslsh", "dense")} <= paths
+    assert len(df[df.position == "poslsh"]) == 2  # s=10 and s=20; auto and dense are one path here
+    assert len(df[df.position == "alibi"]) == 2  # auto and dense are one path; rank1 the other
+    assert (df.step_seconds > 0).all()
