@@ -55,6 +55,8 @@ class PositionState:
     step: int = 0
     backend: str = "auto"
     eval_key: str | None = None
+    #: the checkpoint's own attention, untouched (an ALiBi checkpoint's inline attention)
+    native: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,7 +101,7 @@ class PositionState:
         return spec
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k not in ("step", "eval_key")}
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k not in ("step", "eval_key", "native")}
         d["position"] = self.position.value
         d["sigmas"] = [float(x) for x in self.sigmas]
         return d
@@ -147,12 +149,54 @@ def _no_rotary() -> Any:
     return NoRotary
 
 
+def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
+    """A replacement ``forward`` for the inline attention of an ALiBi checkpoint (BLOOM, MPT,
+    Falcon-RW): its own fused projection and output projection around the project's attention
+    (:func:`~poslsh_cli.attention.attend`) with the module's position state."""
+    import torch
+
+    from poslsh_cli.attention import attend
+    from poslsh_cli.capture import ALIBI_ARCHS, alibi_scaling, split_qkv
+
+    arch = ALIBI_ARCHS[mtype]
+    heads = getattr(module, "num_heads", None) or module.n_heads
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        state: PositionState = module.poslsh_position
+        B, T, _ = hidden_states.shape
+        q, k, v = split_qkv(module, mtype, getattr(module, arch.qkv)(hidden_states), heads)  # (B, H, T, d)
+        spec = state.attention_spec(layer, T, alibi_scaling(module, mtype, q.shape[-1]))
+        context = attend(q, k, v, spec, backend=state.backend).transpose(1, 2).reshape(B, T, -1)  # (B, T, H d)
+        out = getattr(module, arch.out)(context)
+        if mtype == "bloom":  # BLOOM's attention module adds the residual itself (dropout_add)
+            residual = args[0] if args else kwargs["residual"]
+            out = torch.nn.functional.dropout(out, p=module.hidden_dropout, training=module.training) + residual
+        return out, None
+
+    return forward
+
+
 def install(model: Any, state: PositionState) -> Any:
-    """Apply ``state`` to a transformers causal LM in place (and record it in its config)."""
+    """Apply ``state`` to a transformers causal LM in place (and record it in its config).
+
+    ALiBi checkpoints (BLOOM, MPT, Falcon-RW) keep their own inline attention for a ``native``
+    state and get an adapter around the project's attention otherwise.
+    """
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    from poslsh_cli.capture import ALIBI_ARCHS, attention_modules
+
     config = model.config
+    mtype = getattr(config, "model_type", None)
+    if mtype in ALIBI_ARCHS:
+        for layer, m in enumerate(attention_modules(model, mtype)):
+            m.poslsh_position = state
+            if "_poslsh_native_forward" not in m.__dict__:
+                m._poslsh_native_forward = m.forward
+            m.forward = m._poslsh_native_forward if state.native else _alibi_adapter(m, mtype, layer)
+        model.poslsh_position = state
+        return model
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
     heads = config.num_attention_heads
     if len(state.sigmas) != heads:
         raise ConfigError(f"the position scheme has {len(state.sigmas)} sigmas for a model with {heads} heads")
@@ -208,22 +252,37 @@ def build_model(arch: Arch, state: PositionState, seed: int) -> Any:
     return install(model, state)
 
 
-def load_model(path: Path, device: str = "cpu") -> tuple[Any, PositionState]:
-    """A checkpoint saved by ``poslsh train`` (or any byte-level causal LM), with its scheme."""
+def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False) -> tuple[Any, PositionState]:
+    """A checkpoint saved by ``poslsh train``, an ALiBi checkpoint (BLOOM, MPT, Falcon-RW: its own
+    attention, with its own slopes, as the native state) or another causal LM (its own attention,
+    recorded as ``rope``)."""
+    import json
+
     import transformers as tf
 
-    from poslsh_cli.capture import check_checkpoint
+    from poslsh_cli.capture import ALIBI_ARCHS, alibi_sigmas_of, check_checkpoint
 
     tf.logging.set_verbosity_error()
-    check_checkpoint(Path(path))
+    path = Path(path)
+    check_checkpoint(path)
+    mtype = json.loads((path / "config.json").read_text()).get("model_type")
+    impl = ALIBI_ARCHS[mtype].impl if mtype in ALIBI_ARCHS else "sdpa"
     try:
         model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                        attn_implementation="sdpa")
+                                                        attn_implementation=impl, trust_remote_code=trust_remote_code)
     except Exception as exc:  # a broken checkpoint: one line
         text = str(exc).strip().splitlines()
         raise ConfigError(f"{path}: cannot load the checkpoint ({text[0] if text else type(exc).__name__})") from None
+    heads = model.config.num_attention_heads
     saved = getattr(model.config, "poslsh", None)
-    state = PositionState.from_json(saved) if saved else PositionState.standard(
-        Position.ROPE, model.config.num_attention_heads)
+    if mtype in ALIBI_ARCHS:
+        if mtype == "falcon" and not getattr(model.config, "alibi", False):
+            raise ConfigError(f"{path}: a Falcon with alibi=false uses rotary embeddings, not ALiBi")
+        state = PositionState(Position.ALIBI, alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads),
+                              native=True)
+    elif saved:
+        state = PositionState.from_json(saved)
+    else:
+        state = PositionState.standard(Position.ROPE, heads)
     install(model, state)
     return model.to(device).eval(), state

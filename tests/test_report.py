@@ -244,3 +244,63 @@ def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
     md = (root / "report.md").read_text()
     assert "skipped output_error_qwen3_0_6b: POSLSH_MODELS is not set" in md
     assert md.count("reproduce --scale quick: session started") == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# perplexity: the downstream claims
+
+
+def ppl_table(poslsh_gap=-0.02, none_gap=1.0, rope_degrades=0.3, finetune_gaps=(0.2, 0.1, 0.05, 0.02),
+              fixed_block=0.4, seeds=(0, 1)):
+    """Bits per byte: alibi 1.8; poslsh = alibi + poslsh_gap; none = alibi + none_gap; rope degrades
+    by rope_degrades at 4L; fine-tuned: alibi 2.0, poslsh s = 1, 2, 5, 20 with the given gaps."""
+    rows = []
+
+    def add(position, s, seed, bpb, length=256, finetuned="no", attention="own"):
+        rows.append(dict(checkpoint=f"{position}{s}-{seed}-{finetuned}", position=position, attention=attention,
+                         s=s, length=length, trial=0, seed=-1, tokens=1000, loss=bpb * np.log(2), bits_per_byte=bpb,
+                         ppl=1.0, seconds=0.1, trained_len=256, trained_s=s, finetuned=finetuned, run_seed=seed,
+                         bits_per_token=bpb, kl=0.0))
+
+    for seed in seeds:
+        jitter = 0.002 * seed
+        for L, extra in ((256, 0.0), (1024, 0.0)):
+            add("alibi", 0, seed, 1.8 + jitter + extra, L)
+            add("poslsh", 10, seed, 1.8 + poslsh_gap + jitter, L)
+            add("none", 0, seed, 1.8 + none_gap + jitter + (0.05 if L > 256 else 0), L)
+    add("rope", 0, 0, 1.83, 256)
+    add("rope", 0, 0, 1.83 + rope_degrades, 1024)
+    for s, g in zip((1, 2, 5, 20), finetune_gaps):
+        add("poslsh", s, 0, 2.0 + g, finetuned="yes")
+    add("alibi", 0, 0, 2.0, finetuned="yes")
+    add("fixed_block", 0, 0, 2.0 + fixed_block, finetuned="yes")
+    return pd.DataFrame(rows)
+
+
+def test_perplexity_verdicts_pass_fail_and_no_data():
+    sec = registry.get("perplexity").report(RUN, ppl_table())
+    assert status_of(sec, "s=10 reaches") is Status.SUPPORTED  # better than alibi counts
+    assert status_of(sec, "without positional bias") is Status.SUPPORTED
+    assert status_of(sec, "approaches exact ALiBi") is Status.SUPPORTED
+    assert status_of(sec, "better than fixed blocks") is Status.SUPPORTED
+    assert status_of(sec, "robust at 4x") is Status.SUPPORTED
+    assert status_of(sec, "degrade more") is Status.SUPPORTED
+
+    sec = registry.get("perplexity").report(RUN, ppl_table(poslsh_gap=0.3, none_gap=0.2,
+                                                           finetune_gaps=(0.02, 0.05, 0.1, 0.2), fixed_block=0.05,
+                                                           rope_degrades=-0.1))
+    assert status_of(sec, "s=10 reaches") is Status.NOT_SUPPORTED
+    assert status_of(sec, "without positional bias") is Status.NOT_SUPPORTED
+    assert status_of(sec, "approaches exact ALiBi") is Status.NOT_SUPPORTED
+    assert status_of(sec, "better than fixed blocks") is Status.NOT_SUPPORTED
+    assert status_of(sec, "degrade more") is Status.NOT_SUPPORTED
+
+    one_seed = registry.get("perplexity").report(RUN, ppl_table(seeds=(0,)))
+    assert status_of(one_seed, "s=10 reaches") is Status.INCONCLUSIVE
+    no_tuning = ppl_table()
+    no_tuning = no_tuning[no_tuning.finetuned == "no"]
+    no_none = no_tuning[no_tuning.position != "none"]
+    sec = registry.get("perplexity").report(RUN, no_none)
+    assert status_of(sec, "approaches exact ALiBi") is Status.NOT_MEASURED
+    assert status_of(sec, "without positional bias") is Status.NOT_MEASURED
+    assert status_of(sec, "better than fixed blocks") is Status.NOT_MEASURED

@@ -40,9 +40,10 @@ class Dtype(str, enum.Enum):
     FLOAT16 = "float16"
 
 
-ALIBI_HELP = ("slopes when sigma=null: standard = the ALiBi paper's, one per head (m_h = 2^(-8h/H) when H is a "
-              "power of two; otherwise those of the next lower power of two, then every other slope of the "
-              "next higher one, as HF get_alibi_slopes)")
+ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
+              "Baichuan), standard = the ALiBi paper's, one per head (m_h = 2^(-8h/H) when H is a power of two; "
+              "otherwise those of the next lower power of two, then every other slope of the next higher one, "
+              "as HF get_alibi_slopes), auto = model where the model has ALiBi, else standard")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class OutputErrorSpec(Spec):
     layers: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of layer indices", "all", ge=0)
     heads: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of head indices", "all", ge=0)
     sigma: Optional[float] = key("one sigma for every head; null: ALiBi slopes (see alibi)", None, gt=0)
-    alibi: Literal["standard"] = key(ALIBI_HELP, "standard")
+    alibi: Literal["auto", "standard", "model"] = key(ALIBI_HELP, "auto")
     causal: Union[Literal["auto"], bool] = key("auto (decoders causal, encoders not), true or false", "auto")
     s: tuple[int, ...] = key("numbers of sampled masks (int or list)", [1, 2, 4, 8, 16, 32, 64], ge=1)
     trials: int = key("independent repetitions per s", 3, ge=1)
@@ -102,6 +103,7 @@ class Context:
     dtype: Any
     qkv: dict[int, tuple[Any, Any, Any, float]]
     input_ids: Any
+    own: dict[int, Any] = field(default_factory=dict)  # ALiBi models: their own attention output per layer
     exact: dict[int, Any] = field(default_factory=dict)
     files: dict[str, Any] = field(default_factory=dict)  # relative path -> bytes producer
 
@@ -127,16 +129,24 @@ def prepare(spec: OutputErrorSpec) -> Context:
         raise ConfigError(f"head {max(heads)} out of range: the model has {loaded.num_heads} heads")
     ids = capture.tokenize(loaded.tokenizer, capture.read_text(spec.text), spec.n)
     captured = capture.capture_qkv(loaded, ids, layers)
-    all_sigmas = alibi_sigmas(loaded.num_heads) if spec.sigma is None else np.full(loaded.num_heads, float(spec.sigma))
+    own_slopes = loaded.alibi_sigmas is not None and spec.sigma is None and spec.alibi != "standard"
+    if spec.alibi == "model" and loaded.alibi_sigmas is None:
+        raise ConfigError(f"alibi=model: this {loaded.model_type} model has no ALiBi slopes (use alibi=standard)")
+    if spec.sigma is not None:
+        all_sigmas = np.full(loaded.num_heads, float(spec.sigma))
+    else:
+        all_sigmas = np.asarray(loaded.alibi_sigmas) if own_slopes else alibi_sigmas(loaded.num_heads)
     causal = loaded.causal if spec.causal == "auto" else bool(spec.causal)
-    qkv = {}
+    qkv, own = {}, {}
     for layer in layers:
         c = captured[layer]
         sel = torch.as_tensor(heads, device=c.q.device)
         qkv[layer] = (c.q[sel], c.k[sel], c.v[sel], c.scaling)  # (H', n, d) each
+        if own_slopes and causal:
+            own[layer] = c.output[sel]
     ctx = Context(model_name=models.display_name(spec.model, path), layers=layers, heads=heads,
                   sigmas=all_sigmas[heads], causal=causal, device=device, dtype=torch_dtype(spec.dtype.value),
-                  qkv=qkv, input_ids=ids[0].numpy())
+                  qkv=qkv, input_ids=ids[0].numpy(), own=own)
     if spec.save_qkv:
         for layer in layers:
             ctx.files[_qkv_file(layer)] = (lambda layer=layer: _npz(ctx, layer))
@@ -165,6 +175,8 @@ def cells(spec: OutputErrorSpec, ctx: Context | None = None) -> list[dict[str, A
     layers = ctx.layers if ctx is not None else (list(spec.layers) if spec.layers != "all" else [])
     out: list[dict[str, Any]] = []
     for layer in layers:
+        if ctx is not None and layer in ctx.own:  # an ALiBi model's own attention, against exact ALiBi
+            out.append({"layer": layer, "method": MODEL_OWN})
         for b in spec.baselines:
             if b is Baseline.WINDOWED:
                 out += [{"layer": layer, "method": b.value, "window_sigmas": float(c)} for c in spec.window_sigmas]
@@ -193,6 +205,8 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any
     from poslsh_cli.metrics import output_errors
     from poslsh_cli.sampling import sample_partitions
 
+    if key["method"] == MODEL_OWN:
+        return _model_own(spec, key, ctx)
     layer, method = key["layer"], Method(key["method"])
     q, k, v, scaling = ctx.qkv[layer]
     q, k, v = (t[None].to(device=ctx.device, dtype=ctx.dtype) for t in (q, k, v))  # (1, H, n, d)
@@ -225,6 +239,27 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any
                            seconds=seconds, window=w, qkv_file=qkv_file)
             for h, sg, sd, rf, mr, w in zip(ctx.heads, ctx.sigmas, seeds, rel_fro, max_row,
                                             window or [-1] * len(ctx.heads))]
+    return [asdict(r) for r in rows], {}
+
+
+#: The method name of the rows that measure an ALiBi model's own attention against exact ALiBi.
+MODEL_OWN = "model_own"
+
+
+def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context) -> tuple[list[dict], dict]:
+    """``||own - T*|| / ||T*||``: how far the model's own attention output is from exact ALiBi
+    recomputed from its captured q, k, v with its own slopes (float rounding, or its own
+    approximations, such as Falcon's bfloat16 bias)."""
+    from poslsh_cli.metrics import output_errors
+
+    layer = key["layer"]
+    own = ctx.own[layer].to(ctx.device)
+    rel_fro, max_row = output_errors(_exact(ctx, layer), own)
+    n = own.shape[-2]
+    rows = [OutputErrorRow(model=ctx.model_name, layer=layer, head=h, sigma=float(sg), causal=ctx.causal, n=n, s=0,
+                           trial=0, seed=-1, method=MODEL_OWN, rel_fro=float(rf), max_row_rel=float(mr), seconds=0.0,
+                           window=-1, qkv_file=_qkv_file(layer) if spec.save_qkv else "")
+            for h, sg, rf, mr in zip(ctx.heads, ctx.sigmas, rel_fro, max_row)]
     return [asdict(r) for r in rows], {}
 
 
@@ -399,7 +434,8 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("output_error_minilm", "output_error_qwen3_0_6b", "output_error_mistral_7b", "output_error_llama_4_scout"),
+    presets=("output_error_minilm", "output_error_qwen3_0_6b", "output_error_mistral_7b", "output_error_llama_4_scout",
+             "output_error_bloom_560m", "output_error_falcon_rw_1b", "output_error_mpt_7b", "output_error_baichuan_13b"),
     order=30,
     groups=("model",),
     skip_reason=skip_reason,

@@ -87,10 +87,13 @@ class Context:
 def fast_cpu_math() -> None:
     """Flush denormal floats to zero for this process, as GPU kernels do: the softmax of a
     biased or masked attention underflows into denormals, which CPUs handle up to 2x slower
-    (measured on the backward of the flash kernel); values below 1.2e-38 do not matter here."""
+    (measured on the backward of the flash kernel); values below 1.2e-38 do not matter here.
+    Also keeps transformers' progress bars (checkpoint writes) out of the logs."""
     import torch
+    import transformers
 
     torch.set_flush_denormal(True)
+    transformers.utils.logging.disable_progress_bar()
 
 
 def prepare(spec: TrainSpec) -> Context:
