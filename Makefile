@@ -5,6 +5,9 @@ BIN    := $(VENV)/bin
 # CPU wheel of PyTorch used when the environment has no torch yet (a GPU user's build is kept)
 TORCH  ?= torch==2.13.0
 RUNS   ?= runs
+# where make reproduce-* runs its presets: local (one after another), joblib (in parallel on this
+# machine) or slurm (each preset a SLURM job; needs the launchers extra and sbatch)
+LAUNCHER ?= local
 
 .PHONY: install test test-fast reproduce-all reproduce-quick bench bench-matrix bench-attention \
 	bench-gpu clean-venv
@@ -15,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,launchers]"
 	touch $@
 
 test: install
@@ -28,10 +31,10 @@ test-fast: install
 # runs/reproduce/paper/report.{md,html}. Fixed run directories: interrupted and started again,
 # it resumes where it stopped. Large-model presets run only with their checkpoint and a GPU.
 reproduce-all: install
-	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce
+	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce --launcher $(LAUNCHER)
 
 reproduce-quick: install
-	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce
+	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER)
 
 # Speed and memory targets, measured side by side in one run each and reported as ratios.
 bench: bench-matrix bench-attention

@@ -39,10 +39,12 @@ app = typer.Typer(
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 _HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra", "~hydra")
-#: launcher -> (Python module of its plugin, what else it needs)
-LAUNCHERS = {"basic": (None, None), "joblib": ("hydra_plugins.hydra_joblib_launcher", None),
+#: launcher -> (Python module of its plugin, what else it needs). local, joblib and slurm are the
+#: presets in conf/hydra/launcher/; basic, submitit_local and submitit_slurm the plugins' own.
+LAUNCHERS = {"basic": (None, None), "local": (None, None), "joblib": ("hydra_plugins.hydra_joblib_launcher", None),
              "submitit_local": ("hydra_plugins.hydra_submitit_launcher", None),
-             "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "sbatch")}
+             "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "sbatch"),
+             "slurm": ("hydra_plugins.hydra_submitit_launcher", "sbatch")}
 
 
 def _version(value: bool) -> None:
@@ -70,9 +72,18 @@ def fail(command: str, message: str, code: int = 2) -> None:
 
 
 def _paragraphs(text: str) -> str:
-    """Reflow a docstring: lines of a paragraph joined, so the terminal wraps whole sentences."""
+    """Reflow a docstring: lines of a paragraph joined, so the terminal wraps whole sentences;
+    square brackets escaped, so rich shows ``position=[a,b]`` instead of reading it as markup."""
+    from rich.markup import escape
+
     paras = [" ".join(line.strip() for line in p.splitlines()) for p in text.strip().split("\n\n")]
-    return "\n\n".join(p for p in paras if p)
+    return "\n\n".join(escape(p) for p in paras if p)
+
+
+def _helped(fn: Callable[..., None]) -> Callable[..., None]:
+    """A command whose docstring is reflowed (see :func:`_paragraphs`)."""
+    fn.__doc__ = _paragraphs(fn.__doc__ or "")
+    return fn
 
 
 def _yaml_defaults(exp: Experiment) -> dict:
@@ -210,8 +221,9 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
     argv = [f"poslsh {exp.name}"] + user_args + [f"out={out}"] + [
         "hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    if multirun:
-        argv = argv[:1] + ["--multirun"] + argv[1:] + [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}"]
+    if multirun:  # and one table from the sweep when it ends (poslsh collect)
+        argv = argv[:1] + ["--multirun"] + argv[1:] + [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}",
+                                                        "+hydra.callbacks.collect._target_=poslsh_cli.sweep.CollectCallback"]
     else:
         argv += [f"hydra.run.dir={out}", "hydra/hydra_logging=disabled"]
     argv += hydra_args
@@ -234,8 +246,13 @@ def _remove_if_no_run(out: Path) -> None:
 
 
 def _terminate_as_interrupt() -> None:
-    """SIGTERM (a cancelled job, a preempted SLURM task) stops like Ctrl-C: finished cells stay.
-    Installed in the task itself, so it holds wherever Hydra runs the task."""
+    """SIGTERM (a cancelled job) stops like Ctrl-C: finished cells stay. Installed in the task
+    itself, so it holds wherever Hydra runs the task, except in a submitit job (SLURM), where
+    submitit owns the signals: it ignores SIGTERM and requeues on its preemption/timeout signal,
+    and the requeued job resumes the run directory."""
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+
     def _term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -264,10 +281,12 @@ def _run_hydra(exp: Experiment, argv: list[str], replay: str, multirun: bool) ->
     def task(cfg: Any) -> None:
         _terminate_as_interrupt()
         run_dir = Path(cfg.out)
+        meta = {}
         if multirun:
             run_dir = run_dir / str(HydraConfig.get().job.num)
+            meta = {"job": HydraConfig.get().job.num, "job_overrides": list(HydraConfig.get().overrides.task)}
         try:
-            rc = execute(exp, build_spec(exp.spec, cfg), run_dir, replay, _config_text(cfg))
+            rc = execute(exp, build_spec(exp.spec, cfg), run_dir, replay, _config_text(cfg), meta)
         except ConfigError as exc:
             fail(exp.name, str(exc))
         except RunFailed as exc:
@@ -308,6 +327,7 @@ for _exp in registry.experiments().values():
 
 
 @app.command("report")
+@_helped
 def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
                                                      show_default=False),
                out: Path = typer.Option(None, "--out", "-o", help="where report.md and report.html go "
@@ -333,18 +353,50 @@ def _common_parent(paths: list[Path]) -> Path:
     return Path(os.path.commonpath([str(p.resolve()) for p in paths]))
 
 
+@app.command("collect")
+@_helped
+def collect_cmd(sweep_dir: Path = typer.Argument(..., help="the directory of a multirun (holds multirun.yaml)",
+                                                 show_default=False)) -> None:
+    """One results.csv from a multirun: every job's rows, with the job's overrides as columns;
+    says which jobs are missing or unfinished (exit 1). Runs by itself at the end of every -m."""
+    from poslsh_cli.sweep import collect
+
+    try:
+        res = collect(sweep_dir)
+    except ConfigError as exc:
+        fail("collect", str(exc))
+        return
+    typer.echo(f"{res.rows} rows from {res.jobs} jobs: {res.path}")
+    for p in res.problems:
+        sys.stderr.write(f"poslsh collect: {p}\n")
+    if res.problems:
+        raise SystemExit(1)
+
+
 @app.command("reproduce")
+@_helped
 def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
-                  runs: Path = typer.Option(Path("runs/reproduce"), help="root of the run directories")) -> None:
+                  runs: Path = typer.Option(Path("runs/reproduce"), help="root of the run directories"),
+                  launcher: str = typer.Option("local", help="local (one preset after another), joblib (presets in "
+                                               "parallel here) or slurm (each preset a SLURM job)"),
+                  jobs: Optional[int] = typer.Option(None, help="joblib: presets at once (default: the cores)")) -> None:
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
     from poslsh_cli.reproduce import main as reproduce_main
 
     if scale not in registry.SCALES:
         fail("reproduce", f"scale must be paper or quick, got {scale!r}")
-    raise SystemExit(reproduce_main(scale, runs))
+    if launcher not in ("local", "joblib", "slurm"):
+        fail("reproduce", f"launcher must be local, joblib or slurm, got {launcher!r}")
+    if launcher != "local":
+        try:
+            _check_launcher(launcher, multirun=True)
+        except ConfigError as exc:
+            fail("reproduce", str(exc))
+    raise SystemExit(reproduce_main(scale, runs, launcher, jobs))
 
 
 @app.command("plot")
+@_helped
 def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
                                                    show_default=False)) -> None:
     """Draw the figures of finished (or partial) runs into each run's figures/ (PNG and PDF)."""

@@ -2,7 +2,10 @@
 
 The list is the registry's: for every experiment, each of its presets in order, run as
 ``poslsh <command> experiment=<preset>_<scale> out=<root>/<scale>/<preset>`` in a child process,
-so a fixed run directory resumes after an interruption. A preset that cannot run here (its
+so a fixed run directory resumes after an interruption. With ``launcher=joblib`` or ``slurm`` each
+preset is a one-job Hydra multirun on that launcher (``out/0``), the presets run at the same
+time (joblib: at most ``jobs`` at once; slurm: as the queue allows), in two waves: experiments
+that evaluate others' results (``reproduce_overrides``, e.g. perplexity) after the rest. A preset that cannot run here (its
 experiment's ``skip_reason``: no checkpoint, a large model without a GPU) is skipped, and the
 reason is kept in its run directory (``skipped.json``) so any later report says so.
 """
@@ -66,45 +69,26 @@ def _record_session(root: Path, scale: str, started: str, seconds: float, ran: i
     atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
 
 
-def main(scale: str, root: Path) -> int:
+def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None) -> int:
     import datetime as _dt
+    import os
 
     root = Path(root) / scale
     root.mkdir(parents=True, exist_ok=True)
     failed, done = [], []
     started = _dt.datetime.now().isoformat(timespec="seconds")
     t0 = time.time()
-    for name, command, preset in plan(scale):
-        out = root / name
-        reason = skip_reason(command, preset, root)
-        if reason:
-            _mark_skipped(out, name, command, preset, reason)
-            print(f"== skipped {name}: {reason}", flush=True)
-            continue
-        (out / "skipped.json").unlink(missing_ok=True)
-        print(f"== {name}: poslsh {command} experiment={preset} out={out}", flush=True)
-        cmd = [sys.executable, "-m", "poslsh_cli", command, *overrides(command, preset, root), f"out={out}"]
-        child = subprocess.Popen(cmd)
-        try:
-            rc = child.wait()
-        except KeyboardInterrupt:
-            # Ctrl-C reached the child too; SIGTERM covers a kill aimed at this process only.
-            # Either way the child keeps its finished cells and marks the run interrupted.
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                child.kill()
-            rc = 130
-        if rc == 130:
-            _record_session(root, scale, started, time.time() - t0, len(done), failed + [f"{name} (interrupted)"])
-            print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
-            return 130
-        if rc != 0:
-            failed.append(name)
-            print(f"== FAILED {name} (exit {rc})", flush=True)
-            continue
-        done.append(out)
+    limit = 1 if launcher == "local" else (jobs or (os.cpu_count() or 1) if launcher == "joblib" else 10**6)
+    entries = plan(scale)
+    waves = [[e for e in entries if registry.get(e[1]).reproduce_overrides is None],
+             [e for e in entries if registry.get(e[1]).reproduce_overrides is not None]]
+    try:
+        for wave in waves:
+            _run_wave(wave, root, launcher, limit, done, failed)
+    except KeyboardInterrupt:
+        _record_session(root, scale, started, time.time() - t0, len(done), failed + ["(interrupted)"])
+        print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
+        return 130
     _record_session(root, scale, started, time.time() - t0, len(done), failed)
     if done:
         from poslsh_cli import report
@@ -112,3 +96,56 @@ def main(scale: str, root: Path) -> int:
         md, html_path = report.build([root], root)
         print(f"report: {md}\n        {html_path}", flush=True)
     return 1 if failed else 0
+
+
+def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list) -> None:
+    """Run a wave's presets, at most ``limit`` at a time; a child that fails is recorded."""
+    running: list[tuple[str, Path, subprocess.Popen]] = []
+
+    def reap(block: bool) -> None:
+        while running and (block or any(p.poll() is not None for _, _, p in running)):
+            for item in list(running):
+                name, out, proc = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                if proc.returncode == 130:
+                    raise KeyboardInterrupt
+                if proc.returncode != 0:
+                    failed.append(name)
+                    print(f"== FAILED {name} (exit {proc.returncode})", flush=True)
+                else:
+                    done.append(out)
+            if block and running:
+                time.sleep(0.2)
+
+    try:
+        for name, command, preset in wave:
+            out = root / name
+            reason = skip_reason(command, preset, root)
+            if reason:
+                _mark_skipped(out, name, command, preset, reason)
+                print(f"== skipped {name}: {reason}", flush=True)
+                continue
+            (out / "skipped.json").unlink(missing_ok=True)
+            extra = [] if launcher == "local" else ["-m", f"hydra/launcher={launcher}"]
+            args = [command, *extra, *overrides(command, preset, root), f"out={out}"]
+            print(f"== {name}: poslsh {' '.join(args)}", flush=True)
+            while len(running) >= limit:
+                reap(block=False)
+                time.sleep(0.2)
+            running.append((name, out, subprocess.Popen([sys.executable, "-m", "poslsh_cli", *args])))
+        while running:
+            reap(block=True)
+    except KeyboardInterrupt:
+        # Ctrl-C reached the children too; SIGTERM covers a kill aimed at this process only.
+        # Either way each child keeps its finished cells and marks its run interrupted.
+        for _, _, proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, _, proc in running:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise

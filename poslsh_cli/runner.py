@@ -52,11 +52,13 @@ def config_yaml(spec: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(plain(spec)))
 
 
-def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: str | None = None) -> int:
+def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: str | None = None,
+            meta: dict | None = None) -> int:
     """Run every unfinished cell of ``exp`` into ``run_dir``; 0 when complete, 130 when interrupted.
 
     ``config_text`` is the resolved configuration written to config.yaml (the composed Hydra
-    config, as the user's keys read); without it, the spec itself.
+    config, as the user's keys read); without it, the spec itself. ``meta`` goes into meta.json
+    (a multirun job's number and overrides).
     """
     from poslsh_cli.rundir import RunDir, atomic_write_bytes, cell_id
 
@@ -66,6 +68,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     keys = exp.cells(spec, ctx)
     try:
         run.start(argv, spec.seed, len(keys))
+        if meta:
+            run.write_meta(**meta)
         if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
             run.write_meta(**ctx.meta)
         for rel, produce in (getattr(ctx, "files", None) or {}).items():

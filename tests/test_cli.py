@@ -115,20 +115,20 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("launcher,needle", [("joblib", 'pip install -e ".[launchers]"'),
-                                             ("submitit_slurm", "needs SLURM")])
-def test_launchers_that_cannot_run_here_say_why_in_one_line(tmp_path, launcher, needle):
+@pytest.mark.parametrize("launcher,needle,plugins", [("joblib", 'pip install -e ".[launchers]"', False),
+                                                     ("submitit_slurm", 'pip install -e ".[launchers]"', False),
+                                                     ("slurm", "needs SLURM (sbatch is not on PATH)", True)])
+def test_launchers_that_cannot_run_here_say_why_in_one_line(tmp_path, monkeypatch, launcher, needle, plugins):
+    """Without the plugins (simulated), or without SLURM, one line instead of Hydra's pages."""
     import importlib.util
     import shutil
 
-    try:
-        plugins = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
-    except ModuleNotFoundError:
-        plugins = False
-    if launcher == "joblib" and plugins or launcher == "submitit_slurm" and shutil.which("sbatch"):
-        pytest.skip("this machine can run that launcher")
-    if launcher == "submitit_slurm" and not plugins:
-        needle = 'pip install -e ".[launchers]"'
+    real = importlib.util.find_spec
+    if not plugins:
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name.startswith("hydra_plugins") else real(name, *a))
+    if shutil.which("sbatch"):
+        pytest.skip("this machine has SLURM")
     r = invoke("matrix-error", "-m", "n=64,128", f"hydra/launcher={launcher}", f"out={tmp_path / 'x'}")
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
     assert not (tmp_path / "x").exists()
