@@ -75,6 +75,13 @@ def check_checkpoint(path: Path) -> None:
         raise ConfigError(f"{path} has no *.safetensors weights{extra}")
 
 
+def refuse_rotary_falcon(path: Path, model_type: str | None, alibi: bool) -> None:
+    """A Falcon with ``alibi=false`` is a rotary model whose attention is computed inline: refused."""
+    if model_type == "falcon" and not alibi:
+        raise ConfigError(f"{path}: a Falcon with alibi=false uses rotary embeddings, not ALiBi, and computes "
+                          "attention inline; only ALiBi Falcons (alibi=true, e.g. Falcon-RW) are supported")
+
+
 @dataclass
 class LoadedModel:
     model: Any
@@ -107,9 +114,7 @@ def load(path: Path, trust_remote_code: bool = False, device: str = "cpu",
     if mtype not in SUPPORTED:
         raise ConfigError(f"cannot capture architecture {mtype!r} from {path} "
                           f"(supported: {', '.join(sorted(SUPPORTED))})")
-    if mtype == "falcon" and not getattr(config, "alibi", False):
-        raise ConfigError(f"{path}: a Falcon with alibi=false uses rotary embeddings, not ALiBi, and computes "
-                          "attention inline; only ALiBi Falcons (alibi=true, e.g. Falcon-RW) are captured")
+    refuse_rotary_falcon(path, mtype, getattr(config, "alibi", False))
     if mtype == "falcon" and (config.multi_query or config.new_decoder_architecture):
         raise ConfigError(f"{path}: an ALiBi Falcon with multi_query or new_decoder_architecture has no "
                           "per-head q/k/v layout poslsh knows; only the Falcon-RW layout is captured")

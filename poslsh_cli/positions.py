@@ -260,12 +260,14 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
 
     import transformers as tf
 
-    from poslsh_cli.capture import ALIBI_ARCHS, alibi_sigmas_of, check_checkpoint
+    from poslsh_cli.capture import ALIBI_ARCHS, alibi_sigmas_of, check_checkpoint, refuse_rotary_falcon
 
     tf.logging.set_verbosity_error()
     path = Path(path)
     check_checkpoint(path)
-    mtype = json.loads((path / "config.json").read_text()).get("model_type")
+    cfg = json.loads((path / "config.json").read_text())
+    mtype = cfg.get("model_type")
+    refuse_rotary_falcon(path, mtype, bool(cfg.get("alibi")))
     impl = ALIBI_ARCHS[mtype].impl if mtype in ALIBI_ARCHS else "sdpa"
     try:
         model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
@@ -276,8 +278,6 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
     heads = model.config.num_attention_heads
     saved = getattr(model.config, "poslsh", None)
     if mtype in ALIBI_ARCHS:
-        if mtype == "falcon" and not getattr(model.config, "alibi", False):
-            raise ConfigError(f"{path}: a Falcon with alibi=false uses rotary embeddings, not ALiBi")
         state = PositionState(Position.ALIBI, alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads),
                               native=True)
     elif saved:

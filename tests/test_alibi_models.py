@@ -128,6 +128,11 @@ def test_bad_alibi_checkpoints(tmp_path):
     assert not (tmp_path / "x").exists()
     r = runner.invoke(app, ["output-error", f"model={broken}", "n=32", "s=[1]", f"out={tmp_path / 'y'}"])
     assert r.exit_code == 2 and "cannot load the weights" in r.stderr
+    for model, reason in ((broken, "cannot load the checkpoint"), (rotary, "rotary")):
+        r = runner.invoke(app, ["perplexity", str(model), "lengths=[32]", f"out={tmp_path / 'p'}"])
+        assert r.exit_code == 2 and reason in r.stderr, r.output
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line, no tokenizer chatter before it
+        assert not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])

@@ -100,7 +100,7 @@ def _expand(entry: str) -> list[tuple[Path, str]]:
 
 
 def prepare(spec: PerplexitySpec) -> Context:
-    from poslsh_cli.capture import check_checkpoint
+    from poslsh_cli.capture import check_checkpoint, refuse_rotary_falcon
     from poslsh_cli.data import load_corpus
 
     from poslsh_cli.experiments.train import fast_cpu_math
@@ -116,6 +116,7 @@ def prepare(spec: PerplexitySpec) -> Context:
             info_file = path / "poslsh_train.json"
             info = json.loads(info_file.read_text()) if info_file.exists() else {}
             cfg = json.loads((path / "config.json").read_text())
+            refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
             foreign = not info
             position = (cfg.get("poslsh") or {}).get("position") or (
                 "alibi" if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else "own")
@@ -155,6 +156,7 @@ def _tokenize(path: Path, data: Any) -> tuple[Any, float]:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise ConfigError(f"{path}: not byte-level and no tokenizer to read text with ({str(exc).splitlines()[0]})") from None
+    tok.model_max_length = 1 << 62  # the whole text is encoded once, then cut into windows: no length warning
     ids = np.asarray(tok(bytes(data).decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"],
                      dtype=np.int64)
     return ids, len(data) / max(1, len(ids))
