@@ -358,7 +358,8 @@ def _common_parent(paths: list[Path]) -> Path:
 def collect_cmd(sweep_dir: Path = typer.Argument(..., help="the directory of a multirun (holds multirun.yaml)",
                                                  show_default=False)) -> None:
     """One results.csv from a multirun: every job's rows, with the job's overrides as columns;
-    says which jobs are missing or unfinished (exit 1). Runs by itself at the end of every -m."""
+    says which jobs are missing or unfinished and which cells more than one job ran (exit 1).
+    Runs by itself at the end of every -m."""
     from poslsh_cli.sweep import collect
 
     try:

@@ -84,6 +84,12 @@ def collect(sweep: Path) -> Collected:
                 columns[f"job.{key}"] = value
         frames.append(df.assign(**columns))
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if len(out):  # the same cell run by two jobs (e.g. a value listed twice in the sweep)
+        identity = [c for c in out.columns if c not in MEASURED and c != "job" and not c.startswith("job.")]
+        twice = out[out.duplicated(subset=identity, keep=False)]
+        if len(twice):
+            problems.append(f"{int(out.duplicated(subset=identity).sum())} cells were run by more than one job "
+                            f"(jobs {', '.join(map(str, sorted(twice.job.unique())))})")
     atomic_write_text(sweep / COLLECTED, out.to_csv(index=False))
     return Collected(sweep / COLLECTED, len(jobs), len(out), problems)
 

@@ -90,6 +90,15 @@ def test_collect_names_a_missing_job(tmp_path):
     assert r.exit_code == 2 and "not a multirun directory" in r.stderr
 
 
+def test_collect_names_cells_run_by_two_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = runner.invoke(app, ["block-stats", "-m", "n=64,64", "sigma=2", "s=4", "trials=2", f"out={sweep}"])
+    assert r.exit_code == 0, r.output
+    assert "2 cells were run by more than one job (jobs 0, 1)" in r.stderr
+    r = runner.invoke(app, ["collect", str(sweep)])
+    assert r.exit_code == 1 and "2 cells were run by more than one job" in r.stderr
+
+
 def test_submitit_local_job_killed_and_rerun_resumes_without_repeating_a_cell(tmp_path):
     """submitit's local executor is SLURM's code path on one machine: each job is its own process
     (its pid is the job id). Kill one with SIGKILL half-way; the same command again finishes it."""
