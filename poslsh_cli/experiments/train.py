@@ -227,6 +227,7 @@ def train_stage(spec: TrainSpec, ctx: Context, path: Path, state: PositionState,
         start, src = last
         model = _load(src, state, ctx.device)
         metrics.truncate_after("step", start)
+        progress(start, steps, f"{label} resumed from the checkpoint of step {start}")
     elif init is not None:
         model = _load(init, state, ctx.device)
     else:
