@@ -287,36 +287,90 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 # figures
 
 
-def _label(r: Any) -> str:
-    text = r["position"] + (f" s={r['trained_s']}" if r["trained_s"] else "")
-    if r["attention"] != "own":
-        text += f" → {r['attention']}" + (f" s={r['s']}" if r["s"] else "")
-    return text
+ORDER = ("none", "fixed_block", "windowed", "alibi", "poslsh", "rope")
+MARKERS = {"own": "o", "alibi": "s", "poslsh": "^", "windowed": "D", "fixed_block": "x", "none": "v"}
+
+
+def _scheme(r: Any) -> str:
+    return r["position"] + (f" s={r['trained_s']}" if r["trained_s"] else "")
+
+
+def _schemes(df: Any) -> list[str]:
+    """Trained schemes in a fixed order (no bias first, Positional LSH by s), so colours are stable."""
+    keys = {(_scheme(r), ORDER.index(r["position"]) if r["position"] in ORDER else len(ORDER), int(r["trained_s"] or 0))
+            for _, r in df[["position", "trained_s"]].drop_duplicates().iterrows()}
+    return [k for k, *_ in sorted(keys, key=lambda t: (t[1], t[2], t[0]))]
 
 
 def plot(run: Path, df: Any) -> list[Path]:
+    """bits per byte against evaluation length under each model's own attention (one colour per
+    trained scheme, shaded: range over seeds and draws), the same models at the training length with
+    another attention swapped in, and bits per byte against inference-time s."""
     from poslsh_cli.plotting import pyplot, save
 
     plt = pyplot()
     paths = []
     groups = [("from scratch", df[df.finetuned != "yes"]), ("fine-tuned", df[df.finetuned == "yes"])]
     groups = [(t, g) for t, g in groups if len(g)]
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.4), squeeze=False)
-    for ax, (title, g) in zip(axes[0], groups):
-        for i, (lab, h) in enumerate(g.assign(label=g.apply(_label, axis=1)).groupby("label", sort=False)):
-            agg = h.groupby("length").bits_per_byte.agg(["mean", "min", "max"]).reset_index()
-            ls = "-" if (h.attention == "own").all() else "--"
-            ax.plot(agg.length, agg["mean"], ls, marker="o", ms=3.5, color=f"C{i % 10}", label=lab)
-            ax.fill_between(agg.length, agg["min"], agg["max"], color=f"C{i % 10}", alpha=0.12, lw=0)
-        trained = int(g.trained_len.max())
-        ax.axvline(trained, color="k", lw=0.8, ls=":")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("evaluation length (bytes); dotted: training length")
-        ax.set_ylabel("bits per byte (mean over seeds and draws)")
-        ax.set_title(f"{title}: extrapolation")
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend(ncol=1)
+    schemes = _schemes(df)
+    color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
+    width = 5.6 * len(groups) + 1.8
+    fig, axes = plt.subplots(2, len(groups), figsize=(width, 8.0), squeeze=False,
+                             gridspec_kw={"height_ratios": (1.2, 1)})
+    for col, (title, g) in enumerate(groups):
+        own = g[g.attention == "own"]
+        curves = {lab: h.groupby("length").bits_per_byte.agg(["mean", "min", "max"]).reset_index()
+                  for lab, h in own.assign(label=own.apply(_scheme, axis=1)).groupby("label", sort=False)}
+        best = min(float(c["mean"].min()) for c in curves.values()) if curves else 0.0
+        for row, ax in enumerate(axes[:, col]):
+            for lab, agg in curves.items():
+                ax.plot(agg.length, agg["mean"], "-", marker="o", ms=3.5, color=color[lab], label=lab)
+                ax.fill_between(agg.length, agg["min"], agg["max"], color=color[lab], alpha=0.15, lw=0)
+            ax.axvline(int(g.trained_len.max()), color="k", lw=0.8, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.25)
+            ax.set_ylabel("bits per byte (own attention)")
+            if row == 0:
+                ax.set_title(f"{title}: length extrapolation")
+            else:
+                ax.set_ylim(best - 0.03, best + 0.3)
+                ax.set_title(f"zoom: within 0.3 of the best ({best:.3f})")
+                ax.set_xlabel("evaluation length (bytes); dotted: training length")
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
+    fig.legend([handles[k] for k in schemes if k in handles], [k for k in schemes if k in handles],
+               loc="center right", title="trained with", frameon=False)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / width, 1))
     paths += save(fig, run, "bpb_vs_length")
+
+    swapped = df[df.attention != "own"]
+    if len(swapped):
+        fig, axes = plt.subplots(1, len(groups), figsize=(5.6 * len(groups) + 1.8, 0.9 + 0.38 * len(schemes)),
+                                 squeeze=False)
+        for ax, (title, g) in zip(axes[0], groups):
+            g = g[g.length == g.trained_len]
+            rows = [k for k in schemes if k in set(g.apply(_scheme, axis=1))]
+            g = g.assign(scheme=g.apply(_scheme, axis=1))
+            for att, h in g.groupby("attention"):
+                for (sch, s), hh in h.groupby(["scheme", "s"]):
+                    lab = att if att != "poslsh" else f"poslsh s={s}"
+                    ax.plot(hh.bits_per_byte.mean(), rows.index(sch), MARKERS.get(att, "o"), ms=6,
+                            mfc="none" if att != "own" else None, color=color[sch] if att == "own" else "0.25",
+                            label=lab)
+            ax.set_yticks(range(len(rows)), rows)
+            ax.invert_yaxis()
+            ax.set_xlabel("bits per byte at the training length")
+            ax.set_title(f"{title}: attention swapped at inference")
+            ax.grid(True, axis="x", alpha=0.25)
+        from matplotlib.lines import Line2D
+
+        labels = sorted({lab for ax in axes[0] for lab in ax.get_legend_handles_labels()[1]},
+                        key=lambda t: (t != "own", t))
+        marks = [Line2D([], [], ls="", marker=MARKERS.get(lab.split()[0], "o"), ms=6, color="0.25",
+                        mfc="0.25" if lab == "own" else "none") for lab in labels]
+        fig.legend(marks, [f"{lab} (filled: the scheme's colour)" if lab == "own" else lab for lab in labels],
+                   loc="center right", title="run with", frameon=False)
+        fig.tight_layout(rect=(0, 0, 1 - 1.8 / (5.6 * len(groups) + 1.8), 1))
+        paths += save(fig, run, "bpb_swapped")
 
     p = df[df.attention == "poslsh"]
     if p.s.nunique() > 1:
@@ -325,12 +379,16 @@ def plot(run: Path, df: Any) -> list[Path]:
             agg = g.groupby("s").bits_per_byte.mean()
             ax.plot(agg.index, agg.values, "o-", ms=3.5, color=f"C{i % 10}",
                     label=f"trained {pos}{f' s={ts}' if ts else ''}, L={length}")
+            own = df[(df.attention == "own") & (df.position == pos) & (df.trained_s == ts) & (df.length == length)
+                     & (df.checkpoint.isin(g.checkpoint))]
+            if len(own):
+                ax.axhline(own.bits_per_byte.mean(), color=f"C{i % 10}", lw=0.9, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("Positional-LSH masks per head at inference (s)")
         ax.set_ylabel("bits per byte")
         ax.grid(True, which="both", alpha=0.25)
         ax.legend()
-        ax.set_title("Inference-time s")
+        ax.set_title("Inference-time s (dashed: the model's own attention)")
         paths += save(fig, run, "bpb_vs_s")
     return paths
 
@@ -472,7 +530,7 @@ def report(run: Path, df: Any) -> Section:
     swapped = df[df.attention != "own"]
     if len(swapped):
         sec.paragraphs.append(f"{len(swapped)} rows evaluate a model with another attention than its own "
-                              "(arrows in the figure, 'attention' column in the table).")
+                              "(the figure 'attention swapped at inference', the 'attention' column of results.csv).")
     return sec
 
 
