@@ -345,20 +345,32 @@ def plot(run: Path, df: Any) -> list[Path]:
     """Learning curves: training loss and validation bits per byte against steps, per cell."""
     from poslsh_cli.plotting import pyplot, save
 
+    from poslsh_cli.positions import Position
+
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, (r, m) in enumerate(metrics_of(run, df)):
+    order = [p.value for p in Position]
+    curves = list(metrics_of(run, df))
+    schemes = sorted({(r["position"], int(r["s"] or 0)) for r, _ in curves},
+                     key=lambda t: (order.index(t[0]) if t[0] in order else len(order), t[1]))
+    color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
+    seeds = sorted({int(r["seed"]) for r, _ in curves})
+    styles = ("-", "--", ":", "-.")
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
+    for r, m in curves:
+        key, k = (r["position"], int(r["s"] or 0)), seeds.index(int(r["seed"]))
         label = r["position"] + (f" s={r['s']}" if r["s"] else "") + f" seed={r['seed']}"
-        c = f"C{i % 10}"
-        axes[0].plot(m.step, m.loss.rolling(max(1, len(m) // 50), min_periods=1).mean(), color=c, lw=1.1, label=label)
+        style = dict(color=color[key], ls=styles[k % len(styles)], lw=1.1, label=label)
+        axes[0].plot(m.step, m.loss.rolling(max(1, len(m) // 50), min_periods=1).mean(), **style)
         v = m.dropna(subset=["val_bpb"])
-        axes[1].plot(v.step, v.val_bpb, "o-", color=c, ms=3, lw=1.1, label=label)
+        axes[1].plot(v.step, v.val_bpb, marker="o", ms=3, **style)
     axes[0].set_ylabel("training loss (nats per byte, running mean)")
     axes[1].set_ylabel("validation bits per byte")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.25)
-    axes[1].legend(ncol=2)
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="center right", frameon=False,
+               title="colour: scheme; line: seed" if len(seeds) > 1 else "scheme")
+    fig.tight_layout(rect=(0, 0, 0.8, 0.95))
     fig.suptitle(f"Learning curves (L = {int(df.seq_len.iloc[0])})")
     return save(fig, run, "learning_curves")
 
