@@ -20,6 +20,8 @@ side effects.
 """
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -80,6 +82,14 @@ def resolve_device(name: str) -> Any:
 def check_device(name: str) -> None:
     if not (name in ("auto", "cpu") or str(name).startswith("cuda")):
         raise ConfigError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+
+
+class Dtype(str, enum.Enum):
+    """Compute dtypes a command accepts (``dtype=``)."""
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
 
 
 def torch_dtype(name: str) -> Any:

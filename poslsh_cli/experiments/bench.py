@@ -29,7 +29,7 @@ import numpy as np
 
 from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
 from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Experiment, check_device, resolve_device, synchronize, torch_dtype
+from poslsh_cli.experiment import Dtype, Experiment, check_device, resolve_device, synchronize, torch_dtype
 from poslsh_cli.metrics import fit_loglog_slope
 from poslsh_cli.sampling import derive_seed
 
@@ -42,13 +42,6 @@ class BenchMethod(str, enum.Enum):
     POSLSH = "poslsh"
     WINDOWED = "windowed"
     FIXED_BLOCK = "fixed_block"
-
-
-class Dtype(str, enum.Enum):
-    FLOAT32 = "float32"
-    FLOAT64 = "float64"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
 
 
 @dataclass(frozen=True)

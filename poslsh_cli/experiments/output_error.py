@@ -20,7 +20,7 @@ from poslsh_cli import models
 from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
 from poslsh_cli.config import ConfigError, Spec, key
-from poslsh_cli.experiment import Experiment, check_device, resolve_device, synchronize, torch_dtype
+from poslsh_cli.experiment import Dtype, Experiment, check_device, resolve_device, synchronize, torch_dtype
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
@@ -31,13 +31,6 @@ class Baseline(str, enum.Enum):
     NO_BIAS = "no_bias"
     FIXED_BLOCK = "fixed_block"
     WINDOWED = "windowed"
-
-
-class Dtype(str, enum.Enum):
-    FLOAT32 = "float32"
-    FLOAT64 = "float64"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
 
 
 ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
