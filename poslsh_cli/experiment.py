@@ -21,7 +21,6 @@ side effects.
 from __future__ import annotations
 
 import enum
-
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
