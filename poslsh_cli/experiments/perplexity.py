@@ -30,13 +30,10 @@ COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed"
 LN2 = math.log(2.0)
 
 
-class Attention(str, enum.Enum):
-    OWN = "own"
-    ALIBI = "alibi"
-    POSLSH = "poslsh"
-    WINDOWED = "windowed"
-    FIXED_BLOCK = "fixed_block"
-    NONE = "none"
+#: Attention swapped in at inference: ``own`` (the model's forward as trained) or any position
+#: scheme that can replace another model's attention (every one but ``rope``, which changes q and k).
+Attention = enum.Enum("Attention", {"OWN": "own", **{p.name: p.value for p in Position if p is not Position.ROPE}},
+                      type=str, module=__name__)
 
 
 @dataclass(frozen=True)
@@ -45,8 +42,9 @@ class PerplexitySpec(Spec):
                                        "arguments: poslsh perplexity RUN...)", [], empty=True)
     lengths: Optional[tuple[int, ...]] = key("evaluation lengths in bytes; null: L, 2L, 4L, 8L of each checkpoint's "
                                              "training length", None, ge=2)
-    attention: tuple[Attention, ...] = key("attention at inference: own (as trained), alibi, poslsh, windowed, "
-                                           "fixed_block, none", [Attention.OWN], noun="attention")
+    attention: tuple[Attention, ...] = key("attention at inference: own (as trained), "
+                                           + ", ".join(a.value for a in Attention if a is not Attention.OWN),
+                                           [Attention.OWN], noun="attention")
     s: tuple[int, ...] = key("Positional-LSH masks per head at inference (attention=poslsh)", [10], ge=1)
     window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
     trials: int = key("mask draws per Positional-LSH point", 1, ge=1)
