@@ -24,7 +24,6 @@ CPU a chunked path keeps memory at O(chunk x n).
 """
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from poslsh_cli import masks
+from poslsh_cli.methods import Method
 from poslsh_cli.sampling import Partitions
 
 _NEG_INF = float("-inf")
@@ -669,16 +669,6 @@ def mean_mask_weight(partitions: Sequence[Partitions], device: torch.device | st
 
 # ---------------------------------------------------------------------------------------------
 # The methods, and the one place a path is chosen
-
-
-class Method(str, enum.Enum):
-    """The attention methods every command compares (DESIGN.md section 1)."""
-
-    EXACT = "exact"  # exact ALiBi: softmax(q k^T / sqrt(d) - |i-j| / sigma) V
-    WINDOWED = "windowed"  # exact ALiBi on |i-j| <= w_h only
-    POSLSH = "poslsh"  # Positional LSH: D~^-1 (A o M~) V with s sampled partitions per head
-    FIXED_BLOCK = "fixed_block"  # one deterministic partition per head, width round(2 sigma)
-    NO_BIAS = "no_bias"  # softmax(q k^T / sqrt(d)) V
 
 
 #: Backends each method can run on.

@@ -83,6 +83,12 @@ def check_device(name: str) -> None:
         raise ConfigError(f"device must be auto, cpu or cuda[:N], got {name!r}")
 
 
+def choices(name: str, members: Any, module: str, **extra: str) -> Any:
+    """A ``str`` enum of a command's choices (``extra`` first, then ``members``, members of another
+    enum), so a command's key lists a subset of a shared enum rather than a copy of its values."""
+    return enum.Enum(name, {**extra, **{m.name: m.value for m in members}}, type=str, module=module)
+
+
 class Dtype(str, enum.Enum):
     """Compute dtypes a command accepts (``dtype=``)."""
     FLOAT32 = "float32"

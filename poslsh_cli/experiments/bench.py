@@ -15,7 +15,6 @@ p.v), so ``gflops`` says how well the method uses the hardware, not just how it 
 """
 from __future__ import annotations
 
-import enum
 import math
 import os
 import statistics
@@ -29,7 +28,9 @@ import numpy as np
 
 from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
 from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Dtype, Experiment, check_device, resolve_device, synchronize, torch_dtype
+from poslsh_cli.experiment import (Dtype, Experiment, check_device, choices, resolve_device, synchronize,
+                                   torch_dtype)
+from poslsh_cli.methods import Method
 from poslsh_cli.metrics import fit_loglog_slope
 from poslsh_cli.sampling import derive_seed
 
@@ -37,11 +38,8 @@ COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_m
            "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats")
 
 
-class BenchMethod(str, enum.Enum):
-    EXACT = "exact"
-    POSLSH = "poslsh"
-    WINDOWED = "windowed"
-    FIXED_BLOCK = "fixed_block"
+#: The methods bench times: every attention method but no_bias (nothing to compare it with).
+BenchMethod = choices("BenchMethod", [Method.EXACT, Method.POSLSH, Method.WINDOWED, Method.FIXED_BLOCK], __name__)
 
 
 @dataclass(frozen=True)
@@ -277,7 +275,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: Context, work: Any = Non
     import numpy as np
     import torch
 
-    from poslsh_cli.attention import AttentionSpec, Method, attend, fixed_block_partitions, prepare as prepare_layout
+    from poslsh_cli.attention import AttentionSpec, attend, fixed_block_partitions, prepare as prepare_layout
     from poslsh_cli.attention import windows
     from poslsh_cli.metrics import output_errors
     from poslsh_cli.sampling import sample_partitions

@@ -8,7 +8,6 @@ replays its masks. Errors are against exact ALiBi in float64.
 """
 from __future__ import annotations
 
-import enum
 import io
 import math
 import time
@@ -20,17 +19,17 @@ from poslsh_cli import models
 from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
 from poslsh_cli.config import ConfigError, Spec, key
-from poslsh_cli.experiment import Dtype, Experiment, check_device, resolve_device, synchronize, torch_dtype
+from poslsh_cli.experiment import (Dtype, Experiment, check_device, choices, resolve_device, synchronize,
+                                   torch_dtype)
+from poslsh_cli.methods import Method
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
            "max_row_rel", "seconds", "window", "qkv_file")
 
 
-class Baseline(str, enum.Enum):
-    NO_BIAS = "no_bias"
-    FIXED_BLOCK = "fixed_block"
-    WINDOWED = "windowed"
+#: The reference methods output-error reports beside Positional LSH and exact ALiBi.
+Baseline = choices("Baseline", [Method.NO_BIAS, Method.FIXED_BLOCK, Method.WINDOWED], __name__)
 
 
 ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
@@ -163,8 +162,6 @@ def _npz(ctx: Context, layer: int) -> bytes:
 
 def cells(spec: OutputErrorSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
     """Grid order: per layer, the baselines, then Positional LSH for each (s, trial)."""
-    from poslsh_cli.attention import Method
-
     layers = ctx.layers if ctx is not None else (list(spec.layers) if spec.layers != "all" else [])
     out: list[dict[str, Any]] = []
     for layer in layers:
@@ -182,7 +179,7 @@ def cells(spec: OutputErrorSpec, ctx: Context | None = None) -> list[dict[str, A
 
 def _exact(ctx: Context, layer: int) -> Any:
     """Exact ALiBi output of a layer in float64 (chunked: no n x n tensor), cached."""
-    from poslsh_cli.attention import AttentionSpec, Method, attend
+    from poslsh_cli.attention import AttentionSpec, attend
 
     if layer not in ctx.exact:
         q, k, v, scaling = ctx.qkv[layer]
@@ -194,7 +191,7 @@ def _exact(ctx: Context, layer: int) -> Any:
 def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from poslsh_cli.attention import AttentionSpec, Method, attend, fixed_block_partitions, windows
+    from poslsh_cli.attention import AttentionSpec, attend, fixed_block_partitions, windows
     from poslsh_cli.metrics import output_errors
     from poslsh_cli.sampling import sample_partitions
 

@@ -11,7 +11,6 @@ shape of the ALiBi paper's Figure 1).
 """
 from __future__ import annotations
 
-import enum
 import json
 import math
 import time
@@ -21,7 +20,7 @@ from typing import Any, Optional
 
 from poslsh_cli.claims import Section, Status, Verdict, combine
 from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, check_device, resolve_device
+from poslsh_cli.experiment import Experiment, check_device, choices, resolve_device
 from poslsh_cli.positions import Position
 from poslsh_cli.sampling import derive_seed
 
@@ -32,8 +31,7 @@ LN2 = math.log(2.0)
 
 #: Attention swapped in at inference: ``own`` (the model's forward as trained) or any position
 #: scheme that can replace another model's attention (every one but ``rope``, which changes q and k).
-Attention = enum.Enum("Attention", {"OWN": "own", **{p.name: p.value for p in Position if p is not Position.ROPE}},
-                      type=str, module=__name__)
+Attention = choices("Attention", [p for p in Position if p is not Position.ROPE], __name__, OWN="own")
 
 
 @dataclass(frozen=True)
