@@ -64,15 +64,70 @@ ALIBI_ARCHS = {
 
 
 def check_checkpoint(path: Path) -> None:
-    """Refuse what is not a loadable local checkpoint, with one clear reason."""
+    """Refuse what is not a loadable local checkpoint, with one clear reason: missing, no config,
+    no safetensors, a file that differs from the manifest poslsh wrote with it, or a safetensors
+    file whose header cannot be read (named)."""
+    from poslsh_cli.files import MANIFEST, verify_dir
+
+    path = Path(path)
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist")
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
-    if not any(path.glob("*.safetensors")):
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
         other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         extra = f" (found {other[0]}; convert it to safetensors)" if other else ""
         raise ConfigError(f"{path} has no *.safetensors weights{extra}")
+    if (path / MANIFEST).exists():
+        why = verify_dir(path)
+        if why is not None:
+            raise ConfigError(f"checkpoint {path} is corrupt: {why}")
+    for w in weights:
+        why = unreadable_safetensors(w)
+        if why:
+            raise ConfigError(f"checkpoint weights {w} cannot be read ({why})")
+
+
+def unreadable_safetensors(path: Path) -> str | None:
+    """Why a safetensors file cannot be opened (header or size wrong), or None. Reads the header
+    and the file size only."""
+    import json
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return "shorter than its 8-byte header length"
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                return "invalid header length (the file is truncated)"
+            header = json.loads(fh.read(n))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    except ValueError:
+        return "malformed header"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        return f"truncated: {size} bytes, its header needs {8 + n + end}"
+    return None
+
+
+def weights_bytes(path: Path, dtype_bytes: int = 4) -> float:
+    """Memory of a checkpoint's weights once loaded in a ``dtype_bytes`` float type, from its
+    safetensors files and the dtype they are stored in (for memory estimates; 0 if unknown)."""
+    import json
+
+    stored = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    per = 2 if ("16" in dt) else 8 if "64" in dt else 4
+    return float(stored) * dtype_bytes / per
 
 
 def refuse_rotary_falcon(path: Path, model_type: str | None, alibi: bool) -> None:

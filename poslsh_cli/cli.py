@@ -201,8 +201,18 @@ def _out_of(job: list[str]) -> Optional[str]:
 
 
 def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
-    """Validate every job, then run ``exp`` through ``hydra.main``."""
-    from poslsh_cli.rundir import check_writable, timestamp
+    """Validate every job, then run ``exp`` through ``hydra.main``.
+
+    Nothing is created before the task has checked its input: a single run gives Hydra a
+    scratch directory of its own (the run directory is made by the runner once the spec, the
+    memory estimate, the data and the checkpoints are checked); a multirun's sweep directory is
+    owned by this process for the sweep (a second sweep on it is refused), and everything it
+    created is removed again when no job made a run there.
+    """
+    import tempfile
+
+    from poslsh_cli import ownership
+    from poslsh_cli.rundir import check_writable, missing_top, timestamp
 
     args = models.shorthand(list(args)) if "model" in exp.groups else list(args)
     try:
@@ -214,6 +224,7 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
             job = [o for o in job if not o.startswith("out=")] + [f"out={out}"]
             registry.compose_spec(exp, job)
         check_writable(Path(out))
+        ownership.check_free(Path(out))
     except ConfigError as exc:
         fail(exp.name, str(exc))
         return
@@ -221,28 +232,50 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
     argv = [f"poslsh {exp.name}"] + user_args + [f"out={out}"] + [
         "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    scratch = None
     if multirun:  # and one table from the sweep when it ends (poslsh collect)
         argv = argv[:1] + ["--multirun"] + argv[1:] + [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}",
                                                         "+hydra.callbacks.collect._target_=poslsh_cli.sweep.CollectCallback"]
     else:
-        argv += [f"hydra.run.dir={out}", "hydra/hydra_logging=disabled"]
+        scratch = tempfile.mkdtemp(prefix="poslsh-hydra-")
+        argv += [f"hydra.run.dir={scratch}", "hydra/hydra_logging=disabled"]
     argv += hydra_args
     replay = " ".join(["poslsh", exp.name] + (["-m"] if multirun else []) + list(args))
-    existed = Path(out).exists()
+    top = missing_top(Path(out))
     try:
-        _run_hydra(exp, argv, replay, multirun)
+        if multirun:
+            try:
+                ownership.acquire(Path(out), replay)
+            except ConfigError as exc:
+                fail(exp.name, str(exc))
+            try:
+                _run_hydra(exp, argv, replay, multirun)
+            finally:
+                _remove_if_no_run(Path(out), top)
+                ownership.release(Path(out))
+        else:
+            _run_hydra(exp, argv, replay, multirun)
     finally:
-        if not existed:
-            _remove_if_no_run(Path(out))
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _remove_if_no_run(out: Path) -> None:
-    """Hydra creates its output directory before the task runs; a task refused before writing
-    anything must not leave that directory (or a multirun's) behind."""
+def _remove_if_no_run(out: Path, top: Optional[Path]) -> None:
+    """A sweep whose jobs were all refused before writing anything must not leave its directory
+    (nor the directories created above it) behind. Only what this process owns is removed, and
+    nothing that holds a run."""
     import shutil
 
-    if out.is_dir() and not any(out.rglob("config.yaml")):
+    from poslsh_cli import ownership
+    from poslsh_cli.rundir import remove_created
+
+    if top is None or not out.is_dir() or any(out.rglob("config.yaml")):
+        return
+    if ownership.owns(out) or ownership.holder(out) is None:
         shutil.rmtree(out, ignore_errors=True)
+        remove_created(out.parent, top)
 
 
 def _terminate_as_interrupt() -> None:
@@ -339,7 +372,8 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
     try:
         runs = find_runs(run_dirs)
         target = out or _common_parent(runs)
-        md, html_path = report.build(run_dirs, target)
+        md, html_path = report.build(run_dirs, target,
+                                     notice=lambda text: sys.stderr.write(f"poslsh report: {text}\n"))
     except ConfigError as exc:
         fail("report", str(exc))
         return
@@ -368,7 +402,7 @@ def collect_cmd(sweep_dir: Path = typer.Argument(..., help="the directory of a m
         fail("collect", str(exc))
         return
     typer.echo(f"{res.rows} rows from {res.jobs} jobs: {res.path}")
-    for p in res.problems:
+    for p in res.notes + res.problems:
         sys.stderr.write(f"poslsh collect: {p}\n")
     if res.problems:
         raise SystemExit(1)
@@ -401,12 +435,12 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
 def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
                                                    show_default=False)) -> None:
     """Draw the figures of finished (or partial) runs into each run's figures/ (PNG and PDF)."""
-    from poslsh_cli import plotting
+    from poslsh_cli.report import plot_run
     from poslsh_cli.rundir import find_runs
 
     try:
         for run in find_runs(run_dirs):
-            for p in plotting.plot_run(run, registry.experiments()):
+            for p in plot_run(run, notice=lambda text: sys.stderr.write(f"poslsh plot: {text}\n")):
                 typer.echo(str(p))
     except ConfigError as exc:
         fail("plot", str(exc))

@@ -52,6 +52,8 @@ class Spec:
 
     seed: int = key("root seed; every cell's seed derives from it and its parameters", 0, ge=0)
     out: Optional[str] = key("run directory (default runs/<command>/<timestamp>); an existing one is resumed", None)
+    memory_check: bool = key("refuse a run whose estimated peak memory exceeds what this machine has available "
+                             "(false: run it anyway)", True)
 
     def check(self) -> None:
         """Rules between keys (override); raise ConfigError."""
@@ -285,8 +287,9 @@ def override_text(value: Any) -> str:
 
 def key_help(spec_cls: type, defaults: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """(key, default as written in conf/, help) for every key, common keys last."""
-    own = [f for f in fields(spec_cls) if f.name not in ("seed", "out")]
-    rest = [f for f in fields(spec_cls) if f.name in ("seed", "out")]
+    common = ("seed", "out", "memory_check")
+    own = [f for f in fields(spec_cls) if f.name not in common]
+    rest = [f for f in fields(spec_cls) if f.name in common]
     out = []
     for f in own + rest:
         value = defaults.get(f.name, f.default)

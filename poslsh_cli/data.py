@@ -47,6 +47,8 @@ def _read(data: str) -> tuple[bytes, str]:
 
         return builtin_text().encode("utf-8"), "builtin"
     path = Path(os.path.expanduser(data)).resolve()
+    if not path.exists():
+        raise ConfigError(f"data={data}: no such file or folder (use data=builtin or a path)")
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -55,7 +57,7 @@ def _read(data: str) -> tuple[bytes, str]:
         if not files:
             raise ConfigError(f"data={data}: the folder holds no text files ({', '.join(s or 'no suffix' for s in TEXT_SUFFIXES)})")
     else:
-        raise ConfigError(f"data={data}: no such file or folder (use data=builtin or a path)")
+        raise ConfigError(f"data={data}: {path} is neither a regular file nor a folder")
     try:
         raw = b"\n\n".join(p.read_bytes() for p in files)
     except OSError as exc:
@@ -68,7 +70,7 @@ def load_corpus(data: str, val_fraction: float = 0.1, min_bytes: int = 0) -> Cor
     validation bytes (one evaluation window)."""
     raw, source = _read(data)
     if not raw.strip():
-        raise ConfigError(f"data={data}: the text is empty")
+        raise ConfigError(f"data={data}: the text is empty" + ("" if raw else f" ({source} has 0 bytes)"))
     arr = np.frombuffer(raw, dtype=np.uint8)
     cut = int(round(len(arr) * (1 - val_fraction)))
     corpus = Corpus(arr[:cut], arr[cut:], hashlib.sha256(raw).hexdigest(), source)

@@ -55,10 +55,84 @@ class Experiment:
     #: extra overrides `poslsh reproduce` adds for a preset, given the scale's root directory
     #: (e.g. the train run a perplexity preset evaluates)
     reproduce_overrides: Optional[Callable[[Path], list[str]]] = None
+    #: estimated peak memory of the largest cell from the spec alone, in bytes, with what it is
+    #: for (checked before anything runs; ``memory_check=false`` skips the check)
+    memory: Optional[Callable[[Any], Optional["MemoryNeed"]]] = None
 
     @property
     def config_name(self) -> str:
         return self.name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """An estimate of a run's peak memory: ``bytes`` on ``device`` (cpu or cuda), for ``what``."""
+
+    bytes: float
+    what: str
+    device: str = "cpu"
+
+
+def format_bytes(x: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x / 2**10:.3g} KiB"
+
+
+def available_memory(device: str = "cpu") -> float:
+    """Bytes that can still be allocated: free CUDA memory on a GPU; otherwise the kernel's
+    MemAvailable, capped by a cgroup limit (a container, a SLURM job) when one is set."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+            return float(torch.cuda.mem_get_info(index)[0])
+    avail = float("inf")
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    avail = float(line.split()[1]) * 1024
+    except OSError:
+        try:
+            import os
+
+            avail = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit.isdigit() and int(limit) < 2**60:
+                avail = min(avail, float(int(limit) - int(Path(usage_file).read_text().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def check_memory(exp: Experiment, spec: Any) -> None:
+    """Refuse a run whose estimated peak memory (:attr:`Experiment.memory`) exceeds what is
+    available, with one line; ``memory_check=false`` runs it anyway."""
+    if exp.memory is None or not getattr(spec, "memory_check", True):
+        return
+    need = exp.memory(spec)
+    if need is None:  # nothing to estimate from yet (prepare says what is missing)
+        return
+    device = need.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    have = available_memory(device)
+    if need.bytes > have:
+        where = "this GPU has" if device.startswith("cuda") else "this machine has"
+        raise ConfigError(f"needs about {format_bytes(need.bytes)} of memory ({need.what}); {where} "
+                          f"{format_bytes(have)} available (memory_check=false runs it anyway)")
 
 
 def grid_cells(spec: Any) -> list[dict[str, Any]]:

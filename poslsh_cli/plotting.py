@@ -1,5 +1,5 @@
-"""Figures from run directories: shared drawing helpers and the dispatch to each experiment's
-own ``plot`` (results -> matplotlib, PNG + PDF into ``figures/``).
+"""Shared drawing helpers for the experiments' own ``plot`` functions (results -> matplotlib, PNG
++ PDF into ``figures/``); :func:`poslsh_cli.report.plot_run` dispatches a run to its experiment.
 
 Plotting reads what the runs wrote and draws it; the only arithmetic is aggregation over
 trials, least-squares slopes for legends, and theory curves.
@@ -7,11 +7,9 @@ trials, least-squares slopes for legends, and theory curves.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-from poslsh_cli.config import ConfigError
 from poslsh_cli.metrics import fit_loglog_slope
-from poslsh_cli.rundir import load_run
 
 #: Sizes chosen for figures shown at about 1000 px wide (the HTML report): no text under 8 pt.
 STYLE = {"font.size": 9, "legend.fontsize": 8, "axes.titlesize": 10, "axes.labelsize": 9, "xtick.labelsize": 8,
@@ -37,29 +35,6 @@ def save(fig: Any, run: Path, name: str) -> list[Path]:
     fig.savefig(paths[1], bbox_inches="tight")
     pyplot().close(fig)
     return paths
-
-
-def results(run: Path) -> Any:
-    """The run's results table; a run with no finished cell has nothing to draw."""
-    import pandas as pd
-
-    path = Path(run) / "results.csv"
-    if not path.exists():
-        raise ConfigError(f"{run}: no results.csv yet")
-    df = pd.read_csv(path)
-    if df.empty:
-        raise ConfigError(f"{run}: results.csv has no rows yet")
-    return df
-
-
-def plot_run(run: Path, experiments: Mapping[str, Any]) -> list[Path]:
-    """Every figure of one run directory (its experiment's ``plot``); returns the files written."""
-    run = Path(run)
-    _, meta = load_run(run)
-    exp = experiments.get(meta.get("command"))
-    if exp is None or exp.plot is None:
-        raise ConfigError(f"{run}: no plots for command {meta.get('command')!r}")
-    return exp.plot(run, results(run))
 
 
 def decay_panel(ax: Any, df: Any, x: str, y: str, group: list[str], label: Callable[[tuple], str]) -> None:

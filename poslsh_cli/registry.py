@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import lru_cache
+from pathlib import Path
 
 from typing import Any
 
@@ -72,3 +73,22 @@ def compose_config(exp: Experiment, overrides: list[str]) -> Any:
 def compose_spec(exp: Experiment, overrides: list[str]) -> Any:
     """The validated, frozen spec of ``exp`` for ``overrides``: composition, then the one validation."""
     return build_spec(exp.spec, compose_config(exp, overrides))
+
+
+def experiment_of(run: Path) -> tuple[Experiment, dict, dict]:
+    """(experiment, config, meta) of a run directory. The command comes from meta.json, or, when
+    that file is empty or unreadable, from the keys of config.yaml (each command's spec has its own)."""
+    from dataclasses import fields
+
+    from poslsh_cli.rundir import load_run
+
+    cfg, meta = load_run(run)
+    command = meta.get("command")
+    if command in experiments():
+        return experiments()[command], cfg, meta
+    keys = set(cfg)
+    matches = [e for e in experiments().values() if {f.name for f in fields(e.spec)} == keys]
+    if len(matches) != 1:
+        raise ConfigError(f"{run}: cannot tell which command made this run (meta.json "
+                          f"{'names ' + repr(command) if command else 'is unreadable'})")
+    return matches[0], cfg, meta

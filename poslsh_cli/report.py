@@ -18,7 +18,32 @@ import pandas as pd
 
 from poslsh_cli import registry
 from poslsh_cli.claims import Section, Status
-from poslsh_cli.rundir import atomic_write_text, find_runs, load_run
+from poslsh_cli.config import ConfigError
+from poslsh_cli.files import atomic_write_text
+from poslsh_cli.rundir import find_runs, results, status
+
+
+def _print(text: str) -> None:
+    import sys
+
+    sys.stderr.write(text + "\n")
+
+
+def run_table(run: Path, notice=_print) -> tuple:
+    """(experiment, config, meta, rows) of one run directory; rows come from its cells
+    (:func:`poslsh_cli.rundir.results` repairs a results.csv that disagrees, saying so)."""
+    exp, cfg, meta = registry.experiment_of(run)
+    return exp, cfg, meta, results(run, exp.columns, notice)
+
+
+def plot_run(run: Path, notice=_print) -> list[Path]:
+    """Every figure of one run directory (its experiment's ``plot``); returns the files written."""
+    exp, _, _, df = run_table(Path(run), notice)
+    if exp.plot is None:
+        raise ConfigError(f"{run}: no plots for command {exp.name!r}")
+    if df.empty:
+        raise ConfigError(f"{run}: no finished cell yet")
+    return exp.plot(Path(run), df)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,32 +81,37 @@ def notes_of(paths: list[Path]) -> list[str]:
     return notes
 
 
-def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None) -> tuple[Path, Path]:
-    """Write report.md and report.html into ``out_dir``; returns their paths."""
-    from poslsh_cli import plotting
-
+def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, notice=_print) -> tuple[Path, Path]:
+    """Write report.md and report.html into ``out_dir``; returns their paths. Repairs of a run's
+    tables are said through ``notice`` and listed in the report."""
     runs = find_runs(run_dirs)
     notes = list(notes or []) + [n for n in notes_of([Path(p) for p in run_dirs]) if n not in (notes or [])]
     experiments = registry.experiments()
     order = {name: i for i, name in enumerate(experiments)}
     sections, provenance = [], []
     for run in runs:
-        cfg, meta = load_run(run)
-        command = meta.get("command")
-        exp = experiments.get(command)
-        if exp is None or exp.report is None or not (run / "results.csv").exists():
+        said: list[str] = []
+
+        def tell(text: str) -> None:
+            said.append(text)
+            notice(text)
+
+        try:
+            exp, cfg, meta, df = run_table(run, tell)
+        except ConfigError as exc:
+            notes.append(f"left out {run}: {exc}")
             continue
-        df = pd.read_csv(run / "results.csv")
-        if df.empty:
+        notes.extend(said)
+        if exp.report is None or df.empty:
             continue
         sec = exp.report(run, df)
         try:
-            sec.figures = [p for p in plotting.plot_run(run, experiments) if p.suffix == ".png"]
+            sec.figures = [p for p in exp.plot(run, df) if p.suffix == ".png"] if exp.plot else []
         except Exception as exc:  # a figure that cannot be drawn must not lose the numbers
             sec.paragraphs.append(f"(figures unavailable: {exc})")
         sections.append(sec)
         git = meta.get("git") or {}
-        provenance.append({"run": run.name, "command": command, "status": meta.get("status"),
+        provenance.append({"run": run.name, "command": exp.name, "status": status(run, meta),
                            "commit": ((git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else "")) or None,
                            "seed": meta.get("seed"), "wall s": meta.get("wall_seconds"),
                            "device": (meta.get("device") or {}).get("cuda") or (meta.get("device") or {}).get("machine"),

@@ -48,7 +48,7 @@ def skip_reason(command: str, preset: str, root: Path = Path(".")) -> str | None
 
 def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) -> None:
     """Keep the reason in the experiment's own directory, so any report over it says so."""
-    from poslsh_cli.rundir import atomic_write_text
+    from poslsh_cli.files import atomic_write_text
 
     if (out / "config.yaml").exists():
         return  # a run was made there before: its results stand
@@ -58,7 +58,7 @@ def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) 
 
 
 def _record_session(root: Path, scale: str, started: str, seconds: float, ran: int, failed: list[str]) -> None:
-    from poslsh_cli.rundir import atomic_write_text
+    from poslsh_cli.files import atomic_write_text
 
     path = root / "reproduce.json"
     try:
@@ -70,11 +70,24 @@ def _record_session(root: Path, scale: str, started: str, seconds: float, ran: i
 
 
 def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None) -> int:
+    from poslsh_cli import ownership
+
+    root = Path(root) / scale
+    try:  # one reproduce at a time per root; each preset's run directory has its own owner
+        ownership.acquire(root, f"poslsh reproduce --scale {scale}", what="--runs")
+    except ConfigError as exc:
+        print(f"poslsh reproduce: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _main(scale, root, launcher, jobs)
+    finally:
+        ownership.release(root)
+
+
+def _main(scale: str, root: Path, launcher: str, jobs: int | None) -> int:
     import datetime as _dt
     import os
 
-    root = Path(root) / scale
-    root.mkdir(parents=True, exist_ok=True)
     failed, done = [], []
     started = _dt.datetime.now().isoformat(timespec="seconds")
     t0 = time.time()
@@ -122,6 +135,9 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
     try:
         for name, command, preset in wave:
             out = root / name
+            while len(running) >= limit:  # the previous child's output comes before this header
+                reap(block=False)
+                time.sleep(0.2)
             reason = skip_reason(command, preset, root)
             if reason:
                 _mark_skipped(out, name, command, preset, reason)
@@ -131,9 +147,6 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
             extra = [] if launcher == "local" else ["-m", f"hydra/launcher={launcher}"]
             args = [command, *extra, *overrides(command, preset, root), f"out={out}"]
             print(f"== {name}: poslsh {' '.join(args)}", flush=True)
-            while len(running) >= limit:
-                reap(block=False)
-                time.sleep(0.2)
             running.append((name, out, subprocess.Popen([sys.executable, "-m", "poslsh_cli", *args])))
         while running:
             reap(block=True)

@@ -1,61 +1,46 @@
-"""Run directories: resolved config, provenance, per-cell atomic results, resume.
+"""Run directories: resolved config, provenance, one owner, per-cell atomic results, resume.
 
 Layout of ``runs/<command>/<timestamp>/`` (or ``out=DIR``)::
 
+    .lock           held by the owning process for the life of the run (:mod:`poslsh_cli.ownership`)
     config.yaml     resolved configuration (the same command + config resumes)
-    meta.json       argv, root seed, git commit, package versions, device, wall time, status
-    cells/          one JSON file per finished cell, written atomically (tmp + rename)
-    results.csv     every finished cell's rows, in grid order; rewritten atomically per cell
-    <aux>.csv       extra tables some experiments keep (e.g. block_lengths.csv)
-    work/<cell>/    a long cell's own directory (training): an append-only metrics.csv and
-                    checkpoints/step-NNNNNNNN/, so the cell itself resumes from its last step
+    meta.json       argv, root seed, git commit, package versions, device, wall time, status, and
+                    the history of earlier sessions (one that died is recorded as such)
+    cells/          one JSON file per finished cell (its key, rows, grid index), written atomically:
+                    the source of truth for every table
+    results.csv     every finished cell's rows, in grid order; rewritten atomically per cell, and
+                    rebuilt from cells/ by any reader that finds it disagreeing (:func:`results`)
+    <aux>.csv       extra tables some experiments keep (e.g. block_lengths.csv), also from cells/
+    work/<cell>/    a long cell's own directory (:mod:`poslsh_cli.cellwork`)
     figures/        written by ``poslsh plot``
 
 A cell is one parameter combination and trial. A run killed at any point leaves only whole
-cells behind (and, inside a long cell, whole checkpoints); started again with the same
-``out=`` it computes only the missing cells and continues a started one from its checkpoint.
+cells behind (and, inside a long cell, whole checkpoints); started again with the same ``out=``
+it computes only the missing cells and continues a started one from its checkpoint.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import io
 import json
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, is_dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+from poslsh_cli import ownership
+from poslsh_cli.cellwork import CellWork
 from poslsh_cli.config import ConfigError
+from poslsh_cli.files import atomic_write_text, fault_point, remove_stale_temporaries
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: readers see the old file
-    or the new one, never a part. The file gets the usual mode (0666 less the umask), not the
-    0600 of a temporary file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+#: Keys that do not change any result: a run resumes when only these differ.
+RESUME_IGNORED = ("out", "memory_check")
 
 
 def timestamp() -> str:
@@ -77,6 +62,32 @@ def check_writable(out: Path) -> None:
         os.rmdir(tmp)
     except OSError as exc:
         raise ConfigError(f"out={out} is not writable ({exc.strerror})") from None
+
+
+def missing_top(path: Path) -> Optional[Path]:
+    """The highest ancestor of ``path`` (or ``path`` itself) that does not exist yet: what creating
+    ``path`` creates, and what to remove again when nothing was made there."""
+    path = Path(path).resolve()
+    top = None
+    while not path.exists():
+        top, path = path, path.parent
+    return top
+
+
+def remove_created(path: Path, top: Optional[Path]) -> None:
+    """Remove the now empty directories from ``path`` up to ``top`` (see :func:`missing_top`)."""
+    if top is None:
+        return
+    p = Path(path).resolve()
+    top = Path(top).resolve()
+    while True:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top or top not in p.parents:
+            return
+        p = p.parent
 
 
 def git_commit() -> dict[str, Any]:
@@ -108,14 +119,16 @@ def package_versions() -> dict[str, str | None]:
 def device_info() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
                             "cpu_count": os.cpu_count()}
-    try:
-        import torch
+    import sys
 
-        info["torch_threads"] = torch.get_num_threads()
-        if torch.cuda.is_available():
-            info["cuda"] = torch.cuda.get_device_name(0)
-    except Exception:  # torch is optional for the matrix experiments
-        pass
+    torch = sys.modules.get("torch")  # only when the experiment used it: importing it costs seconds
+    if torch is not None:
+        try:
+            info["torch_threads"] = torch.get_num_threads()
+            if torch.cuda.is_available():
+                info["cuda"] = torch.cuda.get_device_name(0)
+        except Exception:
+            pass
     return info
 
 
@@ -134,40 +147,95 @@ def cell_id(key: dict[str, Any]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-class RunDir:
-    """One run directory. Create with :meth:`open`; it refuses to mix configurations."""
+def read_json(path: Path) -> tuple[Optional[Any], Optional[str]]:
+    """(value, None), or (None, why) for a missing, empty, cut or malformed file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        return None, exc.strerror or type(exc).__name__
+    if not text.strip():
+        return None, "empty"
+    try:
+        return json.loads(text), None
+    except ValueError:
+        return None, "cut or malformed JSON"
 
-    def __init__(self, path: Path, command: str, config_yaml: str, fresh: bool):
+
+def _config_body(yaml_text: str) -> str:
+    return "\n".join(line for line in yaml_text.splitlines() if not line.split(":", 1)[0] in RESUME_IGNORED)
+
+
+class RunDir:
+    """One run directory. :meth:`open` checks it without writing; :meth:`own` makes this process
+    its owner (creating it) for the run; only the owner writes."""
+
+    def __init__(self, path: Path, command: str, config_yaml: str):
         self.path = Path(path)
         self.command = command
         self.config_yaml = config_yaml
-        self.fresh = fresh
+        self.fresh = True
         self.cells_dir = self.path / "cells"
         self.meta: dict[str, Any] = {}
+        self._created: Optional[Path] = None
 
     @classmethod
     def open(cls, path: Path, command: str, config_yaml: str) -> "RunDir":
-        path = Path(path)
-        cfg_file = path / "config.yaml"
-        if cfg_file.exists():
-            old = cfg_file.read_text()
-            if _strip_out(old) != _strip_out(config_yaml):
-                raise ConfigError(f"out={path} holds a run with a different configuration; "
-                                  "use another out= (or the same keys to resume)")
-            fresh = False
-        else:
-            # a reproduce marker (skipped.json) does not count: the run replaces it
-            if path.exists() and any(p for p in path.iterdir() if not p.name.startswith(".") and p.name != "skipped.json"):
-                raise ConfigError(f"out={path} exists, is not empty and holds no poslsh run")
-            fresh = True
-        return cls(path, command, config_yaml, fresh)
+        """Check that ``path`` can hold this run (new, or the same configuration to resume) and
+        that no live process owns it; nothing is written."""
+        run = cls(path, command, config_yaml)
+        run._check()
+        ownership.check_free(run.path)
+        return run
 
-    def start(self, argv: list[str], seed: int, cells_total: int) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.cells_dir.mkdir(exist_ok=True)
+    def _check(self) -> None:
+        cfg_file = self.path / "config.yaml"
+        if cfg_file.exists():
+            if _config_body(cfg_file.read_text()) != _config_body(self.config_yaml):
+                raise ConfigError(f"out={self.path} holds a run with a different configuration; "
+                                  "use another out= (or the same keys to resume)")
+            self.fresh = False
+            return
+        # a reproduce marker (skipped.json) and the lock do not count: the run replaces them
+        if self.path.exists() and any(p for p in self.path.iterdir() if not p.name.startswith(".")
+                                      and p.name != "skipped.json"):
+            raise ConfigError(f"out={self.path} exists, is not empty and holds no poslsh run")
+        self.fresh = True
+
+    @contextmanager
+    def own(self, argv: str) -> Iterator["RunDir"]:
+        """Own the directory for the block: create it, take its lock (:class:`ownership.RunBusy`
+        if another process got there first), check it again under the lock, and remove what a
+        killed session left half-written."""
+        top = missing_top(self.path)
+        ownership.acquire(self.path, argv)
+        try:
+            self._created = top
+            self._check()
+            remove_stale_temporaries(self.path)
+            yield self
+        finally:
+            ownership.release(self.path)
+
+    def start(self, argv: str, seed: int, cells_total: int, notice: Callable[[str], None] = print) -> None:
+        """Write config.yaml (new runs) and a meta.json for this session. A previous session whose
+        meta.json still says ``running`` died (its lock is free now): it is recorded as such."""
+        self.cells_dir.mkdir(parents=True, exist_ok=True)
         if self.fresh:
             atomic_write_text(self.path / "config.yaml", self.config_yaml)
-        old = self._read_meta()
+        old, why = read_json(self.path / "meta.json")
+        if not isinstance(old, dict):
+            if not self.fresh:
+                notice(f"{self.path / 'meta.json'} was unreadable ({why}); started a new one")
+            old = {}
+        history = list(old.get("history", []))
+        if old:
+            prev = {k: old.get(k) for k in ("sessions", "status", "cells_done", "error", "pid", "host")}
+            if old.get("status") == "running":
+                prev["status"] = "died"
+                prev["error"] = "the process ended without finishing (killed, or out of memory)"
+                notice(f"the previous session of {self.path} (pid {old.get('pid')}) died without finishing; "
+                       "resuming")
+            history.append(prev)
         self.meta = {
             "command": self.command,
             "argv": argv,
@@ -175,22 +243,19 @@ class RunDir:
             "git": git_commit(),
             "versions": package_versions(),
             "device": device_info(),
+            "pid": os.getpid(),
+            "host": platform.node(),
             "started": old.get("started", _dt.datetime.now().isoformat(timespec="seconds")),
             "wall_seconds": float(old.get("wall_seconds", 0.0)),
             "sessions": int(old.get("sessions", 0)) + 1,
             "status": "running",
             "cells_total": cells_total,
             "cells_done": len(self.done_ids()),
+            "history": history,
         }
         self._t0 = _dt.datetime.now()
         self._wall0 = self.meta["wall_seconds"]
         self.write_meta()
-
-    def _read_meta(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.path / "meta.json").read_text())
-        except (OSError, ValueError):
-            return {}
 
     def write_meta(self, **updates: Any) -> None:
         self.meta.update(updates)
@@ -198,148 +263,140 @@ class RunDir:
             self.meta["wall_seconds"] = round(self._wall0 + (_dt.datetime.now() - self._t0).total_seconds(), 3)
         atomic_write_text(self.path / "meta.json", json.dumps(self.meta, indent=2, default=_jsonable) + "\n")
 
-    def work(self, key: dict[str, Any], progress: Callable[[int, int, str], None] | None = None) -> CellWork:
-        """The working directory of one cell (see :class:`CellWork`)."""
-        path = self.path / "work" / work_name(key)
-        return CellWork(path, progress) if progress is not None else CellWork(path)
+    def work(self, key: dict[str, Any], progress: Callable[[int, int, str], None] | None = None,
+             notice: Callable[[str], None] | None = None) -> CellWork:
+        """The working directory of one cell (see :class:`~poslsh_cli.cellwork.CellWork`)."""
+        extra = {k: v for k, v in (("progress", progress), ("notice", notice)) if v is not None}
+        return CellWork(self.path / "work" / work_name(key), **extra)
+
+    def cells(self) -> tuple[dict[str, dict], list[tuple[Path, str]]]:
+        """Finished cells by id, and the cell files that cannot be read (path, why)."""
+        return read_cells(self.cells_dir)
 
     def done_ids(self) -> set[str]:
-        if not self.cells_dir.exists():
-            return set()
-        return {p.stem for p in self.cells_dir.glob("*.json")}
+        return set(self.cells()[0])
 
-    def write_cell(self, key: dict[str, Any], rows: list[dict[str, Any]], aux: dict[str, list[dict]] | None = None) -> None:
-        payload = {"key": key, "rows": rows, "aux": aux or {}}
-        atomic_write_text(self.cells_dir / f"{cell_id(key)}.json",
-                          json.dumps(payload, default=_jsonable) + "\n")
+    def drop_unreadable_cells(self, notice: Callable[[str], None]) -> None:
+        """(Owner only) a cell file that cannot be read is not finished: remove it, say so."""
+        for path, why in self.cells()[1]:
+            notice(f"{path} is unreadable ({why}); the cell will be computed again")
+            path.unlink(missing_ok=True)
 
-    def read_cells(self, keys: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Finished cells among ``keys``, in that order."""
-        out = []
-        for key in keys:
-            p = self.cells_dir / f"{cell_id(key)}.json"
-            if p.exists():
-                out.append(json.loads(p.read_text()))
-        return out
+    def write_cell(self, key: dict[str, Any], rows: list[dict[str, Any]], aux: dict[str, list[dict]] | None = None,
+                   index: int | None = None) -> None:
+        payload = {"key": key, "rows": rows, "aux": aux or {}, "index": index}
+        atomic_write_text(self.cells_dir / f"{cell_id(key)}.json", json.dumps(payload, default=_jsonable) + "\n")
+        fault_point("cell")
 
     def write_tables(self, keys: list[dict[str, Any]], columns: list[str]) -> int:
         """Rewrite results.csv (and aux tables) from the finished cells, in grid order."""
-        import pandas as pd
-
-        cells = self.read_cells(keys)
-        rows = [r for c in cells for r in c["rows"]]
-        df = pd.DataFrame(rows)
-        if df.empty:
-            df = pd.DataFrame(columns=columns)
-        extra = [c for c in df.columns if c not in columns]
-        df = df[[c for c in columns if c in df.columns] + extra]
-        atomic_write_text(self.path / "results.csv", df.to_csv(index=False))
-        aux_names = sorted({n for c in cells for n in c["aux"]})
-        for name in aux_names:
-            aux_rows = [r for c in cells for r in c["aux"].get(name, [])]
-            atomic_write_text(self.path / f"{name}.csv", pd.DataFrame(aux_rows).to_csv(index=False))
+        done = self.cells()[0]
+        cells = [done[cell_id(k)] for k in keys if cell_id(k) in done]
+        _write_tables(self.path, cells, columns)
         return len(cells)
 
     def discard_if_empty(self) -> None:
-        """After a failure before any cell finished: leave nothing half-written behind."""
+        """(Owner only) after a failure before any cell finished: leave nothing half-written
+        behind, including the directories this run created above it."""
         if self.fresh and not self.done_ids():
             shutil.rmtree(self.path, ignore_errors=True)
+            remove_created(self.path.parent, self._created)
 
 
-class MetricsLog:
-    """An append-only CSV log (one row per training step or event) that survives being killed.
+def read_cells(cells_dir: Path) -> tuple[dict[str, dict], list[tuple[Path, str]]]:
+    good: dict[str, dict] = {}
+    bad: list[tuple[Path, str]] = []
+    if not Path(cells_dir).is_dir():
+        return good, bad
+    for p in sorted(Path(cells_dir).glob("*.json")):
+        data, why = read_json(p)
+        if isinstance(data, dict) and isinstance(data.get("rows"), list) and "key" in data:
+            good[p.stem] = data
+        else:
+            bad.append((p, why or "not a cell record"))
+    return good, bad
 
-    ``append`` writes one whole line and flushes it to disk; a line cut short by a kill is
-    dropped when the log is opened again. The header is fixed by the first row written (later
-    rows may leave columns empty). ``truncate_after(column, value)`` keeps only rows with
-    ``row[column] <= value``: on resume from a checkpoint the steps after it are recomputed,
-    so the log never holds a step twice.
+
+def _frames(cells: list[dict], columns: list[str]) -> tuple[str, dict[str, str]]:
+    """results.csv text and aux tables' texts from cell records, in the given order."""
+    import pandas as pd
+
+    rows = [r for c in cells for r in c["rows"]]
+    df = pd.DataFrame(rows)
+    if df.empty:
+        df = pd.DataFrame(columns=list(columns))
+    extra = [c for c in df.columns if c not in columns]
+    df = df[[c for c in columns if c in df.columns] + extra]
+    aux = {}
+    for name in sorted({n for c in cells for n in c.get("aux", {})}):
+        aux[name] = pd.DataFrame([r for c in cells for r in c["aux"].get(name, [])]).to_csv(index=False)
+    return df.to_csv(index=False), aux
+
+
+def _write_tables(path: Path, cells: list[dict], columns: list[str]) -> None:
+    text, aux = _frames(cells, columns)
+    atomic_write_text(path / "results.csv", text)
+    for name, t in aux.items():
+        atomic_write_text(path / f"{name}.csv", t)
+
+
+def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None] = print) -> Any:
+    """The rows of a run as a DataFrame, from ``cells/`` (the source of truth).
+
+    results.csv is checked against the cells: when it is missing, cut, or holds other rows, it is
+    rebuilt from them (saying so), unless a live process owns the run (then the cells are read and
+    the file is left to its owner). Without ``columns`` (the experiment's column order) the cells
+    are only read. An unreadable cell file is named and left out. Runs without
+    ``cells/`` are read from results.csv, with one error line naming it when it cannot be parsed.
     """
+    import pandas as pd
 
-    def __init__(self, path: Path, columns: list[str]):
-        self.path = Path(path)
-        self.columns = list(columns)
-        self._drop_partial_line()
-
-    def _drop_partial_line(self) -> None:
-        if not self.path.exists():
-            return
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            atomic_write_bytes(self.path, data[: data.rfind(b"\n") + 1])
-
-    def append(self, row: dict[str, Any]) -> None:
-        import csv
-        import io
-
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="raise", lineterminator="\n")
-        if new:
-            w.writeheader()
-        w.writerow({k: ("" if v is None else v) for k, v in row.items()})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(buf.getvalue())
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    def frame(self) -> Any:
-        import pandas as pd
-
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return pd.DataFrame(columns=self.columns)
-        return pd.read_csv(self.path)
-
-    def truncate_after(self, column: str, value: float) -> None:
-        df = self.frame()
-        if len(df) and (df[column] > value).any():
-            atomic_write_text(self.path, df[df[column] <= value].to_csv(index=False))
-
-
-class Checkpoints:
-    """Step checkpoints ``<root>/step-NNNNNNNN/``: each is written into a temporary directory and
-    renamed into place, so a kill during a save leaves the previous checkpoint as the latest."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-
-    @staticmethod
-    def name(step: int) -> str:
-        return f"step-{int(step):08d}"
-
-    def save(self, step: int, write: Callable[[Path], None], keep: int | None = None) -> Path:
-        """``write(tmp_dir)`` fills the checkpoint; then it becomes ``step-NNNNNNNN``. With ``keep``,
-        older checkpoints beyond the newest ``keep`` are removed."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / self.name(step)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self.root))
+    run = Path(run)
+    table = run / "results.csv"
+    if not (run / "cells").is_dir():
         try:
-            write(tmp)
-            os.chmod(tmp, 0o777 & ~_umask())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if keep is not None:
-            for _, old in self.all()[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
+            return pd.read_csv(table)
+        except FileNotFoundError:
+            raise ConfigError(f"{run}: no results.csv yet") from None
+        except (ValueError, pd.errors.ParserError) as exc:
+            raise ConfigError(f"{table} cannot be read ({str(exc).splitlines()[0]})") from None
+    good, bad = read_cells(run / "cells")
+    for p, why in bad:
+        notice(f"{p} is unreadable ({why}); left out (run the command again to compute that cell)")
 
-    def all(self) -> list[tuple[int, Path]]:
-        if not self.root.exists():
-            return []
-        out = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
-                out.append((int(p.name[5:]), p))
-        return sorted(out)
+    def order(item: tuple[str, dict]) -> tuple:
+        idx = item[1].get("index")
+        return (0, idx, "") if isinstance(idx, int) else (1, (run / "cells" / f"{item[0]}.json").stat().st_mtime, item[0])
 
-    def latest(self) -> tuple[int, Path] | None:
-        found = self.all()
-        return found[-1] if found else None
+    cells = [c for _, c in sorted(good.items(), key=order)]
+    if not cells and not table.exists():
+        return pd.DataFrame(columns=list(columns))
+    text, aux = _frames(cells, list(columns))
+    if not columns:  # the column order is the experiment's: without it, read only
+        return pd.read_csv(io.StringIO(text)) if text.strip() else pd.DataFrame()
+    current = table.read_bytes().decode("utf-8", errors="replace") if table.exists() else None
+    if current is None or sorted(current.splitlines()) != sorted(text.splitlines()):
+        problem = ("is missing" if current is None else "is cut mid-line" if not current.endswith("\n")
+                   else f"holds {max(0, len(current.splitlines()) - 1)} rows where the cells hold "
+                        f"{max(0, len(text.splitlines()) - 1)}" if len(current.splitlines()) != len(text.splitlines())
+                   else "disagrees with the cells")
+        owner = ownership.holder(run)
+        if owner is not None and not ownership.owns(run):
+            notice(f"{table} {problem} while pid {owner.get('pid')} writes the run; read from its cells/")
+        elif current is not None or cells:
+            _write_tables(run, cells, list(columns))
+            notice(f"{table} {problem}; rebuilt from {len(cells)} cells in {run / 'cells'}")
+    if not text.strip():
+        return pd.DataFrame(columns=list(columns))
+    return pd.read_csv(io.StringIO(text))
+
+
+def status(run: Path, meta: dict[str, Any]) -> str:
+    """The run's status, with ``died`` for a ``running`` run whose owner is gone."""
+    st = meta.get("status") or "unknown"
+    if st == "running" and ownership.holder(run) is None:
+        return "died"
+    return st
 
 
 def work_name(key: dict[str, Any]) -> str:
@@ -351,38 +408,19 @@ def work_name(key: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9.,+-]+", "_", text)[:120] + "-" + cell_id(key)[:6]
 
 
-@dataclass(frozen=True)
-class CellWork:
-    """A cell's own working directory ``<run>/work/<cell>/`` (created on first use) and a
-    progress callback ``progress(done, total, text)`` the runner shows under its bar."""
-
-    path: Path
-    progress: Callable[[int, int, str], None] = lambda done, total, text: None
-
-    def metrics(self, columns: list[str], name: str = "metrics.csv") -> MetricsLog:
-        return MetricsLog(self.path / name, columns)
-
-    def checkpoints(self) -> Checkpoints:
-        return Checkpoints(self.path / "checkpoints")
-
-
-def _strip_out(yaml_text: str) -> str:
-    return "\n".join(line for line in yaml_text.splitlines() if not line.startswith("out:"))
-
-
 def load_run(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config, meta) of a finished or partial run directory."""
+    """(config, meta) of a finished or partial run directory (meta {} when unreadable)."""
     import yaml
 
     path = Path(path)
     if not (path / "config.yaml").exists():
         raise ConfigError(f"{path} is not a poslsh run directory (no config.yaml)")
-    cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
     try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        meta = {}
-    return cfg, meta
+        cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"{path / 'config.yaml'} cannot be read (malformed YAML)") from None
+    meta, _ = read_json(path / "meta.json")
+    return cfg, meta if isinstance(meta, dict) else {}
 
 
 def find_runs(paths: Iterable[Path]) -> list[Path]:
@@ -393,7 +431,8 @@ def find_runs(paths: Iterable[Path]) -> list[Path]:
         if (p / "config.yaml").exists():
             out.append(p)
         elif p.is_dir():
-            found = sorted(q.parent for q in p.rglob("config.yaml") if (q.parent / "meta.json").exists())
+            found = sorted(q.parent for q in p.rglob("config.yaml") if (q.parent / "cells").is_dir()
+                           or (q.parent / "meta.json").exists())
             if not found:
                 raise ConfigError(f"{p} holds no poslsh run (no config.yaml below it)")
             out.extend(found)
@@ -402,5 +441,5 @@ def find_runs(paths: Iterable[Path]) -> list[Path]:
     return out
 
 
-__all__ = ["RunDir", "MetricsLog", "Checkpoints", "CellWork", "atomic_write_text", "atomic_write_bytes",
-           "check_writable", "timestamp", "load_run", "find_runs", "cell_id", "work_name"]
+__all__ = ["RunDir", "atomic_write_text", "check_writable", "timestamp", "load_run", "find_runs", "cell_id",
+           "work_name", "results", "status", "missing_top", "remove_created"]

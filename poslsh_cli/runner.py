@@ -56,40 +56,61 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
             meta: dict | None = None) -> int:
     """Run every unfinished cell of ``exp`` into ``run_dir``; 0 when complete, 130 when interrupted.
 
-    ``config_text`` is the resolved configuration written to config.yaml (the composed Hydra
-    config, as the user's keys read); without it, the spec itself. ``meta`` goes into meta.json
-    (a multirun job's number and overrides).
+    Order: the run directory is checked without writing (same configuration to resume; no live
+    owner), the memory estimate is checked, ``prepare`` checks the data and checkpoints; only then
+    is the directory created and owned (its lock held until the end). ``config_text`` is the
+    resolved configuration written to config.yaml (the composed Hydra config, as the user's keys
+    read); without it, the spec itself. ``meta`` goes into meta.json (a multirun job's number and
+    overrides).
     """
-    from poslsh_cli.rundir import RunDir, atomic_write_bytes, cell_id
+    from poslsh_cli.experiment import check_memory
+    from poslsh_cli.files import atomic_write_bytes
+    from poslsh_cli.rundir import RunDir
 
     run = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec))
+    check_memory(exp, spec)
     err = console()
+
+    def notice(text: str) -> None:
+        err.print(text, markup=False, highlight=False)
+
     ctx = exp.prepare(spec) if exp.prepare is not None else None
     keys = exp.cells(spec, ctx)
-    try:
-        run.start(argv, spec.seed, len(keys))
-        if meta:
-            run.write_meta(**meta)
-        if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
-            run.write_meta(**ctx.meta)
-        for rel, produce in (getattr(ctx, "files", None) or {}).items():
-            target = run.path / rel
-            if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(target, produce())
-    except OSError as exc:
-        raise ConfigError(f"cannot write {run.path}: {exc.strerror}") from None
+    with run.own(argv):
+        try:
+            run.start(argv, spec.seed, len(keys), notice)
+            run.drop_unreadable_cells(notice)
+            if meta:
+                run.write_meta(**meta)
+            if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
+                run.write_meta(**ctx.meta)
+            for rel, produce in (getattr(ctx, "files", None) or {}).items():
+                target = run.path / rel
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write_bytes(target, produce())
+        except OSError as exc:
+            run.discard_if_empty()
+            raise ConfigError(f"cannot write {run.path}: {exc.strerror}") from None
+        return _loop(exp, spec, ctx, run, keys, err, notice)
+
+
+def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], err: Any, notice: Any) -> int:
+    """The cells not yet done, each written as it finishes (the run directory is owned)."""
+    from poslsh_cli.rundir import cell_id
+
     done = run.done_ids()
     todo = [k for k in keys if cell_id(k) not in done]
+    index = {cell_id(k): i for i, k in enumerate(keys)}
     if done:
-        err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done")
+        err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done", markup=False)
     status = "complete"
     try:
         with _Progress(err, len(keys), len(keys) - len(todo), exp.name) as bar:
             for key in todo:
                 t0 = time.perf_counter()
-                rows, aux = exp.run_cell(spec, key, ctx, run.work(key, bar.sub))
-                run.write_cell(key, rows, aux)
+                rows, aux = exp.run_cell(spec, key, ctx, run.work(key, bar.sub, notice))
+                run.write_cell(key, rows, aux, index[cell_id(key)])
                 run.write_tables(keys, list(exp.columns))
                 run.write_meta(cells_done=len(run.done_ids()))
                 bar.advance(key, time.perf_counter() - t0)
@@ -111,7 +132,7 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     if status == "interrupted":
         run.discard_if_empty()
         err.print(f"interrupted: {n_done}/{len(keys)} cells kept in {run.path}; "
-                  f"run the same command with out={run.path} to finish")
+                  f"run the same command with out={run.path} to finish", markup=False)
         return INTERRUPTED
     _print_summary(exp, run)
     return 0
@@ -121,7 +142,9 @@ def _print_summary(exp: Experiment, run: Any) -> None:
     import pandas as pd
     from rich.table import Table
 
-    df = pd.read_csv(run.path / "results.csv")
+    from poslsh_cli.rundir import results
+
+    df = results(run.path, exp.columns)
     if df.empty or exp.summary is None:
         return
     head, rows = exp.summary(df)
@@ -166,9 +189,11 @@ class _Progress:
         tenth = int(10 * done / max(1, total))
         if tenth != self._last_tenth or done == total:
             self._last_tenth = tenth
-            self.console.print(f"    {done}/{total} {text}")
+            self.console.print(f"    {done}/{total} {text}", markup=False)
 
     def advance(self, key: dict, seconds: float) -> None:
+        """One more cell. The time shown is the cell's wall time (a training cell's includes its
+        evaluations and saving; its rows' ``seconds`` column counts training steps only)."""
         self.done += 1
         text = " ".join(f"{k}={v}" for k, v in key.items())
         if self.rich:
@@ -178,7 +203,7 @@ class _Progress:
             self.progress.update(self.task, advance=1, description=f"{self.label} {text}")
         else:
             self._last_tenth = -1
-            self.console.print(f"[{self.done}/{self.total}] {text} ({seconds:.2f} s)")
+            self.console.print(f"[{self.done}/{self.total}] {text} ({seconds:.2f} s wall)", markup=False)
 
     def __exit__(self, *exc: Any) -> None:
         if self.rich:

@@ -202,6 +202,15 @@ def block_max_quantile(q: float, sigma: float, num_samples: int) -> int:
     return int(math.ceil(width_max_quantile(q, sigma, num_samples) - 1e-9))
 
 
+def mean_blocks(n: int, sigma: float) -> float:
+    """Expected number of blocks of one sample of n positions: ``n E[min(1, 1/delta)] + 1`` for
+    ``delta ~ Gamma(2, sigma)``, i.e. ``n (P(delta < 1) + e^{-1/sigma} / sigma) + 1`` (a bin of
+    width delta >= 1 covers about delta positions; below 1 every position is its own block).
+    Memory estimates use it."""
+    p_small = 1.0 - math.exp(-1.0 / sigma) * (1.0 + 1.0 / sigma)
+    return float(n) * (p_small + math.exp(-1.0 / sigma) / sigma) + 1.0
+
+
 def block_length_pmf(lengths: np.ndarray, sigma: float) -> np.ndarray:
     """Probability that a block picked uniformly among all blocks has each given length.
 

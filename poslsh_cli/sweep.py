@@ -11,13 +11,13 @@ job that is started again resumes its own directory).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from poslsh_cli.config import ConfigError
-from poslsh_cli.rundir import atomic_write_text
+from poslsh_cli.files import atomic_write_text
+from poslsh_cli.rundir import results, status
 
 COLLECTED = "results.csv"
 #: Columns that are measurements of a run, not part of a row's identity.
@@ -31,6 +31,7 @@ class Collected:
     jobs: int  # jobs the sweep asked for
     rows: int
     problems: list[str] = field(default_factory=list)  # missing or unfinished jobs, one line each
+    notes: list[str] = field(default_factory=list)  # tables repaired from their cells, one line each
 
     @property
     def complete(self) -> bool:
@@ -58,22 +59,25 @@ def collect(sweep: Path) -> Collected:
 
     sweep = Path(sweep)
     jobs = expected_jobs(sweep)
-    frames, problems = [], []
+    frames, problems, notes = [], [], []
     for num, overrides in enumerate(jobs):
         where = sweep / str(num)
         what = " ".join(o for o in overrides if not o.startswith("out="))
-        meta_file = where / "meta.json"
-        if not meta_file.exists():
+        if not (where / "config.yaml").exists():
             problems.append(f"job {num} ({what}) has no run directory")
             continue
-        meta = json.loads(meta_file.read_text())
-        if meta.get("status") != "complete":
-            problems.append(f"job {num} ({what}) is {meta.get('status')}: {meta.get('cells_done')}/"
-                            f"{meta.get('cells_total')} cells; run the same command again to finish it")
-        table = where / "results.csv"
-        if not table.exists():
+        try:
+            exp, _, meta, df = _job_table(where, notes)
+        except ConfigError as exc:
+            problems.append(f"job {num} ({what}): {exc}")
             continue
-        df = pd.read_csv(table)
+        st = status(where, meta)
+        if st != "complete":
+            state = "died (its process was killed)" if st == "died" else f"is {st}"
+            problems.append(f"job {num} ({what}) {state}: {meta.get('cells_done')}/"
+                            f"{meta.get('cells_total')} cells; run the same command again to finish it")
+        if df.empty:
+            continue
         identity = [c for c in df.columns if c not in MEASURED]
         if df.duplicated(subset=identity).any():
             problems.append(f"job {num} ({what}) holds {int(df.duplicated(subset=identity).sum())} rows twice")
@@ -91,7 +95,16 @@ def collect(sweep: Path) -> Collected:
             problems.append(f"{int(out.duplicated(subset=identity).sum())} cells were run by more than one job "
                             f"(jobs {', '.join(map(str, sorted(twice.job.unique())))})")
     atomic_write_text(sweep / COLLECTED, out.to_csv(index=False))
-    return Collected(sweep / COLLECTED, len(jobs), len(out), problems)
+    return Collected(sweep / COLLECTED, len(jobs), len(out), problems, notes)
+
+
+def _job_table(where: Path, notes: list[str]) -> tuple:
+    """(experiment, config, meta, rows) of one job, its rows read from its cells (see
+    :func:`poslsh_cli.rundir.results`)."""
+    from poslsh_cli.registry import experiment_of
+
+    exp, cfg, meta = experiment_of(where)
+    return exp, cfg, meta, results(where, exp.columns, notes.append)
 
 
 def _callback_base() -> Any:
@@ -113,5 +126,5 @@ class CollectCallback(_callback_base()):  # type: ignore[misc]
             sys.stderr.write(f"poslsh collect: {exc}\n")
             return
         sys.stdout.write(f"collected {res.rows} rows of {res.jobs} jobs: {res.path}\n")
-        for p in res.problems:
+        for p in res.notes + res.problems:
             sys.stderr.write(f"poslsh collect: {p}\n")

@@ -12,7 +12,8 @@ import pytest
 
 import poslsh_cli
 from poslsh_cli import registry
-from poslsh_cli.rundir import Checkpoints, MetricsLog, RunDir
+from poslsh_cli.cellwork import Checkpoints, MetricsLog
+from poslsh_cli.rundir import RunDir
 
 PKG = Path(poslsh_cli.__file__).parent
 
@@ -168,10 +169,11 @@ def test_checkpoints_are_atomic_and_the_latest_wins(tmp_path):
 
 def test_a_cell_has_its_own_work_directory(tmp_path):
     run = RunDir.open(tmp_path / "run", "toy", "x: 1\n")
-    run.start("poslsh toy", 0, 1)
-    work = run.work({"position": "poslsh", "s": 10, "seed": 0})
-    assert re.match(r"position-poslsh_s-10_seed-0-[0-9a-f]{6}$", work.path.name)
-    work.metrics(["step", "loss"]).append({"step": 1, "loss": 2.0})
-    work.checkpoints().save(1, lambda d: (d / "x").write_text("1"))
-    assert (work.path / "metrics.csv").exists() and work.checkpoints().latest()[0] == 1
+    with run.own("poslsh toy"):
+        run.start("poslsh toy", 0, 1)
+        work = run.work({"position": "poslsh", "s": 10, "seed": 0})
+        assert re.match(r"position-poslsh_s-10_seed-0-[0-9a-f]{6}$", work.path.name)
+        work.metrics(["step", "loss"]).append({"step": 1, "loss": 2.0})
+        work.checkpoints().save(1, lambda d: (d / "x").write_text("1"))
+        assert (work.path / "metrics.csv").exists() and work.checkpoints().latest()[0] == 1
     assert json.loads((tmp_path / "run" / "meta.json").read_text())["command"] == "toy"

@@ -101,7 +101,7 @@ def test_unsupported_architecture_and_broken_weights(tmp_path):
         load(gpt2)
     broken = save_tiny("llama", tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ConfigError, match="cannot load the weights"):
+    with pytest.raises(ConfigError, match="model.safetensors cannot be read"):
         load(broken)
 
 

@@ -204,7 +204,8 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
     for r in df.itertuples():
         final = trained / r.checkpoint
         m = pd.read_csv(final.parent / "metrics.csv")
-        assert list(m.step) == [1, 2, 3, 4, 5, 6] and m.val_bpb.notna().sum() == 2
+        # eval_every=3, but at least five evaluations in a stage: every step of six
+        assert list(m.step) == [1, 2, 3, 4, 5, 6] and m.val_bpb.notna().sum() == 6
         assert (final.parent / "checkpoints" / "step-00000004" / "optimizer.pt").exists()
         model = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)  # plain transformers loads it
         assert model.config.poslsh["position"] == r.position
@@ -279,6 +280,9 @@ def test_train_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
 
 def test_perplexity_bad_input(tmp_path):
     r = invoke("perplexity", tmp_path / "nope", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and r.stderr.strip().endswith("nope does not exist") and not (tmp_path / "o").exists()
+    (tmp_path / "plain").mkdir()
+    r = invoke("perplexity", tmp_path / "plain", f"out={tmp_path / 'o'}")
     assert r.exit_code == 2 and "neither a checkpoint directory" in r.stderr
     r = invoke("perplexity", f"out={tmp_path / 'o'}")
     assert r.exit_code == 2 and "give at least one train run" in r.stderr

@@ -28,7 +28,7 @@ import numpy as np
 
 from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
 from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import (Dtype, Experiment, check_device, choices, resolve_device, synchronize,
+from poslsh_cli.experiment import (Dtype, Experiment, MemoryNeed, check_device, choices, resolve_device, synchronize,
                                    torch_dtype)
 from poslsh_cli.methods import Method
 from poslsh_cli.metrics import fit_loglog_slope
@@ -143,6 +143,20 @@ def poslsh_backends(device: Any) -> tuple[str, ...]:
     """Positional-LSH paths timed on ``device``: FlexAttention and padded blocks on CUDA; on CPU
     only blocks (uncompiled FlexAttention is a dense fallback, not a fast path)."""
     return ("flex", "blocks") if device.type == "cuda" else ("blocks",)
+
+
+def memory(spec: BenchSpec) -> MemoryNeed:
+    """Peak bytes at the largest n: q, k, v, the outputs kept for the error, the per-sample outputs
+    and layout of Positional LSH at the largest s, and the exact path's chunk (bounded), on the
+    bench's device; doubled when the backward pass is timed."""
+    from poslsh_cli.attention import BLOCK_BATCH_BYTES, CHUNK_ELEMENTS
+
+    n, H, d = max(spec.n), spec.heads, spec.head_dim
+    elem = {"float64": 8, "float32": 4}.get(spec.dtype.value, 2)
+    s = max(spec.s) if BenchMethod.POSLSH in spec.methods else 1
+    b = elem * (6 * H * n * d + H * s * n * d) + 13.0 * H * s * n + 2 * 4 * CHUNK_ELEMENTS + BLOCK_BATCH_BYTES
+    b += elem * H * d * sum(x for x in spec.n if x <= spec.exact_max_n)  # the exact outputs kept per n
+    return MemoryNeed(b * (2 if spec.backward else 1), f"n={n}, {H} heads, s={s}", spec.device)
 
 
 def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
@@ -583,4 +597,5 @@ EXPERIMENT = Experiment(
     presets=("bench", "bench_gpu"),
     order=40,
     skip_reason=skip_reason,
+    memory=memory,
 )

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from poslsh_cli.claims import Section, Status, Verdict, combine, slope_text
 from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Experiment, grid_cells
+from poslsh_cli.experiment import Experiment, MemoryNeed, grid_cells
 from poslsh_cli.metrics import fit_loglog_slope
 from poslsh_cli.sampling import derive_seed
 
@@ -62,6 +62,19 @@ def cells(spec: BlockStatsSpec, ctx: Any = None) -> list[dict[str, Any]]:
         return grid_cells(spec)
     return [{"n": n, "sigma": sigma, "s": samples_for(n, spec.s_per_log_n), "trial": t}
             for n in spec.n for sigma in spec.sigma for t in range(spec.trials)]
+
+
+def memory(spec: BlockStatsSpec) -> MemoryNeed:
+    """Peak bytes of the largest cell: the block boundaries and lengths of its s samples, and an
+    (n,) array for samples narrower than two positions."""
+    from poslsh_cli.sampling import mean_blocks
+
+    def cell(n: int) -> float:
+        s = samples_for(n, spec.s_per_log_n) if spec.s_per_log_n is not None else max(spec.s)
+        return 8.0 * (4 * n + 4 * s * max(mean_blocks(n, sg) for sg in spec.sigma))
+
+    n = max(spec.n, key=cell)
+    return MemoryNeed(cell(n), f"n={n}")
 
 
 def cell_seed(root_seed: int, key: dict[str, Any]) -> int:
@@ -286,4 +299,5 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("block_stats", "block_stats_loglog"),
     order=20,
+    memory=memory,
 )

@@ -17,7 +17,7 @@ from typing import Any
 from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
 from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, grid_cells
+from poslsh_cli.experiment import Experiment, MemoryNeed, grid_cells
 from poslsh_cli.metrics import fit_loglog_slope
 from poslsh_cli.sampling import derive_seed
 
@@ -70,6 +70,23 @@ class MatrixErrorRow:
     lanczos_tol: float
     converged: bool
     matvecs: int
+
+
+def memory(spec: MatrixErrorSpec) -> MemoryNeed:
+    """Peak bytes of the largest cell: the fast path keeps O(n) vectors (the Lanczos basis, the
+    recurrences' temporaries) and O(blocks) integers; the dense path a few n x n float64 matrices."""
+    from poslsh_cli.metrics import LANCZOS_NCV
+    from poslsh_cli.sampling import mean_blocks
+
+    need, what = 0.0, ""
+    for n in spec.n:
+        blocks = max(spec.s) * max(mean_blocks(n, sg) for sg in spec.sigma)
+        b = 8.0 * ((LANCZOS_NCV + 12) * n + 4 * blocks) + 40.0 * max(spec.s) * min(n, 1 << 17)
+        if spec.method is not Method.FAST:
+            b = max(b, 6 * 8.0 * float(n) ** 2)
+        if b > need:
+            need, what = b, f"n={n}" + (" with n x n float64 matrices" if spec.method is not Method.FAST else "")
+    return MemoryNeed(need, what)
 
 
 def cells(spec: MatrixErrorSpec, ctx: Any = None) -> list[dict[str, Any]]:
@@ -301,4 +318,5 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("matrix_error", "matrix_dense_check"),
     order=10,
+    memory=memory,
 )

@@ -19,7 +19,7 @@ from poslsh_cli import models
 from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
 from poslsh_cli.config import ConfigError, Spec, key
-from poslsh_cli.experiment import (Dtype, Experiment, check_device, choices, resolve_device, synchronize,
+from poslsh_cli.experiment import (Dtype, Experiment, MemoryNeed, check_device, choices, resolve_device, synchronize,
                                    torch_dtype)
 from poslsh_cli.methods import Method
 from poslsh_cli.sampling import derive_seed
@@ -144,6 +144,31 @@ def prepare(spec: OutputErrorSpec) -> Context:
             ctx.files[_qkv_file(layer)] = (lambda layer=layer: _npz(ctx, layer))
     del loaded
     return ctx
+
+
+def memory(spec: OutputErrorSpec) -> MemoryNeed | None:
+    """Peak bytes: the weights (float32), every layer's captured q, k, v and output (float32), the
+    float64 exact outputs kept per layer, and the model's own attention scores of one layer
+    (H n^2) during the capture pass. None when the checkpoint cannot be found (prepare says why)."""
+    import json
+
+    from poslsh_cli.capture import weights_bytes
+
+    try:
+        path = models.resolve(spec.model)
+        cfg = json.loads((path / "config.json").read_text())
+    except (ConfigError, OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    if spec.n > int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 1 << 62):
+        return None  # prepare refuses the length itself
+    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("n_layers") or 1)
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or cfg.get("n_heads") or 1)
+    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd") or 64)
+    n = spec.n
+    b = weights_bytes(path) + layers * 4 * 4.0 * n * hidden + layers * 8.0 * n * hidden
+    b += 3 * 4.0 * heads * n * n + 16 * 4.0 * n * hidden
+    return MemoryNeed(b, f"{path.name}, n={n}, {layers} layers", spec.device)
 
 
 def _qkv_file(layer: int) -> str:
@@ -429,4 +454,5 @@ EXPERIMENT = Experiment(
     order=30,
     groups=("model",),
     skip_reason=skip_reason,
+    memory=memory,
 )

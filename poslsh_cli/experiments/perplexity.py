@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from poslsh_cli.claims import Section, Status, Verdict, combine
 from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, check_device, choices, resolve_device
+from poslsh_cli.experiment import Experiment, MemoryNeed, check_device, choices, resolve_device
 from poslsh_cli.positions import Position
 from poslsh_cli.sampling import derive_seed
 
@@ -78,21 +78,56 @@ class Context:
 
 def _expand(entry: str) -> list[tuple[Path, str]]:
     """A checkpoint directory, or a train run directory -> its cells' final checkpoints."""
-    import pandas as pd
+    from poslsh_cli.rundir import results
 
     p = Path(entry).expanduser().resolve()
+    if not p.exists():
+        raise ConfigError(f"{entry} does not exist")
     if (p / "config.json").is_file():
         return [(p, str(p))]
-    if (p / "results.csv").is_file() and (p / "config.yaml").is_file():
-        df = pd.read_csv(p / "results.csv")
-        if "checkpoint" not in df.columns:
+    if (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file()):
+        df = results(p)
+        if len(df) and "checkpoint" not in df.columns:
             raise ConfigError(f"{entry}: not a train run (its results have no checkpoint column)")
+        if not len(df):
+            raise ConfigError(f"{entry}: the train run has no finished cell yet")
         return [(p / c, f"{p.name}/{c}") for c in df.checkpoint]
     if p.is_dir():
         found = sorted(q.parent for q in p.rglob("final/config.json"))
         if found:
             return [(q, str(q.relative_to(p.parent))) for q in found]
     raise ConfigError(f"{entry}: neither a checkpoint directory (config.json) nor a train run")
+
+
+def memory(spec: PerplexitySpec) -> MemoryNeed | None:
+    """Peak bytes at the longest evaluation length: the weights (float32), the float64 logits and
+    log-probabilities of a batch (twice when another attention is compared with the model's own),
+    the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
+    exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
+    from poslsh_cli.attention import CHUNK_ELEMENTS
+    from poslsh_cli.capture import weights_bytes
+
+    need, what = 0.0, ""
+    try:
+        entries = [x for e in spec.checkpoints for x in _expand(e)]
+    except ConfigError:
+        return None
+    for path, name in entries:
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+            info = json.loads((path / "poslsh_train.json").read_text()) if (path / "poslsh_train.json").exists() else {}
+        except (OSError, ValueError):
+            return None
+        L = max(spec.lengths) if spec.lengths is not None else 8 * int(info.get("seq_len", 0) or 0)
+        hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd") or 64)
+        heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or cfg.get("n_heads") or 1)
+        vocab = int(cfg.get("vocab_size") or 256)
+        s = max(spec.s) if Attention.POSLSH in spec.attention else int(info.get("s", 0) or 0)
+        act = spec.batch * L * (3 * 8.0 * vocab + 16 * 4.0 * hidden) + spec.batch * 4.0 * max(1, s) * L * hidden * 2
+        b = weights_bytes(path) + act + 2 * 4.0 * CHUNK_ELEMENTS
+        if b > need:
+            need, what = b, f"{name} at length {L}"
+    return MemoryNeed(need, what, spec.device) if what else None
 
 
 def prepare(spec: PerplexitySpec) -> Context:
@@ -329,8 +364,10 @@ def plot(run: Path, df: Any) -> list[Path]:
             if row == 0:
                 ax.set_title(f"{title}: length extrapolation")
             else:
-                ax.set_ylim(best - 0.03, best + 0.3)
-                ax.set_title(f"zoom: within 0.3 of the best ({best:.3f})")
+                lo, hi = zoom_limits([v for c in curves.values() for v in c["min"]],
+                                     [v for c in curves.values() for v in c["max"]], best)
+                ax.set_ylim(lo, hi)
+                ax.set_title(f"zoom: the curves within 0.3 of the best ({best:.3f})")
                 ax.set_xlabel("evaluation length (bytes); dotted: training length")
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
     fig.legend([handles[k] for k in schemes if k in handles], [k for k in schemes if k in handles],
@@ -387,6 +424,15 @@ def plot(run: Path, df: Any) -> list[Path]:
         ax.set_title("Inference-time s (dashed: the model's own attention)")
         paths += save(fig, run, "bpb_vs_s")
     return paths
+
+
+def zoom_limits(lows: list[float], highs: list[float], best: float, within: float = 0.3) -> tuple[float, float]:
+    """y-limits that show every value within ``within`` of ``best`` and no more: the span of those
+    values padded by 8%, so close curves are drawn apart instead of flattened."""
+    vals = [v for v in list(lows) + list(highs) if v == v and v <= best + within]
+    lo, hi = min(vals + [best]), max(vals + [best])
+    pad = max(0.08 * (hi - lo), 1e-3)
+    return lo - pad, hi + pad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,4 +616,5 @@ EXPERIMENT = Experiment(
     positional="checkpoints",
     skip_reason=skip_reason,
     reproduce_overrides=reproduce_overrides,
+    memory=memory,
 )

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from poslsh_cli.claims import Section
 from poslsh_cli.config import Spec, check, key
-from poslsh_cli.experiment import Experiment
+from poslsh_cli.experiment import Experiment, MemoryNeed
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("head", "sigma", "sample", "seed", "width", "shift", "num_blocks", "max_block", "mean_block")
@@ -69,6 +69,12 @@ def _npz(spec: SampleSpec, ctx: Context) -> bytes:
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     return buf.getvalue()
+
+
+def memory(spec: SampleSpec) -> MemoryNeed:
+    """Peak bytes: the (heads, s, n) int64 bins of masks.npz, stacked once more while it is written."""
+    heads = spec.heads or 1
+    return MemoryNeed(8.0 * (2 * heads * spec.s * spec.n + 3 * spec.n), f"bins of {heads} x {spec.s} x {spec.n}")
 
 
 def cells(spec: SampleSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
@@ -151,4 +157,5 @@ EXPERIMENT = Experiment(
     plot=plot,
     report=report,
     order=90,
+    memory=memory,
 )

@@ -30,7 +30,7 @@ from poslsh_cli.positions import Arch, Position, PositionState
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
-           "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint")
+           "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds")
 METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
 LN2 = math.log(2.0)
 
@@ -59,7 +59,8 @@ class TrainSpec(Spec):
     kv_heads: int = key("key/value heads (grouped-query attention)", 8, ge=1)
     head_dim: int = key("head dimension", 16, ge=1)
     intermediate: int = key("MLP width", 384, ge=1)
-    eval_every: int = key("evaluate on the validation bytes every this many steps (0: only at the end)", 100, ge=0)
+    eval_every: int = key("evaluate on the validation bytes every this many steps (at least five times per stage, "
+                          "and at its last step; 0: five times)", 100, ge=0)
     eval_tokens: int = key("validation bytes per evaluation (non-overlapping windows of L)", 32768, ge=2)
     checkpoint_every: int = key("save a resumable checkpoint every this many steps", 200, ge=1)
     init: Optional[str] = key("a byte-level checkpoint to start from (fine-tuning)", None)
@@ -203,22 +204,29 @@ def _load(path: Path, state: PositionState, device: Any) -> Any:
     return install(model, state).to(device)
 
 
-def train_stage(spec: TrainSpec, ctx: Context, path: Path, state: PositionState, seed: int, steps: int,
-                init: Optional[Path], progress: Any, label: str) -> Path:
-    """Train ``steps`` steps under ``state`` into ``path`` (resumable); returns ``path/final``."""
+def eval_interval(spec: TrainSpec, steps: int) -> int:
+    """Steps between evaluations: ``eval_every``, but at least five evaluations in a stage (and
+    always one at its last step)."""
+    five = max(1, steps // 5)
+    return min(spec.eval_every, five) if spec.eval_every else five
+
+
+def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, seed: int, steps: int,
+                init: Optional[Path], label: str) -> Path:
+    """Train ``steps`` steps under ``state`` in the cell directory ``work`` (resumable from its newest
+    complete checkpoint, or from scratch with an emptied log); returns its verified ``final/``."""
     import numpy as np
     import torch
 
     from poslsh_cli.data import train_batch
+    from poslsh_cli.files import fault_point, write_dir
     from poslsh_cli.positions import build_model
-    from poslsh_cli.rundir import Checkpoints, MetricsLog
 
-    final = path / "final"
-    if (final / "config.json").exists():
+    final = work.finished()
+    if final is not None:
         return final
-    path.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLog(path / "metrics.csv", METRICS)
-    ckpts = Checkpoints(path / "checkpoints")
+    metrics = work.metrics(METRICS)
+    ckpts = work.checkpoints()
     info = {"position": state.position.value, "s": state.num_samples, "seed": seed, "seq_len": spec.seq_len,
             "steps": steps, "data": spec.data, "data_sha256": ctx.corpus.sha256, "val_fraction": spec.val_fraction,
             "init": str(init) if init else None}
@@ -226,12 +234,12 @@ def train_stage(spec: TrainSpec, ctx: Context, path: Path, state: PositionState,
     if last is not None:
         start, src = last
         model = _load(src, state, ctx.device)
-        metrics.truncate_after("step", start)
-        progress(start, steps, f"{label} resumed from the checkpoint of step {start}")
+        work.progress(start, steps, f"{label} resumed from the checkpoint of step {start}")
     elif init is not None:
         model = _load(init, state, ctx.device)
     else:
         model = build_model(ctx.arch, state, derive_seed(seed, "init")).to(ctx.device)
+    metrics.truncate_after("step", start)  # steps after the starting point are computed again
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -242,6 +250,7 @@ def train_stage(spec: TrainSpec, ctx: Context, path: Path, state: PositionState,
     done = metrics.frame()
     elapsed = float(done.seconds.iloc[-1]) if len(done) else 0.0
     tokens_per_step = spec.batch * spec.seq_len
+    every = eval_interval(spec, steps)
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
         state.step = step
@@ -263,50 +272,43 @@ def train_stage(spec: TrainSpec, ctx: Context, path: Path, state: PositionState,
         row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "val_loss": None,
                "val_bpb": None, "lr": lr, "seconds": round(elapsed, 4), "step_seconds": round(dt, 5),
                "tokens_per_s": round(tokens_per_step / dt, 1)}
-        if (spec.eval_every and step % spec.eval_every == 0) or step == steps:
+        if step % every == 0 or step == steps:
             total, count = evaluate(model, state, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
             row["val_loss"] = total / count
             row["val_bpb"] = total / count / LN2
         metrics.append(row)
-        progress(step, steps, f"{label} loss {loss:.3f}" + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))
+        fault_point(f"step:{step}")
+        work.progress(step, steps, f"{label} loss {loss:.3f}" + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))
         if step % spec.checkpoint_every == 0 and step < steps:
             ckpts.save(step, lambda d: _save(model, d, {**info, "step": step}, opt), keep=2)
-    tmp = path / ".final.tmp"
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    _save(model, tmp, {**info, "step": steps})
-    tmp.replace(final)
-    return final
+    return write_dir(work.final, lambda d: _save(model, d, {**info, "step": steps}))
 
 
 def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> tuple[list[dict], dict]:
-    import pandas as pd
-
+    from poslsh_cli.cellwork import read_log
     from poslsh_cli.positions import load_model
 
+    t0 = time.perf_counter()
     position, s, seed = Position(key["position"]), key["s"], key["seed"]
     state = state_for(spec, position, s, seed, ctx.arch.heads)
     init = ctx.init
     if spec.pretrain is not None:
         base = state_for(spec, spec.pretrain, spec.s[0] if spec.pretrain is Position.POSLSH else 0, seed, ctx.arch.heads)
-        shared = work.path.parent / f"pretrain-{spec.pretrain.value}-seed{seed}"
-        init = train_stage(spec, ctx, shared, base, seed, spec.pretrain_steps, ctx.init, work.progress,
-                           f"pretrain {spec.pretrain.value}")
+        init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}"), base, seed,
+                           spec.pretrain_steps, ctx.init, f"pretrain {spec.pretrain.value}")
     label = f"{position.value}" + (f" s={s}" if s else "") + f" seed={seed}"
-    final = train_stage(spec, ctx, work.path, state, seed, spec.steps, init, work.progress, label)
+    final = train_stage(spec, ctx, work, state, seed, spec.steps, init, label)
     model, loaded = load_model(final, str(ctx.device))
     total, count = evaluate(model, loaded, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
-    m = pd.read_csv(work.path / "metrics.csv")
+    m = read_log(work.path / "metrics.csv")
     tail = m.tail(max(1, len(m) // 10))
-    run_root = work.path.parent.parent
     row = {"position": position.value, "s": s, "seed": seed, "seq_len": spec.seq_len, "steps": spec.steps,
            "tokens": int(m.tokens.iloc[-1]), "params": int(sum(p.numel() for p in model.parameters())),
            "train_loss": float(tail.loss.mean()), "val_loss": total / count, "val_bpb": total / count / LN2,
            "val_ppl": math.exp(total / count), "seconds": float(m.seconds.iloc[-1]),
            "tokens_per_s": float(m.tokens.iloc[-1] / m.seconds.iloc[-1]),
            "pretrain": spec.pretrain.value if spec.pretrain else "", "init": str(ctx.init or ""),
-           "checkpoint": str(final.relative_to(run_root))}
+           "checkpoint": work.relative(final), "wall_seconds": time.perf_counter() - t0}
     return [row], {}
 
 
@@ -321,23 +323,25 @@ def skip_reason(spec: TrainSpec) -> str | None:
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    head = ["position", "s", "seed", "params", "train loss", "val bpb", "val ppl", "tokens/s", "secs"]
+    head = ["position", "s", "seed", "params", "train loss", "val bpb", "val ppl", "tokens/s", "training s",
+            "wall s (this session)"]
     rows = [[r.position, str(r.s) if r.s else "-", str(r.seed), f"{r.params:,}", f"{r.train_loss:.3f}",
-             f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.tokens_per_s:.0f}", f"{r.seconds:.0f}"]
+             f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.tokens_per_s:.0f}", f"{r.seconds:.0f}",
+             f"{getattr(r, 'wall_seconds', float('nan')):.0f}"]
             for r in df.itertuples()]
     return head, rows
 
 
 def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
     """(row, metrics DataFrame) for every finished cell, from its work directory."""
-    import pandas as pd
+    from poslsh_cli.cellwork import read_log
 
     out = []
     for r in df.to_dict("records"):
         path = Path(run) / r["checkpoint"]
         m = path.parent / "metrics.csv"
         if m.exists():
-            out.append((r, pd.read_csv(m)))
+            out.append((r, read_log(m)))
     return out
 
 

@@ -1,0 +1,165 @@
+"""Files that are never seen half-written: atomic writes, directories renamed into place with a
+manifest, and the fault-injection points the tests kill a run at.
+
+Every file a run writes is either appended line by line (metrics logs, which drop a cut last line
+when read) or written whole into a temporary name and renamed over the target, so a reader (or a
+run killed mid-write and started again) sees the old version or the new one, never a part.
+Temporary names start with :data:`TMP_PREFIX`, so the owner of a run directory can remove what a
+killed session left behind (:func:`remove_stale_temporaries`).
+
+A directory that must be whole (a training checkpoint, a final model) is filled under a temporary
+name, gets ``manifest.json`` (every file's size and SHA-256) written *last*, and is then renamed
+into place (:func:`write_dir`). :func:`verify_dir` checks a directory against its manifest: a
+directory cut, truncated or altered after the fact is recognised before anything is loaded from it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+#: Temporary files and directories start with this prefix (and are hidden).
+TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+#: Environment variable naming a fault-injection point (see :func:`fault_point`).
+FAULT_ENV = "POSLSH_FAULT"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers see the old file
+    or the new one, never a part. The file gets the usual mode (0666 less the umask), not the
+    0600 of a temporary file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            fault_point(f"write:{path.name}")
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _listing(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(root: Path) -> None:
+    """``root/manifest.json``: size and SHA-256 of every other file below ``root``."""
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in _listing(root)}
+    atomic_write_text(root / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+
+
+def verify_dir(root: Path) -> Optional[str]:
+    """Why ``root`` is not a complete directory written by :func:`write_dir`, or None when every
+    file has the size and hash its manifest records (and no file is missing)."""
+    root = Path(root)
+    try:
+        files = json.loads((root / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"{root / MANIFEST} is missing (the directory was not completely written)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{root / MANIFEST} is unreadable"
+    for name, rec in files.items():
+        p = root / name
+        if not p.is_file():
+            return f"{p} is missing"
+        size = p.stat().st_size
+        if size != rec["size"]:
+            return f"{p} has {size} bytes, its manifest says {rec['size']}"
+        if sha256_file(p) != rec["sha256"]:
+            return f"{p} does not match the SHA-256 in its manifest"
+    return None
+
+
+def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
+    """Create the directory ``target`` whole: ``fill(tmp)`` writes its files into a temporary
+    sibling, the manifest is written last, then the directory is renamed into place (replacing an
+    older ``target``). A kill at any moment leaves either the old ``target`` or the new one."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}.", dir=target.parent))
+    try:
+        fill(tmp)
+        fault_point(f"dir:{target.name}")
+        write_manifest(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
+        fault_point(f"rename:{target.name}")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def remove_stale_temporaries(root: Path) -> int:
+    """Remove temporary files and directories a killed session left below ``root`` (call only as
+    the directory's owner); returns how many."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    found = sorted(root.rglob(f"{TMP_PREFIX}*"), key=lambda p: len(p.parts))
+    removed = 0
+    for p in found:
+        if not p.exists() and not p.is_symlink():
+            continue  # inside a directory removed a moment ago
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def fault_point(name: str) -> None:
+    """Fault injection for the tests: when ``$POSLSH_FAULT`` names this point, the process kills
+    itself with SIGKILL right here, as a power cut or the kernel's OOM killer would.
+
+    ``POSLSH_FAULT=name`` fires at the first pass, ``name@k`` at the k-th. Points: ``write:<file>``
+    (an atomic write, before its rename), ``dir:<name>`` and ``rename:<name>`` (a checkpoint or
+    final model filled but without its manifest, or complete but not yet renamed), ``step:<t>``
+    (after training step t is logged), ``cell`` (after a cell's file, before results.csv).
+    """
+    want = os.environ.get(FAULT_ENV)
+    if not want:
+        return
+    point, _, nth = want.partition("@")
+    if point != name:
+        return
+    count = _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
+    if count >= int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_FAULT_COUNTS: dict[str, int] = {}

@@ -1,0 +1,290 @@
+"""Run directories that nothing can corrupt: a fault-injection suite.
+
+Each case kills a real ``poslsh`` process with SIGKILL at a chosen point (``$POSLSH_FAULT``, see
+:func:`poslsh_cli.files.fault_point`), or runs two processes on one directory, or corrupts a file
+on disk, then runs the same command again and compares the directory with an uninterrupted run:
+the final weights bit for bit, the metrics log step by step (no step twice), and every metric
+column of results.csv. Bad input must give one line, exit 2, and leave nothing behind.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32",
+        "batch=4", "eval_tokens=1024", "warmup=2", "position=[poslsh]", "s=[4]", "steps=10",
+        "checkpoint_every=4", "eval_every=5"]
+MATRIX = ["matrix-error", "n=[300,600]", "sigma=[4]", "s=[2,8]", "trials=2"]
+TIMING = {"seconds", "tokens_per_s", "wall_seconds", "step_seconds", "peak_mem_mb"}
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def poslsh(*args, fault=None, cwd=None, timeout=600):
+    env = {k: v for k, v in ENV.items() if k != "POSLSH_FAULT"}
+    if fault:
+        env["POSLSH_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "poslsh_cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+
+
+def start(*args, cwd=None):
+    return subprocess.Popen([sys.executable, "-m", "poslsh_cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=cwd)
+
+
+def one_line(stderr):
+    lines = [x for x in stderr.strip().splitlines() if x.strip()]
+    return len(lines) == 1 and "Traceback" not in stderr
+
+
+def one_error(stderr):
+    """One error line (notices about what was found may precede it), no traceback."""
+    return sum(": error: " in x for x in stderr.splitlines()) == 1 and "Traceback" not in stderr
+
+
+def metrics_of(run):
+    return pd.read_csv(next((Path(run) / "work").glob("*/metrics.csv")))
+
+
+def weights_of(run):
+    from safetensors.torch import load_file
+
+    return load_file(next((Path(run) / "work").glob("*/final/model.safetensors")))
+
+
+def assert_same_training(run, ref):
+    """The run equals the uninterrupted reference: weights, log (each step once), results."""
+    a, b = metrics_of(ref), metrics_of(run)
+    assert list(b.step) == list(range(1, 11)), list(b.step)
+    pd.testing.assert_frame_equal(a[["step", "loss", "val_loss", "lr"]], b[["step", "loss", "val_loss", "lr"]])
+    wa, wb = weights_of(ref), weights_of(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_results(run, ref)
+
+
+def assert_same_results(run, ref, key=None):
+    ra, rb = pd.read_csv(Path(ref) / "results.csv"), pd.read_csv(Path(run) / "results.csv")
+    cols = [c for c in ra.columns if c not in TIMING and c != "checkpoint"]
+    if key:
+        ra, rb = ra.sort_values(key).reset_index(drop=True), rb.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(ra[cols], rb[cols])
+    meta = json.loads((Path(run) / "meta.json").read_text())
+    assert meta["status"] == "complete" and meta["cells_done"] == meta["cells_total"]
+    assert not list(Path(run).rglob(".tmp-*")), "temporary files left behind"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    r = poslsh("train", *TINY, f"out={root / 'train'}")
+    assert r.returncode == 0, r.stderr
+    r = poslsh(*MATRIX, f"out={root / 'matrix'}")
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL at chosen points, then the same command
+
+
+@pytest.mark.parametrize("fault", [
+    "step:3",                      # before the first checkpoint: the log restarts from scratch
+    "step:6",                      # after the step-4 checkpoint: steps 5, 6 are recomputed once
+    "dir:step-00000008",           # a checkpoint whose files are written but not its manifest
+    "rename:step-00000008",        # a complete checkpoint not yet renamed into place
+    "rename:final",                # the final model complete, not yet renamed
+    "write:results.csv",           # results.csv being rewritten
+    "write:meta.json@3",           # meta.json being rewritten
+])
+def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_path, fault):
+    out = tmp_path / "run"
+    r = poslsh("train", *TINY, f"out={out}", fault=fault)
+    assert r.returncode == -9, (fault, r.returncode, r.stderr[-2000:])
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "running"  # what a dead process leaves
+    r = poslsh("train", *TINY, f"out={out}")
+    assert r.returncode == 0, r.stderr
+    assert_same_training(out, reference / "train")
+    history = json.loads((out / "meta.json").read_text())["history"]
+    assert history and history[-1]["status"] == "died"
+
+
+@pytest.mark.parametrize("fault", ["cell@2", "write:results.csv@3", "write:meta.json@4"])
+def test_killed_matrix_sweep_resumes_to_the_uninterrupted_run(reference, tmp_path, fault):
+    out = tmp_path / "m"
+    r = poslsh(*MATRIX, f"out={out}", fault=fault)
+    assert r.returncode == -9, r.stderr
+    r = poslsh(*MATRIX, f"out={out}")
+    assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
+    assert_same_results(out, reference / "matrix")
+
+
+def test_killed_perplexity_run_resumes(reference, tmp_path):
+    args = ["perplexity", reference / "train", "lengths=[32,64]", "attention=[own,alibi]", "max_tokens=512"]
+    ref = tmp_path / "ref"
+    assert poslsh(*args, f"out={ref}").returncode == 0
+    r = poslsh(*args, f"out={tmp_path / 'p'}", fault="cell@2")
+    assert r.returncode == -9
+    r = poslsh(*args, f"out={tmp_path / 'p'}")
+    assert r.returncode == 0, r.stderr
+    assert_same_results(tmp_path / "p", ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes on one run directory
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_two_processes_on_one_run_directory(reference, tmp_path, delay):
+    """One runs, the other exits 2 with one line naming the holder and touches nothing; the
+    directory ends equal to an uninterrupted run."""
+    out = tmp_path / "run"
+    a = start("train", *TINY, f"out={out}")
+    time.sleep(delay)
+    b = start("train", *TINY, f"out={out}")
+    ra, rb = a.communicate(timeout=600), b.communicate(timeout=600)
+    codes = sorted([a.returncode, b.returncode])
+    assert codes == [0, 2], (codes, ra[1][-1500:], rb[1][-1500:])
+    loser = ra if a.returncode == 2 else rb
+    assert one_line(loser[1]) and "is in use by pid" in loser[1], loser[1]
+    assert_same_training(out, reference / "train")
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["sessions"] == 1 and meta["history"] == []
+
+
+def test_a_second_sweep_on_one_directory_is_refused(tmp_path):
+    out = tmp_path / "sweep"
+    a = start("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}")
+    deadline = time.time() + 60
+    while not (out / ".lock").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    r = poslsh("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}")
+    a.communicate(timeout=600)
+    assert a.returncode == 0
+    assert r.returncode == 2 and one_line(r.stderr) and "in use by" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# corrupt files: a rebuild or one line, never a traceback, never a wrong number
+
+
+def copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock"))
+    return dst
+
+
+def test_cut_results_csv_is_rebuilt_from_the_cells(reference, tmp_path):
+    run = copy_run(reference / "train", tmp_path / "run")
+    good = (run / "results.csv").read_text()
+    (run / "results.csv").write_text(good[: len(good) - 40])  # cut mid-line
+    r = poslsh("plot", run)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "results.csv is cut mid-line; rebuilt from 1 cells" in r.stderr
+    assert (run / "results.csv").read_text() == good
+    (run / "results.csv").write_text(good.splitlines()[0] + "\n")  # rows lost
+    r = poslsh("report", run)
+    assert r.returncode == 0 and "rebuilt" in r.stderr, r.stderr
+    assert (run / "results.csv").read_text() == good
+    assert "rebuilt from 1 cells" in (run / "report.md").read_text()
+
+
+def test_cut_cell_file_is_named_and_computed_again(reference, tmp_path):
+    run = copy_run(reference / "matrix", tmp_path / "m")
+    cell = sorted((run / "cells").glob("*.json"))[0]
+    cell.write_text(cell.read_text()[:30])
+    r = poslsh("report", run)
+    assert r.returncode == 0 and f"{cell.name} is unreadable" in r.stderr, r.stderr
+    assert len(pd.read_csv(run / "results.csv")) == 7  # 8 cells, one unreadable: left out, not a wrong row
+    r = poslsh(*MATRIX, f"out={run}")
+    assert r.returncode == 0 and "will be computed again" in r.stderr, r.stderr
+    assert_same_results(run, reference / "matrix")
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
+    out = tmp_path / "run"
+    r = poslsh("train", *TINY, f"out={out}", fault="step:9")
+    assert r.returncode == -9
+    ckpts = sorted((out / "work").glob("*/checkpoints/step-*"))
+    assert [p.name for p in ckpts] == ["step-00000004", "step-00000008"]
+    weights = ckpts[-1] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    r = poslsh("train", *TINY, f"out={out}")
+    assert r.returncode == 0, r.stderr
+    assert sum("is unusable" in line and "step-00000008" in line for line in r.stderr.splitlines()) == 1
+    assert "resuming from step-00000004" in r.stderr
+    assert_same_training(out, reference / "train")
+
+
+def test_no_usable_checkpoint_is_one_line_naming_the_file(tmp_path):
+    out = tmp_path / "run"
+    assert poslsh("train", *TINY, f"out={out}", fault="step:9").returncode == -9
+    for ck in (out / "work").glob("*/checkpoints/step-*"):
+        (ck / "model.safetensors").write_bytes(b"\0" * 10)
+    r = poslsh("train", *TINY, f"out={out}")
+    assert r.returncode == 2 and one_error(r.stderr) and "model.safetensors has 10 bytes" in r.stderr, r.stderr
+    assert (out / "cells").is_dir()  # nothing was deleted
+
+
+def test_empty_meta_json_is_named_and_the_run_still_reads(reference, tmp_path):
+    run = copy_run(reference / "matrix", tmp_path / "m")
+    (run / "meta.json").write_text("")
+    r = poslsh("plot", run)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    r = poslsh("report", run)
+    assert r.returncode == 0, r.stderr
+    r = poslsh(*MATRIX, f"out={run}")
+    assert r.returncode == 0 and "meta.json was unreadable" in r.stderr, r.stderr
+
+
+def test_truncated_final_model_is_refused_by_perplexity_in_one_line(reference, tmp_path):
+    run = copy_run(reference / "train", tmp_path / "run")
+    w = next(run.glob("work/*/final/model.safetensors"))
+    w.write_bytes(w.read_bytes()[:-8])
+    r = poslsh("perplexity", run, "lengths=[32]", f"out={tmp_path / 'p'}")
+    assert r.returncode == 2 and one_line(r.stderr) and "is corrupt" in r.stderr and "model.safetensors" in r.stderr
+    assert not (tmp_path / "p").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one line, exit 2, no directory (not even runs/<command>/)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "data=/dev/null"], "is neither a regular file nor a folder"),
+    (["train", "data=empty.txt"], "the text is empty"),
+    (["train", "init=missing-checkpoint"], "does not exist"),
+    (["perplexity", "missing-run"], "missing-run does not exist"),
+    (["output-error", "n=100000"], "exceeds the model's 512 positions"),
+    (["matrix-error", "n=1e12"], "this machine has"),
+    (["matrix-error", "n=1e9", "s=[1]"], "memory_check=false runs it anyway"),
+    (["bench", "n=[4194304]", "s=[64]", "heads=64"], "of memory"),
+])
+def test_bad_input_leaves_nothing_behind(tmp_path, args, needle):
+    (tmp_path / "empty.txt").write_text("")
+    r = poslsh(*args, cwd=tmp_path)
+    assert r.returncode == 2 and one_line(r.stderr) and needle in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_collect_rebuilds_a_cut_job_table_and_names_a_dead_job(tmp_path):
+    out = tmp_path / "sweep"
+    r = poslsh("matrix-error", "-m", "n=300,600", "sigma=[4]", "s=[2,8]", "trials=1", f"out={out}")
+    assert r.returncode == 0, r.stderr
+    whole = pd.read_csv(out / "results.csv")
+    table = out / "0" / "results.csv"
+    table.write_text(table.read_text()[:-25])
+    r = poslsh("collect", out)
+    assert r.returncode == 0 and "cut mid-line; rebuilt from 2 cells" in r.stderr, r.stderr
+    pd.testing.assert_frame_equal(pd.read_csv(out / "results.csv"), whole)
+    meta = json.loads((out / "1" / "meta.json").read_text())
+    (out / "1" / "meta.json").write_text(json.dumps({**meta, "status": "running"}))  # its process was killed
+    r = poslsh("collect", out)
+    assert r.returncode == 1 and "job 1 (n=600 sigma=[4] s=[2,8] trials=1) died" in r.stderr, r.stderr
