@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

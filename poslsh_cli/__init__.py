@@ -1,6 +1,6 @@
 """poslsh: experiment runner for Positional LSH (Wolfson & Wagner, 2026).
 
-Modules (DESIGN.md section 3): ``sampling`` (random partitions), ``operators`` (L*, M~),
+Modules (docs/ARCHITECTURE.md): ``sampling`` (random partitions), ``operators`` (L*, M~),
 ``metrics`` (errors, slope fits), ``experiments`` (one per command), ``rundir`` (run
 directories), ``plotting``, ``config`` and ``cli``.
 """

@@ -33,7 +33,8 @@ SUPPORTED = {"bert": "encoder", "llama": "decoder", "mistral": "decoder", "qwen3
 
 @dataclass(frozen=True)
 class AlibiArch:
-    """Where an ALiBi architecture keeps its attention, and its bias convention (DESIGN.md s. 6).
+    """Where an ALiBi architecture keeps its attention, and its bias convention (docs/THEORY.md,
+    "ALiBi conventions in real checkpoints").
 
     qkv / out: attribute names of the fused q/k/v projection and of the output projection inside
     each attention module; layout: ``interleaved`` (view (B, T, H, 3, d)) or ``blocks`` ([Q|K|V]);

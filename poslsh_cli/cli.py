@@ -416,13 +416,13 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
                                                "parallel here) or slurm (each preset a SLURM job)"),
                   jobs: Optional[int] = typer.Option(None, help="joblib: presets at once (default: the cores)")) -> None:
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
+    from poslsh_cli.reproduce import Launcher
     from poslsh_cli.reproduce import main as reproduce_main
 
-    if scale not in registry.SCALES:
-        fail("reproduce", f"scale must be paper or quick, got {scale!r}")
-    if launcher not in ("local", "joblib", "slurm"):
-        fail("reproduce", f"launcher must be local, joblib or slurm, got {launcher!r}")
-    if launcher != "local":
+    for value, kind in ((scale, registry.Scale), (launcher, Launcher)):
+        if value not in {m.value for m in kind}:
+            fail("reproduce", f"--{kind.__name__.lower()} must be {' or '.join(m.value for m in kind)}, got {value!r}")
+    if launcher != Launcher.LOCAL.value:
         try:
             _check_launcher(launcher, multirun=True)
         except ConfigError as exc:

@@ -9,7 +9,8 @@ A spec is a frozen dataclass whose fields are declared with :func:`key` (help te
 constraints). Types understood by :func:`build_spec`: ``int``, ``float``, ``bool``, ``str``,
 ``enum.Enum`` subclasses (given by value), ``Optional[X]``, ``tuple[X, ...]`` (a scalar or a
 list; never empty), ``Literal[...]`` values, unions of those (first match wins) and nested
-specs. Cross-field rules go into the spec's ``check()``.
+specs, and types with a ``coerce(value, name)`` classmethod (a string with its own format, such as
+a device). Cross-field rules go into the spec's ``check()``.
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ def _coerce(value: Any, tp: Any, name: str, meta: Mapping[str, Any]) -> Any:
         if meta.get("_element") and meta.get("noun"):
             raise ConfigError(f"unknown {meta['noun']} {value!r} (choose from {', '.join(map(str, allowed))})")
         raise ConfigError(f"{name} must be {_choices(allowed)}, got {value!r}")
+    if isinstance(tp, type) and hasattr(tp, "coerce"):  # a validated string type (experiment.Device)
+        return tp.coerce(value, name)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -221,6 +224,7 @@ def hydra_schema(spec_cls: type) -> type:
             default = f.default if f.default is not dataclasses.MISSING else None
             default = list(default) if isinstance(default, tuple) else default
             default = default.value if isinstance(default, enum.Enum) else default
+            default = str(default) if isinstance(default, str) else default  # a str subclass (Device)
             if isinstance(default, list):
                 cols.append((f.name, Any, field(default_factory=lambda d=default: list(d))))
             else:

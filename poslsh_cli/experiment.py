@@ -141,6 +141,23 @@ def grid_cells(spec: Any) -> list[dict[str, Any]]:
             for n, sigma, s, t in product(spec.n, spec.sigma, spec.s, range(spec.trials))]
 
 
+class Device(str):
+    """A device key: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked once when the spec is built
+    (:func:`poslsh_cli.config.build_spec` calls :meth:`coerce`)."""
+
+    @classmethod
+    def coerce(cls, value: Any, name: str) -> "Device":
+        import re
+
+        if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ConfigError(f"{name} must be auto, cpu or cuda[:N], got {value!r}")
+        return cls(value)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.startswith("cuda")
+
+
 def resolve_device(name: str) -> Any:
     """``auto`` -> CUDA when present, else CPU; refuses CUDA where there is none."""
     import torch
@@ -152,9 +169,22 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
-def check_device(name: str) -> None:
-    if not (name in ("auto", "cpu") or str(name).startswith("cuda")):
-        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+def cuda_skip_reason(device: str) -> Optional[str]:
+    """Why a preset asking for CUDA cannot run here (reproduce skips it and says so), or None."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"device={device} but this machine has no CUDA GPU"
+    return None
+
+
+def cell_seed(root_seed: int, command: str, key: dict[str, Any]) -> int:
+    """A cell's seed from the root seed, the command and the cell's (n, sigma, s, trial) key: the
+    ``seed`` column that ``poslsh sample ... seed=<seed>`` replays."""
+    from poslsh_cli.sampling import derive_seed
+
+    return derive_seed(root_seed, command, key["n"], float(key["sigma"]), key["s"], key["trial"])
 
 
 def choices(name: str, members: Any, module: str, **extra: str) -> Any:

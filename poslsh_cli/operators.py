@@ -1,7 +1,7 @@
 """Structured operators: the ALiBi kernel L*, one mask M(h), and the mean mask M~.
 
 Every operator here is symmetric n x n and is applied in O(n) without forming the matrix
-(DESIGN.md section 2); ``dense()`` exists only as the float64 reference for tests and for
+(docs/THEORY.md, "Fast operators and their exactness"); ``dense()`` exists only as the float64 reference for tests and for
 ``method=dense``.
 
     L*_ij = exp(-|i - j| / sigma)              (Laplacian kernel on positions)
@@ -122,13 +122,23 @@ class MeanMask:
         return out
 
     def dense(self) -> np.ndarray:
-        """The n x n mean mask, float64 (reference only): counts / s, exact in float64."""
-        n = self.seq_len
-        counts = np.zeros((n, n), dtype=np.float64)
-        for k in range(self.num_samples):
-            b = self.partitions.bins_of(k)
-            counts += b[:, None] == b[None, :]
-        return counts / self.num_samples
+        """The n x n mean mask, float64 (references only): exact counts / s.
+
+        Built from the band, never pair by pair: ``M~_{i,i+r} = #{k : rem_k(i) >= r} / s`` with
+        ``rem_k(i)`` the later positions of i's block in sample k (:meth:`remaining`), so the work is
+        O(s n + n b_max) besides the n x n output, and every entry is an integer over s.
+        """
+        n, s = self.seq_len, self.num_samples
+        rem = self.remaining(slice(None))  # (s, n)
+        R = int(rem.max()) + 1
+        hist = np.zeros((n, R), dtype=np.float64)
+        np.add.at(hist, (np.broadcast_to(np.arange(n), rem.shape), rem), 1.0)
+        band = hist[:, ::-1].cumsum(axis=1)[:, ::-1]  # (n, R): #{k : rem_k(i) >= r}
+        upper = np.zeros((n, n), dtype=np.float64)
+        for r in range(R):
+            i = np.arange(n - r)
+            upper[i, i + r] = band[: n - r, r]
+        return (upper + upper.T - np.diag(np.diag(upper))) / s
 
     def remaining(self, rows: slice) -> np.ndarray:
         """For positions in ``rows``: how many later positions share the block, per sample.

@@ -1,11 +1,17 @@
 """Position schemes for a decoder-only language model built by transformers (Qwen3 architecture).
 
+Every attention method is a scheme under its scheme name (:data:`poslsh_cli.methods.INFO`), plus
+the architecture's own rotary embedding:
+
     none          no positional information (NoPE): causal attention, no bias, no rotary
-    alibi         exact ALiBi, bias -|i-j| / sigma_h with the standard slopes
-    poslsh        Positional LSH: s masks per head, drawn anew at every step (DESIGN.md section 6)
     fixed_block   one deterministic partition per head, width round(2 sigma_h)
     windowed      exact ALiBi within |i-j| <= ceil(c sigma_h)
+    alibi         exact ALiBi, bias -|i-j| / sigma_h with the standard slopes
+    poslsh        Positional LSH: s masks per head, drawn anew at every step (docs/THEORY.md,
+                  "Training identity")
     rope          the architecture's own rotary embedding and SDPA attention
+
+The enum order is the display order of every table and figure.
 
 For every scheme but ``rope`` the rotary embedding is replaced by the identity and attention is
 the project's (:func:`poslsh_cli.attention.attend`), installed through transformers' own
@@ -25,18 +31,22 @@ from typing import Any
 import numpy as np
 
 from poslsh_cli.config import ConfigError
+from poslsh_cli.methods import INFO, Method, of_scheme
 from poslsh_cli.sampling import alibi_sigmas, derive_seed
 
 ATTENTION_NAME = "poslsh"
 
+#: Position schemes: one per attention method (its scheme name), then ``rope``.
+Position = enum.Enum("Position", [(INFO[m].scheme.upper(), INFO[m].scheme) for m in Method] + [("ROPE", "rope")],
+                     type=str, module=__name__, qualname="Position")
 
-class Position(str, enum.Enum):
-    NONE = "none"
-    ALIBI = "alibi"
-    POSLSH = "poslsh"
-    FIXED_BLOCK = "fixed_block"
-    WINDOWED = "windowed"
-    ROPE = "rope"
+
+def method_of(position: "Position | str") -> Method:
+    """The attention method a scheme runs (every scheme but rope)."""
+    position = Position(position)
+    if position is Position.ROPE:
+        raise ValueError("rope uses the model's own attention")
+    return of_scheme(position.value)
 
 
 @dataclass
@@ -57,6 +67,8 @@ class PositionState:
     eval_key: str | None = None
     #: the checkpoint's own attention, untouched (an ALiBi checkpoint's inline attention)
     native: bool = False
+    #: labels of the attention plans that ran (poslsh_cli.attention.Plan.label), as recorded by attend
+    plans: set = field(default_factory=set, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,39 +81,29 @@ class PositionState:
         return cls(Position(position), alibi_sigmas(heads), **kw)
 
     def attention_spec(self, layer: int, n: int, scale: float | None) -> Any:
-        """The :class:`~poslsh_cli.attention.AttentionSpec` of ``layer`` at length n, this step."""
-        from poslsh_cli.attention import AttentionSpec, Method, fixed_block_partitions, windows
-        from poslsh_cli.sampling import sample_partitions
+        """The :class:`~poslsh_cli.attention.AttentionSpec` of ``layer`` at length n, this step.
+        Positional-LSH masks of head h come from ``derive_seed(seed, "masks", "step", t, layer, h)``
+        (``"eval", key`` in place of the step while evaluating)."""
+        from poslsh_cli.attention import AttentionSpec
 
         key = (self.step, self.eval_key, layer, n)
         spec = self._cache.get(key)
         if spec is not None:
             return spec
-        p, sig = self.position, self.sigmas
-        if p is Position.POSLSH:
-            tag = ("eval", self.eval_key) if self.eval_key is not None else ("step", self.step)
-            parts = tuple(sample_partitions(n, float(sg), self.num_samples,
-                                            np.random.default_rng(derive_seed(self.seed, "masks", *tag, layer, h)))
-                          for h, sg in enumerate(sig))
-            spec = AttentionSpec(Method.POSLSH, sig, True, scale=scale, partitions=parts)
-        elif p is Position.FIXED_BLOCK:
-            spec = AttentionSpec(Method.FIXED_BLOCK, sig, True, scale=scale,
-                                 partitions=tuple(fixed_block_partitions(n, sig)))
-        elif p is Position.WINDOWED:
-            spec = AttentionSpec(Method.WINDOWED, sig, True, scale=scale, window=windows(sig, self.window_sigmas))
-        elif p is Position.ALIBI:
-            spec = AttentionSpec(Method.EXACT, sig, True, scale=scale)
-        elif p is Position.NONE:
-            spec = AttentionSpec(Method.NO_BIAS, sig, True, scale=scale)
-        else:
-            raise ValueError("rope uses the model's own attention")
+        method = method_of(self.position)
+        tag = ("eval", self.eval_key) if self.eval_key is not None else ("step", self.step)
+        rngs = [np.random.default_rng(derive_seed(self.seed, "masks", *tag, layer, h))
+                for h in range(len(self.sigmas))] if INFO[method].randomized else None
+        spec = AttentionSpec.build(method, self.sigmas, n, True, num_samples=self.num_samples, rng=rngs,
+                                   window_sigmas=self.window_sigmas, scale=scale)
         if len(self._cache) > 64:
             self._cache.clear()
         self._cache[key] = spec
         return spec
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k not in ("step", "eval_key", "native")}
+        d = {k: v for k, v in asdict(self).items()
+             if not k.startswith("_") and k not in ("step", "eval_key", "native", "plans")}
         d["position"] = self.position.value
         d["sigmas"] = [float(x) for x in self.sigmas]
         return d
@@ -128,7 +130,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     spec = state.attention_spec(module.layer_idx, query.shape[-2], scaling)
-    out = attend(query, key, value, spec, backend=state.backend)  # (B, H, n, d)
+    out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label))  # (B, H, n, d)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -166,7 +168,8 @@ def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
         B, T, _ = hidden_states.shape
         q, k, v = split_qkv(module, mtype, getattr(module, arch.qkv)(hidden_states), heads)  # (B, H, T, d)
         spec = state.attention_spec(layer, T, alibi_scaling(module, mtype, q.shape[-1]))
-        context = attend(q, k, v, spec, backend=state.backend).transpose(1, 2).reshape(B, T, -1)  # (B, T, H d)
+        context = attend(q, k, v, spec, backend=state.backend,
+                         on_plan=lambda p: state.plans.add(p.label)).transpose(1, 2).reshape(B, T, -1)  # (B, T, H d)
         out = getattr(module, arch.out)(context)
         if mtype == "bloom":  # BLOOM's attention module adds the residual itself (dropout_add)
             residual = args[0] if args else kwargs["residual"]

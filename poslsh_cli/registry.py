@@ -4,6 +4,7 @@ all read this registry; adding a command is one module, one YAML in ``conf/`` an
 """
 from __future__ import annotations
 
+import enum
 import importlib
 import pkgutil
 from functools import lru_cache
@@ -15,7 +16,14 @@ from poslsh_cli import models
 from poslsh_cli.config import CONF_DIR, ConfigError, build_spec, compose, register_schemas
 from poslsh_cli.experiment import Experiment
 
-SCALES = ("quick", "paper")
+class Scale(str, enum.Enum):
+    """The two sizes of every preset (``<stem>_quick.yaml``, ``<stem>_paper.yaml``)."""
+
+    QUICK = "quick"
+    PAPER = "paper"
+
+
+SCALES = tuple(s.value for s in Scale)
 
 
 @lru_cache(maxsize=1)

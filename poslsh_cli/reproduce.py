@@ -11,6 +11,7 @@ reason is kept in its run directory (``skipped.json``) so any later report says 
 """
 from __future__ import annotations
 
+import enum
 import json
 import signal
 import subprocess
@@ -20,6 +21,14 @@ from pathlib import Path
 
 from poslsh_cli import registry
 from poslsh_cli.config import ConfigError
+
+
+class Launcher(str, enum.Enum):
+    """Where ``reproduce`` runs its presets."""
+
+    LOCAL = "local"  # one after another, here
+    JOBLIB = "joblib"  # in parallel, here
+    SLURM = "slurm"  # each a SLURM job
 
 
 def plan(scale: str) -> list[tuple[str, str, str]]:

@@ -139,7 +139,6 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], err:
 
 
 def _print_summary(exp: Experiment, run: Any) -> None:
-    import pandas as pd
     from rich.table import Table
 
     from poslsh_cli.rundir import results

@@ -1,4 +1,4 @@
-"""Positional LSH: random binning of integer token positions (DESIGN.md section 1).
+"""Positional LSH: random binning of integer token positions (docs/THEORY.md, "Mask expectation").
 
 One hash function draws a bin width ``delta ~ Gamma(shape=2, scale=sigma)`` and a shift
 ``u ~ Uniform[0, delta)`` and maps position ``i`` to ``h(i) = floor((i + u) / delta)``.
@@ -162,6 +162,18 @@ def sample_partitions(
     widths = generator.gamma(shape=2.0, scale=float(sigma), size=num_samples)
     shifts = generator.random(num_samples) * widths
     return Partitions(int(seq_len), float(sigma), widths, shifts)
+
+
+def fixed_block_partitions(seq_len: int, sigmas: "np.ndarray | list[float]") -> list[Partitions]:
+    """The paper's fixed-block baseline: one deterministic partition per head, width round(2 sigma),
+    aligned at 0 (width at least 1)."""
+    return [Partitions(seq_len, float(sg), np.asarray([float(max(1, round(2 * sg)))]), np.zeros(1))
+            for sg in np.asarray(sigmas, dtype=np.float64).reshape(-1)]
+
+
+def windows(sigmas: "np.ndarray | list[float]", c: float) -> tuple[int, ...]:
+    """Windowed-ALiBi half-widths ``w_h = ceil(c sigma_h)``, one per head."""
+    return tuple(int(math.ceil(c * float(sg))) for sg in np.asarray(sigmas, dtype=np.float64).reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------

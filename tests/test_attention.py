@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from poslsh_cli.attention import (BlockLayout, alibi_chunked, block_attention, exact_alibi, fixed_block_partitions,
-                                  laplacian_weight, mean_mask_weight, merge_by_lse, no_bias_attention,
-                                  poslsh_attention, reference_attention)
-from poslsh_cli.sampling import alibi_sigmas, sample_partitions
+from poslsh_cli.attention import (AttentionSpec, Backend, BlockLayout, Kernel, Method, Plan, alibi_chunked, attend,
+                                  block_attention, exact_alibi, laplacian_weight, mean_mask_weight, merge_by_lse,
+                                  no_bias_attention, poslsh_attention, reference_attention)
+from poslsh_cli.sampling import alibi_sigmas, fixed_block_partitions, sample_partitions
 
 
 def qkv(B=2, H=4, n=57, d=8, dtype=torch.float64, seed=0, scale=1.0):
@@ -27,27 +27,27 @@ def parts_for(n, sigmas, s, seed=0):
     return [sample_partitions(n, float(sg), s, g) for sg in sigmas]
 
 
-@pytest.fixture(params=["fused", "manual"])
-def kernel(request, monkeypatch):
-    """Run a test with both block kernels: the fused CPU flash kernel and the pure-PyTorch path."""
-    import poslsh_cli.attention as attention
+@pytest.fixture(params=[Kernel.FUSED, Kernel.MATMUL])
+def blocks(request):
+    """Positional-LSH attention on the blocks backend with each kernel forced by its plan: the fused
+    CPU flash kernel and the padded matmuls (what the plan picks without and with gradients)."""
+    def run(q, k, v, parts, causal, method=Method.POSLSH):
+        spec = AttentionSpec(method, [p.sigma for p in parts], causal, partitions=tuple(parts))
+        return attend(q, k, v, spec, plan=Plan(method, Backend.BLOCKS, request.param))
 
-    monkeypatch.setattr(attention, "BLOCK_KERNEL", request.param)
-    return request.param
+    return run
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n,s", [(1, 3), (2, 1), (57, 1), (57, 8), (200, 16)])
-def test_merged_block_attention_equals_dense_mean_mask(n, s, causal, kernel):
+def test_merged_block_attention_equals_dense_mean_mask(n, s, causal, blocks):
     """T~ = D~^-1 (A o M~) V exactly: the identity the paper's algorithm rests on."""
     sigmas = [0.4, 3.0, 20.0, 1e3]
     q, k, v = qkv(n=n, H=4, scale=1.5)
     parts = parts_for(n, sigmas, s)
-    got = poslsh_attention(q, k, v, parts, causal)
+    got = blocks(q, k, v, parts, causal)
     ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
-    chunked = poslsh_attention(q, k, v, parts, causal, sample_chunk=3)
-    torch.testing.assert_close(chunked, ref, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -95,10 +95,11 @@ def test_cuda_paths_equal_reference(causal):
         assert err <= t, (backend, err, t)
 
 
+@pytest.mark.parametrize("kernel", list(Kernel))
 def test_block_lse_is_the_masked_normaliser(kernel):
     q, k, v = qkv(n=40, H=2)
     parts = parts_for(40, [2.0, 5.0], 3)
-    out, lse = block_attention(q, k, v, BlockLayout.build(parts), causal=False)
+    out, lse = block_attention(q, k, v, BlockLayout.build(parts), causal=False, kernel=kernel)
     for h, p in enumerate(parts):
         for kk, b in enumerate(p.bins()):
             w = torch.as_tensor((b[:, None] == b[None, :]).astype(float))
@@ -151,12 +152,12 @@ def test_reference_alibi_is_softmax_with_linear_bias():
     torch.testing.assert_close(reference_attention(q, k, v, laplacian_weight(20, sig), False)[0], ref)
 
 
-def test_fixed_block_and_no_bias_baselines(kernel):
+def test_fixed_block_and_no_bias_baselines(blocks):
     q, k, v = qkv(n=50, H=3)
     sigmas = [1.0, 3.3, 10.0]
     parts = fixed_block_partitions(50, sigmas)
     assert [int(np.diff(p.offsets[0])[0]) for p in parts] == [2, 7, 20]
-    got = poslsh_attention(q, k, v, parts, causal=True)
+    got = blocks(q, k, v, parts, True, Method.FIXED_BLOCK)
     ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal=True)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
     nb = no_bias_attention(q, k, v, causal=False)
@@ -164,14 +165,14 @@ def test_fixed_block_and_no_bias_baselines(kernel):
 
 
 @pytest.mark.parametrize("op", ["poslsh", "chunked", "windowed"])
-def test_causal_never_looks_ahead(op, kernel):
+def test_causal_never_looks_ahead(op, blocks):
     q, k, v = qkv(n=64, H=2)
     parts = parts_for(64, [4.0, 16.0], 8)
     sig = torch.tensor([4.0, 16.0], dtype=torch.float64)
 
     def run(q, k, v):
         if op == "poslsh":
-            return poslsh_attention(q, k, v, parts, causal=True)
+            return blocks(q, k, v, parts, True)
         return alibi_chunked(q, k, v, sig, True, window=None if op == "chunked" else 6, chunk=16)
 
     base = run(q, k, v)
@@ -185,7 +186,7 @@ def test_causal_never_looks_ahead(op, kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs_stay_finite_and_close(dtype, kernel):
+def test_low_precision_inputs_stay_finite_and_close(dtype, blocks):
     """bf16/fp16 inputs: finite, and no further from float64 than twice the naive implementation
     computed entirely in that dtype."""
     q, k, v = qkv(B=1, H=8, n=300, d=32, dtype=torch.float32, scale=3.0)
@@ -194,10 +195,11 @@ def test_low_precision_inputs_stay_finite_and_close(dtype, kernel):
     w = mean_mask_weight(parts)
     for causal in (False, True):
         ref, _ = reference_attention(q, k, v, w, causal)
-        got = poslsh_attention(q.to(dtype), k.to(dtype), v.to(dtype), parts, causal)
+        got = blocks(q.to(dtype), k.to(dtype), v.to(dtype), parts, causal)
         assert got.dtype == dtype and torch.isfinite(got).all()
         assert (got.double() - ref).abs().max().item() <= naive_tolerance(q, k, v, w, causal, dtype)
-        ex = alibi_chunked(q.to(dtype), k.to(dtype), v.to(dtype), torch.as_tensor(alibi_sigmas(8)), causal)
+        ex = alibi_chunked(q.to(dtype), k.to(dtype), v.to(dtype), torch.as_tensor(alibi_sigmas(8)), causal,
+                           kernel=Kernel.MATMUL)
         assert torch.isfinite(ex).all()
 
 

@@ -6,7 +6,8 @@ import pandas as pd
 from typer.testing import CliRunner
 
 from poslsh_cli.cli import app
-from poslsh_cli.experiments.bench import _band_pairs, crossover
+from poslsh_cli.experiments.bench import _band_pairs
+from poslsh_cli.experiments.bench_report import crossover
 
 runner = CliRunner()
 

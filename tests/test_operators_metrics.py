@@ -23,11 +23,17 @@ def test_structured_matvecs_equal_dense(n, sigma, s):
     np.testing.assert_allclose(K.matvec(X), K.dense() @ X, rtol=0, atol=1e-11)
 
 
-def test_mean_mask_dense_is_mean_of_indicator_matrices():
-    p = sample_partitions(40, 3.0, 5, np.random.default_rng(0))
-    bins = p.bins()
-    ref = np.mean([b[:, None] == b[None, :] for b in bins], axis=0)
-    np.testing.assert_array_equal(MeanMask(p).dense(), ref)
+@pytest.mark.parametrize("n,sigma,s", [(1, 2.0, 3), (40, 3.0, 5), (80, 0.3, 1), (300, 16.0, 20), (257, 1e4, 4),
+                                       (64, 0.01, 7)])
+def test_mean_mask_dense_is_the_mean_of_indicator_matrices(n, sigma, s):
+    """MeanMask.dense (built from the band of block remainders) against M~ built independently, pair
+    by pair from the bins: (1/s) sum_k 1[bin_k(i) == bin_k(j)], exactly."""
+    p = sample_partitions(n, sigma, s, np.random.default_rng(n))
+    ref = np.zeros((n, n))
+    for b in p.bins():
+        for i in range(n):
+            ref[i] += b == b[i]
+    np.testing.assert_array_equal(MeanMask(p).dense(), ref / s)
 
 
 @pytest.mark.parametrize("n,sigma", [(1, 3.0), (2, 1.0), (10, 2.0), (257, 0.5), (2048, 16.0), (1500, 300.0),

@@ -16,8 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from poslsh_cli import attention as A
-from poslsh_cli.attention import (AttentionSpec, Method, attend, mean_mask_dense, mean_mask_weight,
-                                  reference_attention)
+from poslsh_cli.attention import AttentionSpec, Backend, Method, attend, choose, reference_attention
 from poslsh_cli.cli import app
 from poslsh_cli.data import count_predicted, eval_windows, load_corpus
 from poslsh_cli.positions import Arch, Position, PositionState, build_model, load_model
@@ -40,13 +39,6 @@ def qkv(B=2, H=4, n=80, d=8, seed=0, grad=False):
 
 # ---------------------------------------------------------------------------------------------
 # the training attention paths against float64 references
-
-
-@pytest.mark.parametrize("n,sigma_list,s", [(1, [2.0], 3), (80, [0.3, 2.0, 9.0, 300.0], 1), (300, [1.0, 4.0, 16.0, 64.0], 20)])
-def test_mean_mask_dense_equals_the_reference_exactly(n, sigma_list, s):
-    g = np.random.default_rng(n)
-    parts = [sample_partitions(n, sg, s, g) for sg in sigma_list]
-    torch.testing.assert_close(mean_mask_dense(parts), mean_mask_weight(parts), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -97,20 +89,21 @@ def test_rank1_float32_error_follows_its_precision_bound(n):
     assert err <= tol, (err, tol)
 
 
-def test_the_chooser_picks_the_training_paths_by_length_and_gradient():
-    x = torch.zeros(1, 1, 64, 8, requires_grad=True)
-    y = torch.zeros(1, 1, A.RANK1_MIN_N, 8, requires_grad=True)
-    assert A.choose_backend(Method.EXACT, x, x, x, causal=True) == "dense"
-    assert A.choose_backend(Method.EXACT, y, y, y, causal=True) == "rank1"
-    assert A.choose_backend(Method.EXACT, y, y, y, causal=False) == "dense"
-    assert A.choose_backend(Method.EXACT, y.bfloat16(), y.bfloat16(), y.bfloat16(), causal=True) == "dense"
-    assert A.choose_backend(Method.WINDOWED, x, x, x, causal=True) == "dense"
-    assert A.choose_backend(Method.POSLSH, x, x, x, causal=True) == "dense"
-    long = torch.zeros(1, 1, A.DENSE_MAX_N + 1, 8, requires_grad=True)
-    assert A.choose_backend(Method.POSLSH, long, long, long, causal=True) == "blocks"
-    with torch.no_grad():  # inference keeps the memory-light paths
-        assert A.choose_backend(Method.POSLSH, x, x, x, causal=True) == "blocks"
-        assert A.choose_backend(Method.EXACT, x, x, x, causal=True) == "chunked"
+def test_the_plan_picks_the_training_paths_by_length_and_gradient():
+    def backend(method, n, causal=True, grad=True, dtype=torch.float32):
+        return choose(method, device="cpu", dtype=dtype, n=n, causal=causal, grad=grad).backend
+
+    assert backend(Method.EXACT, 64) is Backend.DENSE
+    assert backend(Method.EXACT, A.RANK1_MIN_N) is Backend.RANK1
+    assert backend(Method.EXACT, A.RANK1_MIN_N, causal=False) is Backend.DENSE
+    assert backend(Method.EXACT, A.RANK1_MIN_N, dtype=torch.bfloat16) is Backend.DENSE
+    assert backend(Method.WINDOWED, 64) is Backend.DENSE
+    assert backend(Method.POSLSH, 64) is Backend.DENSE
+    assert backend(Method.POSLSH, A.DENSE_MAX_N + 1) is Backend.BLOCKS
+    assert backend(Method.POSLSH, 64, grad=False) is Backend.BLOCKS  # inference keeps the memory-light paths
+    assert backend(Method.EXACT, 64, grad=False) is Backend.CHUNKED
+    with pytest.raises(ValueError, match="no backend 'rank1'"):
+        choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=64, causal=True, grad=True, backend="rank1")
 
 
 # ---------------------------------------------------------------------------------------------

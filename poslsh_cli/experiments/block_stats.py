@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 from poslsh_cli.claims import Section, Status, Verdict, combine, slope_text
 from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Experiment, MemoryNeed, grid_cells
+from poslsh_cli.experiment import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.metrics import fit_loglog_slope
-from poslsh_cli.sampling import derive_seed
 
+NAME = "block-stats"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",
            "num_blocks", "max_width", "b_max_loglog", "b_max_law_q05", "b_max_law_q95", "s_per_log_n")
 
@@ -77,17 +77,13 @@ def memory(spec: BlockStatsSpec) -> MemoryNeed:
     return MemoryNeed(cell(n), f"n={n}")
 
 
-def cell_seed(root_seed: int, key: dict[str, Any]) -> int:
-    return derive_seed(root_seed, "block-stats", key["n"], float(key["sigma"]), key["s"], key["trial"])
-
-
 def run_cell(spec: BlockStatsSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
     from poslsh_cli.sampling import block_max_quantile, sample_partitions, width_max_quantile
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
-    seed = cell_seed(spec.seed, key)
+    seed = cell_seed(spec.seed, NAME, key)
     parts = sample_partitions(n, sigma, s, np.random.default_rng(seed))
     lengths = np.concatenate(parts.block_lengths())
     c = spec.s_per_log_n
@@ -285,7 +281,7 @@ def report(run: Path, df: Any) -> Section:
 
 
 EXPERIMENT = Experiment(
-    name="block-stats",
+    name=NAME,
     spec=BlockStatsSpec,
     help="""Realised block sizes: b_max against the exact law and sigma*loglog(n); block histograms.
 

@@ -17,15 +17,17 @@ from typing import Any
 from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
 from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, MemoryNeed, grid_cells
+from poslsh_cli.experiment import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.metrics import fit_loglog_slope
-from poslsh_cli.sampling import derive_seed
 
+NAME = "matrix-error"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err",
            "b_max", "seconds", "peak_mem_mb", "kernel_norm", "lanczos_tol", "converged", "matvecs")
 
 
-class Method(str, enum.Enum):
+class Computation(str, enum.Enum):
+    """How ||L* - M~|| is computed: the O(n) operators, the dense float64 reference, or both."""
+
     FAST = "fast"
     DENSE = "dense"
     BOTH = "both"
@@ -37,7 +39,7 @@ class MatrixErrorSpec(Spec):
     sigma: tuple[float, ...] = key("bandwidths sigma > 0 (float or list)", [4.0, 16.0], gt=0)
     s: tuple[int, ...] = key("numbers of samples (int or list)", [1, 2, 4, 8, 16, 32, 64, 128], ge=1)
     trials: int = key("independent repetitions per (n, sigma, s)", 3, ge=1)
-    method: Method = key("fast (O(n) operators + Lanczos), dense (n x n float64 reference) or both", Method.FAST)
+    method: Computation = key("fast (O(n) operators + Lanczos), dense (n x n float64 reference) or both", Computation.FAST)
     tol: float = key("ARPACK tolerance for ||L*-M~||_2: Ritz residual <= tol*|value| (value within tol of an "
                      "eigenvalue)", 1e-6, ge=0)
     dense_max_n: int = key("largest n for which method=dense/both builds n x n matrices", 8192, ge=2)
@@ -45,7 +47,7 @@ class MatrixErrorSpec(Spec):
 
     def check(self) -> None:
         check(self.tol < 1, f"tol must be in [0, 1), got {self.tol}")
-        if self.method is not Method.FAST:
+        if self.method is not Computation.FAST:
             big = [x for x in self.n if x > self.dense_max_n]
             if big:
                 raise ConfigError(f"method={self.method.value} builds n x n matrices; n={big[0]} exceeds "
@@ -82,19 +84,15 @@ def memory(spec: MatrixErrorSpec) -> MemoryNeed:
     for n in spec.n:
         blocks = max(spec.s) * max(mean_blocks(n, sg) for sg in spec.sigma)
         b = 8.0 * ((LANCZOS_NCV + 12) * n + 4 * blocks) + 40.0 * max(spec.s) * min(n, 1 << 17)
-        if spec.method is not Method.FAST:
+        if spec.method is not Computation.FAST:
             b = max(b, 6 * 8.0 * float(n) ** 2)
         if b > need:
-            need, what = b, f"n={n}" + (" with n x n float64 matrices" if spec.method is not Method.FAST else "")
+            need, what = b, f"n={n}" + (" with n x n float64 matrices" if spec.method is not Computation.FAST else "")
     return MemoryNeed(need, what)
 
 
 def cells(spec: MatrixErrorSpec, ctx: Any = None) -> list[dict[str, Any]]:
     return grid_cells(spec)
-
-
-def cell_seed(root_seed: int, key: dict[str, Any]) -> int:
-    return derive_seed(root_seed, "matrix-error", key["n"], float(key["sigma"]), key["s"], key["trial"])
 
 
 def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
@@ -105,12 +103,12 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
     from poslsh_cli.sampling import sample_partitions
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
-    seed = cell_seed(spec.seed, key)
+    seed = cell_seed(spec.seed, NAME, key)
     parts = sample_partitions(n, sigma, s, np.random.default_rng(seed))
     kernel, mask = LaplacianKernel(n, sigma), MeanMask(parts)
     common = dict(n=n, sigma=sigma, s=s, trial=trial, seed=seed, b_max=parts.b_max)
     rows = []
-    if spec.method in (Method.FAST, Method.BOTH):
+    if spec.method in (Computation.FAST, Computation.BOTH):
         def fast() -> tuple:
             res = spectral_error_fast(kernel, mask, np.random.default_rng([seed, 1]), tol=spec.tol)
             return res, kernel.norm(), max_error_fast(kernel, mask)
@@ -129,7 +127,7 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
         rows.append(MatrixErrorRow(**common, method="fast", spectral_err=res.value, spectral_rel=res.value / norm,
                                    max_err=mx, seconds=seconds, peak_mem_mb=peak, kernel_norm=norm,
                                    lanczos_tol=res.tol, converged=res.converged, matvecs=res.matvecs))
-    if spec.method in (Method.DENSE, Method.BOTH):
+    if spec.method in (Computation.DENSE, Computation.BOTH):
         tracemalloc.start()  # few, large allocations: negligible overhead here
         t0 = time.perf_counter()
         err, norm = spectral_error_dense(kernel, mask)
@@ -304,7 +302,7 @@ def _report_dense_check(sec: Section, df: Any) -> None:
 
 
 EXPERIMENT = Experiment(
-    name="matrix-error",
+    name=NAME,
     spec=MatrixErrorSpec,
     help="""Spectral and max-norm error of the mean of s masks against L* = exp(-|i-j|/sigma).
 

@@ -9,19 +9,16 @@ replays its masks. Errors are against exact ALiBi in float64.
 from __future__ import annotations
 
 import io
-import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from poslsh_cli import models
-from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
-                               decay_status, few, fmt, slope_text, tally)
+from poslsh_cli.experiments.output_error_report import MODEL_OWN, plot, report, summary
 from poslsh_cli.config import ConfigError, Spec, key
-from poslsh_cli.experiment import (Dtype, Experiment, MemoryNeed, check_device, choices, resolve_device, synchronize,
+from poslsh_cli.experiment import (Dtype, Experiment, MemoryNeed, Device, choices, resolve_device, synchronize,
                                    torch_dtype)
-from poslsh_cli.methods import Method
+from poslsh_cli.methods import INFO, Method, baselines
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
@@ -29,7 +26,7 @@ COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
-Baseline = choices("Baseline", [Method.NO_BIAS, Method.FIXED_BLOCK, Method.WINDOWED], __name__)
+Baseline = choices("Baseline", baselines(), __name__)
 
 
 ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
@@ -50,17 +47,15 @@ class OutputErrorSpec(Spec):
     causal: Union[Literal["auto"], bool] = key("auto (decoders causal, encoders not), true or false", "auto")
     s: tuple[int, ...] = key("numbers of sampled masks (int or list)", [1, 2, 4, 8, 16, 32, 64], ge=1)
     trials: int = key("independent repetitions per s", 3, ge=1)
-    baselines: tuple[Baseline, ...] = key("reference methods: no_bias, fixed_block, windowed ([] for none)",
-                                          [Baseline.NO_BIAS, Baseline.FIXED_BLOCK, Baseline.WINDOWED],
+    baselines: tuple[Baseline, ...] = key("reference methods: " + ", ".join(b.value for b in Baseline)
+                                          + " ([] for none)", list(Baseline),
                                           noun="baseline", empty=True)
     window_sigmas: tuple[float, ...] = key("windowed baseline half-widths in units of sigma: w = ceil(c*sigma)",
                                            [4.0], gt=0)
-    device: str = key("auto (CUDA when present), cpu, cuda, cuda:N", "auto")
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
     dtype: Dtype = key("compute dtype of the approximations (the exact reference is float64)", Dtype.FLOAT32)
     save_qkv: bool = key("write the captured q, k, v of each layer to qkv/layer<L>.npz", False)
 
-    def check(self) -> None:
-        check_device(self.device)
 
 
 @dataclass(frozen=True)
@@ -192,13 +187,14 @@ def cells(spec: OutputErrorSpec, ctx: Context | None = None) -> list[dict[str, A
     for layer in layers:
         if ctx is not None and layer in ctx.own:  # an ALiBi model's own attention, against exact ALiBi
             out.append({"layer": layer, "method": MODEL_OWN})
-        for b in spec.baselines:
-            if b is Baseline.WINDOWED:
-                out += [{"layer": layer, "method": b.value, "window_sigmas": float(c)} for c in spec.window_sigmas]
+        for m in [Method(b.value) for b in spec.baselines] + [Method.POSLSH]:
+            if INFO[m].params == "window":
+                out += [{"layer": layer, "method": m.value, "window_sigmas": float(c)} for c in spec.window_sigmas]
+            elif INFO[m].randomized:
+                out += [{"layer": layer, "method": m.value, "s": s, "trial": t}
+                        for s in spec.s for t in range(spec.trials)]
             else:
-                out.append({"layer": layer, "method": b.value})
-        out += [{"layer": layer, "method": Method.POSLSH.value, "s": s, "trial": t}
-                for s in spec.s for t in range(spec.trials)]
+                out.append({"layer": layer, "method": m.value})
     return out
 
 
@@ -216,9 +212,8 @@ def _exact(ctx: Context, layer: int) -> Any:
 def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from poslsh_cli.attention import AttentionSpec, attend, fixed_block_partitions, windows
+    from poslsh_cli.attention import AttentionSpec, attend
     from poslsh_cli.metrics import output_errors
-    from poslsh_cli.sampling import sample_partitions
 
     if key["method"] == MODEL_OWN:
         return _model_own(spec, key, ctx)
@@ -227,21 +222,14 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any
     q, k, v = (t[None].to(device=ctx.device, dtype=ctx.dtype) for t in (q, k, v))  # (1, H, n, d)
     n = q.shape[-2]
     exact = _exact(ctx, layer)
-    seeds = [-1] * len(ctx.heads)
-    s, trial, window = 0, 0, None
-    if method is Method.POSLSH:
-        s, trial = key["s"], key["trial"]
-        seeds = [derive_seed(spec.seed, "output-error", layer, h, s, trial) for h in ctx.heads]
-        parts = tuple(sample_partitions(n, float(sg), s, np.random.default_rng(sd)) for sg, sd in zip(ctx.sigmas, seeds))
-        att = AttentionSpec(method, ctx.sigmas, ctx.causal, scale=scaling, partitions=parts)
-    elif method is Method.FIXED_BLOCK:
-        att = AttentionSpec(method, ctx.sigmas, ctx.causal, scale=scaling,
-                            partitions=tuple(fixed_block_partitions(n, ctx.sigmas)))
-    elif method is Method.WINDOWED:
-        window = windows(ctx.sigmas, key["window_sigmas"])
-        att = AttentionSpec(method, ctx.sigmas, ctx.causal, scale=scaling, window=window)
-    else:
-        att = AttentionSpec(method, ctx.sigmas, ctx.causal, scale=scaling)
+    s, trial = key.get("s", 0), key.get("trial", 0)
+    seeds = [derive_seed(spec.seed, "output-error", layer, h, s, trial) if INFO[method].randomized else -1
+             for h in ctx.heads]
+    att = AttentionSpec.build(method, ctx.sigmas, n, ctx.causal, num_samples=s,
+                              rng=[np.random.default_rng(sd) for sd in seeds] if INFO[method].randomized else None,
+                              scale=scaling,
+                              window_sigmas=key.get("window_sigmas"))
+    window = att.window
     synchronize(ctx.device)
     t0 = time.perf_counter()
     out = attend(q, k, v, att)
@@ -255,10 +243,6 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any
             for h, sg, sd, rf, mr, w in zip(ctx.heads, ctx.sigmas, seeds, rel_fro, max_row,
                                             window or [-1] * len(ctx.heads))]
     return [asdict(r) for r in rows], {}
-
-
-#: The method name of the rows that measure an ALiBi model's own attention against exact ALiBi.
-MODEL_OWN = "model_own"
 
 
 def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context) -> tuple[list[dict], dict]:
@@ -278,160 +262,8 @@ def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context) -> tupl
     return [asdict(r) for r in rows], {}
 
 
-def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    """Per layer: the decay slope by the report's rule (fit over s >= 8 on the median over heads),
-    the error at the largest s, and the baselines."""
-    head = ["layer", f"slope (s≥{ASYMPTOTIC_S})", "poslsh@s_max", "s_max", "no_bias", "fixed_block", "windowed", "secs"]
-    rows = []
-    for layer, g in df.groupby("layer", sort=True):
-        p = g[g.method == "poslsh"]
-        med = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
-        fit = asymptotic_fit(med["s"], med["rel_fro"]) if len(med) else None
-        smax = int(p["s"].max()) if len(p) else 0
-
-        def base(m: str) -> str:
-            b = g[g.method == m]
-            return f"{b['rel_fro'].median():.4f}" if len(b) else "-"
-
-        top = p[p.s == smax]["rel_fro"].median() if len(p) else float("nan")
-        rows.append([str(layer), f"{fit.slope:.3f}" if fit else "–", f"{top:.4f}", str(smax), base("no_bias"),
-                     base("fixed_block"), base("windowed"),
-                     f"{g.drop_duplicates(['method', 's', 'trial', 'window'])['seconds'].sum():.1f}"])
-    return head, rows
-
-
 def skip_reason(spec: OutputErrorSpec) -> str | None:
     return models.unavailable(spec.model)
-
-
-# ---------------------------------------------------------------------------------------------
-# figures
-
-
-def plot(run: Path, df: Any) -> list[Path]:
-    import numpy as np
-
-    from poslsh_cli.metrics import fit_loglog_slope
-    from poslsh_cli.plotting import pyplot, save
-
-    plt = pyplot()
-    paths = []
-    layers = sorted(df["layer"].unique())
-    cols = min(2 if len(layers) <= 6 else 4, len(layers))  # readable at report width
-    rows = int(np.ceil(len(layers) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.5 * rows), squeeze=False, sharey=True,
-                             layout="constrained")
-    styles = {"no_bias": ("C3", "no bias"), "fixed_block": ("C2", "fixed block"), "windowed": ("C4", "windowed ALiBi")}
-    model = str(df["model"].iloc[0])
-    for ax, layer in zip(axes.flat, layers):
-        g = df[df.layer == layer]
-        p = g[g.method == "poslsh"]
-        if len(p):
-            per_head = p.groupby(["s", "head"])["rel_fro"].mean().reset_index()  # mean over trials
-            agg = per_head.groupby("s")["rel_fro"].agg(med="median", lo=lambda v: v.quantile(0.25),
-                                                       hi=lambda v: v.quantile(0.75)).reset_index()
-            med_trials = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
-            fit = fit_loglog_slope(med_trials["s"], med_trials["rel_fro"])
-            ax.plot(agg["s"], agg["med"], "o-", color="C0", ms=3.5, label=f"Positional LSH, slope {fit.slope:.2f}")
-            ax.fill_between(agg["s"], agg["lo"], agg["hi"], color="C0", alpha=0.18, lw=0)
-            xs = agg["s"].to_numpy(dtype=float)
-            c = float(np.exp(np.mean(np.log(agg["med"]) + 0.5 * np.log(xs))))
-            ax.plot(xs, c / np.sqrt(xs), "--", color="C0", lw=0.8, alpha=0.7, label="c/√s")
-        for method, (color, label) in styles.items():
-            b = g[g.method == method]
-            if len(b):
-                if method == "windowed":
-                    label += " w=" + "/".join(f"{c:g}σ" for c in sorted(set((b["window"] / b["sigma"]).round(0))))
-                ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""))
-        ax.grid(True, which="both", alpha=0.25)
-        ax.set_xlabel("number of samples s")
-    for ax in axes.flat[len(layers):]:
-        ax.axis("off")
-    axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")
-    axes[0][0].legend()
-    fig.suptitle(f"Output error against exact ALiBi: {model}, n={int(df['n'].iloc[0])}")
-    paths += save(fig, run, "output_error_vs_s")
-
-    p = df[df.method == "poslsh"]
-    if len(p):
-        smax = p["s"].max()
-        mat = p[p.s == smax].groupby(["layer", "head"])["rel_fro"].mean().unstack("head")
-        fig, ax = plt.subplots(figsize=(0.6 * mat.shape[1] + 2.5, 0.45 * mat.shape[0] + 2.0))
-        im = ax.imshow(mat.to_numpy(), cmap="magma_r", aspect="auto")
-        sig = p.drop_duplicates("head").set_index("head")["sigma"]
-        ax.set_xticks(range(mat.shape[1]), [f"{h}\n{sig[h]:.3g}" for h in mat.columns])
-        ax.set_yticks(range(mat.shape[0]), [str(layer) for layer in mat.index])
-        ax.set_xlabel("head (top) and its σ (bottom)")
-        ax.set_ylabel("layer")
-        ax.set_title(f"relative output error at s={smax} (mean over trials)")
-        fig.colorbar(im, ax=ax, shrink=0.85)
-        paths += save(fig, run, "output_error_heatmap")
-    return paths
-
-
-# ---------------------------------------------------------------------------------------------
-# report
-
-
-def report(run: Path, df: Any) -> Section:
-    import pandas as pd
-
-    sec = Section("output-error", run, "Attention outputs on real activations: error against s, with baselines")
-    model = str(df.model.iloc[0])
-    rows, st_decay, ev = [], [], []
-    beats: dict[str, list[bool]] = {"no_bias": [], "fixed_block": []}
-    p_all = df[df.method == "poslsh"]
-    for layer, g in df.groupby("layer"):
-        p = g[g.method == "poslsh"]
-        if p.empty:
-            continue
-        med = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
-        fit = asymptotic_fit(med.s, med.rel_fro)
-        st_decay.append(decay_status(fit))
-        if fit is not None:
-            ev.append(f"layer {layer}: {slope_text(fit)}")
-        smax = p.s.max()
-        top = p[p.s == smax].rel_fro.median()
-        base = {m: g[g.method == m].rel_fro.median() if (g.method == m).any() else math.nan
-                for m in ("no_bias", "fixed_block", "windowed")}
-        for m in beats:
-            if math.isfinite(base[m]):
-                beats[m].append(bool(top < base[m]))
-        rows.append({"layer": layer,
-                     f"slope s ≥ {ASYMPTOTIC_S} [95% CI]": slope_text(fit) + (f" {decay_status(fit).value}" if fit else ""),
-                     f"poslsh s={smax}": fmt(top), "no bias": fmt(base["no_bias"]), "fixed block": fmt(base["fixed_block"]),
-                     "windowed": fmt(base["windowed"])})
-    sec.paragraphs.append(f"Model {model}, n={int(df.n.iloc[0])}, {df['head'].nunique()} heads, "
-                          f"{'causal' if df.causal.iloc[0] else 'bidirectional'}; medians over heads of "
-                          "‖T* − T̃‖_F / ‖T*‖_F against exact ALiBi (float64).")
-    sec.tables.append(pd.DataFrame(rows))
-    if p_all.empty:
-        sec.verdicts.append(Verdict("output error falls like s^-1/2", Status.NOT_MEASURED, "no Positional-LSH rows",
-                                    DECAY_RULE))
-        return sec
-    sec.verdicts.append(Verdict("output error falls like s^-1/2", combine(st_decay),
-                                f"layers: {tally(st_decay)}" + (f"; slopes {few(ev)}" if ev else
-                                                                f"; fewer than three s ≥ {ASYMPTOTIC_S}"),
-                                DECAY_RULE + "; per layer, on the median over heads"))
-    smax = int(p_all.s.max())
-    for m, label in (("no_bias", "no-bias"), ("fixed_block", "fixed-block")):
-        r = beats[m]
-        status = Status.NOT_MEASURED if not r else (Status.SUPPORTED if all(r) else Status.NOT_SUPPORTED)
-        sec.verdicts.append(Verdict(f"at the largest s Positional LSH is more accurate than the {label} baseline", status,
-                                    f"{sum(r)}/{len(r)} layers" if r else f"no {m} rows in this run (baselines=)",
-                                    f"median over heads at s={smax} below the baseline's median, in every layer"))
-    win = df[df.method == "windowed"]
-    if len(win):
-        top = p_all[p_all.s == smax].rel_fro.median()
-        w = win.rel_fro.median()
-        cs = "/".join(f"{c:g}σ" for c in sorted(set((win.window / win.sigma).round(0))))
-        word = "more" if w < top else "less" if w > top else "as"
-        sec.paragraphs.append(f"Windowed exact ALiBi (w = {cs}; median error {w:.3g}) is {word} accurate than Positional "
-                              f"LSH at s={smax} (median {top:.3g}) on this model: a ratio of {top / w:.3g}.")
-    return sec
 
 
 EXPERIMENT = Experiment(

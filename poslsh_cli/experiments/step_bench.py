@@ -1,11 +1,12 @@
 """``poslsh step-bench``: the cost of a training step (forward, backward, AdamW) of the same
 model under each position scheme and attention path, side by side in one run.
 
-Cells: (L, position, s, backend). ``backend=auto`` is what ``poslsh train`` uses
-(:func:`poslsh_cli.attention.choose_backend`: causal ALiBi as one extra q/k coordinate on the
-bias-free causal SDPA kernel, Positional LSH as one dense attention with the bias ``log M~``);
-``backend=dense`` forces the dense-bias route, so exact ALiBi and Positional LSH can be compared
-through the same kernel. Seconds per step are the median of ``steps`` timed steps after
+Cells: (L, position, s, backend). ``backend=auto`` is what ``poslsh train`` uses (the attention
+plan, :func:`poslsh_cli.attention.choose`: causal ALiBi as one extra q/k coordinate on the
+bias-free causal SDPA kernel, Positional LSH as one dense attention with the bias ``log M~`` at
+short lengths); ``backend=dense`` forces the dense-bias route, so exact ALiBi and Positional LSH
+can be compared through the same kernel. The ``attention_path`` column is the label of the plan
+that actually ran in the timed steps (recorded by the attention layers). Seconds per step are the median of ``steps`` timed steps after
 ``warmup``; memory is the peak rise (CUDA allocator, or the process's resident set on the CPU)
 during one more step. Ratios within the run are what to compare; absolute times depend on the
 machine and what else it runs.
@@ -18,18 +19,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from poslsh_cli.attention.plan import BACKENDS, Backend
 from poslsh_cli.claims import Section, Status, Verdict
-from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Experiment, check_device, resolve_device, synchronize
-from poslsh_cli.positions import Arch, Position, PositionState
+from poslsh_cli.config import ConfigError, Spec, key
+from poslsh_cli.experiment import Device, Experiment, choices, resolve_device, synchronize
+from poslsh_cli.methods import INFO
+from poslsh_cli.positions import Arch, Position, PositionState, method_of
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
            "peak_mem_mb", "params", "device", "steps")
 
+ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
+
 #: Goals of the training issue, checked by the report: ALiBi against RoPE, Positional LSH against
 #: exact ALiBi through the same dense-bias route.
 ALIBI_GOAL, POSLSH_GOAL = 1.5, 1.3
+
+
+#: Attention paths a cell may ask for: auto (the plan, as poslsh train) or a forced backend.
+StepBackend = choices("StepBackend", [Backend.DENSE, Backend.RANK1, Backend.BLOCKS, Backend.CHUNKED], __name__,
+                      AUTO="auto")
 
 
 @dataclass(frozen=True)
@@ -38,8 +48,10 @@ class StepBenchSpec(Spec):
     position: tuple[Position, ...] = key("position schemes", [Position.ROPE, Position.ALIBI, Position.POSLSH],
                                          noun="position")
     s: tuple[int, ...] = key("Positional-LSH masks per head (poslsh only)", [10, 20], ge=1)
-    backend: tuple[str, ...] = key("attention paths: auto (as poslsh train), dense (the dense-bias route), "
-                                   "rank1 (exact ALiBi only: one extra q/k coordinate)", ["auto", "dense", "rank1"])
+    backend: tuple[StepBackend, ...] = key("attention paths: auto (the plan, as poslsh train), or a forced backend: "
+                                           + ", ".join(b.value for b in StepBackend if b.value != "auto")
+                                           + " (each where the scheme has it)",
+                                           [StepBackend.AUTO, StepBackend.DENSE, StepBackend.RANK1], noun="backend")
     batch: int = key("sequences per step", 16, ge=1)
     steps: int = key("timed steps (median reported)", 5, ge=1)
     warmup: int = key("untimed steps first", 2, ge=0)
@@ -49,15 +61,20 @@ class StepBenchSpec(Spec):
     kv_heads: int = key("key/value heads", 8, ge=1)
     head_dim: int = key("head dimension", 16, ge=1)
     intermediate: int = key("MLP width", 384, ge=1)
-    device: str = key("auto (CUDA when present), cpu, cuda, cuda:N", "auto")
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:
-        from poslsh_cli.config import ConfigError
+        asked = [b for b in self.backend if b.value != "auto"]
+        for p in self.position:
+            if p is Position.ROPE or not asked:
+                continue
+            if not any(_has(p, b.value) for b in asked) and StepBackend.AUTO not in self.backend:
+                raise ConfigError(f"position={p.value} runs on none of backend={[b.value for b in asked]} "
+                                  f"(it has {', '.join(b.value for b in BACKENDS[method_of(p)])})")
 
-        check_device(self.device)
-        for b in self.backend:
-            if b not in ("auto", "dense", "rank1"):
-                raise ConfigError(f"backend must be auto, dense or rank1, got {b!r}")
+
+def _has(position: Position, backend: str) -> bool:
+    return Backend(backend) in BACKENDS[method_of(position)]
 
 
 @dataclass
@@ -67,34 +84,29 @@ class Context:
 
 
 def prepare(spec: StepBenchSpec) -> Context:
-    from poslsh_cli.experiments.train import fast_cpu_math
+    from poslsh_cli.lm import fast_cpu_math
 
     fast_cpu_math()
     return Context(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
                                                      spec.intermediate, spec.head_dim, max(8192, 4 * max(spec.seq_len))))
 
 
-def attention_path(position: Position, backend: str, n: int, device: Any) -> str:
-    """The path a training step takes: what the chooser picks for gradients at length n."""
+def planned(position: Position, backend: str, n: int, device: Any) -> str:
+    """The label of the plan a training step at length n takes (what the cells are told apart by;
+    the ``attention_path`` column is recorded from the run itself)."""
     import torch
 
-    from poslsh_cli.attention import Method, choose_backend
+    from poslsh_cli.attention import choose
 
     if position is Position.ROPE:
         return "sdpa+rope"
-    if backend == "rank1":
-        return "rank1" if position is Position.ALIBI else ""
-    if backend == "dense":
-        return "dense" if position is not Position.NONE else "sdpa"
-    method = {Position.NONE: Method.NO_BIAS, Position.ALIBI: Method.EXACT, Position.POSLSH: Method.POSLSH,
-              Position.FIXED_BLOCK: Method.FIXED_BLOCK, Position.WINDOWED: Method.WINDOWED}[position]
-    q = torch.empty(1, 1, n, 1, device=device, requires_grad=True)
-    with torch.enable_grad():
-        return choose_backend(method, q, q, q, causal=True)
+    return choose(method_of(position), device=device, dtype=torch.float32, n=n, causal=True, grad=True,
+                  backend=backend).label
 
 
 def cells(spec: StepBenchSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
-    """One cell per distinct path: a backend that resolves to a path already listed is skipped."""
+    """One cell per distinct path: a backend the scheme does not have, or one that resolves to a
+    path already listed, is skipped."""
     import torch
 
     device = ctx.device if ctx is not None else torch.device("cpu")
@@ -102,13 +114,15 @@ def cells(spec: StepBenchSpec, ctx: Context | None = None) -> list[dict[str, Any
     for n in spec.seq_len:
         for p in spec.position:
             seen = set()
-            for b in (spec.backend if p is not Position.ROPE else ("auto",)):
-                path = attention_path(p, b, n, device)
-                if not path or path in seen:  # rank1 is exact ALiBi's only
+            for b in (spec.backend if p is not Position.ROPE else (StepBackend.AUTO,)):
+                if b.value != "auto" and not _has(p, b.value):
+                    continue
+                path = planned(p, b.value, n, device)
+                if path in seen:
                     continue
                 seen.add(path)
-                for s in (spec.s if p is Position.POSLSH else (0,)):
-                    out.append({"seq_len": n, "position": p.value, "s": s, "backend": b})
+                for s in (spec.s if p is not Position.ROPE and INFO[method_of(p)].randomized else (0,)):
+                    out.append({"seq_len": n, "position": p.value, "s": s, "backend": b.value})
     return out
 
 
@@ -117,12 +131,11 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: Context, work: Any =
     import torch
 
     from poslsh_cli.data import VOCAB
-    from poslsh_cli.experiments.bench import _MEMORY_THRESHOLD, _TIMING_THRESHOLD, _mmap_threshold, _RssPeak
+    from poslsh_cli.measure import peak_memory_mb
     from poslsh_cli.positions import build_model
 
     n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
-    state = PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed,
-                                   backend=backend if backend in ("dense", "rank1") else "auto")
+    state = PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))
@@ -142,24 +155,13 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: Context, work: Any =
 
     for t in range(spec.warmup):
         step(t)
+    state.plans.clear()
     times = [step(spec.warmup + t) for t in range(spec.steps)]
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-        before = torch.cuda.memory_allocated(ctx.device)
-        step(-1)
-        peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20
-    else:  # freed memory goes back to the OS during this step, so the resident set follows live tensors
-        _mmap_threshold(_MEMORY_THRESHOLD)
-        try:
-            with _RssPeak() as mem:
-                step(-1)
-        finally:
-            _mmap_threshold(_TIMING_THRESHOLD)
-        peak = mem.mb
+    path = "sdpa+rope" if position is Position.ROPE else "+".join(sorted(state.plans))
+    peak, _ = peak_memory_mb(lambda: step(-1), ctx.device)
     sec = statistics.median(times)
-    row = {"seq_len": n, "position": position.value, "s": s, "backend": backend,
-           "attention_path": attention_path(position, backend, n, ctx.device), "batch": spec.batch,
-           "step_seconds": sec, "tokens_per_s": spec.batch * n / sec, "peak_mem_mb": peak,
+    row = {"seq_len": n, "position": position.value, "s": s, "backend": backend, "attention_path": path,
+           "batch": spec.batch, "step_seconds": sec, "tokens_per_s": spec.batch * n / sec, "peak_mem_mb": peak,
            "params": int(sum(p.numel() for p in model.parameters())), "device": str(ctx.device), "steps": spec.steps}
     return [row], {}
 
@@ -177,7 +179,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense"]
     rows = []
     for n, g in df.groupby("seq_len"):
-        rope, dense = _time(g, "rope"), _time(g, "alibi", "dense")
+        rope, dense = _time(g, ROPE), _time(g, ALIBI, Backend.DENSE.value)
         for r in g.itertuples():
             rows.append([str(n), r.position, str(r.s) if r.s else "-", r.attention_path, f"{r.step_seconds:.3f}",
                          f"{r.tokens_per_s:.0f}", f"{r.peak_mem_mb:.0f}",
@@ -215,13 +217,13 @@ def report(run: Path, df: Any) -> Section:
     sec.tables.append(pd.DataFrame(rows, columns=head))
     ev_a, st_a, ev_p, st_p = [], [], [], []
     for n, g in df.groupby("seq_len"):
-        rope, fast = _time(g, "rope"), float(g[(g.position == "alibi") & (g.backend == "auto")].step_seconds.median())
+        rope, fast = _time(g, ROPE), float(g[(g.position == ALIBI) & (g.backend == "auto")].step_seconds.median())
         if rope == rope and fast == fast:
             st_a.append(Status.SUPPORTED if fast / rope <= ALIBI_GOAL else Status.NOT_SUPPORTED)
             ev_a.append(f"L={n}: {fast / rope:.2f}x")
-        dense = _time(g, "alibi", "dense")
-        for s in sorted(g[g.position == "poslsh"].s.unique()):
-            p = _time(g, "poslsh", "dense", s)
+        dense = _time(g, ALIBI, Backend.DENSE.value)
+        for s in sorted(g[g.position == POSLSH].s.unique()):
+            p = _time(g, POSLSH, Backend.DENSE.value, s)
             if dense == dense and p == p:
                 st_p.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
                 ev_p.append(f"L={n} s={s}: {p / dense:.2f}x")

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from poslsh_cli.claims import Section, Status, Verdict
 from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, check_device, resolve_device
+from poslsh_cli.experiment import Experiment, Device, cuda_skip_reason, resolve_device
 from poslsh_cli.positions import Arch, Position, PositionState
 from poslsh_cli.sampling import derive_seed
 
@@ -66,10 +66,9 @@ class TrainSpec(Spec):
     init: Optional[str] = key("a byte-level checkpoint to start from (fine-tuning)", None)
     pretrain: Optional[Position] = key("train this scheme first (pretrain_steps), then each cell from it", None)
     pretrain_steps: int = key("steps of the shared pretraining stage", 0, ge=0)
-    device: str = key("auto (CUDA when present), cpu, cuda, cuda:N", "auto")
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:
-        check_device(self.device)
         check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
         check(self.heads % self.kv_heads == 0, f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if self.pretrain is not None:
@@ -85,23 +84,11 @@ class Context:
     meta: dict = field(default_factory=dict)
 
 
-def fast_cpu_math() -> None:
-    """Flush denormal floats to zero for this process, as GPU kernels do: the softmax of a
-    biased or masked attention underflows into denormals, which CPUs handle up to 2x slower
-    (measured on the backward of the flash kernel); values below 1.2e-38 do not matter here.
-    Also keeps transformers' progress bars (checkpoint writes) out of the logs."""
-    import torch
-    import transformers
-
-    torch.set_flush_denormal(True)
-    transformers.utils.logging.disable_progress_bar()
-
-
 def prepare(spec: TrainSpec) -> Context:
-    import torch
 
     from poslsh_cli.capture import check_checkpoint
     from poslsh_cli.data import VOCAB, load_corpus
+    from poslsh_cli.lm import fast_cpu_math
 
     device = resolve_device(spec.device)
     fast_cpu_math()
@@ -149,41 +136,6 @@ def learning_rate(spec: TrainSpec, step: int, steps: int) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def evaluate(model: Any, state: PositionState, tokens: Any, length: int, stride: int | None = None,
-             max_tokens: int | None = None, batch: int = 8, key: str = "eval") -> tuple[float, int]:
-    """(sum of natural-log losses, predicted positions) over the evaluation windows of ``tokens``.
-
-    Positional-LSH masks are fixed by ``key`` (not by the training step), so an evaluation
-    replays. The model runs in eval mode without gradients.
-    """
-    import numpy as np
-    import torch
-
-    from poslsh_cli.data import eval_windows
-
-    windows = list(eval_windows(tokens, length, stride, max_tokens))
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    state.eval_key = key
-    total, count = 0.0, 0
-    try:
-        with torch.no_grad():
-            for a in range(0, len(windows), batch):
-                group = windows[a:a + batch]
-                x = torch.as_tensor(np.stack([w.tokens for w in group]), device=device)
-                logits = model(input_ids=x).logits.float()  # (b, L, V)
-                nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                        x[:, 1:].reshape(-1), reduction="none").view(len(group), -1)
-                for i, w in enumerate(group):  # target position p >= score_from is predicted by p - 1
-                    total += float(nll[i, w.score_from - 1:].double().sum())
-                    count += length - w.score_from
-    finally:
-        state.eval_key = None
-        model.train(was_training)
-    return total, count
-
-
 def _save(model: Any, path: Path, extra: dict[str, Any], optimizer: Any = None) -> None:
     import torch
 
@@ -220,6 +172,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
 
     from poslsh_cli.data import train_batch
     from poslsh_cli.files import fault_point, write_dir
+    from poslsh_cli.lm import evaluate
     from poslsh_cli.positions import build_model
 
     final = work.finished()
@@ -273,9 +226,9 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
                "val_bpb": None, "lr": lr, "seconds": round(elapsed, 4), "step_seconds": round(dt, 5),
                "tokens_per_s": round(tokens_per_step / dt, 1)}
         if step % every == 0 or step == steps:
-            total, count = evaluate(model, state, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
-            row["val_loss"] = total / count
-            row["val_bpb"] = total / count / LN2
+            ev = evaluate(model, state, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
+            row["val_loss"] = ev.loss
+            row["val_bpb"] = ev.loss / LN2
         metrics.append(row)
         fault_point(f"step:{step}")
         work.progress(step, steps, f"{label} loss {loss:.3f}" + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))
@@ -286,6 +239,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
 
 def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> tuple[list[dict], dict]:
     from poslsh_cli.cellwork import read_log
+    from poslsh_cli.lm import evaluate
     from poslsh_cli.positions import load_model
 
     t0 = time.perf_counter()
@@ -299,27 +253,17 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
     label = f"{position.value}" + (f" s={s}" if s else "") + f" seed={seed}"
     final = train_stage(spec, ctx, work, state, seed, spec.steps, init, label)
     model, loaded = load_model(final, str(ctx.device))
-    total, count = evaluate(model, loaded, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
+    ev = evaluate(model, loaded, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
     m = read_log(work.path / "metrics.csv")
     tail = m.tail(max(1, len(m) // 10))
     row = {"position": position.value, "s": s, "seed": seed, "seq_len": spec.seq_len, "steps": spec.steps,
            "tokens": int(m.tokens.iloc[-1]), "params": int(sum(p.numel() for p in model.parameters())),
-           "train_loss": float(tail.loss.mean()), "val_loss": total / count, "val_bpb": total / count / LN2,
-           "val_ppl": math.exp(total / count), "seconds": float(m.seconds.iloc[-1]),
+           "train_loss": float(tail.loss.mean()), "val_loss": ev.loss, "val_bpb": ev.loss / LN2,
+           "val_ppl": math.exp(ev.loss), "seconds": float(m.seconds.iloc[-1]),
            "tokens_per_s": float(m.tokens.iloc[-1] / m.seconds.iloc[-1]),
            "pretrain": spec.pretrain.value if spec.pretrain else "", "init": str(ctx.init or ""),
            "checkpoint": work.relative(final), "wall_seconds": time.perf_counter() - t0}
     return [row], {}
-
-
-def skip_reason(spec: TrainSpec) -> str | None:
-    """The GPU preset is refused (reproduce: skipped) on a machine without CUDA."""
-    if spec.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            return f"device={spec.device} but this machine has no CUDA GPU"
-    return None
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
@@ -380,7 +324,6 @@ def plot(run: Path, df: Any) -> list[Path]:
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
 
     sec = Section("train", run, "Training: validation bits per byte at the training length")
     cols = ["position", "s", "seed", "pretrain", "params", "steps", "val_bpb", "val_ppl", "tokens_per_s"]
@@ -416,5 +359,5 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("train", "train_finetune", "train_gpu"),
     order=50,
-    skip_reason=skip_reason,
+    skip_reason=lambda spec: cuda_skip_reason(spec.device),
 )

@@ -1,0 +1,80 @@
+"""Attention with ALiBi, Positional-LSH attention, and the baselines (docs/THEORY.md, "Attention").
+
+With ``A_ij = exp(q_i . k_j / sqrt(d))``, tensors (batch, heads, seq_len, head_dim) and one kernel
+bandwidth per head ``sigma_h = 1 / slope_h``:
+
+    exact ALiBi        T* = D^-1 (A o L*) V   = softmax(q k^T / sqrt(d) - |i-j| / sigma) V
+    Positional LSH     T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k)
+
+Modules, one job each:
+
+    plan       the one place a path is chosen: Backend, Kernel, Plan, choose/plan_for
+    api        AttentionSpec (one factory, AttentionSpec.build), attend, exact_alibi, poslsh_attention
+    reference  the dense float64 oracle, L* and M~ as dense weights
+    alibi      exact / windowed ALiBi by query chunks, the rank-one causal path, no bias
+    dense      one attention with an (H, n, n) additive bias (ALiBi or log M~): training lengths
+    blocks     block layouts, block-local attention with lse, the merge by lse
+    flex       FlexAttention: ALiBi score_mod, Positional LSH with bins as documents
+"""
+from typing import Any
+
+_WHERE = {
+    "CHUNK_ELEMENTS": "poslsh_cli.attention.alibi",
+    "alibi_chunked": "poslsh_cli.attention.alibi",
+    "alibi_rank1": "poslsh_cli.attention.alibi",
+    "no_bias_attention": "poslsh_cli.attention.alibi",
+    "AttentionSpec": "poslsh_cli.attention.api",
+    "attend": "poslsh_cli.attention.api",
+    "exact_alibi": "poslsh_cli.attention.api",
+    "poslsh_attention": "poslsh_cli.attention.api",
+    "poslsh_layout": "poslsh_cli.attention.api",
+    "prepare": "poslsh_cli.attention.api",
+    "reference_weight": "poslsh_cli.attention.api",
+    "BLOCK_BATCH_BYTES": "poslsh_cli.attention.blocks",
+    "BlockLayout": "poslsh_cli.attention.blocks",
+    "block_attention": "poslsh_cli.attention.blocks",
+    "blocks_attention": "poslsh_cli.attention.blocks",
+    "device_bins": "poslsh_cli.attention.blocks",
+    "merge_by_lse": "poslsh_cli.attention.blocks",
+    "alibi_bias": "poslsh_cli.attention.dense",
+    "dense_bias_attention": "poslsh_cli.attention.dense",
+    "poslsh_bias": "poslsh_cli.attention.dense",
+    "FlexLayout": "poslsh_cli.attention.flex",
+    "alibi_flex": "poslsh_cli.attention.flex",
+    "poslsh_flex": "poslsh_cli.attention.flex",
+    "BACKENDS": "poslsh_cli.attention.plan",
+    "DENSE_MAX_N": "poslsh_cli.attention.plan",
+    "RANK1_MIN_N": "poslsh_cli.attention.plan",
+    "Backend": "poslsh_cli.attention.plan",
+    "Kernel": "poslsh_cli.attention.plan",
+    "Plan": "poslsh_cli.attention.plan",
+    "choose": "poslsh_cli.attention.plan",
+    "needs_grad": "poslsh_cli.attention.plan",
+    "plan_for": "poslsh_cli.attention.plan",
+    "laplacian_weight": "poslsh_cli.attention.reference",
+    "mean_mask_weight": "poslsh_cli.attention.reference",
+    "reference_attention": "poslsh_cli.attention.reference",
+    "Method": "poslsh_cli.methods",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Names are loaded from their module on first use, so importing ``poslsh_cli.attention.plan``
+    (the CLI names backends in specs) does not import torch."""
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_WHERE))
+
+
+__all__ = ["AttentionSpec", "attend", "exact_alibi", "poslsh_attention", "poslsh_layout", "prepare", "reference_weight",
+           "Method", "Backend", "Kernel", "Plan", "choose", "plan_for", "needs_grad", "BACKENDS", "DENSE_MAX_N",
+           "RANK1_MIN_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "no_bias_attention",
+           "BlockLayout", "block_attention", "blocks_attention", "device_bins", "merge_by_lse", "alibi_bias",
+           "dense_bias_attention", "poslsh_bias", "FlexLayout", "alibi_flex", "poslsh_flex", "laplacian_weight",
+           "mean_mask_weight", "reference_attention"]

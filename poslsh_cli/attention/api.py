@@ -1,0 +1,230 @@
+"""The one entry point of every attention method: :class:`AttentionSpec` (built by one factory,
+:meth:`AttentionSpec.build`), :func:`attend`, and the method table that maps each method to its
+reference weight and its implementation on the backend its :class:`~poslsh_cli.attention.plan.Plan`
+names.
+
+All operators take SDPA-layout tensors ``q, k, v`` of shape (batch, heads, seq_len, head_dim) and
+one kernel bandwidth per head, ``sigma_h = 1 / slope_h``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from poslsh_cli import masks
+from poslsh_cli.attention.alibi import alibi_chunked, alibi_rank1, no_bias_attention
+from poslsh_cli.attention.blocks import BlockLayout, blocks_attention
+from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias
+from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
+from poslsh_cli.attention.plan import Backend, Kernel, Plan, choose, plan_for
+from poslsh_cli.attention.reference import (as_sigmas, laplacian_weight, mean_mask_weight,
+                                            reference_attention)
+from poslsh_cli.methods import INFO, Method
+from poslsh_cli.sampling import Partitions, fixed_block_partitions, sample_partitions, windows
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """Everything an attention method needs besides q, k, v.
+
+    Attributes:
+        method: which :class:`Method`.
+        sigmas: (H,) float64 kernel bandwidths, ``sigma_h = 1 / slope_h``.
+        causal: drop keys j > i.
+        scale: logit scale (None: 1/sqrt(d)).
+        window: windowed: (H,) key half-widths ``w_h`` (:func:`poslsh_cli.sampling.windows`).
+        partitions: poslsh / fixed_block: one :class:`Partitions` per head.
+    """
+
+    method: Method
+    sigmas: np.ndarray
+    causal: bool
+    scale: float | None = None
+    window: tuple[int, ...] | None = None
+    partitions: tuple[Partitions, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Method(self.method))
+        object.__setattr__(self, "sigmas", np.asarray(self.sigmas, dtype=np.float64).reshape(-1))
+        params = INFO[self.method].params
+        if params == "window" and self.window is None:
+            raise ValueError(f"{self.method.value} attention needs window= (one half-width per head)")
+        if params.endswith("partitions") and not self.partitions:
+            raise ValueError(f"{self.method.value} attention needs partitions= (one per head)")
+
+    @classmethod
+    def build(cls, method: Method | str, sigmas: Sequence[float] | np.ndarray, seq_len: int, causal: bool, *,
+              num_samples: int = 0, rng: Any = None, window_sigmas: float | None = None,
+              scale: float | None = None) -> "AttentionSpec":
+        """The spec of ``method`` at length ``seq_len`` with one sigma per head: the one place
+        its parameters are drawn or derived (:data:`poslsh_cli.methods.INFO`).
+
+        - sampled partitions: ``num_samples`` per head; ``rng`` is one NumPy generator per head (a
+          sequence), or one generator the heads draw from in order.
+        - fixed partitions: width round(2 sigma_h) per head.
+        - window: half-widths ``ceil(window_sigmas * sigma_h)``.
+        """
+        method = Method(method)
+        sigmas = np.asarray(sigmas, dtype=np.float64).reshape(-1)
+        params = INFO[method].params
+        extra: dict[str, Any] = {}
+        if params == "sampled_partitions":
+            if num_samples < 1 or rng is None:
+                raise ValueError(f"{method.value} needs num_samples >= 1 and rng")
+            gens = list(rng) if isinstance(rng, (list, tuple)) else [rng] * len(sigmas)
+            extra["partitions"] = tuple(sample_partitions(seq_len, float(sg), num_samples, g)
+                                        for sg, g in zip(sigmas, gens))
+        elif params == "fixed_partitions":
+            extra["partitions"] = tuple(fixed_block_partitions(seq_len, sigmas))
+        elif params == "window":
+            if window_sigmas is None:
+                raise ValueError(f"{method.value} needs window_sigmas")
+            extra["window"] = windows(sigmas, window_sigmas)
+        return cls(method, sigmas, causal, scale=scale, **extra)
+
+
+def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "cpu") -> Optional[torch.Tensor]:
+    """The nonnegative weight W with which ``spec``'s method is ``D^-1 (A o W) V`` (float64,
+    (H, n, n)): L*, L* cut to the window, M~, or None (no bias)."""
+    H = spec.sigmas.shape[0]
+    sig = torch.as_tensor(spec.sigmas)
+    if spec.method in (Method.EXACT, Method.WINDOWED):
+        w = laplacian_weight(n, sig, device)
+        if spec.window is not None:
+            i = torch.arange(n, device=device)
+            w = w * masks.Window.of(spec.window, H, device).grid(i, i, H)
+        return w
+    if spec.partitions is not None:
+        return mean_mask_weight(spec.partitions, device)
+    return None
+
+
+def prepare(spec: AttentionSpec, plan: Plan, device: torch.device | str) -> BlockLayout | FlexLayout | None:
+    """The per-call set-up of a method on its plan, apart from q, k, v: for partition methods on
+    the blocks or flex backend the block layout (:func:`poslsh_layout`); nothing otherwise."""
+    if spec.partitions is not None and plan.backend in (Backend.BLOCKS, Backend.FLEX):
+        return poslsh_layout(spec.partitions, spec.causal, plan.backend, device)
+    return None
+
+
+def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: Backend | str,
+                  device: torch.device | str) -> BlockLayout | FlexLayout:
+    """The prepared block structure of ``partitions`` for ``backend`` (``blocks`` or ``flex``)."""
+    backend = Backend(backend)
+    if backend is Backend.FLEX:
+        return FlexLayout.build(partitions, causal, device)
+    if backend is Backend.BLOCKS:
+        return BlockLayout.build(partitions, device)
+    raise ValueError(f"no block layout for backend {backend.value!r}")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, backend: Backend | str = "auto",
+           layout: BlockLayout | FlexLayout | None = None, plan: Plan | None = None,
+           on_plan: Callable[[Plan], None] | None = None) -> torch.Tensor:
+    """Run ``spec.method`` on q, k, v: the one entry point of every method.
+
+    Args:
+        q, k, v: (B, H, n, d) float16/bfloat16/float32/float64; queries, keys, values (the same
+            number of heads; expand grouped key/value heads first).
+        spec: the method and its parameters (:class:`AttentionSpec`), one sigma per head.
+        backend: ``auto`` (the plan decides) or a :class:`Backend` the method has.
+        layout: a prepared block layout (:func:`prepare`) for partition methods; it fixes the
+            backend (blocks or flex) and keeps its set-up out of the call.
+        plan: run exactly this plan (from :func:`~poslsh_cli.attention.plan.plan_for`), so that
+            what a caller records is what ran.
+        on_plan: called with the plan that runs (callers that record the path taken).
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    if plan is None:
+        if backend == "auto" and layout is not None:
+            backend = Backend.FLEX if isinstance(layout, FlexLayout) else Backend.BLOCKS
+        plan = plan_for(spec.method, q, k, v, spec.causal, backend)
+    if on_plan is not None:
+        on_plan(plan)
+    return _run(q, k, v, spec, plan, layout)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, plan: Plan,
+         layout: BlockLayout | FlexLayout | None) -> torch.Tensor:
+    b, sig = plan.backend, as_sigmas(spec.sigmas, q.shape[1])
+    if b is Backend.REFERENCE:
+        return reference_attention(q, k, v, reference_weight(spec, q.shape[-2], q.device), spec.causal,
+                                   spec.scale)[0].to(q.dtype)
+    if b is Backend.SDPA:
+        return no_bias_attention(q, k, v, spec.causal, scale=spec.scale)
+    if b is Backend.DENSE:
+        if spec.partitions is not None:
+            bias = poslsh_bias(spec.partitions, spec.causal, q.device, bias_dtype(q.dtype))
+        else:
+            bias = alibi_bias(q.shape[-2], sig, spec.causal, spec.window, q.device, bias_dtype(q.dtype))
+        return dense_bias_attention(q, k, v, bias, spec.scale)
+    if b is Backend.RANK1:
+        return alibi_rank1(q, k, v, sig, spec.scale)
+    if b is Backend.CHUNKED:
+        return alibi_chunked(q, k, v, sig, spec.causal, spec.window, scale=spec.scale, kernel=plan.kernel)
+    if b is Backend.FLEX:
+        if spec.partitions is not None:
+            return poslsh_flex(q, k, v, spec.partitions, spec.causal, spec.scale, compiled=plan.compiled,
+                               layout=layout if isinstance(layout, FlexLayout) else None)
+        return alibi_flex(q, k, v, sig, spec.causal, spec.window, spec.scale, compiled=plan.compiled)
+    if b is Backend.BLOCKS:
+        if not isinstance(layout, BlockLayout):
+            layout = BlockLayout.build(spec.partitions, q.device)
+        return blocks_attention(q, k, v, layout, spec.causal, spec.scale, plan.kernel)
+    raise ValueError(f"no implementation of {spec.method.value} on {b.value}")
+
+
+def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
+                causal: bool, window: int | Sequence[int] | None = None, backend: Backend | str = "auto",
+                scale: float | None = None) -> torch.Tensor:
+    """Exact (``window=None``) or windowed ALiBi attention.
+
+    Args:
+        q, k, v: (B, H, n, d), any float dtype; queries, keys, values.
+        sigmas: (H,) or one value: kernel bandwidths ``sigma_h = 1 / slope_h``.
+        causal: drop keys j > i.
+        window: None, one half-width for every head, or one per head (keys with
+            ``|i - j| > w_h`` dropped).
+        backend: ``auto`` (the plan), ``flex``, ``chunked``, ``dense`` (one SDPA call with the
+            (H, n, n) bias), ``rank1`` (causal exact only) or ``reference`` (dense float64).
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    sig = as_sigmas(sigmas, q.shape[1]).numpy()
+    if window is None:
+        spec = AttentionSpec(Method.EXACT, sig, causal, scale=scale)
+    else:
+        w = torch.as_tensor(window).reshape(-1).expand(q.shape[1])
+        spec = AttentionSpec(Method.WINDOWED, sig, causal, scale=scale, window=tuple(int(x) for x in w))
+    return attend(q, k, v, spec, backend)
+
+
+def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions],
+                     causal: bool, scale: float | None = None, layout: BlockLayout | FlexLayout | None = None,
+                     backend: Backend | str = "auto") -> torch.Tensor:
+    """Positional-LSH attention ``D~^-1 (A o M~) V`` with one :class:`Partitions` per head.
+
+    Args:
+        q, k, v: (B, H, n, d), float16/bfloat16/float32/float64; queries, keys, values.
+        partitions: H sampled partitions of n positions, each with the same s.
+        causal: attend only to keys j <= i (inside each block).
+        scale: logit scale (default 1/sqrt(d)).
+        layout: a prepared :class:`BlockLayout` or :class:`FlexLayout` (:func:`poslsh_layout`);
+            it fixes the backend. Built from ``partitions`` when omitted.
+        backend: ``blocks`` (length-bucketed blocks, any device, differentiable), ``flex``
+            (FlexAttention with the bins as document ids), ``dense`` (one SDPA call with the bias
+            ``log M~``: training lengths), ``reference`` or ``auto`` (the plan).
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    sig = np.asarray([p.sigma for p in partitions], dtype=np.float64)
+    spec = AttentionSpec(Method.POSLSH, sig, causal, scale=scale, partitions=tuple(partitions))
+    return attend(q, k, v, spec, backend, layout=layout)
+
+
+__all__ = ["AttentionSpec", "attend", "prepare", "poslsh_layout", "reference_weight", "exact_alibi",
+           "poslsh_attention", "Plan", "Backend", "Kernel", "choose", "plan_for"]

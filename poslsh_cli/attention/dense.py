@@ -1,0 +1,92 @@
+"""One dense attention with an additive (H, n, n) bias: the training path at short lengths.
+
+    exact / windowed ALiBi   bias -|i-j| / sigma_h (-inf outside the window)
+    Positional LSH           bias log M~ (log 0 = -inf), so softmax(q k^T * scale + log M~) V
+                             = D~^-1 (A o M~) V exactly (docs/THEORY.md, "Training identity")
+
+Causal masks are folded into the bias (-inf above the diagonal). At training lengths this costs
+one attention whatever the number of samples s is; the memory is O(H n^2).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from poslsh_cli import masks
+from poslsh_cli.attention.blocks import device_bins
+from poslsh_cli.attention.reference import NEG_INF, scale_of
+from poslsh_cli.sampling import Partitions
+
+
+def bias_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Biases are built in float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dense_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale + bias) V`` in one SDPA call (differentiable in q, k, v).
+
+    Args:
+        q, k, v: (B, H, n, d); queries, keys, values.
+        bias: (H, n, n) additive logit bias, ``-inf`` where a key is dropped (causal and
+            empty-mask entries); every row keeps at least its diagonal.
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias[None].to(q.dtype), scale=scale_of(q.shape[-1], scale))
+
+
+def alibi_bias(n: int, sigmas: torch.Tensor, causal: bool, window: int | Sequence[int] | None = None,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ALiBi bias ``-|i-j| / sigma_h``, (H, n, n) in ``dtype``, ``-inf`` where the causal or
+    window mask drops a key. It depends only on its arguments, so the last few are cached
+    (training rebuilds it in every layer at every step otherwise); treat it as read-only."""
+    sig = tuple(float(x) for x in sigmas.reshape(-1))
+    win = None if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(len(sig)))
+    return _alibi_bias(n, sig, causal, win, str(device), dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _alibi_bias(n: int, sigmas: tuple[float, ...], causal: bool, window: tuple[int, ...] | None, device: str,
+                dtype: torch.dtype) -> torch.Tensor:
+    H = len(sigmas)
+    i = torch.arange(n, device=device)
+    sig = torch.tensor(sigmas, device=device, dtype=dtype)
+    bias = -(i[:, None] - i[None, :]).abs().to(dtype)[None] / sig[:, None, None]
+    keep = masks.combine(causal, None if window is None else masks.Window.of(window, H, device))
+    return bias if keep is None else bias.masked_fill(~keep.grid(i, i, H), NEG_INF)
+
+
+def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``log M~`` (H, n, n) in ``dtype`` with ``log 0 = -inf``, and ``-inf`` above the diagonal when
+    causal: with it, ``softmax(q k^T / sqrt(d) + log M~) V`` is Positional-LSH attention exactly.
+
+    Built row by row from the band: ``M~_{i,i-r} = #{k : i - start_k(i) >= r} / s`` (keys
+    before i) and ``M~_{i,i+r} = #{k : end_k(i) - i >= r} / s`` (keys after, bidirectional only),
+    the logarithm taken on the band only, scattered into a ``-inf`` matrix: O(H n b_max) work
+    besides filling the (H, n, n) output.
+    """
+    H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
+    bins = device_bins(partitions, device).reshape(H * s, n)
+    blocks = masks.SameBlock.of(bins)
+    pos = torch.arange(n, device=device)
+    out = torch.full((H, n, n), NEG_INF, dtype=dtype, device=device)
+    sides = [(pos - blocks.start, -1)] + ([] if causal else [(blocks.end - pos, 1)])
+    for reach_all, sign in sides:
+        reach_all = reach_all.reshape(H, s, n).transpose(1, 2)  # (H, n, s): how far i's block extends
+        for h in range(H):  # each head's own band width: narrow heads cost little
+            reach = reach_all[h]
+            R = int(reach.max()) + 1
+            hist = torch.zeros(n, R, dtype=dtype, device=device)
+            hist.scatter_add_(-1, reach, torch.ones_like(reach, dtype=dtype))
+            band = torch.log(hist.flip(-1).cumsum(-1).flip(-1) / s)  # (n, R): log M~_{i, i + sign r}
+            j = pos[:, None] + sign * torch.arange(R, device=device)[None, :]  # (n, R)
+            outside = (j < 0) | (j >= n)
+            # entries past the sequence are sent to the diagonal with its own value, log 1 = 0
+            out[h].scatter_(-1, torch.where(outside, pos[:, None], j), band.masked_fill(outside, 0.0))
+    return out

@@ -1,0 +1,77 @@
+"""The float64 dense reference: the oracle every fast path is tested against.
+
+With ``A_ij = exp(q_i . k_j * scale)`` and a nonnegative weight W, the reference computes
+``D^-1 (A o W) V`` with ``D = diag((A o W) 1)``: W = L* (``exp(-|i-j|/sigma)``) is exact ALiBi,
+W = M~ (the mean of s sampled masks) Positional LSH, zeros drop a pair (``log 0 = -inf``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from poslsh_cli import masks
+from poslsh_cli.sampling import Partitions
+
+NEG_INF = float("-inf")
+
+
+def scale_of(head_dim: int, scale: float | None) -> float:
+    """The logit scale: ``scale`` or ``1 / sqrt(d)``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def as_sigmas(sigmas: Sequence[float] | torch.Tensor | np.ndarray, heads: int) -> torch.Tensor:
+    """One float64 sigma per head, (H,), from one value or H values; all > 0."""
+    s = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(heads)
+    if s.numel() != heads:
+        raise ValueError(f"need one sigma per head ({heads}), got {s.numel()}")
+    if not torch.all(s > 0):
+        raise ValueError("sigmas must be > 0")
+    return s
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor | None,
+                        causal: bool, scale: float | None = None,
+                        dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``D^-1 (A o W) V`` computed densely in ``dtype`` (float64: the test oracle).
+
+    Args:
+        q, k, v: (B, H, n, d) any float dtype; queries, keys, values.
+        weight: nonnegative multiplicative weight W, (H, n, n) or (n, n); ``None`` for no bias.
+        causal: also drop keys j > i.
+        dtype: float64 for the reference; float32 gives the *naive* float32 implementation whose
+            error against float64 sets the tolerance of every fast path in the tests.
+
+    Returns ``(out (B, H, n, d), lse (B, H, n))`` in ``dtype``, ``lse = log sum_j A_ij W_ij``.
+    """
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    n = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * scale_of(q.shape[-1], scale)  # (B, H, n, n)
+    if weight is not None:
+        scores = scores + torch.log(weight.to(dtype))  # log 0 = -inf drops the pair
+    if causal:
+        i = torch.arange(n, device=q.device)
+        scores = scores.masked_fill(~masks.Causal().grid(i, i, 1)[0], NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ v, lse
+
+
+def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Dense ``L*_ij = exp(-|i-j| / sigma_h)`` per head: sigmas (H,) -> (H, n, n) float64
+    (tests and small references only)."""
+    i = torch.arange(n, device=device, dtype=torch.float64)
+    dist = (i[:, None] - i[None, :]).abs()
+    return torch.exp(-dist[None] / sigmas.to(device=device, dtype=torch.float64)[:, None, None])
+
+
+def mean_mask_weight(partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Dense ``M~`` per head, (H, n, n) float64, from :meth:`poslsh_cli.operators.MeanMask.dense`
+    (the one dense builder; tests and small references only)."""
+    from poslsh_cli.operators import MeanMask
+
+    return torch.stack([torch.as_tensor(MeanMask(p).dense(), device=device) for p in partitions])

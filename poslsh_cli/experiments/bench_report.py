@@ -1,0 +1,259 @@
+"""``poslsh bench``'s tables, figures and claims: the time against n with the crossovers, the
+error-time Pareto front per n, and the near-linear time claim (Theorem 2.2), each computed from
+the rows it quotes."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
+from poslsh_cli.methods import Method
+from poslsh_cli.metrics import fit_loglog_slope
+
+EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
+                                                          Method.FIXED_BLOCK))
+
+
+def crossover(df: Any, method: str, select: Callable[[Any], Any] | None = None) -> float:
+    """Smallest n from which ``method`` is faster than exact at every measured larger n.
+
+    ``df`` holds the rows of one causal setting (times of causal and bidirectional attention are
+    not comparable); ``select`` narrows the method's rows (one s, one backend).
+    """
+    if "causal" in df.columns and df.causal.nunique() > 1:
+        raise ValueError("crossover compares one causal setting at a time: group by causal first")
+    ex = df[df.method == EXACT].groupby("n")["seconds"].median()
+    m = df[df.method == method]
+    if select is not None:
+        m = select(m)
+    m = m.groupby("n")["seconds"].median()
+    common = sorted(set(ex.index) & set(m.index))
+    best = math.nan
+    for n in reversed(common):
+        if m[n] < ex[n]:
+            best = n
+        else:
+            break
+    return best
+
+
+def pareto_front(points: np.ndarray) -> np.ndarray:
+    """Points (seconds, error, label, ...) not beaten on both time and error, by increasing time."""
+    order = np.argsort(points[:, 0].astype(float), kind="stable")
+    front, best = [], np.inf
+    for i in order:
+        if float(points[i, 1]) < best:
+            front.append(points[i])
+            best = float(points[i, 1])
+    return np.asarray(front, dtype=object)
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    """Per (n, causal): exact time; Positional LSH at each s (end to end, and its sampling part);
+    the cheapest window at least as accurate."""
+    head = ["n", "causal", "exact s", "poslsh", "e2e s", "of which sampling", "speed-up", "rel_fro", "window@≤err",
+            "window s", "win speed-up"]
+    if "backend" not in df.columns:
+        df = df.assign(backend="")
+    rows = []
+    for (n, causal), g in df.groupby(["n", "causal"], sort=True):
+        ex = g[g.method == EXACT]["seconds"]
+        ex_t = float(ex.iloc[0]) if len(ex) else math.nan
+        win = g[g.method == WINDOWED]
+        multi = g[g.method == POSLSH].backend.nunique() > 1
+        for _, p in g[g.method == POSLSH].iterrows():
+            ok = win[win.rel_fro <= p.rel_fro] if np.isfinite(p.rel_fro) else win.iloc[0:0]
+            best = ok.loc[ok.seconds.idxmin()] if len(ok) else None
+            share = p.get("sample_seconds", math.nan) / p.seconds
+            rows.append([str(n), str(causal), f"{ex_t:.3g}", f"s={p.s}" + (f" {p.backend}" if multi else ""),
+                         f"{p.seconds:.3g}", f"{share:.0%}" if np.isfinite(share) else "-",
+                         f"{ex_t / p.seconds:.2f}x" if np.isfinite(ex_t) else "-", f"{p.rel_fro:.3g}",
+                         f"{best.window_sigmas:g}σ" if best is not None else "-",
+                         f"{best.seconds:.3g}" if best is not None else "-",
+                         f"{ex_t / best.seconds:.2f}x" if best is not None and np.isfinite(ex_t) else "-"])
+    return head, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    """Time against n (end to end: Positional LSH includes drawing its masks) with crossovers,
+    and the error-time Pareto front per n, one pair of figures per causal setting."""
+    if "backend" not in df.columns:
+        df = df.assign(backend="")
+    paths = []
+    for causal, g in df.groupby("causal"):
+        mode = "causal" if causal else "bidir"
+        paths += plot_time(run, g, mode)
+        paths += plot_pareto(run, g, mode)
+    return paths
+
+
+def _lines(g: Any, multi: bool, cmap: Any) -> list[tuple[str, dict, Any, str, str]]:
+    """(method, row filter, colour, line style, label) per curve: exact, Positional LSH per s (and
+    backend), windowed per window, then every other method once, in the method order."""
+    lines = [(EXACT, {}, "k", "-", "exact ALiBi")]
+    pos = g[g.method == POSLSH][["s", "backend"]].drop_duplicates().sort_values(["s", "backend"])
+    lines += [(POSLSH, {"s": s, "backend": b}, f"C{i % 10}", "-" if not str(b).startswith("flex") else "-.",
+               f"Positional LSH s={s}" + (f" ({b})" if multi else "")) for i, (s, b) in enumerate(pos.itertuples(index=False))]
+    cs = sorted(g[g.method == WINDOWED].window_sigmas.unique())
+    lines += [(WINDOWED, {"window_sigmas": c}, cmap(0.35 + 0.6 * i / max(1, len(cs))), "--", f"windowed w={c:g}σ")
+              for i, c in enumerate(cs)]
+    others = [m.value for m in Method if m.value not in (EXACT, POSLSH, WINDOWED)]
+    lines += [(m, {}, f"C{7 + i}", ":", m.replace("_", " ")) for i, m in enumerate(others)]
+    return lines
+
+
+def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
+    """Seconds against n per method and parameter, with the crossover with exact starred."""
+    import pandas as pd
+
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    multi = g[g.method == POSLSH].backend.nunique() > 1
+    for method, params, color, ls, label in _lines(g, multi, plt.cm.Purples):
+        def sel(frame: pd.DataFrame, params: dict = params) -> pd.DataFrame:
+            for k, v in params.items():
+                frame = frame[frame[k] == v]
+            return frame
+
+        m = sel(g[g.method == method]).sort_values("n")
+        if m.empty:
+            continue
+        x = crossover(g, method, sel) if method != EXACT else float("nan")
+        ax.plot(m.n, m.seconds, ls, color=color, marker="o", ms=3, lw=1.2,
+                label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
+        if np.isfinite(x):
+            ax.plot([x], [m.set_index("n").seconds[x]], "*", color=color, ms=11, mec="k", mew=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("seconds, end to end (median)")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(ncol=2)
+    ax.set_title(f"Attention time, {int(g.heads.iloc[0])} heads, d={int(g.head_dim.iloc[0])}, {g.dtype.iloc[0]}, "
+                 f"{'causal' if mode == 'causal' else 'bidirectional'}, {g.device.iloc[0]}; ★ crossover")
+    return save(fig, run, f"bench_time_vs_n_{mode}")
+
+
+def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
+    """Relative error against seconds per n for every approximation, with the Pareto front."""
+    import matplotlib.ticker
+
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    pts = g[(g.method != EXACT) & g.rel_fro.notna()]
+    ns = sorted(pts.n.unique())
+    if not ns:
+        return []
+    multi = g[g.method == POSLSH].backend.nunique() > 1
+    markers = dict(zip([m.value for m in Method if m.value != EXACT], "o^sDvP"))
+    cols = min(3, len(ns))
+    rows = int(np.ceil(len(ns) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.8 * rows), squeeze=False, layout="constrained")
+    for ax, n in zip(axes.flat, ns):
+        p = pts[pts.n == n]
+        ex = g[(g.method == EXACT) & (g.n == n)].seconds
+        for i, method in enumerate(m for m in markers if (p.method == m).any()):
+            q = p[p.method == method]
+            ax.scatter(q.seconds, q.rel_fro, marker=markers[method], color=f"C{i}", s=22, label=method, zorder=3)
+            for _, r in q.iterrows():
+                tag = f"s={r.s}" if method == POSLSH else (f"{r.window_sigmas:g}σ" if method == WINDOWED else "")
+                if method == POSLSH and multi:
+                    tag += f" {r.backend}"
+                ax.annotate(tag, (r.seconds, r.rel_fro), fontsize=8, xytext=(3, 2), textcoords="offset points")
+        front = pareto_front(p[["seconds", "rel_fro", "method"]].to_numpy())
+        ax.step(front[:, 0].astype(float), front[:, 1].astype(float), where="post", color="k", lw=0.8, alpha=0.6)
+        if len(ex):
+            ax.axvline(float(ex.iloc[0]), color="k", ls="--", lw=0.8, label="exact time")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(f"n={n}: front = {', '.join(sorted(set(front[:, 2])))}", fontsize=9)
+        ax.set_xlabel("seconds, end to end")
+        ax.grid(True, which="both", alpha=0.25)
+    for ax in axes.flat[len(ns):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("relative error vs exact")
+    axes[0][0].legend()
+    return save(fig, run, f"bench_pareto_{mode}")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("bench", run, "Speed: Positional-LSH attention against exact and windowed ALiBi")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    if "backend" not in df.columns:
+        df = df.assign(backend="")
+    verdict, paragraphs = claim_near_linear_time(df)
+    sec.verdicts.append(verdict)
+    sec.paragraphs += paragraphs + pareto_findings(df)
+    return sec
+
+
+def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
+    """Theorem 2.2: Positional-LSH time grows near-linearly in n; with the crossover with exact and
+    the share of drawing the masks, per s and backend."""
+    dev = df.device.iloc[0]
+    statuses, ev, paragraphs = [], [], []
+    for causal, g in df.groupby("causal"):
+        mode = "causal" if causal else "bidirectional"
+        for (s, backend), gs in g[g.method == POSLSH].groupby(["s", "backend"]):
+            x = crossover(g, POSLSH, lambda f, s=s, b=backend: f[(f.s == s) & (f.backend == b)])
+            where = f"from n={int(x)} on" if math.isfinite(x) else "at no measured n"
+            paragraphs.append(f"{mode}: Positional LSH s={s} ({backend}) is faster than exact {where} ({dev}).")
+            ns = upper_half(gs.n)
+            fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None
+            statuses.append(time_status(fit))
+            ev.append(f"{mode} s={s} {backend}: {fit.slope:.2f}" if fit else f"{mode} s={s} {backend}: fewer than 3 n")
+            big = gs[gs.n == gs.n.max()]
+            if "sample_seconds" in gs.columns and len(big):
+                share = float(big.sample_seconds.iloc[0] / big.seconds.iloc[0])
+                if math.isfinite(share):
+                    paragraphs.append(f"{mode}, s={s} ({backend}), n={int(big.n.iloc[0])}: drawing the masks and "
+                                      f"building their layout take {share:.1%} of the end-to-end "
+                                      f"{big.seconds.iloc[0]:.3g} s.")
+        ex = g[g.method == EXACT]
+        ns = upper_half(ex.n)
+        if ns:
+            ev.append(f"{mode} exact: {fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds).slope:.2f}")
+    verdict = Verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", combine(statuses),
+                      "log-log slopes over the larger n: " + "; ".join(ev) if ev else "no Positional-LSH rows",
+                      TIME_RULE)
+    return verdict, paragraphs
+
+
+def pareto_findings(df: Any) -> list[str]:
+    """The error-time Pareto front per n, and Positional LSH against windowed ALiBi at matched error."""
+    out = []
+    for causal, g in df.groupby("causal"):
+        mode = "causal" if causal else "bidirectional"
+        pts = g[g.method != EXACT].dropna(subset=["rel_fro"])
+        fronts, beaten, total = [], 0, 0
+        for n, gn in pts.groupby("n"):
+            front = pareto_front(gn[["seconds", "rel_fro", "method"]].to_numpy())
+            fronts.append(f"n={n}: {', '.join(sorted(set(front[:, 2])))}")
+            win = gn[gn.method == WINDOWED]
+            for _, r in gn[gn.method == POSLSH].iterrows():
+                total += 1
+                beaten += bool(((win.seconds <= r.seconds) & (win.rel_fro <= r.rel_fro)).any())
+        if fronts:
+            out.append(f"{mode}: error–time Pareto front (end-to-end time) per n: " + "; ".join(fronts) + ".")
+        if total and (pts.method == WINDOWED).any():
+            out.append(f"{mode}: {beaten} of {total} Positional-LSH points are matched by a windowed exact "
+                       "ALiBi point that is at least as fast and at least as accurate.")
+    return out

@@ -1,0 +1,177 @@
+"""``poslsh output-error``'s tables, figures and claims: the decay of the output error with s per
+layer and how Positional LSH compares with every baseline method, each computed from the rows it
+quotes."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
+                               decay_status, few, fmt, slope_text, tally)
+from poslsh_cli.methods import INFO, Method, baselines
+
+POSLSH = Method.POSLSH.value
+#: The method name of the rows that measure an ALiBi model's own attention against exact ALiBi.
+MODEL_OWN = "model_own"
+
+
+def _present(df: Any) -> list[Method]:
+    """The baselines this run measured, in method order."""
+    return [m for m in baselines() if (df.method == m.value).any()]
+
+
+def _label(m: Method) -> str:
+    return INFO[m].summary.split(",")[0].split(":")[0]
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    """Per layer: the decay slope by the report's rule (fit over s >= 8 on the median over heads),
+    the error at the largest s, and each baseline's median error."""
+    present = _present(df)
+    head = ["layer", f"slope (s≥{ASYMPTOTIC_S})", "poslsh@s_max", "s_max"] + [m.value for m in present] + ["secs"]
+    rows = []
+    for layer, g in df.groupby("layer", sort=True):
+        p = g[g.method == POSLSH]
+        med = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
+        fit = asymptotic_fit(med["s"], med["rel_fro"]) if len(med) else None
+        smax = int(p["s"].max()) if len(p) else 0
+
+        def base(m: Method) -> str:
+            b = g[g.method == m.value]
+            return f"{b['rel_fro'].median():.4f}" if len(b) else "-"
+
+        top = p[p.s == smax]["rel_fro"].median() if len(p) else float("nan")
+        rows.append([str(layer), f"{fit.slope:.3f}" if fit else "–", f"{top:.4f}", str(smax)]
+                    + [base(m) for m in present]
+                    + [f"{g.drop_duplicates(['method', 's', 'trial', 'window'])['seconds'].sum():.1f}"])
+    return head, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    import numpy as np
+
+    from poslsh_cli.metrics import fit_loglog_slope
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    paths = []
+    layers = sorted(df["layer"].unique())
+    cols = min(2 if len(layers) <= 6 else 4, len(layers))  # readable at report width
+    rows = int(np.ceil(len(layers) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.5 * rows), squeeze=False, sharey=True,
+                             layout="constrained")
+    styles = {m: (f"C{2 + i}", _label(m)) for i, m in enumerate(_present(df))}
+    model = str(df["model"].iloc[0])
+    for ax, layer in zip(axes.flat, layers):
+        g = df[df.layer == layer]
+        p = g[g.method == POSLSH]
+        if len(p):
+            per_head = p.groupby(["s", "head"])["rel_fro"].mean().reset_index()  # mean over trials
+            agg = per_head.groupby("s")["rel_fro"].agg(med="median", lo=lambda v: v.quantile(0.25),
+                                                       hi=lambda v: v.quantile(0.75)).reset_index()
+            med_trials = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
+            fit = fit_loglog_slope(med_trials["s"], med_trials["rel_fro"])
+            ax.plot(agg["s"], agg["med"], "o-", color="C0", ms=3.5, label=f"Positional LSH, slope {fit.slope:.2f}")
+            ax.fill_between(agg["s"], agg["lo"], agg["hi"], color="C0", alpha=0.18, lw=0)
+            xs = agg["s"].to_numpy(dtype=float)
+            c = float(np.exp(np.mean(np.log(agg["med"]) + 0.5 * np.log(xs))))
+            ax.plot(xs, c / np.sqrt(xs), "--", color="C0", lw=0.8, alpha=0.7, label="c/√s")
+        for method, (color, label) in styles.items():
+            b = g[g.method == method.value]
+            if len(b):
+                if INFO[method].params == "window":
+                    label += " w=" + "/".join(f"{c:g}σ" for c in sorted(set((b["window"] / b["sigma"]).round(0))))
+                ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""))
+        ax.grid(True, which="both", alpha=0.25)
+        ax.set_xlabel("number of samples s")
+    for ax in axes.flat[len(layers):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")
+    axes[0][0].legend()
+    fig.suptitle(f"Output error against exact ALiBi: {model}, n={int(df['n'].iloc[0])}")
+    paths += save(fig, run, "output_error_vs_s")
+
+    p = df[df.method == POSLSH]
+    if len(p):
+        smax = p["s"].max()
+        mat = p[p.s == smax].groupby(["layer", "head"])["rel_fro"].mean().unstack("head")
+        fig, ax = plt.subplots(figsize=(0.6 * mat.shape[1] + 2.5, 0.45 * mat.shape[0] + 2.0))
+        im = ax.imshow(mat.to_numpy(), cmap="magma_r", aspect="auto")
+        sig = p.drop_duplicates("head").set_index("head")["sigma"]
+        ax.set_xticks(range(mat.shape[1]), [f"{h}\n{sig[h]:.3g}" for h in mat.columns])
+        ax.set_yticks(range(mat.shape[0]), [str(layer) for layer in mat.index])
+        ax.set_xlabel("head (top) and its σ (bottom)")
+        ax.set_ylabel("layer")
+        ax.set_title(f"relative output error at s={smax} (mean over trials)")
+        fig.colorbar(im, ax=ax, shrink=0.85)
+        paths += save(fig, run, "output_error_heatmap")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("output-error", run, "Attention outputs on real activations: error against s, with baselines")
+    present = _present(df)
+    rows, st_decay, ev = [], [], []
+    beats: dict[Method, list[bool]] = {m: [] for m in present if INFO[m].params != "window"}
+    p_all = df[df.method == POSLSH]
+    for layer, g in df.groupby("layer"):
+        p = g[g.method == POSLSH]
+        if p.empty:
+            continue
+        med = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
+        fit = asymptotic_fit(med.s, med.rel_fro)
+        st_decay.append(decay_status(fit))
+        if fit is not None:
+            ev.append(f"layer {layer}: {slope_text(fit)}")
+        smax = p.s.max()
+        top = p[p.s == smax].rel_fro.median()
+        base = {m: g[g.method == m.value].rel_fro.median() if (g.method == m.value).any() else math.nan for m in present}
+        for m in beats:
+            if math.isfinite(base[m]):
+                beats[m].append(bool(top < base[m]))
+        rows.append({"layer": layer,
+                     f"slope s ≥ {ASYMPTOTIC_S} [95% CI]": slope_text(fit) + (f" {decay_status(fit).value}" if fit else ""),
+                     f"poslsh s={smax}": fmt(top), **{_label(m): fmt(base[m]) for m in present}})
+    sec.paragraphs.append(f"Model {df.model.iloc[0]}, n={int(df.n.iloc[0])}, {df['head'].nunique()} heads, "
+                          f"{'causal' if df.causal.iloc[0] else 'bidirectional'}; medians over heads of "
+                          "‖T* − T̃‖_F / ‖T*‖_F against exact ALiBi (float64).")
+    sec.tables.append(pd.DataFrame(rows))
+    if p_all.empty:
+        sec.verdicts.append(Verdict("output error falls like s^-1/2", Status.NOT_MEASURED, "no Positional-LSH rows",
+                                    DECAY_RULE))
+        return sec
+    sec.verdicts.append(Verdict("output error falls like s^-1/2", combine(st_decay),
+                                f"layers: {tally(st_decay)}" + (f"; slopes {few(ev)}" if ev else
+                                                                f"; fewer than three s ≥ {ASYMPTOTIC_S}"),
+                                DECAY_RULE + "; per layer, on the median over heads"))
+    smax = int(p_all.s.max())
+    for m in (m for m in baselines() if INFO[m].params != "window"):
+        r = beats.get(m, [])
+        status = Status.NOT_MEASURED if not r else (Status.SUPPORTED if all(r) else Status.NOT_SUPPORTED)
+        sec.verdicts.append(Verdict(f"at the largest s Positional LSH is more accurate than the {m.value} baseline",
+                                    status, f"{sum(r)}/{len(r)} layers" if r else
+                                    f"no {m.value} rows in this run (baselines=)",
+                                    f"median over heads at s={smax} below the baseline's median, in every layer"))
+    for m in (m for m in present if INFO[m].params == "window"):
+        win = df[df.method == m.value]
+        top = p_all[p_all.s == smax].rel_fro.median()
+        w = win.rel_fro.median()
+        cs = "/".join(f"{c:g}σ" for c in sorted(set((win.window / win.sigma).round(0))))
+        word = "more" if w < top else "less" if w > top else "as"
+        sec.paragraphs.append(f"{_label(m)} (w = {cs}; median error {w:.3g}) is {word} accurate than Positional "
+                              f"LSH at s={smax} (median {top:.3g}) on this model: a ratio of {top / w:.3g}.")
+    return sec
