@@ -52,9 +52,9 @@ class Experiment:
     skip_reason: Optional[Callable[[Any], Optional[str]]] = None
     #: a list-valued key that plain (non KEY=VALUE) arguments fill: ``poslsh perplexity RUN...``
     positional: Optional[str] = None
-    #: extra overrides `poslsh reproduce` adds for a preset, given the scale's root directory
-    #: (e.g. the train run a perplexity preset evaluates)
-    reproduce_overrides: Optional[Callable[[Path], list[str]]] = None
+    #: extra overrides `poslsh reproduce` adds for a preset, given the scale's root directory and
+    #: the preset's spec (e.g. the train runs a perplexity preset evaluates)
+    reproduce_overrides: Optional[Callable[[Path, Any], list[str]]] = None
     #: estimated peak memory of the largest cell from the spec alone, in bytes, with what it is
     #: for (checked before anything runs; ``memory_check=false`` skips the check)
     memory: Optional[Callable[[Any], Optional["MemoryNeed"]]] = None

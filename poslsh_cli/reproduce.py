@@ -40,7 +40,9 @@ def plan(scale: str) -> list[tuple[str, str, str]]:
 def overrides(command: str, preset: str, root: Path) -> list[str]:
     """What reproduce passes for a preset: the preset and the experiment's own extra overrides."""
     exp = registry.get(command)
-    extra = exp.reproduce_overrides(root) if exp.reproduce_overrides is not None else []
+    extra = []
+    if exp.reproduce_overrides is not None:
+        extra = exp.reproduce_overrides(root, registry.compose_spec(exp, [f"experiment={preset}"]))
     return [f"experiment={preset}", *extra]
 
 

@@ -10,7 +10,7 @@ in :mod:`poslsh_cli.attention.flex`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ from poslsh_cli.attention.reference import NEG_INF, scale_of
 
 #: Elements of one chunk's (heads, chunk, keys) bias in the chunked exact path: bounds its memory.
 CHUNK_ELEMENTS = 2**26
+#: Queries per call of the banded training path (:func:`alibi_banded`).
+BAND_CHUNK = 512
 
 
 def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
@@ -73,6 +75,84 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
         p = torch.exp(scores - lse)
         outs.append((p.to(v.dtype) @ v[:, :, lo:hi]).to(q.dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def alibi_banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
+                 window: int | Sequence[int] | None = None, scale: float | None = None,
+                 chunk: int = BAND_CHUNK) -> torch.Tensor:
+    """Exact or windowed ALiBi for training on the CPU: query chunks of one head at a time against
+    that head's own key range (``[i - w_h, i + w_h]``, cut by causality), with the fused CPU flash
+    kernel and a backward that recomputes (:class:`BandedAlibi`). Memory O(B H n d) plus one
+    chunk's (chunk x range) bias, never the (H, n, n) bias nor stored scores; time
+    O(n (chunk + 2 w_h) d) per head, near-linear when windowed.
+
+    q, k, v: (B, H, n, d) float32/float64. Returns (B, H, n, d) in q's dtype.
+    """
+    H, n = q.shape[1], q.shape[2]
+    wins = (None,) * H if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(H))
+    slopes = tuple(float(x) for x in (1.0 / sigmas).reshape(-1))
+    return BandedAlibi.apply(q, k, v, slopes, causal, wins, scale_of(q.shape[-1], scale), max(1, min(chunk, n)))
+
+
+def _bands(n: int, causal: bool, wins: tuple, chunk: int) -> Any:
+    """(head, query slice, key slice) of every call of the banded path."""
+    for h, w in enumerate(wins):
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            lo = 0 if w is None else max(0, a - w)
+            hi = (b if causal else n) if w is None else min(b if causal else n, b - 1 + w + 1)
+            yield h, a, b, lo, hi
+
+
+def _band_bias(a: int, b: int, lo: int, hi: int, slope: float, causal: bool, w: int | None, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """The (1, 1, b-a, hi-lo) ALiBi bias of one call, -inf outside the causal / window mask."""
+    i = torch.arange(a, b, device=device)[:, None]
+    j = torch.arange(lo, hi, device=device)[None, :]
+    bias = -(i - j).abs().to(dtype) * slope
+    drop = torch.zeros_like(bias, dtype=torch.bool)
+    if causal:
+        drop |= j > i
+    if w is not None:
+        drop |= (i - j).abs() > w
+    return bias.masked_fill(drop, NEG_INF)[None, None]
+
+
+class BandedAlibi(torch.autograd.Function):
+    """The banded ALiBi attention of :func:`alibi_banded`; saves q, k, v, the output and its lse, and
+    recomputes each call's probabilities in the backward with the flash kernel's own backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, causal, wins, sc, chunk):  # noqa: ANN001, ANN205
+        B, H, n, d = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
+        for h, a, b, lo, hi in _bands(n, causal, wins, chunk):
+            bias = _band_bias(a, b, lo, hi, slopes[h], causal, wins[h], q.dtype, q.device)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, h:h + 1, a:b], k[:, h:h + 1, lo:hi], v[:, h:h + 1, lo:hi], 0.0, False, attn_mask=bias, scale=sc)
+            out[:, h:h + 1, a:b] = o
+            lse[:, h:h + 1, a:b] = l
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (slopes, causal, wins, sc, chunk)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        slopes, causal, wins, sc, chunk = ctx.args
+        n = q.shape[2]
+        grad = grad.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for h, a, b, lo, hi in _bands(n, causal, wins, chunk):
+            bias = _band_bias(a, b, lo, hi, slopes[h], causal, wins[h], q.dtype, q.device)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad[:, h:h + 1, a:b], q[:, h:h + 1, a:b], k[:, h:h + 1, lo:hi], v[:, h:h + 1, lo:hi],
+                out[:, h:h + 1, a:b], lse[:, h:h + 1, a:b], 0.0, False, attn_mask=bias, scale=sc)
+            dq[:, h:h + 1, a:b] += gq
+            dk[:, h:h + 1, lo:hi] += gk
+            dv[:, h:h + 1, lo:hi] += gv
+        return dq, dk, dv, None, None, None, None, None
 
 
 def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor,

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from poslsh_cli import masks
-from poslsh_cli.attention.alibi import alibi_chunked, alibi_rank1, no_bias_attention
-from poslsh_cli.attention.blocks import BlockLayout, blocks_attention
+from poslsh_cli.attention.alibi import BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, no_bias_attention
+from poslsh_cli.attention.blocks import BlockLayout, blocks_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
-from poslsh_cli.attention.plan import Backend, Kernel, Plan, choose, plan_for
+from poslsh_cli.attention.plan import Backend, Kernel, Plan, Work, choose, needs_grad, plan_for
 from poslsh_cli.attention.reference import (as_sigmas, laplacian_weight, mean_mask_weight,
                                             reference_attention)
 from poslsh_cli.methods import INFO, Method
@@ -86,6 +86,19 @@ class AttentionSpec:
         return cls(method, sigmas, causal, scale=scale, **extra)
 
 
+def work_of(spec: AttentionSpec, n: int) -> Work:
+    """What each training path would compute for ``spec`` at length n (the plan's cost model)."""
+    H = spec.sigmas.shape[0]
+    if spec.partitions is not None:
+        pairs, slots = padded_work(spec.partitions)
+        return Work(H, n, block_pairs=pairs, slots=slots)
+    if spec.window is not None:
+        reach = (1 if spec.causal else 2)
+        band = sum(float(n) * min(n, BAND_CHUNK + reach * w) for w in spec.window)
+        return Work(H, n, band_pairs=band)
+    return Work(H, n)
+
+
 def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "cpu") -> Optional[torch.Tensor]:
     """The nonnegative weight W with which ``spec``'s method is ``D^-1 (A o W) V`` (float64,
     (H, n, n)): L*, L* cut to the window, M~, or None (no bias)."""
@@ -142,7 +155,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     if plan is None:
         if backend == "auto" and layout is not None:
             backend = Backend.FLEX if isinstance(layout, FlexLayout) else Backend.BLOCKS
-        plan = plan_for(spec.method, q, k, v, spec.causal, backend)
+        work = work_of(spec, q.shape[-2]) if backend == "auto" and needs_grad(q, k, v) else None
+        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work)
     if on_plan is not None:
         on_plan(plan)
     return _run(q, k, v, spec, plan, layout)
@@ -165,6 +179,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
     if b is Backend.RANK1:
         return alibi_rank1(q, k, v, sig, spec.scale)
     if b is Backend.CHUNKED:
+        if plan.kernel is Kernel.FUSED and q.device.type == "cpu" and needs_grad(q, k, v):
+            return alibi_banded(q, k, v, sig, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)
         return alibi_chunked(q, k, v, sig, spec.causal, spec.window, scale=spec.scale, kernel=plan.kernel)
     if b is Backend.FLEX:
         if spec.partitions is not None:

@@ -8,13 +8,13 @@ natural-log normaliser ``lse_k,i``, then merge:
 
 Causal: causal attention inside each block. Every position shares a block with itself, so no
 denominator is zero. All blocks of all samples and heads are batched: they are grouped by length
-into a few buckets (padding at most doubles a block), so the work is a few batched calls, with no
-Python loop over blocks (docs/THEORY.md, "Attention identity and the lse merge").
+into a few dozen buckets (exact lengths for short blocks, padding under 19% for long ones), so the
+work is a few dozen batched calls, with no Python loop over blocks (docs/THEORY.md, "Attention identity and the lse merge").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -33,9 +33,15 @@ BLOCK_BATCH_BYTES = 64 * 2**20
 class BlockLayout:
     """Where every block of every (head, sample) lives, grouped into length buckets.
 
-    For bucket b: ``index[b]`` (num_blocks_b, L_b) int64 flat positions ``(h*s + k)*n + i``
-    into the per-(head, sample) copies of the sequence (padding repeats the block's last
-    position) and ``valid[b]`` (num_blocks_b, L_b) bool.
+    For bucket b, all (num_blocks_b, L_b) int64:
+    - ``index[b]``: flat slots ``(h*s + k)*n + i`` of the per-(head, sample) copies of the
+      sequence; padding repeats the block's last position;
+    - ``valid[b]``: bool, real positions (padding sits at the end of each block);
+    - ``src[b]``: rows ``h*n + i`` of the (H*n)-row view of q, k, v; padding points to row H*n (a
+      zero row appended by the kernels, or a row that receives nothing useful);
+    - ``dest[b]``: rows ``(h*s + k)*n + i`` of the per-sample outputs; padding points to row
+      H*s*n (a trash row).
+
     Every (head, sample, position) is a real slot of exactly one block.
     """
 
@@ -44,8 +50,15 @@ class BlockLayout:
     seq_len: int
     index: tuple[torch.Tensor, ...]
     valid: tuple[torch.Tensor, ...]
+    src: tuple[torch.Tensor, ...]
+    dest: tuple[torch.Tensor, ...]
     padded_slots: int  # total slots computed, padding included
     useful_pairs: int  # sum over blocks of L^2 (bidirectional work)
+
+    @property
+    def padded_pairs(self) -> int:
+        """Sum over blocks of the padded length squared: the (bidirectional) pairs the kernels score."""
+        return int(sum(ix.shape[0] * ix.shape[1] ** 2 for ix in self.index))
 
     @classmethod
     def build(cls, partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> "BlockLayout":
@@ -59,14 +72,13 @@ class BlockLayout:
         starts_np = np.concatenate([off[:-1] for off in offs])
         lengths_np = np.concatenate([np.diff(off) for off in offs])
         useful = int((lengths_np.astype(np.int64) ** 2).sum())
-        # bucket by the power of two at or above the length: padding < 2x inside a bucket
-        bucket_np = np.ceil(np.log2(lengths_np)).astype(np.int64)
+        bucket_np = length_bucket(lengths_np)
         starts = torch.as_tensor(starts_np, device=device)
         lengths = torch.as_tensor(lengths_np, device=device)
         owner = torch.repeat_interleave(torch.arange(len(offs), device=device),
-                                        torch.as_tensor(counts, device=device))  # (blocks,)
+                                        torch.as_tensor(counts, device=device))  # (blocks,) = h*s + k
         bucket = torch.as_tensor(bucket_np, device=device)
-        index, valid = [], []
+        index, valid, src, dest = [], [], [], []
         offset = 0
         for b in np.unique(bucket_np):
             sel = torch.nonzero(bucket == int(b)).reshape(-1)
@@ -75,10 +87,41 @@ class BlockLayout:
             ln = lengths[sel, None]
             ok = ar[None, :] < ln  # (nb, L)
             pos = starts[sel, None] + torch.minimum(ar[None, :], ln - 1)
-            index.append(owner[sel, None] * n + pos)  # (nb, L)
+            slot = owner[sel, None] * n + pos  # (nb, L)
+            index.append(slot)
             valid.append(ok)
+            src.append(torch.where(ok, (owner[sel, None] // s) * n + pos, heads * n))
+            dest.append(torch.where(ok, slot, heads * s * n))
             offset += sel.numel() * L
-        return cls(heads, s, n, tuple(index), tuple(valid), offset, useful)
+        return cls(heads, s, n, tuple(index), tuple(valid), tuple(src), tuple(dest), offset, useful)
+
+
+#: Blocks up to this length are bucketed by their exact length (no padding at all); longer ones by
+#: a geometric grid of ratio BUCKET_RATIO, so padding adds less than 19% to a block's length.
+EXACT_BUCKET_MAX = 16
+BUCKET_RATIO = 2 ** 0.25
+
+
+def length_bucket(lengths: np.ndarray) -> np.ndarray:
+    """Bucket id of every block length: the length itself up to EXACT_BUCKET_MAX, then one bucket
+    per factor BUCKET_RATIO. Fewer padded pairs cost more kernel calls; at these settings a layout
+    of the standard sigmas (2..256) with s=10 has a few dozen buckets."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    big = np.ceil(np.log(np.maximum(lengths, 1) / EXACT_BUCKET_MAX) / np.log(BUCKET_RATIO) - 1e-9)
+    return np.where(lengths <= EXACT_BUCKET_MAX, lengths, EXACT_BUCKET_MAX + big.astype(np.int64))
+
+
+def padded_work(partitions: Sequence[Partitions]) -> tuple[float, float]:
+    """(padded pairs, slots) the blocks backend would compute for ``partitions``, from their block
+    lengths alone (the plan's cost model): pairs = sum over blocks of the bucket's length squared,
+    slots = H s n gathered rows."""
+    lengths = np.concatenate([np.diff(o) for p in partitions for o in p.offsets])
+    bucket = length_bucket(lengths)
+    order = np.argsort(bucket, kind="stable")
+    b, lens = bucket[order], lengths[order]
+    cuts = np.flatnonzero(np.diff(b)) + 1
+    pairs = sum(float(len(seg)) * float(seg.max()) ** 2 for seg in np.split(lens, cuts) if len(seg))
+    return pairs, float(len(partitions) * partitions[0].num_samples * partitions[0].seq_len)
 
 
 def device_bins(partitions: Sequence[Partitions], device: torch.device | str) -> torch.Tensor:
@@ -95,6 +138,29 @@ def device_bins(partitions: Sequence[Partitions], device: torch.device | str) ->
     return raw - raw[..., :1]
 
 
+def _rows(t: torch.Tensor, extra: bool = True) -> torch.Tensor:
+    """(B, H, n, d) -> (H*n [+1], B, d): row ``h*n + i`` holds position i of head h for every batch
+    element (a view when B = 1); ``extra`` appends a zero row, where padding points."""
+    B, H, n, d = t.shape
+    r = t.permute(1, 2, 0, 3).reshape(H * n, B, d)
+    return torch.cat([r, r.new_zeros(1, B, d)]) if extra else r
+
+
+def _gather(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (m, L) of (R, B, d) as the kernels' (B, m, L, d)."""
+    m, L = idx.shape
+    return rows.index_select(0, idx.reshape(-1)).view(m, L, rows.shape[1], rows.shape[2]).permute(2, 0, 1, 3)
+
+
+def _batches(layout: BlockLayout, per_row_bytes: int) -> Any:
+    """(src, dest, valid) batches of blocks, each within BLOCK_BATCH_BYTES."""
+    for src, dest, ok in zip(layout.src, layout.dest, layout.valid):
+        nb, L = src.shape
+        step = max(1, BLOCK_BATCH_BYTES // (L * per_row_bytes(L)))
+        for a in range(0, nb, step):
+            yield src[a:a + step], dest[a:a + step], ok[a:a + step]
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
                     scale: float | None = None, kernel: Kernel = Kernel.MATMUL) -> tuple[torch.Tensor, torch.Tensor]:
     """Bias-free attention inside every block of every sample; outputs per sample, not merged.
@@ -103,32 +169,25 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
         q, k, v: (B, H, n, d), any float dtype; queries, keys, values.
         layout: where the blocks of every (head, sample) are (:class:`BlockLayout`, H heads, n).
         causal: attend only to keys j <= i inside each block.
-        kernel: ``fused`` (the CPU flash kernel; no gradients) or ``matmul`` (padded matmuls).
+        kernel: ``fused`` (the CPU flash kernel) or ``matmul`` (padded matmuls).
 
     Returns ``out (B, H, s, n, d)`` in q's dtype and ``lse (B, H, s, n)`` (float32 or wider,
-    natural log): ``lse = log sum_{j in block(i)} exp(q_i . k_j * scale)``.
+    natural log): ``lse = log sum_{j in block(i)} exp(q_i . k_j * scale)``. Both are strided views
+    of (H*s*n, B, .) buffers filled block by block.
     """
     B, H, n, d = q.shape
     s = layout.num_samples
     sc = scale_of(d, scale)
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = q.new_empty(B, H * s * n, d)  # every (head, sample, position) is written exactly once
-    lse = torch.empty(B, H * s * n, dtype=acc, device=q.device)
-    # every (head, sample) block gathers its rows from the (B, H*n, d) flattening of q, k, v:
-    # flat layout index (h*s + k)*n + i -> h*n + i
-    qf, kf, vf = (t.reshape(B, H * n, d) for t in (q, k, v))
-    for idx, ok in zip(layout.index, layout.valid):
-        nb, L = idx.shape
-        per_block = B * L * (3 * d * q.element_size() + 2 * L * 4)
-        step = max(1, BLOCK_BATCH_BYTES // per_block)
-        for a in range(0, nb, step):
-            bi, bok = idx[a:a + step], ok[a:a + step]  # (m, L)
-            src = (bi // (s * n)) * n + bi % n  # (m, L) rows of the (H*n) flattening
-            o, l = _block_kernel(qf[:, src], kf[:, src], vf[:, src], bok, causal, sc, kernel)  # (B, m, L, d), (B, m, L)
-            target = bi[bok]  # real slots -> their (head, sample, position)
-            out[:, target] = o[:, bok]
-            lse[:, target] = l[:, bok]
-    return out.reshape(B, H, s, n, d), lse.reshape(B, H, s, n)
+    out = q.new_empty(H * s * n + 1, B, d)  # every (head, sample, position) is written exactly once; + trash row
+    lse = torch.empty(H * s * n + 1, B, dtype=acc, device=q.device)
+    qr, kr, vr = _rows(q), _rows(k), _rows(v)
+    for src, dest, ok in _batches(layout, lambda L: B * (3 * d * q.element_size() + 2 * L * 4)):
+        m, L = src.shape
+        o, l = _block_kernel(_gather(qr, src), _gather(kr, src), _gather(vr, src), ok, causal, sc, kernel)
+        out.index_copy_(0, dest.reshape(-1), o.permute(1, 2, 0, 3).reshape(m * L, B, d))
+        lse.index_copy_(0, dest.reshape(-1), l.permute(1, 2, 0).reshape(m * L, B))
+    return (out[:-1].view(H, s, n, B, d).permute(3, 0, 1, 2, 4), lse[:-1].view(H, s, n, B).permute(3, 0, 1, 2))
 
 
 def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torch.Tensor, causal: bool,
@@ -180,6 +239,99 @@ def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.
 def blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
                      scale: float | None = None, kernel: Kernel = Kernel.MATMUL) -> torch.Tensor:
     """Positional-LSH (or fixed-block) attention on the blocks backend: the block attentions of
-    every sample (:func:`block_attention`), merged by lse. q, k, v (B, H, n, d) -> (B, H, n, d)."""
+    every sample (:func:`block_attention`), merged by lse. q, k, v (B, H, n, d) -> (B, H, n, d).
+
+    Differentiable in q, k, v through :class:`MergedBlockAttention`, which keeps only q, k, v, the
+    merged output and its lse and recomputes the block probabilities in the backward pass."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return MergedBlockAttention.apply(q, k, v, layout, causal, scale_of(q.shape[-1], scale), kernel)
     out, lse = block_attention(q, k, v, layout, causal, scale, kernel)
     return merge_by_lse(out, lse, dim=2)[0]
+
+
+class MergedBlockAttention(torch.autograd.Function):
+    """Merged block attention with its own backward (docs/THEORY.md, "Gradient of the lse merge").
+
+    Forward: the block attentions of every sample without autograd (fused kernel or padded
+    matmuls), merged by lse into ``T (B, H, n, d)`` with ``LSE (B, H, n)``; saved: q, k, v, T, LSE.
+
+    Backward: the merged output is attention over the multiset union of every sample's block, so
+    with ``p_ij = exp(q_i.k_j * scale - LSE_i)`` (the globally normalised probability of a pair
+    inside one sample's block) and ``D_i = dT_i . T_i``, ``ds_ij = p_ij (dT_i . v_j - D_i)``,
+    ``dq_i = scale sum_j ds_ij k_j``, ``dk_j = scale sum_i ds_ij q_i``, ``dv_j = sum_i p_ij dT_i``,
+    summed over the samples. Per bucket of blocks this is exactly a flash-attention backward with
+    the merged ``T`` and ``LSE`` in place of the block's own output and lse: the CPU flash kernel's
+    backward (``fused``) or padded matmuls in chunks (``matmul``). Memory O(s n d) for the
+    per-sample outputs of the forward plus one chunk of blocks, never every block's L x L scores.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, causal, sc, kernel):  # noqa: ANN001, ANN205
+        with torch.no_grad():
+            out, lse = block_attention(q, k, v, layout, causal, sc, kernel)
+            merged, total = merge_by_lse(out, lse, dim=2)
+            del out, lse
+        ctx.save_for_backward(q, k, v, merged, total)
+        ctx.layout, ctx.causal, ctx.sc, ctx.kernel = layout, causal, sc, kernel
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, v, merged, total = ctx.saved_tensors
+        dq, dk, dv = block_attention_backward(grad, q, k, v, merged, total, ctx.layout, ctx.causal, ctx.sc,
+                                              ctx.kernel)
+        return dq, dk, dv, None, None, None, None
+
+
+def block_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             merged: torch.Tensor, total: torch.Tensor, layout: BlockLayout, causal: bool, sc: float,
+                             kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the merged block attention (see :class:`MergedBlockAttention`).
+
+    Args:
+        grad: dT (B, H, n, d); q, k, v: (B, H, n, d); merged: T (B, H, n, d); total: LSE (B, H, n).
+
+    Returns (dq, dk, dv), each (B, H, n, d) in the dtype of q, k, v. Padded slots read the zero
+    row (no gradient flows from them) and add into a trash row.
+    """
+    B, H, n, d = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qr, kr, vr, gr, orow = (_rows(t) for t in (q, k, v, grad.to(q.dtype), merged))
+    lr = torch.cat([total.permute(1, 2, 0).reshape(H * n, B), total.new_zeros(1, B)]).to(torch.float32)
+    dq, dk, dv = (torch.zeros(H * n + 1, B, d, dtype=acc, device=q.device) for _ in range(3))
+    for src, dest, ok in _batches(layout, lambda L: B * (6 * d * q.element_size() + 4 * L * 4)):
+        m, L = src.shape
+        qb, kb, vb, gb, ob = (_gather(t, src) for t in (qr, kr, vr, gr, orow))  # (B, m, L, d)
+        lb = lr.index_select(0, src.reshape(-1)).view(m, L, B).permute(2, 0, 1)  # (B, m, L)
+        if kernel is Kernel.FUSED:
+            mask = None
+            if not causal and not bool(ok.all()):
+                mask = torch.zeros(m, 1, L, dtype=q.dtype, device=q.device).masked_fill(~ok[:, None, :], NEG_INF)
+                mask = mask[None].expand(B, m, L, L)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gb, qb, kb, vb, ob, lb, 0.0, causal, attn_mask=mask, scale=sc)
+        else:
+            gq, gk, gv = _block_backward_matmul(gb, qb, kb, vb, ob, lb, ok, causal, sc, acc)
+        flat = src.reshape(-1)
+        for acc_t, g in ((dq, gq), (dk, gk), (dv, gv)):
+            acc_t.index_add_(0, flat, g.permute(1, 2, 0, 3).reshape(m * L, B, d).to(acc))
+    return tuple(t[:-1].view(H, n, B, d).permute(2, 0, 1, 3).to(q.dtype).contiguous() for t in (dq, dk, dv))
+
+
+def _block_backward_matmul(gb: torch.Tensor, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ob: torch.Tensor,
+                           lb: torch.Tensor, ok: torch.Tensor, causal: bool, sc: float,
+                           acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash-attention backward on padded blocks with padded matmuls (any device):
+    ``p = exp(s - lse)``, ``ds = p (dO v^T - rowsum(dO o O))``; (B, m, L, .) in, in ``acc``."""
+    L = qb.shape[-2]
+    gq, gk, gv, go = (t.to(acc) for t in (qb, kb, vb, ob))
+    g = gb.to(acc)
+    scores = (gq @ gk.transpose(-1, -2)) * sc  # (B, m, L, L)
+    keep = ok[:, None, :]
+    if causal:
+        local = torch.arange(L, device=qb.device)
+        keep = keep & masks.Causal().grid(local, local, 1)
+    p = torch.exp(scores.masked_fill(~keep, NEG_INF) - lb.to(acc)[..., None])
+    dpv = g @ gv.transpose(-1, -2)  # (B, m, L, L)
+    ds = p * (dpv - (g * go).sum(-1, keepdim=True))
+    return (ds @ gk) * sc, (ds.transpose(-1, -2) @ gq) * sc, p.transpose(-1, -2) @ g

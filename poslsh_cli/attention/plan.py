@@ -60,6 +60,40 @@ DENSE_MAX_N = 4096
 RANK1_MIN_N = 512
 
 
+#: Cost model of the training paths (seconds per unit, forward + backward, float32, head_dim 16),
+#: measured on a 2-core CPU (docs/THEORY.md, "Choosing the training path"): only their ratios
+#: matter. Dense attention with an (H, n, n) bias per scored pair; Positional LSH's log M~ bias is
+#: rebuilt at every step and costs about twice the cached ALiBi bias. The blocks path per padded
+#: pair and per gathered row; the banded ALiBi path per scored pair.
+COST_DENSE_PAIR = {"alibi": 3.5e-9, "partitions": 8e-9}
+COST_BLOCK_PAIR, COST_BLOCK_SLOT = 7e-9, 2e-7
+COST_BAND_PAIR = 13e-9
+
+
+@dataclass(frozen=True)
+class Work:
+    """What each training path of one call would compute (per batch element): the inputs of the
+    cost model. ``block_pairs``/``slots``: the blocks layout's padded pairs and gathered rows
+    (partition methods); ``band_pairs``: the banded path's scored pairs (windowed ALiBi)."""
+
+    heads: int
+    n: int
+    block_pairs: float = 0.0
+    slots: float = 0.0
+    band_pairs: float = 0.0
+
+    def cost(self, method: Method, backend: Backend) -> float:
+        dense = self.heads * float(self.n) ** 2
+        if backend is Backend.DENSE:
+            kind = "partitions" if self.block_pairs else "alibi"
+            return COST_DENSE_PAIR[kind] * dense
+        if backend is Backend.BLOCKS:
+            return COST_BLOCK_PAIR * self.block_pairs + COST_BLOCK_SLOT * self.slots
+        if backend is Backend.CHUNKED:
+            return COST_BAND_PAIR * (self.band_pairs or dense)
+        return float("inf")
+
+
 @dataclass(frozen=True)
 class Plan:
     """How one call computes its method: backend, kernel inside it, compiled or not."""
@@ -83,28 +117,31 @@ def needs_grad(*ts: Any) -> bool:
 
 
 def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: bool, grad: bool,
-           backend: Backend | str = "auto", kernel: Kernel | str = "auto", lse: bool = False) -> Plan:
+           backend: Backend | str = "auto", kernel: Kernel | str = "auto", work: Work | None = None) -> Plan:
     """The plan for ``method`` on ``device`` with ``dtype`` inputs of length ``n``.
 
     Backend (``auto``):
     - no_bias: PyTorch SDPA.
-    - exact, windowed: FlexAttention with an ALiBi ``score_mod`` on CUDA. On the CPU with
-      gradients: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``, shorter or windowed
-      ones the dense bias (up to DENSE_MAX_N); query chunks otherwise.
-    - poslsh, fixed_block: with gradients, the dense ``log M~`` bias up to DENSE_MAX_N and the
-      blocks beyond; for inference FlexAttention on CUDA and the blocks elsewhere.
+    - on CUDA every other method takes FlexAttention (it has its own backward there).
+    - for inference on the CPU: exact and windowed ALiBi by query chunks, the partition methods
+      (poslsh, fixed_block) on the blocks.
+    - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
+      otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (up to
+      DENSE_MAX_N), the blocks (partition methods) and the banded chunks (ALiBi); without ``work``
+      the dense bias up to DENSE_MAX_N and the blocks or chunks beyond.
 
-    Kernel (``auto``): blocks use the fused CPU flash kernel when no gradient is needed on the
-    CPU, padded matmuls otherwise; chunks use SDPA with a float mask unless ``lse`` is asked for
-    or the inputs are narrower than float32 (the statistics are kept in float32 at least).
-    ``backend``/``kernel`` force a choice (tests, benchmarks); an impossible one is refused.
+    Kernel (``auto``): the fused CPU kernels (the flash kernel, which returns lse, and its own
+    backward; SDPA with a float mask) on the CPU for float32 and wider, padded matmuls otherwise.
+    With gradients the blocks and the banded chunks recompute in the backward pass instead of
+    storing scores. ``backend``/``kernel`` force a choice (tests, benchmarks); an impossible one
+    is refused.
     """
     import torch
 
     method = Method(method)
     device = torch.device(device)
     if backend == "auto":
-        backend = _backend(method, device, dtype, n, causal, grad)
+        backend = _backend(method, device, dtype, n, causal, grad, work)
     backend = Backend(backend)
     if backend not in BACKENDS[method]:
         raise ValueError(f"method {method.value} has no backend {backend.value!r} "
@@ -112,35 +149,34 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     if backend is Backend.RANK1 and not causal:
         raise ValueError("the rank-one path computes causal exact ALiBi only")
     chosen = None
-    if backend is Backend.BLOCKS:
-        chosen = Kernel(kernel) if kernel != "auto" else (
-            Kernel.FUSED if device.type == "cpu" and not grad else Kernel.MATMUL)
-    elif backend is Backend.CHUNKED:
-        acc = torch.promote_types(dtype, torch.float32)
-        chosen = Kernel(kernel) if kernel != "auto" else (
-            Kernel.FUSED if not lse and dtype == acc else Kernel.MATMUL)
+    if backend in (Backend.BLOCKS, Backend.CHUNKED):
+        wide = dtype == torch.promote_types(dtype, torch.float32)
+        fused = wide if backend is Backend.CHUNKED and not grad else wide and device.type == "cpu"
+        chosen = Kernel(kernel) if kernel != "auto" else (Kernel.FUSED if fused else Kernel.MATMUL)
     return Plan(method, backend, chosen, compiled=backend is Backend.FLEX and device.type == "cuda")
 
 
-def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad: bool) -> Backend:
+def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad: bool, work: Work | None) -> Backend:
     import torch
 
-    short = n <= DENSE_MAX_N
     if method is Method.NO_BIAS:
         return Backend.SDPA
-    if method in (Method.EXACT, Method.WINDOWED):
-        if device.type == "cuda":
-            return Backend.FLEX
-        if method is Method.EXACT and grad and causal and n >= RANK1_MIN_N and dtype in (torch.float32, torch.float64):
-            return Backend.RANK1
-        return Backend.DENSE if grad and short else Backend.CHUNKED
-    if grad:
-        return Backend.DENSE if short else Backend.BLOCKS
-    return Backend.FLEX if device.type == "cuda" else Backend.BLOCKS
+    if device.type == "cuda":
+        return Backend.FLEX
+    sparse = Backend.BLOCKS if Backend.BLOCKS in BACKENDS[method] else Backend.CHUNKED
+    if not grad:
+        return sparse
+    if method is Method.EXACT and causal and n >= RANK1_MIN_N and dtype in (torch.float32, torch.float64):
+        return Backend.RANK1
+    if n > DENSE_MAX_N:
+        return sparse
+    if work is None:
+        return Backend.DENSE
+    return min((Backend.DENSE, sparse), key=lambda b: work.cost(method, b))
 
 
 def plan_for(method: Method | str, q: Any, k: Any, v: Any, causal: bool, backend: Backend | str = "auto",
-             kernel: Kernel | str = "auto") -> Plan:
+             kernel: Kernel | str = "auto", work: Work | None = None) -> Plan:
     """:func:`choose` for these tensors (device, dtype, length, gradient need)."""
     return choose(method, device=q.device, dtype=q.dtype, n=q.shape[-2], causal=causal,
-                  grad=needs_grad(q, k, v), backend=backend, kernel=kernel)
+                  grad=needs_grad(q, k, v), backend=backend, kernel=kernel, work=work)

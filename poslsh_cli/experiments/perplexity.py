@@ -49,7 +49,7 @@ class PerplexitySpec(Spec):
     stride: Optional[int] = key("sliding windows advancing by stride (each scores its last stride bytes); "
                                 "null: non-overlapping windows", None, ge=1)
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
-    max_tokens: int = key("bytes of evaluation text used per length", 65536, ge=2)
+    max_tokens: int = key("evaluation text used per length (at least one window of that length)", 65536, ge=2)
     batch: int = key("windows per forward pass", 4, ge=1)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
@@ -244,7 +244,7 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: Context, work: Any 
     seed = derive_seed(spec.seed, "perplexity", ck.name, att.value, s, trial)
     state = scheme_for(spec, att, s, own, seed)
     t0 = time.perf_counter()
-    ev = evaluate(model, state, ck.tokens, length, spec.stride, spec.max_tokens, spec.batch,
+    ev = evaluate(model, state, ck.tokens, length, spec.stride, max(spec.max_tokens, length), spec.batch,
                   key=f"perplexity-{trial}", own=own)
     total, count, kl = ev.nll, ev.predicted, ev.kl
     loss = total / count
@@ -258,13 +258,19 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: Context, work: Any 
     return [row], {}
 
 
-def reproduce_overrides(root: Path) -> list[str]:
-    """Every run of this reproduce scale that holds trained checkpoints (``work/*/final``), found
-    by what it holds, so the train presets are not named here."""
-    def trained(p: Path) -> bool:  # a run, or a one-job multirun of it (reproduce with a launcher)
-        return any(p.glob("work/*/final/config.json")) or any(p.glob("*/work/*/final/config.json"))
+def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
+    """The preset names the runs it evaluates relative to the reproduce root (``checkpoints:
+    [train, train_finetune]``); each becomes the run directory there that holds trained checkpoints
+    (a run, or the one job of a multirun when reproduce used a launcher). Runs that did not train
+    anything are left out (skip_reason says so when none is left)."""
+    def trained(p: Path) -> Path | None:
+        for cand in (p, p / "0"):
+            if any(cand.glob("work/*/final/config.json")):
+                return cand
+        return None
 
-    runs = sorted(p for p in Path(root).iterdir() if p.is_dir() and trained(p)) if Path(root).is_dir() else []
+    runs = [r for r in (trained(Path(root) / c) for c in spec.checkpoints if not Path(c).is_absolute()) if r]
+    runs += [Path(c) for c in spec.checkpoints if Path(c).is_absolute()]
     return ["checkpoints=[" + ",".join(f"'{p}'" for p in runs) + "]"]
 
 
@@ -293,7 +299,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("perplexity",),
+    presets=("perplexity", "perplexity_long"),
     order=60,
     positional="checkpoints",
     skip_reason=skip_reason,

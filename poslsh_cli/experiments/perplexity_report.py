@@ -48,14 +48,17 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def _scheme(r: Any) -> str:
-    return r["position"] + (f" s={r['trained_s']}" if r["trained_s"] else "")
+    """A trained model's label: its scheme, s, and its training length when it is not the only one
+    (the ``multi_length`` column set by :func:`plot`)."""
+    return (r["position"] + (f" s={r['trained_s']}" if r["trained_s"] else "")
+            + (f" L={r['trained_len']}" if r.get("multi_length", False) else ""))
 
 
 def _schemes(df: Any) -> list[str]:
     """Trained schemes in the one order, so colours are stable across figures."""
-    keys = {(_scheme(r), r["position"], int(r["trained_s"] or 0))
-            for _, r in df[["position", "trained_s"]].drop_duplicates().iterrows()}
-    return [k for k, pos, s in sorted(keys, key=lambda t: scheme_rank(t[1], t[2]))]
+    keys = {(_scheme(r), r["position"], int(r["trained_s"] or 0), int(r["trained_len"]))
+            for _, r in df.drop_duplicates(["position", "trained_s", "trained_len"]).iterrows()}
+    return [k for k, pos, s, L in sorted(keys, key=lambda t: (scheme_rank(t[1], t[2]), t[3]))]
 
 
 def _groups(df: Any) -> list[tuple[str, Any]]:
@@ -66,6 +69,7 @@ def _groups(df: Any) -> list[tuple[str, Any]]:
 def plot(run: Path, df: Any) -> list[Path]:
     """bits per byte against evaluation length under each model's own attention, the same models
     with another attention swapped in, and bits per byte against inference-time s."""
+    df = df.assign(multi_length=df.trained_len.nunique() > 1)
     schemes = _schemes(df)
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
     paths = plot_length(run, df, schemes, color)

@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.claims import Section, Status, Verdict
+from poslsh_cli.experiments.train_report import plot, report, summary
 from poslsh_cli.config import ConfigError, Spec, check, key
 from poslsh_cli.experiment import Experiment, Device, cuda_skip_reason, resolve_device
-from poslsh_cli.positions import Arch, Position, PositionState
+from poslsh_cli.methods import INFO
+from poslsh_cli.positions import Arch, Position, PositionState, method_of
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
-           "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds")
+           "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds")
 METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
 LN2 = math.log(2.0)
 
@@ -46,7 +47,7 @@ class TrainSpec(Spec):
     window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
     data: str = key("builtin (Python's documentation prose, 0.76 MB), a text file or a folder of them", "builtin")
     val_fraction: float = key("the last part of the corpus, held out for validation", 0.1, gt=0)
-    seq_len: int = key("training length L in bytes", 256, ge=2)
+    seq_len: tuple[int, ...] = key("training lengths L in bytes (list sweeps: each trains its own model)", [256], ge=2)
     batch: int = key("sequences per step", 16, ge=1)
     steps: int = key("optimizer steps (per stage)", 1000, ge=1)
     lr: float = key("peak learning rate (AdamW; linear warm-up, cosine decay to 10%)", 2e-3, gt=0)
@@ -92,10 +93,10 @@ def prepare(spec: TrainSpec) -> Context:
 
     device = resolve_device(spec.device)
     fast_cpu_math()
-    corpus = load_corpus(spec.data, spec.val_fraction, min_bytes=spec.seq_len + 1)
+    corpus = load_corpus(spec.data, spec.val_fraction, min_bytes=max(spec.seq_len) + 1)
     init = None
     arch = Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim,
-                max_positions=max(32 * spec.seq_len, 8192))
+                max_positions=max(32 * max(spec.seq_len), 8192))
     if spec.init is not None:
         init = Path(spec.init).expanduser().resolve()
         check_checkpoint(init)
@@ -113,13 +114,17 @@ def prepare(spec: TrainSpec) -> Context:
 
 
 def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
+    """Every (L, seed, position, s) combination (s only for randomised schemes); the length enters
+    the key only when several are trained."""
     out = []
-    for i, seed in enumerate(spec.seed):
-        for p in spec.position:
-            if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
-                continue
-            for s in (spec.s if p is Position.POSLSH else (0,)):
-                out.append({"position": p.value, "s": s, "seed": seed})
+    for L in spec.seq_len:
+        at = {"seq_len": L} if len(spec.seq_len) > 1 else {}
+        for i, seed in enumerate(spec.seed):
+            for p in spec.position:
+                if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
+                    continue
+                for s in (spec.s if p is not Position.ROPE and INFO[method_of(p)].randomized else (0,)):
+                    out.append({"position": p.value, "s": s, "seed": seed, **at})
     return out
 
 
@@ -164,7 +169,7 @@ def eval_interval(spec: TrainSpec, steps: int) -> int:
 
 
 def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, seed: int, steps: int,
-                init: Optional[Path], label: str) -> Path:
+                init: Optional[Path], label: str, seq_len: int) -> Path:
     """Train ``steps`` steps under ``state`` in the cell directory ``work`` (resumable from its newest
     complete checkpoint, or from scratch with an emptied log); returns its verified ``final/``."""
     import numpy as np
@@ -180,7 +185,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
         return final
     metrics = work.metrics(METRICS)
     ckpts = work.checkpoints()
-    info = {"position": state.position.value, "s": state.num_samples, "seed": seed, "seq_len": spec.seq_len,
+    info = {"position": state.position.value, "s": state.num_samples, "seed": seed, "seq_len": seq_len,
             "steps": steps, "data": spec.data, "data_sha256": ctx.corpus.sha256, "val_fraction": spec.val_fraction,
             "init": str(init) if init else None}
     start, last = 0, ckpts.latest()
@@ -202,7 +207,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
         opt.load_state_dict(torch.load(last[1] / "optimizer.pt", weights_only=True))
     done = metrics.frame()
     elapsed = float(done.seconds.iloc[-1]) if len(done) else 0.0
-    tokens_per_step = spec.batch * spec.seq_len
+    tokens_per_step = spec.batch * seq_len
     every = eval_interval(spec, steps)
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
@@ -211,7 +216,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
         for g in opt.param_groups:
             g["lr"] = lr
         rng = np.random.default_rng(derive_seed(seed, "batch", step))
-        xb = torch.as_tensor(train_batch(ctx.corpus.train, spec.seq_len, spec.batch, rng), device=ctx.device)
+        xb = torch.as_tensor(train_batch(ctx.corpus.train, seq_len, spec.batch, rng), device=ctx.device)
         logits = model(input_ids=xb[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), xb[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -226,7 +231,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, state: PositionState, 
                "val_bpb": None, "lr": lr, "seconds": round(elapsed, 4), "step_seconds": round(dt, 5),
                "tokens_per_s": round(tokens_per_step / dt, 1)}
         if step % every == 0 or step == steps:
-            ev = evaluate(model, state, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
+            ev = evaluate(model, state, ctx.corpus.val, seq_len, max_tokens=spec.eval_tokens)
             row["val_loss"] = ev.loss
             row["val_bpb"] = ev.loss / LN2
         metrics.append(row)
@@ -244,100 +249,29 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
 
     t0 = time.perf_counter()
     position, s, seed = Position(key["position"]), key["s"], key["seed"]
+    L = key.get("seq_len", spec.seq_len[0])
     state = state_for(spec, position, s, seed, ctx.arch.heads)
     init = ctx.init
     if spec.pretrain is not None:
         base = state_for(spec, spec.pretrain, spec.s[0] if spec.pretrain is Position.POSLSH else 0, seed, ctx.arch.heads)
-        init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}"), base, seed,
-                           spec.pretrain_steps, ctx.init, f"pretrain {spec.pretrain.value}")
-    label = f"{position.value}" + (f" s={s}" if s else "") + f" seed={seed}"
-    final = train_stage(spec, ctx, work, state, seed, spec.steps, init, label)
+        at = f"-L{L}" if len(spec.seq_len) > 1 else ""
+        init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}{at}"), base, seed,
+                           spec.pretrain_steps, ctx.init, f"pretrain {spec.pretrain.value}", L)
+    label = f"{position.value}" + (f" s={s}" if s else "") + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else "")
+    final = train_stage(spec, ctx, work, state, seed, spec.steps, init, label, L)
     model, loaded = load_model(final, str(ctx.device))
-    ev = evaluate(model, loaded, ctx.corpus.val, spec.seq_len, max_tokens=spec.eval_tokens)
+    ev = evaluate(model, loaded, ctx.corpus.val, L, max_tokens=spec.eval_tokens)
     m = read_log(work.path / "metrics.csv")
     tail = m.tail(max(1, len(m) // 10))
-    row = {"position": position.value, "s": s, "seed": seed, "seq_len": spec.seq_len, "steps": spec.steps,
+    row = {"position": position.value, "s": s, "seed": seed, "seq_len": L, "steps": spec.steps,
            "tokens": int(m.tokens.iloc[-1]), "params": int(sum(p.numel() for p in model.parameters())),
            "train_loss": float(tail.loss.mean()), "val_loss": ev.loss, "val_bpb": ev.loss / LN2,
            "val_ppl": math.exp(ev.loss), "seconds": float(m.seconds.iloc[-1]),
            "tokens_per_s": float(m.tokens.iloc[-1] / m.seconds.iloc[-1]),
            "pretrain": spec.pretrain.value if spec.pretrain else "", "init": str(ctx.init or ""),
-           "checkpoint": work.relative(final), "wall_seconds": time.perf_counter() - t0}
+           "checkpoint": work.relative(final), "wall_seconds": time.perf_counter() - t0,
+           "step_seconds": float(m.step_seconds.median())}
     return [row], {}
-
-
-def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    head = ["position", "s", "seed", "params", "train loss", "val bpb", "val ppl", "tokens/s", "training s",
-            "wall s (this session)"]
-    rows = [[r.position, str(r.s) if r.s else "-", str(r.seed), f"{r.params:,}", f"{r.train_loss:.3f}",
-             f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.tokens_per_s:.0f}", f"{r.seconds:.0f}",
-             f"{getattr(r, 'wall_seconds', float('nan')):.0f}"]
-            for r in df.itertuples()]
-    return head, rows
-
-
-def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
-    """(row, metrics DataFrame) for every finished cell, from its work directory."""
-    from poslsh_cli.cellwork import read_log
-
-    out = []
-    for r in df.to_dict("records"):
-        path = Path(run) / r["checkpoint"]
-        m = path.parent / "metrics.csv"
-        if m.exists():
-            out.append((r, read_log(m)))
-    return out
-
-
-def plot(run: Path, df: Any) -> list[Path]:
-    """Learning curves: training loss and validation bits per byte against steps, per cell."""
-    from poslsh_cli.plotting import pyplot, save
-
-    from poslsh_cli.positions import Position
-
-    plt = pyplot()
-    order = [p.value for p in Position]
-    curves = list(metrics_of(run, df))
-    schemes = sorted({(r["position"], int(r["s"] or 0)) for r, _ in curves},
-                     key=lambda t: (order.index(t[0]) if t[0] in order else len(order), t[1]))
-    color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
-    seeds = sorted({int(r["seed"]) for r, _ in curves})
-    styles = ("-", "--", ":", "-.")
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
-    for r, m in curves:
-        key, k = (r["position"], int(r["s"] or 0)), seeds.index(int(r["seed"]))
-        label = r["position"] + (f" s={r['s']}" if r["s"] else "") + f" seed={r['seed']}"
-        style = dict(color=color[key], ls=styles[k % len(styles)], lw=1.1, label=label)
-        axes[0].plot(m.step, m.loss.rolling(max(1, len(m) // 50), min_periods=1).mean(), **style)
-        v = m.dropna(subset=["val_bpb"])
-        axes[1].plot(v.step, v.val_bpb, marker="o", ms=3, **style)
-    axes[0].set_ylabel("training loss (nats per byte, running mean)")
-    axes[1].set_ylabel("validation bits per byte")
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.grid(True, alpha=0.25)
-    fig.legend(*axes[1].get_legend_handles_labels(), loc="center right", frameon=False,
-               title="colour: scheme; line: seed" if len(seeds) > 1 else "scheme")
-    fig.tight_layout(rect=(0, 0, 0.8, 0.95))
-    fig.suptitle(f"Learning curves (L = {int(df.seq_len.iloc[0])})")
-    return save(fig, run, "learning_curves")
-
-
-def report(run: Path, df: Any) -> Section:
-
-    sec = Section("train", run, "Training: validation bits per byte at the training length")
-    cols = ["position", "s", "seed", "pretrain", "params", "steps", "val_bpb", "val_ppl", "tokens_per_s"]
-    sec.tables.append(df[[c for c in cols if c in df.columns]].round(4))
-    sec.paragraphs.append("Bits per byte on the held-out validation bytes at the training length, non-overlapping "
-                          "windows; `poslsh perplexity` measures longer lengths and swapped attention.")
-    if df.position.nunique() < 2:
-        sec.verdicts.append(Verdict("schemes compared at the training length", Status.NOT_MEASURED,
-                                    "one scheme in this run", "needs two or more schemes"))
-    else:
-        best = df.groupby(["position", "s"]).val_bpb.mean().sort_values()
-        sec.paragraphs.append("Mean over seeds, best first: " + ", ".join(
-            f"{p}{f' s={s}' if s else ''} {v:.4f}" for (p, s), v in best.items()) + ".")
-    return sec
 
 
 EXPERIMENT = Experiment(
@@ -357,7 +291,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("train", "train_finetune", "train_gpu"),
+    presets=("train", "train_finetune", "train_long", "train_gpu", "train_long_gpu"),
     order=50,
     skip_reason=lambda spec: cuda_skip_reason(spec.device),
 )

@@ -1,0 +1,178 @@
+"""``poslsh train``'s tables, figures and claims: validation bits per byte per scheme, learning
+curves, and, when several training lengths were run, the step time against L with the measured
+crossover between Positional LSH and exact ALiBi."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.claims import Section, Status, Verdict
+from poslsh_cli.positions import Position
+
+SCHEMES = [p.value for p in Position]
+ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
+
+
+def _rank(position: str, s: int = 0) -> tuple:
+    return (SCHEMES.index(position) if position in SCHEMES else len(SCHEMES), int(s or 0))
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    head = ["position", "s", "seed", "L", "params", "train loss", "val bpb", "val ppl", "s/step", "tokens/s",
+            "training s", "wall s (this session)"]
+    rows = [[r.position, str(r.s) if r.s else "-", str(r.seed), str(r.seq_len), f"{r.params:,}", f"{r.train_loss:.3f}",
+             f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{getattr(r, 'step_seconds', float('nan')):.3f}",
+             f"{r.tokens_per_s:.0f}", f"{r.seconds:.0f}", f"{getattr(r, 'wall_seconds', float('nan')):.0f}"]
+            for r in df.itertuples()]
+    return head, rows
+
+
+def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
+    """(row, metrics DataFrame) for every finished cell, from its work directory."""
+    from poslsh_cli.cellwork import read_log
+
+    out = []
+    for r in df.to_dict("records"):
+        m = (Path(run) / r["checkpoint"]).parent / "metrics.csv"
+        if m.exists():
+            out.append((r, read_log(m)))
+    return out
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    """Learning curves per cell; with several training lengths, the step time against L."""
+    paths = plot_learning_curves(run, df)
+    if df.seq_len.nunique() > 1:
+        paths += plot_step_time(run, df)
+    return paths
+
+
+def plot_learning_curves(run: Path, df: Any) -> list[Path]:
+    """Training loss and validation bits per byte against steps: one colour per scheme, one line
+    style per seed (or per length when several were trained)."""
+    from poslsh_cli.plotting import pyplot, save
+
+    plt = pyplot()
+    curves = list(metrics_of(run, df))
+    schemes = sorted({(r["position"], int(r["s"] or 0)) for r, _ in curves}, key=lambda t: _rank(*t))
+    color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
+    by_length = df.seq_len.nunique() > 1
+    kinds = sorted({int(r["seq_len"] if by_length else r["seed"]) for r, _ in curves})
+    styles = ("-", "--", ":", "-.")
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
+    for r, m in curves:
+        key = (r["position"], int(r["s"] or 0))
+        kind = int(r["seq_len"] if by_length else r["seed"])
+        label = r["position"] + (f" s={r['s']}" if r["s"] else "") + (f" L={kind}" if by_length else f" seed={kind}")
+        style = dict(color=color[key], ls=styles[kinds.index(kind) % len(styles)], lw=1.1, label=label)
+        axes[0].plot(m.step, m.loss.rolling(max(1, len(m) // 50), min_periods=1).mean(), **style)
+        v = m.dropna(subset=["val_bpb"])
+        axes[1].plot(v.step, v.val_bpb, marker="o", ms=3, **style)
+    axes[0].set_ylabel("training loss (nats per byte, running mean)")
+    axes[1].set_ylabel("validation bits per byte")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.25)
+    title = "colour: scheme; line: " + ("length" if by_length else "seed")
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="center right", frameon=False,
+               title=title if len(kinds) > 1 else "scheme")
+    fig.tight_layout(rect=(0, 0, 0.8, 0.95))
+    lengths = ", ".join(str(int(x)) for x in sorted(df.seq_len.unique()))
+    fig.suptitle(f"Learning curves (L = {lengths})")
+    return save(fig, run, "learning_curves")
+
+
+def step_times(df: Any) -> Any:
+    """Median training-step seconds per (scheme, s, L), mean over seeds."""
+    col = "step_seconds" if "step_seconds" in df.columns else None
+    if col is None:
+        return None
+    return df.groupby(["position", "s", "seq_len"])[col].mean()
+
+
+def plot_step_time(run: Path, df: Any) -> list[Path]:
+    """Seconds per training step against the training length, per scheme (log-log)."""
+    from poslsh_cli.plotting import pyplot, save
+
+    times = step_times(df)
+    if times is None:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for i, ((pos, s), g) in enumerate(sorted(times.groupby(level=[0, 1]), key=lambda kg: _rank(*kg[0]))):
+        g = g.droplevel([0, 1]).sort_index()
+        ax.plot(g.index, g.values, "o-", ms=4, color=f"C{i % 10}", label=pos + (f" s={s}" if s else ""))
+    x = crossover_length(df)
+    if math.isfinite(x):
+        ax.axvline(x, color="k", ls=":", lw=0.9, label=f"Positional LSH faster from L={int(x)}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("training length L")
+    ax.set_ylabel("seconds per training step (median)")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend()
+    ax.set_title("Training-step time against the training length")
+    return save(fig, run, "step_time_vs_length")
+
+
+def crossover_length(df: Any, s: int | None = None) -> float:
+    """Smallest trained L from which Positional LSH (at ``s``, default the largest) steps faster
+    than exact ALiBi at every larger trained L; NaN when it never does."""
+    times = step_times(df)
+    if times is None:
+        return math.nan
+    try:
+        alibi = times.loc[(ALIBI, 0)]
+        ps = sorted(times.loc[POSLSH].index.get_level_values(0).unique())
+        p = times.loc[(POSLSH, s if s is not None else max(ps))]
+    except KeyError:
+        return math.nan
+    best = math.nan
+    for L in sorted(set(alibi.index) & set(p.index), reverse=True):
+        if p[L] < alibi[L]:
+            best = L
+        else:
+            break
+    return best
+
+
+def report(run: Path, df: Any) -> Section:
+    sec = Section("train", run, "Training: validation bits per byte at the training length")
+    cols = ["position", "s", "seed", "seq_len", "pretrain", "params", "steps", "val_bpb", "val_ppl", "step_seconds",
+            "tokens_per_s"]
+    sec.tables.append(df[[c for c in cols if c in df.columns]].round(4))
+    sec.paragraphs.append("Bits per byte on the held-out validation bytes at the training length, non-overlapping "
+                          "windows; `poslsh perplexity` measures longer lengths and swapped attention.")
+    sec.verdicts += claim_schemes_compared(df)
+    if df.seq_len.nunique() > 1:
+        sec.verdicts += claim_crossover(df)
+    return sec
+
+
+def claim_schemes_compared(df: Any) -> list[Verdict]:
+    if df.position.nunique() < 2:
+        return [Verdict("schemes compared at the training length", Status.NOT_MEASURED, "one scheme in this run",
+                        "needs two or more schemes")]
+    return []
+
+
+def claim_crossover(df: Any) -> list[Verdict]:
+    """Positional LSH trains faster than exact ALiBi at long L (near-linear against quadratic)."""
+    import pandas as pd
+
+    times = step_times(df)
+    claim = "Positional LSH trains faster than exact ALiBi at the longest trained length"
+    rule = ("median training-step time of Positional LSH (largest s) below exact ALiBi's at the longest L trained "
+            "with both; the crossover is the smallest L from which it stays below")
+    if times is None or ALIBI not in times.index.get_level_values(0) or POSLSH not in times.index.get_level_values(0):
+        return [Verdict(claim, Status.NOT_MEASURED, "needs alibi and poslsh cells at several L", rule)]
+    t = times.unstack("seq_len")
+    x = crossover_length(df)
+    Lmax = max(t.columns)
+    smax = max(s for (p, s) in t.index if p == POSLSH)
+    a, p = t.loc[(ALIBI, 0), Lmax], t.loc[(POSLSH, smax), Lmax]
+    ev = "; ".join(f"L={L}: poslsh s={smax} {t.loc[(POSLSH, smax), L]:.3g} s, alibi {t.loc[(ALIBI, 0), L]:.3g} s"
+                   for L in t.columns if pd.notna(t.loc[(ALIBI, 0), L]) and pd.notna(t.loc[(POSLSH, smax), L]))
+    ev += f"; crossover L={int(x)}" if math.isfinite(x) else "; no crossover at the trained lengths"
+    return [Verdict(claim, Status.SUPPORTED if p < a else Status.NOT_SUPPORTED, ev, rule)]
