@@ -4,36 +4,57 @@
     max_err      = max_ij |L*_ij - M~_ij|
 
 Theorem 2.1 of the paper bounds both by O(1/sqrt(s)) w.h.p.; :func:`fit_loglog_slope` measures
-the exponent.
+the exponent. The spectral norm comes with a certified interval (:func:`spectral_error_fast`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:  # scipy and the operators load on first use: the CLI starts without them
     from poslsh_cli.operators import LaplacianKernel, MeanMask
 
-#: Default ARPACK tolerance for ``||L* - M~||_2``: the Ritz residual is below ``tol * |theta|``,
-#: so theta is within a relative ``tol`` of an eigenvalue of ``L* - M~`` (in practice the value
-#: is far more accurate: the eigenvalue error is quadratic in the residual).
-LANCZOS_TOL = 1e-6
-#: Krylov subspace size. The top of the spectrum of ``L* - M~`` can hold tight clusters of
-#: localised modes at large n; a larger subspace pays more per restart but restarts far less.
-LANCZOS_NCV = 48
+#: Default relative width of the certified interval for ``||L* - M~||_2``: the reported value (a
+#: lower bound) and the certified upper bound are at most this far apart, relatively.
+LANCZOS_TOL = 1e-3
+#: Default failure probability of the upper bound (over the random start vector).
+LANCZOS_DELTA = 1e-3
+#: Bytes the Lanczos basis may take for full reorthogonalisation (smaller problems keep it).
+REORTH_BYTES = 256 * 2**20
+#: Rows of the max-norm computation held at once.
 _MAX_CHUNK = 1 << 17
 
 
 @dataclass(frozen=True)
 class SpectralResult:
-    value: float  # the norm
-    tol: float  # ARPACK relative tolerance met (the one asked for when converged)
-    converged: bool
-    matvecs: int
+    value: float  # the norm: sqrt of the largest Ritz value of E^2, a lower bound of ||E||_2
+    bound: float  # certified upper bound of ||E||_2, with probability >= 1 - delta
+    tol: float  # relative width asked for: (bound - value) / value <= tol
+    delta: float  # failure probability of the bound
+    converged: bool  # the interval is within tol
+    matvecs: int  # products with E = L* - M~
+
+
+def lanczos_steps(n: int, tol: float, delta: float) -> int:
+    """Lanczos steps on the positive semidefinite ``E^2`` that certify ``||E||_2`` to relative ``tol``
+    with failure probability ``delta``, for any spectrum (Kuczyński & Woźniakowski 1992): after k
+    steps from a start vector uniform on the sphere, ``P(theta_k < (1 - eps) lambda_1) <=
+    1.648 sqrt(n) exp(-sqrt(eps) (2k - 1))``. The interval ``[sqrt(theta), sqrt(theta / (1 - eps))]``
+    has relative width ``tol`` when ``eps = 1 - 1/(1 + tol)^2``. The count grows like
+    ``log(sqrt(n)/delta) / sqrt(tol)``: about 280 steps at n = 2^15 and 350 at n = 2^24 for
+    tol = delta = 1e-3, whatever s and however clustered the top of the spectrum is."""
+    eps = 1.0 - 1.0 / (1.0 + tol) ** 2
+    return int(math.ceil((math.log(1.648 * math.sqrt(n) / delta) / math.sqrt(eps) + 1) / 2))
+
+
+def certified_bound(theta: float, steps: int, n: int, delta: float) -> float:
+    """Upper bound of ``sqrt(lambda_max)`` from the largest Ritz value ``theta`` of ``steps`` Lanczos
+    steps on a positive semidefinite n x n matrix, valid with probability >= 1 - delta."""
+    eps = (math.log(1.648 * math.sqrt(n) / delta) / (2 * steps - 1)) ** 2
+    return math.sqrt(theta / (1.0 - eps)) if eps < 1 else math.inf
 
 
 def spectral_error_fast(
@@ -41,77 +62,72 @@ def spectral_error_fast(
     mask: MeanMask,
     generator: np.random.Generator,
     tol: float = LANCZOS_TOL,
+    delta: float = LANCZOS_DELTA,
 ) -> SpectralResult:
-    """``||L* - M~||_2`` by implicitly restarted Lanczos (ARPACK ``eigsh``) on matvecs only.
+    """``||L* - M~||_2`` with a certified interval, from matvecs only (O(n) memory beyond the
+    operators; docs/THEORY.md, "Certified spectral norm").
 
-    ``E = L* - M~`` is symmetric and indefinite, so its norm is ``max(lambda_max, -lambda_min)``.
-    The two ends are computed separately (``which='LA'`` and ``'SA'``): asking for the largest
-    magnitude (``'LM'``) stalls when ``lambda_max ~ -lambda_min``. Each matvec is O(n + blocks).
-    The start vector comes from ``generator``, so results are reproducible. If ARPACK does not
-    meet ``tol`` within its restart budget, ``tol`` is relaxed to 1e-3 (then LOBPCG, a lower
-    bound); ``tol`` in the result is the tolerance actually met and ``converged`` says whether
-    it is the one asked for.
+    ``E = L* - M~`` is symmetric and indefinite; ``||E||_2^2`` is the largest eigenvalue of the
+    positive semidefinite ``E^2``. Lanczos on ``E^2`` (two O(n + blocks) matvecs per step) from a
+    random start: the largest Ritz value ``theta`` is a Rayleigh quotient, so ``sqrt(theta) <=
+    ||E||_2`` always, and after :func:`lanczos_steps` steps ``||E||_2 <= sqrt(theta / (1 - eps))``
+    with probability at least 1 - delta, however clustered the top of the spectrum is (the number
+    of steps depends on n, tol and delta only). Small problems keep the basis and
+    reorthogonalise fully (closer to exact arithmetic; when the Krylov space is exhausted the value
+    is exact); large ones use the three-term recurrence, whose largest Ritz value still converges
+    (Paige). Tiny problems are solved densely.
     """
-    from scipy.sparse.linalg import LinearOperator
+    from scipy.linalg import eigh_tridiagonal
 
     n = kernel.seq_len
     count = [0]
 
-    def mv(x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float64)
-        count[0] += 1 if x.ndim == 1 else x.shape[1]
-        return kernel.matvec(x) - mask.matvec(x)
+    def apply(x: np.ndarray) -> np.ndarray:
+        count[0] += 2
+        y = kernel.matvec(x)
+        y -= mask.matvec(x)
+        z = kernel.matvec(y)
+        z -= mask.matvec(y)
+        return z
 
-    if n <= 16:  # ARPACK needs ncv < n; tiny problems are cheaper dense
+    if n <= 64:  # exact and cheap
         e = np.linalg.eigvalsh(kernel.dense() - mask.dense())
-        return SpectralResult(float(np.max(np.abs(e))), 0.0, True, 0)
-    op = LinearOperator((n, n), matvec=mv, matmat=mv, dtype=np.float64)
-    v0 = generator.standard_normal(n)
-    ends, met = [], []
-    for which in ("LA", "SA"):
-        value, achieved = _extreme(op, which, v0, tol)
-        ends.append(value)
-        met.append(achieved)
-    achieved = max(met)
-    return SpectralResult(max(abs(ends[0]), abs(ends[1])), achieved, achieved <= tol, count[0])
-
-
-def lanczos_restarts(n: int) -> int:
-    """ARPACK restarts allowed per attempt: about constant work, 2^23 / n, within [100, 2000].
-
-    Spectra with huge degenerate clusters (s = 1 or 2 at large n: n / delta nearly identical
-    blocks) stall the residual test long after the Ritz value has settled; past this budget the
-    tolerance is relaxed 1000-fold and the one met is reported. A count, not a time, so results
-    do not depend on the machine.
-    """
-    return int(min(2000, max(100, 2**23 // n)))
-
-
-def _extreme(op: Any, which: str, v0: np.ndarray, tol: float) -> tuple[float, float]:
-    """One end of the spectrum and the ARPACK tolerance it met (inf: LOBPCG lower bound)."""
-    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
-
-    n = op.shape[0]
-    for attempt_tol in (tol, max(tol, 1e-3)):
-        try:
-            vals = eigsh(op, k=1, which=which, tol=attempt_tol, v0=v0, ncv=min(n - 1, LANCZOS_NCV),
-                         maxiter=lanczos_restarts(n), return_eigenvectors=False)
-            return float(vals[0]), attempt_tol
-        except ArpackNoConvergence:
-            continue
-    return _lobpcg_end(op, v0, which == "LA", tol), float("inf")
-
-
-def _lobpcg_end(op: Any, v0: np.ndarray, largest: bool, tol: float) -> float:
-    import warnings
-
-    from scipy.sparse.linalg import lobpcg
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        x = np.column_stack([v0, np.roll(v0, 1), np.roll(v0, 2), np.roll(v0, 3)])
-        w, _ = lobpcg(op, x, largest=largest, tol=tol, maxiter=500)
-    return float(np.max(w) if largest else np.min(w))
+        v = float(np.max(np.abs(e)))
+        return SpectralResult(v, v, tol, delta, True, 0)
+    steps = min(lanczos_steps(n, tol, delta), n)
+    keep = n * steps * 8 <= REORTH_BYTES
+    basis = np.empty((steps, n)) if keep else None
+    v = generator.standard_normal(n)
+    v /= np.linalg.norm(v)
+    prev = np.zeros(n)
+    alphas, betas = [], []
+    beta = 0.0
+    exhausted = False
+    for j in range(steps):
+        if basis is not None:
+            basis[j] = v
+        w = apply(v) - beta * prev
+        alpha = float(v @ w)
+        w -= alpha * v
+        if basis is not None:  # full reorthogonalisation, twice (Kahan: twice is enough)
+            for _ in range(2):
+                w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
+        alphas.append(alpha)
+        beta = float(np.linalg.norm(w))
+        if j + 1 == steps:
+            break
+        if beta <= 1e-13 * max(abs(a) for a in alphas):  # an invariant subspace: its top is exact
+            exhausted = True
+            break
+        betas.append(beta)
+        prev, v = v, w / beta
+    k = len(alphas)
+    theta = float(eigh_tridiagonal(np.asarray(alphas), np.asarray(betas), eigvals_only=True,
+                                   select="i", select_range=(k - 1, k - 1))[0]) if k > 1 else alphas[0]
+    theta = max(theta, 0.0)
+    value = math.sqrt(theta)
+    bound = value if exhausted or (basis is not None and k == n) else certified_bound(theta, k, n, delta)
+    return SpectralResult(value, bound, tol, delta, bound <= value * (1 + tol) * (1 + 1e-12), count[0])
 
 
 def spectral_error_dense(kernel: LaplacianKernel, mask: MeanMask) -> tuple[float, float]:

@@ -34,9 +34,10 @@ class LaplacianKernel:
         """``L* x`` for x of shape (n,) or (n, k); float64."""
         x = np.asarray(x, dtype=np.float64)
         b, a = [1.0], [1.0, -self.decay]
-        fwd = lfilter(b, a, x, axis=0)
-        bwd = lfilter(b, a, x[::-1], axis=0)[::-1]
-        return fwd + bwd - x
+        out = lfilter(b, a, x, axis=0)
+        out += lfilter(b, a, x[::-1], axis=0)[::-1]
+        out -= x
+        return out
 
     def dense(self) -> np.ndarray:
         """The n x n matrix, float64 (reference only)."""
@@ -94,30 +95,35 @@ class MeanMask:
 
     def __init__(self, partitions: Partitions):
         self.partitions = partitions
-        self.seq_len = partitions.seq_len
+        self.seq_len = n = partitions.seq_len
         self.num_samples = partitions.num_samples
         offs = partitions.offsets
-        self._starts = np.concatenate([o[:-1] for o in offs])  # (B,) block starts, all samples
-        self._ends = np.concatenate([o[1:] for o in offs])  # (B,) block ends (exclusive)
-        first = np.zeros(self._starts.shape[0], dtype=bool)
-        first[np.cumsum([0] + [len(o) - 1 for o in offs[:-1]])] = True
-        self._first = first  # block is the first of its sample
+        # every sample's boundaries [0, b_1, ..., n] in one array: one gather of the prefix sum gives
+        # every block sum (consecutive differences); the differences across two samples are sent to
+        # a dummy position n
+        self._bounds = np.concatenate(offs)  # (B + s,)
+        last = np.cumsum([o.size for o in offs])[:-1] - 1  # index of each sample's closing n
+        self._start_of = self._bounds[:-1].copy()  # (B + s - 1,) block start of each difference
+        self._start_of[last] = n
+        self._first = np.concatenate([[0], last + 1])  # first block of every sample
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """``M~ x`` for x of shape (n,) or (n, k); float64."""
         x = np.asarray(x, dtype=np.float64)
         if x.ndim == 2:
             return np.stack([self.matvec(x[:, j]) for j in range(x.shape[1])], axis=1)
-        csum = np.empty(self.seq_len + 1)
+        n = self.seq_len
+        csum = np.empty(n + 1)
         csum[0] = 0.0
         np.cumsum(x, out=csum[1:])
-        sums = csum[self._ends]
-        sums -= csum[self._starts]  # (B,) block sums, all samples
-        jumps = sums.copy()  # change of the broadcast value at each block start
-        jumps[1:] -= sums[:-1]
+        g = np.take(csum, self._bounds)  # (np.take: about twice as fast as fancy indexing here)
+        sums = g[1:] - g[:-1]  # block sums; entries across samples are junk sent to the dummy bin
+        jumps = np.empty_like(sums)  # change of the broadcast value at each block start
+        jumps[0] = sums[0]
+        np.subtract(sums[1:], sums[:-1], out=jumps[1:])
         jumps[self._first] = sums[self._first]
-        diff = np.bincount(self._starts, weights=jumps, minlength=self.seq_len)
-        out = np.cumsum(diff, out=diff)
+        out = np.bincount(self._start_of, weights=jumps, minlength=n + 1)[:n]
+        np.cumsum(out, out=out)
         out *= 1.0 / self.num_samples
         return out
 

@@ -45,15 +45,51 @@ def test_kernel_norm_closed_form_equals_eigvalsh(n, sigma):
 
 @pytest.mark.parametrize("n,sigma,s", CASES)
 def test_fast_errors_equal_dense(n, sigma, s):
-    """Spectral: relative 1e-6 at the default Lanczos tolerance (``LANCZOS_TOL`` = 1e-6). Max norm: bit-exact."""
+    """Spectral: the dense float64 norm lies in the certified interval [value, bound], whose relative
+    width is at most the default tolerance (1e-3). Max norm: bit-exact."""
     g = np.random.default_rng(100 + n)
     K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, s, g))
     fast = spectral_error_fast(K, M, np.random.default_rng(1))
     dense, norm = spectral_error_dense(K, M)
-    assert fast.converged
-    assert fast.value == pytest.approx(dense, rel=1e-6)
+    assert fast.converged and fast.bound <= fast.value * (1 + fast.tol) * (1 + 1e-12)
+    assert fast.value <= dense * (1 + 1e-12) and dense <= fast.bound * (1 + 1e-12)
     assert K.norm() == pytest.approx(norm, rel=1e-10)
     assert max_error_fast(K, M) == max_error_dense(K, M)
+
+
+@pytest.mark.slow
+def test_certified_interval_holds_the_dense_norm_at_8192_with_one_sample():
+    """Issue 21: s = 1 (the top of the spectrum of L* - M is a band of near-equal eigenvalues, one
+    per block) at n = 8192 against a dense float64 eigendecomposition."""
+    n, sigma = 8192, 4.0
+    K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, 1, np.random.default_rng(7)))
+    fast = spectral_error_fast(K, M, np.random.default_rng(1))
+    dense = float(np.max(np.abs(np.linalg.eigvalsh(K.dense() - M.dense()))))
+    assert fast.converged and fast.matvecs <= 500
+    assert fast.value <= dense * (1 + 1e-12) <= fast.bound * (1 + 1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s,seed", [(1, 0), (1, 1), (2, 0), (2, 1)])
+def test_certified_interval_holds_a_tighter_run_at_32768(s, seed):
+    """Issue 21: n = 32768, sigma = 4, s = 1 and 2 (where restarted Lanczos crawled): the default run
+    certifies its interval in at most 500 matvecs, and a run 100 times tighter from the same start
+    vector (whose Krylov space contains the default one's, so its value can only be larger) lands
+    inside it."""
+    n, sigma = 32768, 4.0
+    K, M = LaplacianKernel(n, sigma), MeanMask(sample_partitions(n, sigma, s, np.random.default_rng([s, seed])))
+    fast = spectral_error_fast(K, M, np.random.default_rng([seed, 1]))
+    tight = spectral_error_fast(K, M, np.random.default_rng([seed, 1]), tol=1e-5)
+    assert fast.converged and fast.matvecs <= 500 and tight.converged
+    assert fast.value <= tight.value * (1 + 1e-12) and tight.value <= fast.bound
+    assert tight.bound <= fast.bound * (1 + 1e-12)
+
+
+def test_the_certified_step_count_depends_on_n_only_through_a_logarithm():
+    from poslsh_cli.metrics import lanczos_steps
+
+    steps = [lanczos_steps(2**k, 1e-3, 1e-3) for k in (14, 16, 20, 24)]
+    assert steps == sorted(steps) and steps[-1] <= 250 and steps[-1] / steps[0] < 1.35
 
 
 def test_max_error_fast_is_chunk_independent(monkeypatch):
