@@ -78,6 +78,7 @@ def spectral_error_fast(
     (Paige). Tiny problems are solved densely.
     """
     from scipy.linalg import eigh_tridiagonal
+    from scipy.linalg.blas import daxpy as axpy
 
     n = kernel.seq_len
     count = [0]
@@ -103,12 +104,13 @@ def spectral_error_fast(
     alphas, betas = [], []
     beta = 0.0
     exhausted = False
-    for j in range(steps):
+    for j in range(steps):  # the three-term recurrence, in place (no full-length temporaries)
         if basis is not None:
             basis[j] = v
-        w = apply(v) - beta * prev
+        w = apply(v)
+        axpy(prev, w, a=-beta)
         alpha = float(v @ w)
-        w -= alpha * v
+        axpy(v, w, a=-alpha)
         if basis is not None:  # full reorthogonalisation, twice (Kahan: twice is enough)
             for _ in range(2):
                 w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
@@ -120,7 +122,8 @@ def spectral_error_fast(
             exhausted = True
             break
         betas.append(beta)
-        prev, v = v, w / beta
+        w *= 1.0 / beta
+        prev, v = v, w
     k = len(alphas)
     theta = float(eigh_tridiagonal(np.asarray(alphas), np.asarray(betas), eigvals_only=True,
                                    select="i", select_range=(k - 1, k - 1))[0]) if k > 1 else alphas[0]

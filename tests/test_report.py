@@ -304,3 +304,34 @@ def test_perplexity_verdicts_pass_fail_and_no_data():
     assert status_of(sec, "approaches exact ALiBi") is Status.NOT_MEASURED
     assert status_of(sec, "without positional bias") is Status.NOT_MEASURED
     assert status_of(sec, "better than fixed blocks") is Status.NOT_MEASURED
+
+
+# ---------------------------------------------------------------------------------------------
+# step-bench: long-context training goals
+
+
+def step_table(poslsh_ratio, mem_ratio, lengths=(2048, 8192, 16384)):
+    rows = []
+    for L in lengths:
+        a = 1e-9 * L * L
+        for position, s, t, m in (("rope", 0, a, 100.0), ("alibi", 0, a, 100.0),
+                                  ("poslsh", 10, a * poslsh_ratio[L], 100.0 * mem_ratio)):
+            rows.append({"seq_len": L, "position": position, "s": s, "backend": "auto", "attention_path": "x",
+                         "batch": 1, "step_seconds": t, "tokens_per_s": L / t, "peak_mem_mb": m, "params": 1,
+                         "device": "cpu", "steps": 3})
+    return pd.DataFrame(rows)
+
+
+def test_long_context_goals_and_crossover():
+    from poslsh_cli.experiments import step_bench
+
+    good = step_bench.report(RUN, step_table({2048: 1.3, 8192: 0.8, 16384: 0.4}, 1.2))
+    assert status_of(good, "at long context") is Status.SUPPORTED
+    assert status_of(good, "peak memory") is Status.SUPPORTED
+    assert any("faster than exact ALiBi from L=8192 on" in p for p in good.paragraphs)
+    slow = step_bench.report(RUN, step_table({2048: 1.3, 8192: 1.1, 16384: 0.4}, 1.6))
+    assert status_of(slow, "at long context") is Status.NOT_SUPPORTED
+    assert status_of(slow, "peak memory") is Status.NOT_SUPPORTED
+    assert any("from L=16384 on" in p for p in slow.paragraphs)
+    short = step_bench.report(RUN, step_table({1024: 0.9, 2048: 0.9}, 1.0, lengths=(1024, 2048)))
+    assert status_of(short, "at long context") is Status.NOT_MEASURED

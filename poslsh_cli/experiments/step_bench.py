@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.attention.plan import BACKENDS, Backend
-from poslsh_cli.claims import Section, Status, Verdict
+from poslsh_cli.claims import Section, Status, Verdict, combine
 from poslsh_cli.config import ConfigError, Spec, key
 from poslsh_cli.experiment import Device, Experiment, choices, resolve_device, synchronize
 from poslsh_cli.methods import INFO
@@ -32,9 +32,12 @@ COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "st
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
 
-#: Goals of the training issue, checked by the report: ALiBi against RoPE, Positional LSH against
-#: exact ALiBi through the same dense-bias route.
+#: Goals checked by the report: ALiBi against RoPE, Positional LSH against exact ALiBi through the
+#: same dense-bias route, Positional LSH against exact ALiBi on the paths training takes at long
+#: context (step time ratio per L), and its peak memory against exact ALiBi's at every L.
 ALIBI_GOAL, POSLSH_GOAL = 1.5, 1.3
+LONG_GOALS = {8192: 1.0, 16384: 0.5}
+MEMORY_GOAL = 1.5
 
 
 #: Attention paths a cell may ask for: auto (the plan, as poslsh train) or a forced backend.
@@ -215,28 +218,100 @@ def report(run: Path, df: Any) -> Section:
     sec = Section("step-bench", run, "Training-step cost of each position scheme")
     head, rows = summary(df)
     sec.tables.append(pd.DataFrame(rows, columns=head))
-    ev_a, st_a, ev_p, st_p = [], [], [], []
+    sec.verdicts += claim_alibi_near_rope(df)
+    sec.verdicts += claim_dense_route(df)
+    sec.verdicts += claim_long_context(df)
+    sec.verdicts += claim_memory(df)
+    sec.paragraphs += crossover_findings(df)
+    return sec
+
+
+def _auto(g: Any, position: str, s: int | None = None) -> Any:
+    sel = g[(g.position == position) & (g.backend == "auto")]
+    return sel[sel.s == s] if s is not None else sel
+
+
+def claim_alibi_near_rope(df: Any) -> list[Verdict]:
+    st, ev = [], []
     for n, g in df.groupby("seq_len"):
-        rope, fast = _time(g, ROPE), float(g[(g.position == ALIBI) & (g.backend == "auto")].step_seconds.median())
+        rope, fast = _time(g, ROPE), float(_auto(g, ALIBI).step_seconds.median())
         if rope == rope and fast == fast:
-            st_a.append(Status.SUPPORTED if fast / rope <= ALIBI_GOAL else Status.NOT_SUPPORTED)
-            ev_a.append(f"L={n}: {fast / rope:.2f}x")
+            st.append(Status.SUPPORTED if fast / rope <= ALIBI_GOAL else Status.NOT_SUPPORTED)
+            ev.append(f"L={n}: {fast / rope:.2f}x")
+    return [Verdict(f"causal exact ALiBi trains within {ALIBI_GOAL}x the step time of RoPE (SDPA)", combine(st),
+                    "; ".join(ev) or "needs rope and alibi (auto) rows",
+                    "median step time of alibi on the path poslsh train takes (auto) over rope, at every L")]
+
+
+def claim_dense_route(df: Any) -> list[Verdict]:
+    st, ev = [], []
+    for n, g in df.groupby("seq_len"):
         dense = _time(g, ALIBI, Backend.DENSE.value)
         for s in sorted(g[g.position == POSLSH].s.unique()):
             p = _time(g, POSLSH, Backend.DENSE.value, s)
             if dense == dense and p == p:
-                st_p.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
-                ev_p.append(f"L={n} s={s}: {p / dense:.2f}x")
-    from poslsh_cli.claims import combine
+                st.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
+                ev.append(f"L={n} s={s}: {p / dense:.2f}x")
+    return [Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same dense-bias "
+                    "route, whatever s", combine(st), "; ".join(ev) or "needs poslsh and alibi with backend=dense rows",
+                    "median step time ratio at every L and s")]
 
-    sec.verdicts.append(Verdict(f"causal exact ALiBi trains within {ALIBI_GOAL}x the step time of RoPE (SDPA)",
-                                combine(st_a), "; ".join(ev_a) or "needs rope and alibi (auto) rows",
-                                "median step time of alibi on the path poslsh train takes (auto) over rope, at every L"))
-    sec.verdicts.append(Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same "
-                                "dense-bias route, whatever s", combine(st_p),
-                                "; ".join(ev_p) or "needs poslsh and alibi with backend=dense rows",
-                                "median step time ratio at every L and s"))
-    return sec
+
+def claim_long_context(df: Any) -> list[Verdict]:
+    """Near-linear training: Positional LSH (the plan's path) at most LONG_GOALS[L] times exact ALiBi's
+    step time at each goal length measured."""
+    st, ev = [], []
+    for n, g in df.groupby("seq_len"):
+        a = float(_auto(g, ALIBI).step_seconds.median())
+        for s in sorted(_auto(g, POSLSH).s.unique()):
+            p = float(_auto(g, POSLSH, s).step_seconds.median())
+            if a == a and p == p:
+                ev.append(f"L={n} s={s}: {p / a:.2f}x")
+                if int(n) in LONG_GOALS:
+                    st.append(Status.SUPPORTED if p / a <= LONG_GOALS[int(n)] else Status.NOT_SUPPORTED)
+    goals = ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items())
+    status = combine(st) if st else Status.NOT_MEASURED
+    return [Verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})", status,
+                    "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
+                    "median step time of poslsh over alibi, both on the path poslsh train takes, at each goal length "
+                    "measured (NOT MEASURED without one)")]
+
+
+def claim_memory(df: Any) -> list[Verdict]:
+    st, ev = [], []
+    for n, g in df.groupby("seq_len"):
+        a = float(_auto(g, ALIBI).peak_mem_mb.median())
+        for s in sorted(_auto(g, POSLSH).s.unique()):
+            p = float(_auto(g, POSLSH, s).peak_mem_mb.median())
+            if a == a and p == p and a > 0:
+                st.append(Status.SUPPORTED if p / a <= MEMORY_GOAL else Status.NOT_SUPPORTED)
+                ev.append(f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
+    return [Verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory", combine(st),
+                    "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
+                    "peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every L")]
+
+
+def crossover_findings(df: Any) -> list[str]:
+    """The smallest L from which Positional LSH steps faster than exact ALiBi at every larger L."""
+    out = []
+    for s in sorted(df[(df.position == POSLSH) & (df.backend == "auto")].s.unique()):
+        ratio = {}
+        for n, g in df.groupby("seq_len"):
+            a, p = float(_auto(g, ALIBI).step_seconds.median()), float(_auto(g, POSLSH, s).step_seconds.median())
+            if a == a and p == p:
+                ratio[int(n)] = p / a
+        if len(ratio) < 2:
+            continue
+        best = None
+        for n in sorted(ratio, reverse=True):
+            if ratio[n] < 1:
+                best = n
+            else:
+                break
+        where = f"from L={best} on" if best else "at no measured L"
+        out.append(f"Positional LSH s={s} trains faster than exact ALiBi {where} (step-time ratios: "
+                   + ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratio.items())) + ").")
+    return out
 
 
 EXPERIMENT = Experiment(
@@ -251,6 +326,6 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("step_bench",),
+    presets=("step_bench", "step_bench_long"),
     order=45,
 )
