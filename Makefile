@@ -18,11 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,launchers]"
+	$(BIN)/python -m pip install -q -e ".[test,launchers,finetune]"
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -73,6 +73,9 @@ def check_checkpoint(path: Path) -> None:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist")
+    if is_adapter(path):
+        _check_adapter(path)
+        return
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
     weights = sorted(path.glob("*.safetensors"))
@@ -88,6 +91,84 @@ def check_checkpoint(path: Path) -> None:
         why = unreadable_safetensors(w)
         if why:
             raise ConfigError(f"checkpoint weights {w} cannot be read ({why})")
+
+
+def is_adapter(path: Path) -> bool:
+    """A LoRA adapter saved beside its base (adapter_config.json, no config.json of its own)."""
+    return (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file()
+
+
+def adapter_base(path: Path) -> Path:
+    import json
+
+    base = json.loads((Path(path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return Path(str(base or ""))
+
+
+def _check_adapter(path: Path) -> None:
+    from poslsh_cli.files import MANIFEST, verify_dir
+
+    if (path / MANIFEST).exists():
+        why = verify_dir(path)
+        if why is not None:
+            raise ConfigError(f"checkpoint {path} is corrupt: {why}")
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{path}: a LoRA adapter without adapter_model.safetensors")
+    why = unreadable_safetensors(weights)
+    if why:
+        raise ConfigError(f"checkpoint weights {weights} cannot be read ({why})")
+    base = adapter_base(path)
+    if not (base / "config.json").is_file():
+        raise ConfigError(f"{path}: the LoRA adapter's base model {base} is not there (it is loaded with the adapter)")
+    check_checkpoint(base)
+
+
+PEFT_HINT = 'pip install peft (or pip install -e ".[finetune]")'
+
+
+def peft_module() -> Any:
+    """peft, or one line saying how to install it."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"lora_rank= needs peft: {PEFT_HINT}") from None
+    return peft
+
+
+def load_adapter(path: Path) -> Any:
+    """A LoRA adapter saved beside its base (``poslsh train lora_save=adapter``): the base causal LM
+    (float32, from ``adapter_config.json``) with the adapter merged in."""
+    import transformers as tf
+
+    check_checkpoint(path)
+    peft = peft_module()
+    base_dir = adapter_base(path)
+    mtype = read_config(base_dir).get("model_type")
+    try:
+        base = tf.AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, use_safetensors=True,
+                                                       dtype=torch.float32,
+                                                       attn_implementation=ALIBI_ARCHS[mtype].impl
+                                                       if mtype in ALIBI_ARCHS else "sdpa")
+        return peft.PeftModel.from_pretrained(base, path).merge_and_unload()
+    except Exception as exc:
+        raise ConfigError(f"{path}: cannot load the adapter and its base ({_first_line(exc)})") from None
+
+
+def read_config(path: Path) -> dict:
+    """A checkpoint's config.json as a dict; for a LoRA adapter, its base's, with the scheme the
+    adapter was trained with (``poslsh`` from its poslsh_train.json)."""
+    import json
+
+    path = Path(path)
+    if is_adapter(path):
+        cfg = json.loads((adapter_base(path) / "config.json").read_text())
+        info_file = path / "poslsh_train.json"
+        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+        if info.get("scheme"):
+            cfg["poslsh"] = info["scheme"]
+        return cfg
+    return json.loads((path / "config.json").read_text())
 
 
 def unreadable_safetensors(path: Path) -> str | None:
@@ -121,6 +202,8 @@ def weights_bytes(path: Path, dtype_bytes: int = 4) -> float:
     safetensors files and the dtype they are stored in (for memory estimates; 0 if unknown)."""
     import json
 
+    if is_adapter(path):
+        return weights_bytes(adapter_base(path), dtype_bytes)
     stored = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
@@ -242,18 +325,20 @@ def _first_line(exc: BaseException) -> str:
 
 
 def builtin_text() -> str:
-    """Real English prose every CPython ships: the documentation topics of ``pydoc_data``."""
-    import re
+    """The builtin corpus (the Python 3.11 documentation shipped with the package) as one text."""
+    from poslsh_cli.data import builtin_text as text
 
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return re.sub(r"(?m)^[ \t]*[*=~^\-]{3,}[ \t]*$\n?", "", text)  # drop reST underlines
+    return text()
 
 
 def read_text(text: str) -> str:
+    """``builtin`` (the shipped corpus), ``pydoc-topics`` (this Python's own topics text) or a file."""
+    from poslsh_cli.data import PYDOC_TOPICS, pydoc_topics_text
+
     if text == "builtin":
         return builtin_text()
+    if text == PYDOC_TOPICS:
+        return pydoc_topics_text()
     p = Path(os.path.expanduser(text))
     if not p.is_file():
         raise ConfigError(f"text={text}: no such file (use text=builtin or a path)")

@@ -75,6 +75,24 @@ class MetricsLog:
             atomic_write_text(self.path, df[df[column] <= value].to_csv(index=False))
 
 
+class NullLog:
+    """The metrics log of a rank that does not write (a distributed run's ranks other than 0)."""
+
+    def __init__(self, columns: list[str]):
+        self.columns = list(columns)
+
+    def append(self, row: dict[str, Any]) -> None:
+        return None
+
+    def frame(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame(columns=self.columns)
+
+    def truncate_after(self, column: str, value: float) -> None:
+        return None
+
+
 def read_log(path: Path, columns: Optional[list[str]] = None) -> Any:
     """A metrics log as a DataFrame, without a last line that is still being written."""
     import io
@@ -147,9 +165,11 @@ class CellWork:
     path: Path
     progress: Callable[[int, int, str], None] = lambda done, total, text: None
     notice: Callable[[str], None] = field(default=_say_nothing)
+    #: False for the ranks of a distributed run other than 0: they read, never write
+    writer: bool = True
 
-    def metrics(self, columns: list[str], name: str = "metrics.csv") -> MetricsLog:
-        return MetricsLog(self.path / name, columns)
+    def metrics(self, columns: list[str], name: str = "metrics.csv") -> "MetricsLog | NullLog":
+        return MetricsLog(self.path / name, columns) if self.writer else NullLog(columns)
 
     def checkpoints(self) -> Checkpoints:
         return Checkpoints(self.path / "checkpoints", self.notice)
@@ -167,13 +187,15 @@ class CellWork:
         why = verify_dir(self.final)
         if why is None:
             return self.final
+        if not self.writer:
+            return None
         self.notice(f"{self.final} is unusable ({why}); it will be written again")
         shutil.rmtree(self.final, ignore_errors=True)
         return None
 
     def shared(self, name: str) -> "CellWork":
         """A stage several cells of the run share (e.g. ``pretrain-rope-seed0``), beside the cells."""
-        return CellWork(self.path.parent / name, self.progress, self.notice)
+        return CellWork(self.path.parent / name, self.progress, self.notice, self.writer)
 
     def relative(self, path: Path) -> str:
         """``path`` relative to the run directory (what results.csv records)."""

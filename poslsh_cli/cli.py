@@ -59,8 +59,13 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
     """poslsh: Positional-LSH experiment runner."""
 
 
-def fail(command: str, message: str, code: int = 2) -> None:
-    """One clear line on stderr, then exit non-zero."""
+def fail(command: str, message: "str | BaseException", code: int = 2) -> None:
+    """One clear line on stderr, then exit non-zero. Under torchrun only rank 0 says what rank 0
+    decided (the other ranks exit with the same code, silently)."""
+    from poslsh_cli.distributed import FollowerError
+
+    if isinstance(message, FollowerError):
+        raise SystemExit(code)
     first = " ".join(str(message).strip().splitlines()[:1]) or type(message).__name__
     sys.stderr.write(f"poslsh {command}: error: {first}\n")
     sys.stderr.flush()
@@ -214,19 +219,33 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     from poslsh_cli import ownership
     from poslsh_cli.rundir import check_writable, missing_top, timestamp
 
+    from poslsh_cli import distributed as dist
+
     args = models.shorthand(list(args)) if "model" in exp.groups else list(args)
     try:
+        if dist.active():  # torchrun: every rank runs this; rank 0 names the run directory
+            if multirun:
+                raise ConfigError("a multirun (-m) cannot run under torchrun: start one torchrun per job, or "
+                                  "a SLURM sweep with hydra.launcher.tasks_per_node")
+            if not exp.distributed:
+                raise ConfigError(f"poslsh {exp.name} runs in one process; only train runs under torchrun "
+                                  f"(WORLD_SIZE={dist.world().size})")
+            dist.init()
         args = _positional(exp, args)
         jobs = _parse(exp, args, multirun)
-        out = _out_of(jobs[0]) or str(Path("runs") / exp.name / timestamp())
+        out = dist.broadcast(_out_of(jobs[0]) or str(Path("runs") / exp.name / timestamp()))
         out = str(Path(out).expanduser().resolve())
         for job in jobs:
             job = [o for o in job if not o.startswith("out=")] + [f"out={out}"]
             registry.compose_spec(exp, job)
-        check_writable(Path(out))
-        ownership.check_free(Path(out))
+
+        def where() -> None:
+            check_writable(Path(out))
+            ownership.check_free(Path(out))
+
+        dist.decide(where)
     except ConfigError as exc:
-        fail(exp.name, str(exc))
+        fail(exp.name, exc)
         return
     hydra_args = [a for a in args if a.startswith(_HYDRA_PREFIXES)]
     user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
@@ -321,7 +340,7 @@ def _run_hydra(exp: Experiment, argv: list[str], replay: str, multirun: bool) ->
         try:
             rc = execute(exp, build_spec(exp.spec, cfg), run_dir, replay, _config_text(cfg), meta)
         except ConfigError as exc:
-            fail(exp.name, str(exc))
+            fail(exp.name, exc)
         except RunFailed as exc:
             if os.environ.get("POSLSH_DEBUG"):
                 raise

@@ -58,6 +58,9 @@ class Experiment:
     #: estimated peak memory of the largest cell from the spec alone, in bytes, with what it is
     #: for (checked before anything runs; ``memory_check=false`` skips the check)
     memory: Optional[Callable[[Any], Optional["MemoryNeed"]]] = None
+    #: runs under torchrun / a multi-task SLURM job (data-parallel; rank 0 writes, see
+    #: :mod:`poslsh_cli.distributed`); the others refuse to
+    distributed: bool = False
 
     @property
     def config_name(self) -> str:

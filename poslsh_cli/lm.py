@@ -3,28 +3,40 @@ every predicted position of the evaluation windows, under a position scheme, and
 KL divergence from the model's own next-token distributions when another attention is swapped in.
 
 Windows come from :func:`poslsh_cli.data.eval_windows` (non-overlapping by default: every position
-but the first of a window is predicted). Log-probabilities are taken in float64. Positional-LSH
+but the first of a window is predicted). Log-probabilities are taken in float64. Bits per byte is
+the summed NLL over ln 2 over the UTF-8 bytes the predicted tokens cover (one byte per token for
+byte models), so models with different tokenizers compare on one scale. Positional-LSH
 masks are fixed by the evaluation ``key`` (not by a training step), so an evaluation replays.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Sums over the predicted positions: ``nll`` (natural log), ``predicted`` (how many), ``kl``
-    (nats; KL(own || evaluated), 0 when the model runs under its own scheme)."""
+    """Sums over the predicted positions: ``nll`` (natural log), ``predicted`` (how many), ``nbytes``
+    (UTF-8 bytes of text the predicted tokens cover), ``kl`` (nats; KL(own || evaluated), 0 when
+    the model runs under its own scheme); and per window the NLL and bytes (``windows``: (W, 2)),
+    for intervals over the evaluation text."""
 
     nll: float
     predicted: int
+    nbytes: int
     kl: float = 0.0
+    windows: Any = None
 
     @property
     def loss(self) -> float:
-        """Mean NLL per predicted position (nats)."""
+        """Mean NLL per predicted token (nats)."""
         return self.nll / self.predicted
+
+    @property
+    def bits_per_byte(self) -> float:
+        """``sum NLL / ln 2 / bytes covered``: one scale for every tokenizer."""
+        return self.nll / math.log(2.0) / self.nbytes
 
 
 def fast_cpu_math() -> None:
@@ -40,53 +52,72 @@ def fast_cpu_math() -> None:
 
 
 def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[int] = None,
-             max_tokens: Optional[int] = None, batch: int = 8, key: str = "eval", own: Any = None) -> Evaluation:
+             max_tokens: Optional[int] = None, batch: int = 8, key: str = "eval", own: Any = None,
+             token_bytes: Any = None, shard: tuple[int, int] = (0, 1)) -> Evaluation:
     """The model under position scheme ``state`` on the evaluation windows of ``tokens``.
 
     ``own``: the model's own scheme when ``state`` is another one swapped in: the model runs under
     both on the same windows (each installed in turn, ``own`` again at the end) and the KL
     divergence of the next-token distributions is summed. The model runs in eval mode without
-    gradients and is left in the mode it was in.
+    gradients and is left in the mode it was in. ``shard=(rank, world)``: in a distributed run
+    each rank scores every world-th window (all ranks run the same number of forward passes, so
+    a sharded model stays in step) and every rank gets the sums over all windows, in window
+    order. The batch shrinks so that a batch's float32 logits stay under 1 GiB (large
+    vocabularies); log-probabilities are taken in float64 per window.
     """
     import numpy as np
     import torch
 
+    from poslsh_cli import distributed as dist
     from poslsh_cli.data import eval_windows
     from poslsh_cli.positions import install
 
-    windows = list(eval_windows(tokens, length, stride, max_tokens))
+    windows = list(eval_windows(tokens, length, stride, max_tokens, token_bytes))
+    rank, world = shard
+    mine = list(range(rank, len(windows), world))
     device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size) if hasattr(model, "config") else 256
+    batch = max(1, min(batch, int(2**30 // max(1, 4 * length * vocab))))
+    passes = -(-(-(-len(windows) // world)) // batch)  # forward passes per rank
     swapped = own is not None and state is not own
     states = [state] + ([own] if swapped else [])
     was_training = model.training
     model.eval()
     for st in states:
         st.eval_key = key
-    nll_sum, count, kl = 0.0, 0, 0.0
+    scored: list[tuple[int, float, int, float, int]] = []  # (window, nll, predicted, kl, bytes)
 
-    def logprobs(x: Any, st: Any) -> Any:
+    def logits(x: Any, st: Any) -> Any:
         if own is not None:
             install(model, st)
-        return torch.log_softmax(model(input_ids=x).logits.double()[:, :-1], dim=-1)  # (b, L-1, V)
+        return model(input_ids=x).logits[:, :-1]  # (b, L-1, V)
 
     try:
         with torch.no_grad():
-            for a in range(0, len(windows), batch):
-                group = windows[a:a + batch]
-                x = torch.as_tensor(np.stack([w.tokens for w in group]), device=device)
-                logp = logprobs(x, state)
-                nll = -logp.gather(-1, x[:, 1:, None])[..., 0]  # (b, L-1)
-                ref = logprobs(x, own) if swapped else None
-                for i, w in enumerate(group):  # target position p >= score_from is predicted at p - 1
-                    nll_sum += float(nll[i, w.score_from - 1:].sum())
-                    count += length - w.score_from
+            for p in range(passes):
+                group = mine[p * batch:(p + 1) * batch]
+                idx = group or [0]  # a rank with no window left still runs the pass
+                x = torch.as_tensor(np.stack([windows[i].tokens for i in idx]), dtype=torch.long, device=device)
+                out = logits(x, state)
+                ref = logits(x, own) if swapped else None
+                for j, i in enumerate(group):  # target position p >= score_from is predicted at p - 1
+                    w = windows[i]
+                    logp = torch.log_softmax(out[j, w.score_from - 1:].double(), dim=-1)
+                    nll = -logp.gather(-1, x[j, w.score_from:, None])[..., 0]
+                    kl = 0.0
                     if ref is not None:
-                        r, p = ref[i, w.score_from - 1:], logp[i, w.score_from - 1:]
-                        kl += float((r.exp() * (r - p)).sum())
+                        r = torch.log_softmax(ref[j, w.score_from - 1:].double(), dim=-1)
+                        kl = float((r.exp() * (r - logp)).sum())
+                    scored.append((i, float(nll.sum()), length - w.score_from, kl, int(w.nbytes)))
     finally:
         if own is not None:
             install(model, own)
         for st in states:
             st.eval_key = None
         model.train(was_training)
-    return Evaluation(nll_sum, count, kl)
+    if world > 1:
+        scored = sorted(x for part in dist.gather(scored) for x in part)
+    nll_sum = float(sum(x[1] for x in scored))
+    return Evaluation(nll_sum, int(sum(x[2] for x in scored)), int(sum(x[4] for x in scored)),
+                      float(sum(x[3] for x in scored)),
+                      np.asarray([(x[1], x[4]) for x in scored], dtype=np.float64).reshape(-1, 2))

@@ -104,6 +104,8 @@ class PositionState:
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if not k.startswith("_") and k not in ("step", "eval_key", "native", "plans")}
+        if self.native:
+            d["native"] = True
         d["position"] = self.position.value
         d["sigmas"] = [float(x) for x in self.sigmas]
         return d
@@ -111,7 +113,7 @@ class PositionState:
     @classmethod
     def from_json(cls, d: dict) -> "PositionState":
         return cls(**{k: v for k, v in d.items() if k in ("position", "sigmas", "num_samples", "window_sigmas",
-                                                          "seed", "backend")})
+                                                          "seed", "backend", "native")})
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
@@ -130,7 +132,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     spec = state.attention_spec(module.layer_idx, query.shape[-2], scaling)
-    out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label))  # (B, H, n, d)
+    out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label),
+                 dropout=dropout if module.training else 0.0)  # (B, H, n, d)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -197,6 +200,7 @@ def install(model: Any, state: PositionState) -> Any:
             if "_poslsh_native_forward" not in m.__dict__:
                 m._poslsh_native_forward = m.forward
             m.forward = m._poslsh_native_forward if state.native else _alibi_adapter(m, mtype, layer)
+        config.poslsh = state.to_json()
         model.poslsh_position = state
         return model
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
@@ -255,36 +259,55 @@ def build_model(arch: Arch, state: PositionState, seed: int) -> Any:
     return install(model, state)
 
 
+def set_attention_dropout(model: Any, p: float) -> Any:
+    """Attention dropout ``p`` in every attention layer of a transformers decoder (and its config),
+    applied while training: the regulariser control of exact ALiBi (docs/THEORY.md)."""
+    import torch
+
+    model.config.attention_dropout = float(p)
+    for m in model.modules():
+        d = getattr(m, "attention_dropout", None)
+        if isinstance(d, torch.nn.Dropout):  # BLOOM's own attention
+            d.p = float(p)
+        elif isinstance(d, (int, float)) and hasattr(m, "layer_idx"):
+            m.attention_dropout = float(p)
+    return model
+
+
 def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False) -> tuple[Any, PositionState]:
     """A checkpoint saved by ``poslsh train``, an ALiBi checkpoint (BLOOM, MPT, Falcon-RW: its own
     attention, with its own slopes, as the native state) or another causal LM (its own attention,
     recorded as ``rope``)."""
-    import json
-
     import transformers as tf
 
-    from poslsh_cli.capture import ALIBI_ARCHS, alibi_sigmas_of, check_checkpoint, refuse_rotary_falcon
+    from poslsh_cli.capture import ALIBI_ARCHS, alibi_sigmas_of, check_checkpoint, is_adapter, load_adapter, \
+        read_config, refuse_rotary_falcon
 
     tf.logging.set_verbosity_error()
     path = Path(path)
     check_checkpoint(path)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_config(path)
     mtype = cfg.get("model_type")
     refuse_rotary_falcon(path, mtype, bool(cfg.get("alibi")))
     impl = ALIBI_ARCHS[mtype].impl if mtype in ALIBI_ARCHS else "sdpa"
-    try:
-        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                        attn_implementation=impl, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # a broken checkpoint: one line
-        text = str(exc).strip().splitlines()
-        raise ConfigError(f"{path}: cannot load the checkpoint ({text[0] if text else type(exc).__name__})") from None
+    if is_adapter(path):  # a LoRA adapter saved beside its base: merged here
+        model = load_adapter(path)
+    else:
+        try:
+            model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                            attn_implementation=impl,
+                                                            trust_remote_code=trust_remote_code)
+        except Exception as exc:  # a broken checkpoint: one line
+            text = str(exc).strip().splitlines()
+            raise ConfigError(f"{path}: cannot load the checkpoint ({text[0] if text else type(exc).__name__})") \
+                from None
     heads = model.config.num_attention_heads
-    saved = getattr(model.config, "poslsh", None)
-    if mtype in ALIBI_ARCHS:
+    saved = cfg.get("poslsh")
+    if saved:
+        state = PositionState.from_json(saved)
+    elif mtype in ALIBI_ARCHS:
         state = PositionState(Position.ALIBI, alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads),
                               native=True)
-    elif saved:
-        state = PositionState.from_json(saved)
     else:
         state = PositionState.standard(Position.ROPE, heads)
     install(model, state)

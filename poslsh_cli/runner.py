@@ -9,6 +9,7 @@ run directory says so); the command line turns them into one line.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -62,21 +63,43 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     resolved configuration written to config.yaml (the composed Hydra config, as the user's keys
     read); without it, the spec itself. ``meta`` goes into meta.json (a multirun job's number and
     overrides).
+
+    Several processes (torchrun, a multi-task SLURM job; :mod:`poslsh_cli.distributed`): rank 0
+    does all of the above; the other ranks wait for its checks, prepare the same context, learn
+    the cells still to run from it and run them with it, writing nothing (:func:`_follow`).
     """
+    from poslsh_cli import distributed as dist
     from poslsh_cli.experiment import check_memory
     from poslsh_cli.files import atomic_write_bytes
-    from poslsh_cli.rundir import RunDir
+    from poslsh_cli.rundir import RunDir, cell_id
 
-    run = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec))
-    check_memory(exp, spec)
+    if dist.active():
+        if not exp.distributed:
+            raise ConfigError(f"poslsh {exp.name} runs in one process (this is rank {dist.rank()} of "
+                              f"{dist.world().size}); only train runs under torchrun or a multi-task job")
+        dist.init()
+        if not dist.is_main():
+            return _follow(exp, spec, run_dir)
+
+    found: dict[str, Any] = {}
+
+    def checked() -> None:  # the other ranks wait for this, then prepare (reading what rank 0 cached)
+        found["run"] = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec))
+        check_memory(exp, spec)
+        found["ctx"] = exp.prepare(spec) if exp.prepare is not None else None
+
+    dist.decide(checked)
+    run, ctx = found["run"], found["ctx"]
     err = console()
 
     def notice(text: str) -> None:
         err.print(text, markup=False, highlight=False)
 
-    ctx = exp.prepare(spec) if exp.prepare is not None else None
     keys = exp.cells(spec, ctx)
-    with run.own(argv):
+    owned = contextlib.ExitStack()
+
+    def started() -> list[dict]:
+        owned.enter_context(run.own(argv))
         try:
             run.start(argv, spec.seed, len(keys), notice)
             run.drop_unreadable_cells(notice)
@@ -84,6 +107,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
                 run.write_meta(**meta)
             if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
                 run.write_meta(**ctx.meta)
+            if dist.active():
+                run.write_meta(world_size=dist.world().size)
             for rel, produce in (getattr(ctx, "files", None) or {}).items():
                 target = run.path / rel
                 if not target.exists():
@@ -92,17 +117,35 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
         except OSError as exc:
             run.discard_if_empty()
             raise ConfigError(f"cannot write {run.path}: {exc.strerror}") from None
-        return _loop(exp, spec, ctx, run, keys, err, notice)
+        done = run.done_ids()
+        return [k for k in keys if cell_id(k) not in done]
+
+    with owned:
+        todo = dist.decide(started)
+        return _loop(exp, spec, ctx, run, keys, todo, err, notice)
 
 
-def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], err: Any, notice: Any) -> int:
-    """The cells not yet done, each written as it finishes (the run directory is owned)."""
+def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
+    """A rank other than 0: the same cells as rank 0, computing its share, writing nothing."""
+    from poslsh_cli import distributed as dist
+    from poslsh_cli.cellwork import CellWork
+    from poslsh_cli.rundir import work_name
+
+    dist.decide(lambda: None)  # rank 0 has checked the run directory and prepared the data
+    ctx = exp.prepare(spec) if exp.prepare is not None else None
+    todo = dist.decide(lambda: [])
+    for key in todo:
+        exp.run_cell(spec, key, ctx, CellWork(Path(run_dir) / "work" / work_name(key), writer=False))
+    return 0
+
+
+def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo: list[dict], err: Any,
+          notice: Any) -> int:
+    """The cells not yet done (``todo``), each written as it finishes (the run directory is owned)."""
     from poslsh_cli.rundir import cell_id
 
-    done = run.done_ids()
-    todo = [k for k in keys if cell_id(k) not in done]
     index = {cell_id(k): i for i, k in enumerate(keys)}
-    if done:
+    if len(todo) < len(keys):
         err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done", markup=False)
     status = "complete"
     try:

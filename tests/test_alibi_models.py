@@ -159,16 +159,13 @@ def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(famil
         assert rel < (2e-3 if family == "falcon" else 1e-5), (family, length, rel)
         assert alibi.kl < (1e-3 if family == "falcon" else 1e-8)
         assert df.loc[("poslsh", length)].kl > alibi.kl
-    # bits per byte = bits per token / (UTF-8 bytes per token of the evaluated text)
-    from transformers import AutoTokenizer
+    # bits per byte = summed NLL / ln 2 / UTF-8 bytes covered by the predicted tokens
+    from poslsh_cli.data import HFTokenizer, eval_windows, load_corpus
 
-    from poslsh_cli.data import load_corpus
-
-    val = load_corpus("builtin", 0.1).val
-    ids = AutoTokenizer.from_pretrained(path)(bytes(val).decode("utf-8", errors="replace"),
-                                              add_special_tokens=False)["input_ids"]
+    c = load_corpus("builtin", tokenizer=HFTokenizer.load(path))
     row = df.loc[("own", 32)]
-    assert row.bits_per_byte == pytest.approx(row.bits_per_token * len(ids) / len(val), rel=1e-12)
+    assert row.bytes == sum(w.nbytes for w in eval_windows(c.val, 32, max_tokens=3000, token_bytes=c.val_bytes))
+    assert row.bits_per_byte == pytest.approx(row.bits_per_token * row.tokens / row.bytes, rel=1e-12)
 
 
 BAICHUAN_CODE = '''

@@ -75,10 +75,17 @@ def test_default_model_is_the_shipped_minilm():
     torch.testing.assert_close(ref[0].float(), c.output, rtol=1e-4, atol=1e-5)
 
 
-def test_builtin_text_is_long_english_prose():
+def test_builtin_text_is_the_shipped_corpus_and_pydoc_topics_is_prose():
+    import hashlib
+
+    from poslsh_cli.data import BUILTIN_SHA256, PYDOC_TOPICS
+
     text = builtin_text()
-    assert len(text) > 100_000 and " the " in text
-    assert not any(line.strip() and set(line.strip()) <= set("*=-~^") for line in text.splitlines())
+    assert hashlib.sha256(text.encode()).hexdigest() == BUILTIN_SHA256 and len(text) > 10_000_000
+    assert read_text("builtin") == text
+    topics = read_text(PYDOC_TOPICS)
+    assert len(topics) > 100_000 and " the " in topics
+    assert not any(line.strip() and set(line.strip()) <= set("*=-~^") for line in topics.splitlines())
 
 
 def test_bad_checkpoints_are_refused(tmp_path):

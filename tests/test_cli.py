@@ -95,7 +95,7 @@ def test_sample_with_alibi_heads(tmp_path):
     (["matrix-error", "trials=0"], "trials must be >= 1"),
     (["matrix-error", "trials=abc"], "trials must be an integer, got 'abc'"),
     (["sample", "n=abc"], "n must be an integer, got 'abc'"),
-    (["matrix-error", "tol=2"], "tol must be in [0, 1)"),
+    (["matrix-error", "tol=2"], "tol must be in (0, 1)"),
     (["block-stats", "s_per_log_n=0"], "s_per_log_n must be > 0"),
     (["matrix-error", "method=slow"], "method must be"),
     (["matrix-error", "n=100000", "method=dense"], "dense_max_n"),
@@ -209,8 +209,8 @@ def test_plot_rejects_non_run(tmp_path):
 def test_killed_run_resumes_without_recomputing(tmp_path):
     """SIGTERM half-way, then the same command: every cell exactly once, same numbers."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "poslsh_cli", "matrix-error", "n=[3000,6000]", "sigma=[2,4,8]",
-           "s=[2,4,8,16,32]", "trials=3", f"out={out}"]
+    cmd = [sys.executable, "-m", "poslsh_cli", "matrix-error", "n=[3000,6000]", "sigma=[2,8]",
+           "s=[2,8,32]", "trials=2", f"out={out}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.time() + 120
@@ -224,7 +224,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "interrupted"
     done_before = {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.json")}
-    assert 5 <= len(done_before) < 90
+    assert 5 <= len(done_before) < 24
     partial = pd.read_csv(out / "results.csv")
     assert len(partial) == len(done_before)
 
@@ -234,7 +234,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
     for name, mtime in done_before.items():  # finished cells were not recomputed
         assert (out / "cells" / name).stat().st_mtime_ns == mtime
     df = pd.read_csv(out / "results.csv")
-    assert len(df) == 90 and not df.duplicated(["n", "sigma", "s", "trial"]).any()
+    assert len(df) == 24 and not df.duplicated(["n", "sigma", "s", "trial"]).any()
     assert json.loads((out / "meta.json").read_text())["sessions"] == 2
 
     fresh = tmp_path / "fresh"

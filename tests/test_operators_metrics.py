@@ -70,7 +70,7 @@ def test_certified_interval_holds_the_dense_norm_at_8192_with_one_sample():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("s,seed", [(1, 0), (1, 1), (2, 0), (2, 1)])
+@pytest.mark.parametrize("s,seed", [(1, 0), (2, 1)])
 def test_certified_interval_holds_a_tighter_run_at_32768(s, seed):
     """Issue 21: n = 32768, sigma = 4, s = 1 and 2 (where restarted Lanczos crawled): the default run
     certifies its interval in at most 500 matvecs, and a run 100 times tighter from the same start

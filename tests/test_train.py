@@ -187,21 +187,6 @@ def test_eval_windows_predict_every_byte_once():
     assert seen[0] == 0 and (seen[1:start + 75] == 1).all()
 
 
-def test_corpus_split_and_bad_data(tmp_path):
-    c = load_corpus("builtin", 0.1)
-    assert abs(len(c.val) / (len(c.train) + len(c.val)) - 0.1) < 1e-3 and len(c.sha256) == 64
-    (tmp_path / "empty.txt").write_text("  \n")
-    from poslsh_cli.config import ConfigError
-
-    with pytest.raises(ConfigError, match="empty"):
-        load_corpus(str(tmp_path / "empty.txt"))
-    with pytest.raises(ConfigError, match="no such file"):
-        load_corpus(str(tmp_path / "nope.txt"))
-    (tmp_path / "short.txt").write_text("a few bytes only")
-    with pytest.raises(ConfigError, match="fewer than one window"):
-        load_corpus(str(tmp_path / "short.txt"), min_bytes=33)
-
-
 # ---------------------------------------------------------------------------------------------
 # poslsh train, perplexity, step-bench end to end
 

@@ -156,7 +156,7 @@ class BandedAlibi(torch.autograd.Function):
 
 
 def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Causal exact ALiBi with the bias-free causal SDPA kernel.
 
     Under the causal mask ``-m_h (i - j) = m_h j - m_h i`` and ``-m_h i`` is constant along a
@@ -184,15 +184,16 @@ def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch
     ke[..., 0] = (slopes[:, None] * pos[None, :] / sc)[None]
     ve = v.new_zeros(B, H, n, extra)
     out = torch.nn.functional.scaled_dot_product_attention(
-        torch.cat([q, qe], -1), torch.cat([k, ke], -1), torch.cat([v, ve], -1), is_causal=True, scale=sc)
+        torch.cat([q, qe], -1), torch.cat([k, ke], -1), torch.cat([v, ve], -1), is_causal=True, scale=sc,
+        dropout_p=dropout)
     return out[..., :d]
 
 
 def no_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) V`` (PyTorch SDPA: flash/memory-efficient kernels where available).
 
     q, k, v: (B, H, n, d), any float dtype. Returns (B, H, n, d) in q's dtype.
     """
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                            scale=scale_of(q.shape[-1], scale))
+                                                            scale=scale_of(q.shape[-1], scale), dropout_p=dropout)

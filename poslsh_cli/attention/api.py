@@ -136,7 +136,7 @@ def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: Backe
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, backend: Backend | str = "auto",
            layout: BlockLayout | FlexLayout | None = None, plan: Plan | None = None,
-           on_plan: Callable[[Plan], None] | None = None) -> torch.Tensor:
+           on_plan: Callable[[Plan], None] | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Run ``spec.method`` on q, k, v: the one entry point of every method.
 
     Args:
@@ -149,6 +149,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         plan: run exactly this plan (from :func:`~poslsh_cli.attention.plan.plan_for`), so that
             what a caller records is what ran.
         on_plan: called with the plan that runs (callers that record the path taken).
+        dropout: attention dropout probability (training only): the SDPA-based paths (sdpa,
+            dense, rank1) drop attention probabilities; the others refuse it.
 
     Returns (B, H, n, d) in q's dtype.
     """
@@ -159,25 +161,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work)
     if on_plan is not None:
         on_plan(plan)
-    return _run(q, k, v, spec, plan, layout)
+    if dropout and plan.backend not in DROPOUT_BACKENDS:
+        raise ValueError(f"attention dropout is not available on the {plan.label} path of {spec.method.value} "
+                         f"(only {', '.join(b.value for b in DROPOUT_BACKENDS)})")
+    return _run(q, k, v, spec, plan, layout, dropout)
+
+
+#: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
+DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, plan: Plan,
-         layout: BlockLayout | FlexLayout | None) -> torch.Tensor:
+         layout: BlockLayout | FlexLayout | None, dropout: float = 0.0) -> torch.Tensor:
     b, sig = plan.backend, as_sigmas(spec.sigmas, q.shape[1])
     if b is Backend.REFERENCE:
         return reference_attention(q, k, v, reference_weight(spec, q.shape[-2], q.device), spec.causal,
                                    spec.scale)[0].to(q.dtype)
     if b is Backend.SDPA:
-        return no_bias_attention(q, k, v, spec.causal, scale=spec.scale)
+        return no_bias_attention(q, k, v, spec.causal, scale=spec.scale, dropout=dropout)
     if b is Backend.DENSE:
         if spec.partitions is not None:
             bias = poslsh_bias(spec.partitions, spec.causal, q.device, bias_dtype(q.dtype))
         else:
             bias = alibi_bias(q.shape[-2], sig, spec.causal, spec.window, q.device, bias_dtype(q.dtype))
-        return dense_bias_attention(q, k, v, bias, spec.scale)
+        return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
     if b is Backend.RANK1:
-        return alibi_rank1(q, k, v, sig, spec.scale)
+        return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
     if b is Backend.CHUNKED:
         if plan.kernel is Kernel.FUSED and q.device.type == "cpu" and needs_grad(q, k, v):
             return alibi_banded(q, k, v, sig, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)

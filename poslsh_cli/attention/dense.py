@@ -26,7 +26,7 @@ def bias_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def dense_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                         scale: float | None = None) -> torch.Tensor:
+                         scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) V`` in one SDPA call (differentiable in q, k, v).
 
     Args:
@@ -37,7 +37,7 @@ def dense_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias
     Returns (B, H, n, d) in q's dtype.
     """
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias[None].to(q.dtype), scale=scale_of(q.shape[-1], scale))
+        q, k, v, attn_mask=bias[None].to(q.dtype), scale=scale_of(q.shape[-1], scale), dropout_p=dropout)
 
 
 def alibi_bias(n: int, sigmas: torch.Tensor, causal: bool, window: int | Sequence[int] | None = None,

@@ -2,9 +2,11 @@
 their own position scheme and with another attention swapped in at inference.
 
 ``poslsh perplexity RUN_OR_CHECKPOINT... lengths=[...] attention=[own,alibi,poslsh] s=[...]``:
-each train run directory expands to its cells' final checkpoints. Bits per byte = mean
-next-byte cross-entropy / ln 2 over every predicted position of non-overlapping windows of the
-evaluation length (``stride=`` for sliding windows); perplexity = exp(mean cross-entropy).
+each train run directory expands to its cells' final checkpoints. Windows and lengths are in the
+checkpoint's tokens (bytes for byte models). ``loss`` is the mean NLL per predicted token (nats);
+bits per byte = summed NLL / ln 2 / UTF-8 bytes the predicted tokens cover, over every predicted
+position of non-overlapping windows of the evaluation length (``stride=`` for sliding windows), so
+byte models and BPE models compare on one scale; perplexity = exp(loss), per token.
 Evaluation text: each checkpoint's own validation split (checked against the corpus hash it was
 trained on), or ``data=PATH``. Lengths default to L, 2L, 4L, 8L of the training length L (the
 shape of the ALiBi paper's Figure 1).
@@ -21,11 +23,12 @@ from typing import Any, Optional
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
 from poslsh_cli.config import ConfigError, Spec, check, key
 from poslsh_cli.experiment import Experiment, MemoryNeed, Device, choices, resolve_device
-from poslsh_cli.positions import Position
+from poslsh_cli.positions import Position, method_of
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
-           "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl")
+           "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
+           "attn_dropout")
 LN2 = math.log(2.0)
 
 
@@ -38,14 +41,14 @@ Attention = choices("Attention", [p for p in Position if p is not Position.ROPE]
 class PerplexitySpec(Spec):
     checkpoints: tuple[str, ...] = key("train run directories or checkpoint directories (or give them as plain "
                                        "arguments: poslsh perplexity RUN...)", [], empty=True)
-    lengths: Optional[tuple[int, ...]] = key("evaluation lengths in bytes; null: L, 2L, 4L, 8L of each checkpoint's "
-                                             "training length", None, ge=2)
+    lengths: Optional[tuple[int, ...]] = key("evaluation lengths in tokens (bytes for byte models); null: L, 2L, "
+                                             "4L, 8L of each checkpoint's training length", None, ge=2)
     attention: tuple[Attention, ...] = key("attention at inference: own (as trained), "
                                            + ", ".join(a.value for a in Attention if a is not Attention.OWN),
                                            [Attention.OWN], noun="attention")
     s: tuple[int, ...] = key("Positional-LSH masks per head at inference (attention=poslsh)", [10], ge=1)
     window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
-    trials: int = key("mask draws per Positional-LSH point", 1, ge=1)
+    trials: int = key("mask draws per Positional-LSH point (own or swapped in)", 3, ge=1)
     stride: Optional[int] = key("sliding windows advancing by stride (each scores its last stride bytes); "
                                 "null: non-overlapping windows", None, ge=1)
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
@@ -61,8 +64,8 @@ class Checkpoint:
     info: dict  # poslsh_train.json (empty for a foreign checkpoint)
     position: str
     trained_len: int
-    tokens: Any = None  # evaluation token ids: bytes for poslsh's byte models, the checkpoint's tokens otherwise
-    bytes_per_token: float = 1.0  # UTF-8 bytes of the evaluation text per token
+    tokens: Any = None  # evaluation token ids: bytes for byte models, the checkpoint's own tokens otherwise
+    token_bytes: Any = None  # UTF-8 bytes each evaluation token covers
 
 
 @dataclass
@@ -80,7 +83,7 @@ def _expand(entry: str) -> list[tuple[Path, str]]:
     p = Path(entry).expanduser().resolve()
     if not p.exists():
         raise ConfigError(f"{entry} does not exist")
-    if (p / "config.json").is_file():
+    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return [(p, str(p))]
     if (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file()):
         df = results(p)
@@ -90,10 +93,11 @@ def _expand(entry: str) -> list[tuple[Path, str]]:
             raise ConfigError(f"{entry}: the train run has no finished cell yet")
         return [(p / c, f"{p.name}/{c}") for c in df.checkpoint]
     if p.is_dir():
-        found = sorted(q.parent for q in p.rglob("final/config.json"))
+        found = sorted({q.parent for pattern in ("final/config.json", "final/adapter_config.json")
+                        for q in p.rglob(pattern)})
         if found:
             return [(q, str(q.relative_to(p.parent))) for q in found]
-    raise ConfigError(f"{entry}: neither a checkpoint directory (config.json) nor a train run")
+    raise ConfigError(f"{entry}: neither a checkpoint directory (config.json, or a LoRA adapter) nor a train run")
 
 
 def memory(spec: PerplexitySpec) -> MemoryNeed | None:
@@ -102,7 +106,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
     exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
     from poslsh_cli.attention import CHUNK_ELEMENTS
-    from poslsh_cli.capture import weights_bytes
+    from poslsh_cli.capture import read_config, weights_bytes
 
     need, what = 0.0, ""
     try:
@@ -111,7 +115,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
         return None
     for path, name in entries:
         try:
-            cfg = json.loads((path / "config.json").read_text())
+            cfg = read_config(path)
             info = json.loads((path / "poslsh_train.json").read_text()) if (path / "poslsh_train.json").exists() else {}
         except (OSError, ValueError):
             return None
@@ -127,9 +131,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> Context:
-    from poslsh_cli.capture import check_checkpoint, refuse_rotary_falcon
-    from poslsh_cli.data import load_corpus
-
+    from poslsh_cli.capture import check_checkpoint, read_config, refuse_rotary_falcon
     from poslsh_cli.lm import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -142,57 +144,46 @@ def prepare(spec: PerplexitySpec) -> Context:
             check_checkpoint(path)
             info_file = path / "poslsh_train.json"
             info = json.loads(info_file.read_text()) if info_file.exists() else {}
-            cfg = json.loads((path / "config.json").read_text())
+            cfg = read_config(path)
             refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
-            foreign = not info
             position = (cfg.get("poslsh") or {}).get("position") or (
                 Position.ALIBI.value if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else Attention.OWN.value)
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
                 raise ConfigError(f"{path}: no training length recorded; give lengths=[...]")
-            if spec.data is not None:
-                src = (spec.data, 0.0)
-            elif info.get("data"):
-                src = (info["data"], float(info.get("val_fraction", 0.1)))
-            else:  # a checkpoint poslsh did not train: the builtin text's validation part
-                src = ("builtin", 0.1)
-            if src not in corpora:
-                corpora[src] = load_corpus(src[0], src[1] or 1e-9, min_bytes=0)
-            corpus = corpora[src]
-            if spec.data is None and info.get("data_sha256") and corpus.sha256 != info["data_sha256"]:
-                raise ConfigError(f"{path}: data={src[0]} is not the corpus it was trained on (hash differs); "
-                                  "give data=PATH to evaluate on other text")
-            tokens = corpus.val if spec.data is None else _whole(corpus)
-            per_token = 1.0
-            if foreign and cfg.get("vocab_size") != 256:
-                tokens, per_token = _tokenize(path, tokens)
+            corpus = _corpus_for(spec, path, info, cfg, corpora)
+            tokens = corpus.val
             need = max(spec.lengths or [trained])
             if len(tokens) < need:
                 raise ConfigError(f"the evaluation text has {len(tokens)} tokens, fewer than one window of {need}")
-            cks[name] = Checkpoint(path, name, info, position, trained, tokens, per_token)
+            cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes)
     return Context(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}})
 
 
-def _tokenize(path: Path, data: Any) -> tuple[Any, float]:
-    """Token ids of the evaluation bytes with the checkpoint's own tokenizer, and bytes per token."""
-    import numpy as np
+def _corpus_for(spec: PerplexitySpec, path: Path, info: dict, cfg: dict, corpora: dict) -> Any:
+    """The evaluation text of one checkpoint, tokenised as it reads: its own validation split
+    (checked against the hash it was trained on), or all of ``data=``; bytes for byte models, the
+    checkpoint's own tokenizer otherwise."""
+    from poslsh_cli.data import VOCAB, ByteTokenizer, HFTokenizer, load_corpus
 
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:
-        raise ConfigError(f"{path}: not byte-level and no tokenizer to read text with ({str(exc).splitlines()[0]})") from None
-    tok.model_max_length = 1 << 62  # the whole text is encoded once, then cut into windows: no length warning
-    ids = np.asarray(tok(bytes(data).decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"],
-                     dtype=np.int64)
-    return ids, len(data) / max(1, len(ids))
-
-
-def _whole(corpus: Any) -> Any:
-    import numpy as np
-
-    return np.concatenate([corpus.train, corpus.val])
+    byte_model = cfg.get("vocab_size") == VOCAB and not (path / "tokenizer.json").exists() \
+        and not (path / "tokenizer_config.json").exists()
+    tok = ByteTokenizer() if byte_model else HFTokenizer.load(path)
+    if spec.data is not None:
+        args = dict(data=spec.data, whole=True)
+    elif info.get("data"):
+        args = dict(data=info["data"], val_fraction=float(info.get("val_fraction", 0.1)),
+                    val_every=int(info.get("val_every", 10)), field=info.get("data_field", "text"))
+    else:  # a checkpoint poslsh did not train: the builtin corpus's validation documents
+        args = dict(data="builtin")
+    keyed = (tuple(sorted(args.items())), tok.digest)
+    if keyed not in corpora:
+        corpora[keyed] = load_corpus(tokenizer=tok, **args)
+    corpus = corpora[keyed]
+    if spec.data is None and info.get("data_sha256") and corpus.sha256 != info["data_sha256"]:
+        raise ConfigError(f"{path}: data={args['data']} is not the corpus it was trained on (hash differs); "
+                          "give data=PATH to evaluate on other text")
+    return corpus
 
 
 def lengths_of(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
@@ -225,14 +216,24 @@ def _model(ctx: Context, ck: Checkpoint) -> tuple[Any, Any]:
 
 
 def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, seed: int) -> Any:
-    """The position state for ``attention``: the trained one for ``own``; otherwise the named
-    scheme with the checkpoint's sigmas (its ALiBi slopes)."""
+    """The position state for ``attention``: the trained one for ``own`` (with its masks drawn from
+    ``seed`` when they are random); otherwise the named scheme with the checkpoint's sigmas (its
+    ALiBi slopes). Random masks of layer l, head h come from ``derive_seed(seed, "masks", "eval",
+    "perplexity", l, h)``: the row's ``seed`` replays them."""
+    import dataclasses
+
     from poslsh_cli.positions import PositionState
 
     if attention is Attention.OWN:
-        return own
+        return dataclasses.replace(own, seed=seed, plans=set(), _cache={}) if _random(own) else own
     return PositionState(Position(attention.value), own.sigmas, num_samples=s, window_sigmas=spec.window_sigmas,
                          seed=seed)
+
+
+def _random(state: Any) -> bool:
+    from poslsh_cli.methods import INFO
+
+    return state.position is not Position.ROPE and INFO[method_of(state.position)].randomized
 
 
 def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
@@ -245,17 +246,19 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: Context, work: Any 
     state = scheme_for(spec, att, s, own, seed)
     t0 = time.perf_counter()
     ev = evaluate(model, state, ck.tokens, length, spec.stride, max(spec.max_tokens, length), spec.batch,
-                  key=f"perplexity-{trial}", own=own)
-    total, count, kl = ev.nll, ev.predicted, ev.kl
-    loss = total / count
+                  key="perplexity", own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes)
+    loss = ev.loss
     used_s = s if att is Attention.POSLSH else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
     row = {"checkpoint": ck.name, "position": ck.position, "attention": att.value, "s": used_s, "length": length,
-           "trial": trial, "seed": seed if stochastic(att, ck) else -1, "tokens": count, "loss": loss,
-           "bits_per_byte": loss / LN2 / ck.bytes_per_token, "ppl": math.exp(loss), "seconds": time.perf_counter() - t0,
+           "trial": trial, "seed": seed if stochastic(att, ck) else -1, "tokens": ev.predicted, "loss": loss,
+           "bits_per_byte": ev.bits_per_byte, "ppl": math.exp(loss), "seconds": time.perf_counter() - t0,
            "trained_len": ck.trained_len, "trained_s": int(ck.info.get("s", 0)),
            "finetuned": "yes" if ck.info.get("init") else "no", "run_seed": ck.info.get("seed", -1),
-           "bits_per_token": loss / LN2, "kl": kl / count if att is not Attention.OWN else 0.0}
-    return [row], {}
+           "bits_per_token": loss / LN2, "kl": ev.kl / ev.predicted if att is not Attention.OWN else 0.0,
+           "bytes": ev.nbytes, "attn_dropout": float(ck.info.get("attn_dropout", 0.0))}
+    windows = [{"checkpoint": ck.name, "attention": att.value, "s": used_s, "length": length, "trial": trial,
+                "window": i, "bits": float(nll) / LN2, "bytes": int(nb)} for i, (nll, nb) in enumerate(ev.windows)]
+    return [row], {"windows": windows}
 
 
 def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
@@ -265,7 +268,7 @@ def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
     anything are left out (skip_reason says so when none is left)."""
     def trained(p: Path) -> Path | None:
         for cand in (p, p / "0"):
-            if any(cand.glob("work/*/final/config.json")):
+            if any(cand.glob("work/*/final/config.json")) or any(cand.glob("work/*/final/adapter_config.json")):
                 return cand
         return None
 
@@ -275,6 +278,11 @@ def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
 
 
 def skip_reason(spec: PerplexitySpec) -> str | None:
+    from poslsh_cli.experiment import cuda_skip_reason
+
+    why = cuda_skip_reason(spec.device)
+    if why:
+        return why
     if not spec.checkpoints:
         return "nothing to evaluate: no trained checkpoints (the training presets did not run)"
     for c in spec.checkpoints:
@@ -299,7 +307,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("perplexity", "perplexity_long"),
+    presets=("perplexity", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu"),
     order=60,
     positional="checkpoints",
     skip_reason=skip_reason,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.claims import Section, Status, Verdict, combine
+from poslsh_cli.claims import Section
 from poslsh_cli.positions import Position
 
 OWN = "own"  # the attention column's value for a model run as trained
@@ -16,10 +16,6 @@ ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE
 FIXED_BLOCK, ROPE = Position.FIXED_BLOCK.value, Position.ROPE.value
 SCHEMES = [p.value for p in Position]
 MARKERS = {OWN: "o", ALIBI: "s", POSLSH: "^", Position.WINDOWED.value: "D", FIXED_BLOCK: "x", NONE: "v"}
-#: Positional LSH's reference s for claims about one s (the paper's s=10), when it was run.
-REFERENCE_S = 10
-#: Extrapolation: bits per byte at 4L may exceed the value at L by at most this much.
-EXTRAPOLATION_MARGIN = 0.05
 
 
 def scheme_rank(position: str, s: int = 0) -> tuple:
@@ -185,158 +181,63 @@ def zoom_limits(lows: list[float], highs: list[float], best: float, within: floa
 
 
 # ---------------------------------------------------------------------------------------------
-# claims
+# the report
 
 
-def scheme_bpb(g: Any, position: str, s: int, length: int) -> Any:
-    """Per training seed: bits per byte of one scheme at one length (mean over mask draws)."""
-    sel = g[(g.position == position) & (g.length == length)]
-    if position == POSLSH:
-        sel = sel[sel.trained_s == s]
-    return sel.groupby("run_seed").bits_per_byte.mean()
+def interval_table(own: Any) -> Any:
+    """Per trained scheme and evaluation length: mean bits per byte with its 95% t-interval over
+    training seeds (each seed the mean over its mask draws), and the counts it rests on."""
+    import pandas as pd
+
+    from poslsh_cli.stats import t_interval
+
+    rows = []
+    keys = ["finetuned", "trained_len", "position", "trained_s", "attn_dropout"]
+    own = own.assign(attn_dropout=own.get("attn_dropout", 0.0)).fillna({"attn_dropout": 0.0})
+    for k, g in sorted(own.groupby(keys), key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4])):
+        for length, h in g.groupby("length"):
+            per_seed = h.groupby("run_seed").bits_per_byte.mean()
+            iv = t_interval(per_seed.values)
+            rows.append({"fine-tuned": k[0], "L": k[1],
+                         "scheme": k[2] + (f" s={k[3]}" if k[3] else "") + (f" +dropout {k[4]:g}" if k[4] else ""),
+                         "length": length, "bits/byte": round(iv.estimate, 4),
+                         "95% interval": f"[{iv.low:.4f}, {iv.high:.4f}]" if iv.finite else "-",
+                         "seeds": iv.n, "draws/seed": int(h.groupby("run_seed").size().max())})
+    return pd.DataFrame(rows)
 
 
-def _seeds(k: int) -> str:
-    return f"{k} seed" + ("" if k == 1 else "s")
+def _windows(run: Path) -> Any:
+    import pandas as pd
 
-
-def _spread(*groups: Any) -> float:
-    import numpy as np
-
-    return max([float(np.ptp(g)) for g in groups if len(g) > 1] or [0.0])
+    path = Path(run) / "windows.csv"
+    return pd.read_csv(path) if path.exists() and path.stat().st_size else None
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
+    from poslsh_cli.experiments import perplexity_claims as pc
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
-    head, rows = summary(df)
-    sec.tables.append(pd.DataFrame(rows, columns=head))
     own = df[df.attention == OWN]
-    scratch, tuned = own[own.finetuned != "yes"], own[own.finetuned == "yes"]
-    L = int(df.trained_len.max()) if len(df) else 0
-    sec.verdicts += claim_reaches_alibi(scratch, L)
-    sec.verdicts += claim_beats_no_bias(scratch, L)
-    sec.verdicts += claim_finetune_approaches_alibi(tuned)
-    sec.verdicts += claim_finetune_beats_fixed_blocks(tuned)
-    sec.verdicts += claim_extrapolation(scratch, L)
+    if "attn_dropout" not in own.columns:
+        own = own.assign(attn_dropout=0.0)
+    sec.tables.append(interval_table(own))
+    sec.paragraphs.append(
+        "Bits per byte of each model under its own attention, mean over training seeds with a 95% t-interval; "
+        "each seed's value is the mean over its Positional-LSH mask draws, so the interval covers training seeds "
+        "and mask draws. Every model is evaluated on the same windows of the same validation documents, so "
+        "comparisons are paired (by seed); with fewer than three seeds a comparison uses the per-window "
+        "differences on those windows (evaluation noise only) and says so.")
+    windows = _windows(run)
+    for L, g in own[own.finetuned != "yes"].groupby("trained_len"):
+        d = pc.Data(g, windows, int(L))
+        for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_alibi, pc.claim_extrapolation):
+            sec.verdicts += claim(d)
+    tuned = own[own.finetuned == "yes"]
+    d = pc.Data(tuned, windows, int(tuned.trained_len.max())) if len(tuned) else None
+    sec.verdicts += pc.claim_finetune_approaches_alibi(d)
+    sec.verdicts += pc.claim_finetune_beats_fixed_blocks(d)
     swapped = df[df.attention != OWN]
     if len(swapped):
         sec.paragraphs.append(f"{len(swapped)} rows evaluate a model with another attention than its own "
                               "(the figure 'attention swapped at inference', the 'attention' column of results.csv).")
     return sec
-
-
-def claim_reaches_alibi(scratch: Any, L: int) -> list[Verdict]:
-    """From scratch, Positional LSH (each s) reaches the bits per byte of exact ALiBi."""
-    rule = ("at the training length L, mean bits per byte over seeds; 'reaches' when Positional LSH - ALiBi <= "
-            "the larger range (max - min) over the two schemes' seeds, i.e. not worse beyond the seed-to-seed "
-            "spread (better counts); needs two seeds of at least one, else INCONCLUSIVE")
-    alibi = scheme_bpb(scratch, ALIBI, 0, L)
-    out = []
-    for s in sorted(scratch[scratch.position == POSLSH].trained_s.unique()):
-        p = scheme_bpb(scratch, POSLSH, s, L)
-        claim = f"from scratch, Positional LSH s={s} reaches the bits per byte of exact ALiBi"
-        if alibi.empty or p.empty:
-            out.append(Verdict(claim, Status.NOT_MEASURED, "missing alibi or poslsh runs", rule))
-            continue
-        spread, gap = _spread(alibi, p), float(p.mean() - alibi.mean())
-        status = (Status.INCONCLUSIVE if len(alibi) < 2 and len(p) < 2
-                  else Status.SUPPORTED if gap <= spread else Status.NOT_SUPPORTED)
-        out.append(Verdict(claim, status, f"L={L}: poslsh {p.mean():.4f} ({_seeds(len(p))}), alibi {alibi.mean():.4f} "
-                           f"({_seeds(len(alibi))}), difference {gap:+.4f}, seed spread {spread:.4f}", rule))
-    return out
-
-
-def claim_beats_no_bias(scratch: Any, L: int) -> list[Verdict]:
-    """From scratch, Positional LSH (the reference s) beats the model without positional bias."""
-    ps = scratch[scratch.position == POSLSH].trained_s
-    if not len(ps):
-        return []
-    s_ref = REFERENCE_S if (ps == REFERENCE_S).any() else int(ps.max())
-    p, none = scheme_bpb(scratch, POSLSH, s_ref, L), scheme_bpb(scratch, NONE, 0, L)
-    claim = f"from scratch, Positional LSH s={s_ref} beats the model without positional bias"
-    if none.empty:
-        return [Verdict(claim, Status.NOT_MEASURED, "no position=none run", "lower mean bits per byte")]
-    spread, gap = _spread(none, p), float(none.mean() - p.mean())
-    return [Verdict(claim, Status.SUPPORTED if gap > spread else Status.NOT_SUPPORTED,
-                    f"L={L}: none {none.mean():.4f}, poslsh {p.mean():.4f} (none - poslsh = {gap:+.4f}; seed "
-                    f"spread {spread:.4f})", "none - poslsh larger than the seed-to-seed spread")]
-
-
-def _finetune_gaps(tuned: Any) -> tuple[int, Any, dict[int, float]]:
-    Lt = int(tuned.trained_len.max())
-    a = scheme_bpb(tuned, ALIBI, 0, Lt)
-    svals = sorted(tuned[tuned.position == POSLSH].trained_s.unique())
-    gaps = {s: float(scheme_bpb(tuned, POSLSH, s, Lt).mean() - a.mean()) for s in svals} if len(a) else {}
-    return Lt, a, gaps
-
-
-def claim_finetune_approaches_alibi(tuned: Any) -> list[Verdict]:
-    """Fine-tuned from one pretrained model, Positional LSH approaches exact ALiBi as s grows."""
-    from scipy import stats
-
-    claim = "fine-tuned, Positional LSH approaches exact ALiBi as s grows"
-    if tuned.empty:
-        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)",
-                        "needs checkpoints fine-tuned from one pretrained model")]
-    _, _, gaps = _finetune_gaps(tuned)
-    rule = ("gap = bits per byte of Positional LSH s minus exact ALiBi, both fine-tuned from the same model; "
-            "SUPPORTED when its Spearman rank correlation with s is <= -0.8 over at least four s, NOT SUPPORTED "
-            "when >= 0, else INCONCLUSIVE")
-    if len(gaps) < 4:
-        st = Status.NOT_MEASURED if not gaps else Status.INCONCLUSIVE
-        ev = "fewer than four s" if gaps else "no alibi or poslsh fine-tuning runs"
-    else:
-        rho = float(stats.spearmanr(list(gaps), list(gaps.values())).statistic)
-        st = Status.SUPPORTED if rho <= -0.8 else Status.NOT_SUPPORTED if rho >= 0 else Status.INCONCLUSIVE
-        ev = f"Spearman {rho:.2f}"
-    ev += "; gaps " + ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items()) if gaps else ""
-    return [Verdict(claim, st, ev, rule)]
-
-
-def claim_finetune_beats_fixed_blocks(tuned: Any) -> list[Verdict]:
-    """Fine-tuned, Positional LSH is clearly better than fixed blocks."""
-    claim = "fine-tuned, Positional LSH is clearly better than fixed blocks"
-    rule = ("Positional LSH at the largest s closes at least half of the gap between fixed blocks and exact "
-            "ALiBi: fixed_block - poslsh >= 0.5 (fixed_block - alibi), and that gap is positive")
-    if tuned.empty:
-        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule)]
-    Lt, a, gaps = _finetune_gaps(tuned)
-    fb = scheme_bpb(tuned, FIXED_BLOCK, 0, Lt)
-    if fb.empty or not gaps:
-        return [Verdict(claim, Status.NOT_MEASURED, "missing fixed_block, alibi or poslsh runs", rule)]
-    smax = max(gaps)
-    pv = float(scheme_bpb(tuned, POSLSH, smax, Lt).mean())
-    need = 0.5 * float(fb.mean() - a.mean())
-    ok = need > 0 and float(fb.mean()) - pv >= need
-    return [Verdict(claim, Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
-                    f"L={Lt}: fixed_block {float(fb.mean()):.4f}, poslsh s={smax} {pv:.4f}, alibi {float(a.mean()):.4f}",
-                    rule)]
-
-
-def claim_extrapolation(scratch: Any, L: int) -> list[Verdict]:
-    """Positional LSH (and ALiBi) stay robust at 4L; RoPE and no position degrade more."""
-    rule = (f"bits per byte at 4L minus at L (own attention, from scratch): at most {EXTRAPOLATION_MARGIN} for "
-            "SUPPORTED; the comparison needs the same lengths measured for rope or none")
-    deltas = {}
-    for (pos, ts), g in sorted(scratch.groupby(["position", "trained_s"]), key=lambda kg: scheme_rank(*kg[0])):
-        at = g.groupby("length").bits_per_byte.mean()
-        if L in at.index and 4 * L in at.index:
-            deltas[pos + (f" s={ts}" if ts else "")] = float(at[4 * L] - at[L])
-    posl = {k: v for k, v in deltas.items() if k.startswith(POSLSH)}
-    if not posl:
-        return [Verdict("Positional LSH stays robust at 4x the training length", Status.NOT_MEASURED,
-                        "no poslsh checkpoint evaluated at L and 4L", rule)]
-    st = combine(Status.SUPPORTED if d <= EXTRAPOLATION_MARGIN else Status.NOT_SUPPORTED for d in posl.values())
-    out = [Verdict("Positional LSH stays robust at 4x the training length", st,
-                   "; ".join(f"{k}: {v:+.4f}" for k, v in deltas.items()), rule)]
-    others = {k: v for k, v in deltas.items() if k in (ROPE, NONE)}
-    if others:
-        worse = all(v > max(posl.values()) for v in others.values())
-        out.append(Verdict("RoPE and no-position models degrade more at 4L than Positional LSH",
-                           Status.SUPPORTED if worse else Status.NOT_SUPPORTED,
-                           "; ".join(f"{k}: {v:+.4f}" for k, v in others.items())
-                           + f"; poslsh worst {max(posl.values()):+.4f}",
-                           "each of rope / none degrades by more than every Positional-LSH model"))
-    return out

@@ -1,0 +1,306 @@
+"""The paper's downstream claims, each judged from ``poslsh perplexity`` rows by a rule with an
+interval (:mod:`poslsh_cli.stats`): one function per claim.
+
+A trained scheme is (position, s, attention dropout). Its value at a length is, per training seed,
+the mean bits per byte over the mask draws of that seed's model (own attention); comparisons are
+paired by seed. With fewer than three common seeds a comparison uses the per-window differences of
+the same models on the same evaluation windows (evaluation noise only), and says so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from poslsh_cli.claims import Status, Verdict
+from poslsh_cli.positions import Position
+from poslsh_cli.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, difference, equivalence,
+                              paired, paired_windows, slope)
+
+OWN = "own"
+ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
+FIXED_BLOCK, ROPE = Position.FIXED_BLOCK.value, Position.ROPE.value
+#: Positional LSH's reference s for claims about one s (the paper's s=10), when it was run.
+REFERENCE_S = 10
+#: Extrapolation: bits per byte at 4L may exceed the value at L by at most this much ("robust").
+EXTRAPOLATION_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Scheme:
+    position: str
+    s: int = 0
+    dropout: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.position + (f" s={self.s}" if self.s else "") + (f" +dropout {self.dropout:g}" if self.dropout else "")
+
+
+@dataclass
+class Data:
+    """The own-attention rows of one group of models (from scratch or fine-tuned, one training
+    length) and the evaluation windows of the run (``windows.csv``; may be empty)."""
+
+    rows: Any
+    windows: Any
+    L: int
+
+    def select(self, sc: Scheme, length: int) -> Any:
+        r = self.rows[(self.rows.position == sc.position) & (self.rows.length == length)]
+        if sc.position == POSLSH:
+            r = r[r.trained_s == sc.s]
+        if "attn_dropout" in r.columns:
+            r = r[r.attn_dropout.fillna(0.0).round(6) == round(sc.dropout, 6)]
+        return r
+
+    def per_seed(self, sc: Scheme, length: int) -> dict:
+        """Bits per byte per training seed: the mean over that seed's mask draws."""
+        return self.select(sc, length).groupby("run_seed").bits_per_byte.mean().to_dict()
+
+    def present(self, sc: Scheme, length: int) -> bool:
+        return len(self.select(sc, length)) > 0
+
+    def window_bits(self, sc: Scheme, length: int, seeds: list) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(bits per window, bytes per window) of the scheme's models of ``seeds``, each window's bits
+        the mean over the mask draws, windows of the seeds concatenated in seed order."""
+        if self.windows is None or not len(self.windows):
+            return None
+        sel = self.select(sc, length)
+        bits, nbytes = [], []
+        for seed in seeds:
+            cks = sel[sel.run_seed == seed].checkpoint.unique()
+            if not len(cks):
+                return None
+            w = self.windows[(self.windows.checkpoint == cks[0]) & (self.windows.attention == OWN)
+                             & (self.windows.length == length)]
+            if w.empty:
+                return None
+            g = w.groupby("window").agg(bits=("bits", "mean"), nbytes=("bytes", "first")).sort_index()
+            bits.append(g.bits.to_numpy())
+            nbytes.append(g.nbytes.to_numpy())
+        return np.concatenate(bits), np.concatenate(nbytes)
+
+    def compare(self, a: Scheme, b: Scheme, length: int, level: float) -> tuple[Optional[Interval], str]:
+        """Interval of bits per byte of ``a`` minus ``b`` at ``length``, and what it rests on."""
+        sa, sb = self.per_seed(a, length), self.per_seed(b, length)
+        common = sorted(set(sa) & set(sb))
+        if len(common) >= MIN_SEEDS:
+            return paired(sa, sb, level), f"{len(common)} training seeds paired"
+        seeds = common or []
+        wa = self.window_bits(a, length, seeds) if seeds else None
+        wb = self.window_bits(b, length, seeds) if seeds else None
+        if wa is None or wb is None or len(wa[0]) != len(wb[0]):
+            return None, f"{len(common)} common seeds and no evaluation windows"
+        iv = paired_windows(wa[0], wb[0], wa[1], level)
+        return iv, f"{len(common)} training seed(s): evaluation noise only, over {iv.n} windows"
+
+
+def _draws(d: Data, sc: Scheme, length: int) -> int:
+    sel = d.select(sc, length)
+    return int(sel.groupby("run_seed").size().max()) if len(sel) else 0
+
+
+def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: str) -> str:
+    sa, sb = d.per_seed(a, length), d.per_seed(b, length)
+    means = (f"{a.label} {np.mean(list(sa.values())):.4f} ({len(sa)} seeds x {_draws(d, a, length)} draws), "
+             f"{b.label} {np.mean(list(sb.values())):.4f} ({len(sb)} seeds x {_draws(d, b, length)} draws)")
+    return f"L={length}: {means}; difference {iv.text()}; {basis}"
+
+
+def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) -> Verdict:
+    if not (d.present(a, length) and d.present(b, length)):
+        return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}",
+                       EQUIVALENCE_RULE)
+    iv, basis = d.compare(a, b, length, 0.90)
+    if iv is None:
+        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", EQUIVALENCE_RULE)
+    status, why = equivalence(iv)
+    return Verdict(claim, status, _evidence(d, a, b, length, iv, basis) + f" ({why})", EQUIVALENCE_RULE)
+
+
+def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int) -> Verdict:
+    """``better`` has lower bits per byte than ``worse``: the interval of worse - better above 0."""
+    if not (d.present(worse, length) and d.present(better, length)):
+        return Verdict(claim, Status.NOT_MEASURED, f"no {worse.label} or {better.label} models evaluated at "
+                       f"L={length}", DIFFERENCE_RULE)
+    iv, basis = d.compare(worse, better, length, 0.95)
+    if iv is None:
+        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", DIFFERENCE_RULE)
+    return Verdict(claim, difference(iv, "positive"), _evidence(d, worse, better, length, iv, basis), DIFFERENCE_RULE)
+
+
+def poslsh_s(d: Data) -> list[int]:
+    return sorted(int(s) for s in d.rows[d.rows.position == POSLSH].trained_s.unique())
+
+
+def reference_s(d: Data) -> Optional[int]:
+    ss = poslsh_s(d)
+    return None if not ss else (REFERENCE_S if REFERENCE_S in ss else max(ss))
+
+
+# ---------------------------------------------------------------------------------------------
+# from scratch
+
+
+def claim_reaches_alibi(d: Data) -> list[Verdict]:
+    """From scratch, Positional LSH (each s) reaches the bits per byte of exact ALiBi."""
+    return [judged_equivalent(d, f"from scratch, Positional LSH s={s} reaches the bits per byte of exact ALiBi",
+                              Scheme(POSLSH, s), Scheme(ALIBI), d.L) for s in poslsh_s(d)]
+
+
+def claim_beats_no_bias(d: Data) -> list[Verdict]:
+    s = reference_s(d)
+    if s is None:
+        return []
+    return [judged_better(d, f"from scratch, Positional LSH s={s} beats the model without positional information",
+                          Scheme(NONE), Scheme(POSLSH, s), d.L)]
+
+
+def claim_beats_alibi(d: Data) -> list[Verdict]:
+    """Positional LSH better than exact ALiBi, and still once ALiBi is trained with attention dropout
+    (the regulariser control)."""
+    s = reference_s(d)
+    if s is None:
+        return []
+    out = [judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi", Scheme(ALIBI),
+                         Scheme(POSLSH, s), d.L)]
+    drops = sorted(float(x) for x in d.rows[(d.rows.position == ALIBI)].get("attn_dropout", []) if x and x == x)
+    if not drops:
+        out.append(Verdict(f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with attention "
+                           "dropout", Status.NOT_MEASURED, "no alibi model trained with attn_dropout > 0",
+                           DIFFERENCE_RULE))
+    for p in sorted(set(drops)):
+        out.append(judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with "
+                                    f"attention dropout {p:g} (the regulariser control)", Scheme(ALIBI, 0, p),
+                                 Scheme(POSLSH, s), d.L))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# fine-tuning
+
+
+def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
+    """Fine-tuned from one pretrained model, the gap to exact ALiBi falls with log s, and at the
+    largest s Positional LSH reaches exact ALiBi."""
+    claim = "fine-tuned, the gap of Positional LSH to exact ALiBi falls as s grows"
+    rule = ("gap = bits per byte of Positional LSH s minus exact ALiBi at the training length, paired by seed; the "
+            "least-squares slope of the gap against ln s over every (s, seed) with its 95% t-interval: below 0 "
+            "SUPPORTED, above 0 NOT SUPPORTED, else INCONCLUSIVE; needs at least three s. With one seed the "
+            "interval covers the fit's residuals, not the seed-to-seed spread")
+    if d is None:
+        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule),
+                Verdict("fine-tuned, Positional LSH at the largest s reaches exact ALiBi", Status.NOT_MEASURED,
+                        "no fine-tuned checkpoints", EQUIVALENCE_RULE)]
+    a = d.per_seed(Scheme(ALIBI), d.L)
+    xs, ys, gaps = [], [], {}
+    for s in poslsh_s(d):
+        p = d.per_seed(Scheme(POSLSH, s), d.L)
+        for seed in sorted(set(p) & set(a)):
+            xs.append(math.log(s))
+            ys.append(p[seed] - a[seed])
+        if set(p) & set(a):
+            gaps[s] = float(np.mean([p[k] - a[k] for k in set(p) & set(a)]))
+    if len(gaps) < 3:
+        st = Status.NOT_MEASURED if not gaps else Status.INCONCLUSIVE
+        out = [Verdict(claim, st, "fewer than three s with alibi and poslsh models" if gaps else
+                       "no alibi or poslsh fine-tuning runs", rule)]
+    else:
+        iv = slope(xs, ys)
+        seeds = len(a)
+        out = [Verdict(claim, difference(iv, "negative"), f"L={d.L}: slope of the gap against ln s {iv.text()} over "
+                       f"{len(xs)} (s, seed) points ({seeds} seed{'s' if seeds != 1 else ''}); gaps "
+                       + ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items()), rule)]
+    ss = poslsh_s(d)
+    if ss:
+        out.append(judged_equivalent(d, f"fine-tuned, Positional LSH at the largest s (s={max(ss)}) reaches exact "
+                                        "ALiBi", Scheme(POSLSH, max(ss)), Scheme(ALIBI), d.L))
+    return out
+
+
+def claim_finetune_beats_fixed_blocks(d: Optional[Data]) -> list[Verdict]:
+    claim = "fine-tuned, Positional LSH at the largest s is better than fixed blocks"
+    if d is None or not poslsh_s(d):
+        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned poslsh checkpoints", DIFFERENCE_RULE)]
+    return [judged_better(d, claim, Scheme(FIXED_BLOCK), Scheme(POSLSH, max(poslsh_s(d))), d.L)]
+
+
+# ---------------------------------------------------------------------------------------------
+# length extrapolation
+
+
+def _degradation(d: Data, sc: Scheme) -> dict:
+    """Per seed: bits per byte at 4L minus at L."""
+    at_L, at_4L = d.per_seed(sc, d.L), d.per_seed(sc, 4 * d.L)
+    return {k: at_4L[k] - at_L[k] for k in set(at_L) & set(at_4L)}
+
+
+def claim_extrapolation(d: Data) -> list[Verdict]:
+    """Positional LSH stays robust at 4L, where RoPE and no-position models degrade (more)."""
+    s = reference_s(d)
+    robust = "Positional LSH stays robust at 4x the training length"
+    rule_r = (f"per seed, bits per byte at 4L minus at L (own attention, from scratch); SUPPORTED when the 95% "
+              f"t-interval's upper end is below {EXTRAPOLATION_MARGIN}, NOT SUPPORTED when its lower end is above it, "
+              "else INCONCLUSIVE; a claim about robustness needs a RoPE or no-position model evaluated at the same "
+              "lengths to contrast (NOT MEASURED otherwise)")
+    if s is None or not _degradation(d, Scheme(POSLSH, s)):
+        return [Verdict(robust, Status.NOT_MEASURED, "no poslsh model evaluated at L and 4L", rule_r)]
+    others = [sc for sc in (Scheme(ROPE), Scheme(NONE)) if _degradation(d, sc)]
+    p = _degradation(d, Scheme(POSLSH, s))
+    from poslsh_cli.stats import t_interval
+
+    iv = t_interval(p.values())
+    ev = f"L={d.L}: poslsh s={s} at 4L minus at L {iv.text()}"
+    if not others:
+        return [Verdict(robust, Status.NOT_MEASURED, ev + "; no rope or none model evaluated at L and 4L", rule_r)]
+    if iv.finite:
+        st = Status.SUPPORTED if iv.high < EXTRAPOLATION_MARGIN else (
+            Status.NOT_SUPPORTED if iv.low > EXTRAPOLATION_MARGIN else Status.INCONCLUSIVE)
+    else:
+        st = Status.INCONCLUSIVE
+        ev += f" (fewer than {MIN_SEEDS} seeds: no interval over seeds)"
+    out = [Verdict(robust, st, ev, rule_r)]
+    for sc in others:
+        o = _degradation(d, sc)
+        common = sorted(set(o) & set(p))
+        claim = f"{sc.label} degrades more at 4L than Positional LSH s={s}"
+        if len(common) >= MIN_SEEDS:
+            div = paired(o, p)
+            basis = f"{len(common)} training seeds paired"
+        else:
+            div = _windows_degradation(d, sc, Scheme(POSLSH, s), common)
+            basis = f"{len(common)} training seed(s): evaluation noise only" if div else "no evaluation windows"
+        if div is None:
+            out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE))
+            continue
+        out.append(Verdict(claim, difference(div, "positive"), f"L={d.L}: ({sc.label} at 4L - at L) - (poslsh s={s} at "
+                           f"4L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE))
+    return out
+
+
+def _windows_degradation(d: Data, other: Scheme, pos: Scheme, seeds: list) -> Optional[Interval]:
+    """Evaluation noise of the difference of degradations: per-window paired differences of the two
+    models at 4L and at L (different windows at the two lengths), their variances added."""
+    from scipy import stats
+
+    if not seeds:
+        return None
+    parts = []
+    for length in (4 * d.L, d.L):
+        w_o, w_p = d.window_bits(other, length, seeds), d.window_bits(pos, length, seeds)
+        if w_o is None or w_p is None or len(w_o[0]) != len(w_p[0]) or len(w_o[0]) < 2:
+            return None
+        parts.append(paired_windows(w_o[0], w_p[0], w_o[1], 0.95))
+    hi, lo = parts
+    est = hi.estimate - lo.estimate
+    # back out each interval's standard error from its half-width, add the variances
+    se = [(iv.high - iv.low) / 2 / stats.t.ppf(0.975, df=iv.n - 1) for iv in parts]
+    half = float(stats.t.ppf(0.975, df=min(iv.n for iv in parts) - 1) * math.hypot(*se))
+    return Interval(est, est - half, est + half, min(iv.n for iv in parts), 0.95, "windows")
+
+
+__all__ = ["Data", "Scheme", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi",
+           "claim_finetune_approaches_alibi", "claim_finetune_beats_fixed_blocks", "claim_extrapolation", "MARGIN"]

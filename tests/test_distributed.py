@@ -1,0 +1,155 @@
+"""Training in several processes on torch.distributed (gloo on this CPU): two processes under
+torchrun give the losses of one process with the same global batch, step by step, and the same
+weights; so do FSDP, gradient accumulation and a multi-task submitit job (the SLURM code path);
+a killed torchrun job resumes as one process does; bad input is one line from rank 0."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=48",
+        "batch=8", "eval_tokens=2048", "warmup=2", "steps=8", "checkpoint_every=3", "eval_every=4",
+        "position=[poslsh]", "s=[4]", "data=pydoc-topics", "device=cpu"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+ENV.pop("POSLSH_FAULT", None)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "poslsh_cli"]
+
+
+def run(cmd, fault=None, timeout=600):
+    env = dict(ENV, **({"POSLSH_FAULT": fault} if fault else {}))
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def one(*args, **kw):
+    return run([sys.executable, "-m", "poslsh_cli", *args], **kw)
+
+
+def two(*args, **kw):
+    return run([*TORCHRUN, *args], **kw)
+
+
+def metrics_of(out):
+    return pd.read_csv(next((Path(out) / "work").glob("*/metrics.csv")))
+
+
+def weights_of(out):
+    from safetensors.torch import load_file
+
+    return load_file(next((Path(out) / "work").glob("*/final/model.safetensors")))
+
+
+def assert_same_losses(a, b, rel=1e-4):
+    ma, mb = metrics_of(a), metrics_of(b)
+    assert list(ma.step) == list(mb.step) == list(range(1, 9))
+    np.testing.assert_allclose(mb.loss, ma.loss, rtol=rel)
+    both = ma.val_loss.notna()
+    assert both.sum() >= 2 and (mb.val_loss.notna() == both).all()
+    np.testing.assert_allclose(mb.val_loss[both], ma.val_loss[both], rtol=rel)
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights_of(a), weights_of(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "one"
+    r = one("train", *TINY, f"out={out}")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_two_processes_equal_one_process_with_the_same_global_batch(single, tmp_path):
+    out = tmp_path / "ddp"
+    r = two("train", *TINY, f"out={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_losses(single, out)
+    assert_same_weights(single, out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["status"] == "complete"
+    row = pd.read_csv(out / "results.csv").iloc[0]
+    assert row.world_size == 2 and row.tokens == 8 * 8 * 48
+    # rank 1 wrote nothing of its own: one run directory, one log, no second lock holder
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_accumulation_and_fsdp_equal_one_process(single, tmp_path):
+    r = one("train", *TINY, "accumulate=4", f"out={tmp_path / 'acc'}")
+    assert r.returncode == 0, r.stderr
+    assert_same_losses(single, tmp_path / "acc")
+    r = two("train", *TINY, "parallel=fsdp", "accumulate=2", f"out={tmp_path / 'fsdp'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_losses(single, tmp_path / "fsdp")
+    assert_same_weights(single, tmp_path / "fsdp")
+
+
+def test_killed_torchrun_job_resumes_to_the_uninterrupted_run(single, tmp_path):
+    out = tmp_path / "killed"
+    r = two("train", *TINY, f"out={out}", fault="step:5")  # after the step-3 checkpoint
+    assert r.returncode != 0
+    assert len(metrics_of(out)) == 5
+    r = two("train", *TINY, f"out={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_losses(single, out)
+    assert_same_weights(single, out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["sessions"] == 2 and meta["history"][0]["status"] == "died"
+
+
+def test_multi_task_submitit_job_runs_data_parallel(single, tmp_path):
+    out = tmp_path / "sweep"
+    r = one("train", "-m", "seed=0", *TINY, "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+            f"out={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "0" / "meta.json").read_text())["world_size"] == 2
+    assert_same_losses(single, out / "0")
+
+
+def test_a_batch_that_does_not_divide_is_one_line_from_rank_zero(tmp_path):
+    out = tmp_path / "bad"
+    r = two("train", *[a for a in TINY if not a.startswith("batch=")], "batch=6", "accumulate=2", f"out={out}")
+    assert r.returncode != 0
+    errors = [x for x in r.stderr.splitlines() if "poslsh train: error:" in x]
+    assert errors == ["poslsh train: error: batch=6 does not divide into 2 process(es) x accumulate=2 "
+                      "micro-batches; use a multiple of 4"], r.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_commands_other_than_train_refuse_torchrun(tmp_path):
+    r = two("matrix-error", "n=64", "s=[1]", f"out={tmp_path / 'm'}")
+    errors = [x for x in r.stderr.splitlines() if ": error:" in x]
+    assert r.returncode != 0 and errors and "only train runs under torchrun" in errors[0]
+    assert not (tmp_path / "m").exists()
+
+
+def test_gradient_checkpointing_and_bf16(single, tmp_path):
+    r = one("train", *TINY, "gradient_checkpointing=true", f"out={tmp_path / 'gc'}")
+    assert r.returncode == 0, r.stderr
+    assert_same_losses(single, tmp_path / "gc", rel=1e-5)
+    r = one("train", *TINY, "precision=bf16", "steps=8", f"out={tmp_path / 'bf16'}")
+    assert r.returncode == 0, r.stderr
+    a, b = metrics_of(single), metrics_of(tmp_path / "bf16")
+    np.testing.assert_allclose(b.loss, a.loss, rtol=3e-2)  # bfloat16 logits: 8 bits of mantissa
+    r = one("train", *TINY, "precision=fp16", f"out={tmp_path / 'fp16'}")
+    assert r.returncode == 2 and "precision=fp16 needs CUDA" in r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_training_with_autocast_follows_the_float32_cpu_run(single, tmp_path, precision):
+    """On a CUDA device (scripts/gpu_check.sh): bf16 / fp16 autocast (fp16 with loss scaling) with
+    gradient checkpointing trains to the float32 CPU losses within half-precision rounding."""
+    out = tmp_path / precision
+    r = one("train", *[a for a in TINY if a != "device=cpu"], "device=cuda", f"precision={precision}",
+            "gradient_checkpointing=true", f"out={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    np.testing.assert_allclose(metrics_of(out).loss, metrics_of(single).loss, rtol=3e-2)
