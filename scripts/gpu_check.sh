@@ -27,7 +27,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, one PASS/FAIL line 
 
 install() {
   python -c "import torch" 2>/dev/null || pip install -q "torch>=2.6"
-  pip install -q -e ".[test]"
+  pip install -q -e ".[test,finetune]"
   python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))"
 }
 

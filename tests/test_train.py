@@ -254,7 +254,11 @@ def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
     assert sorted(res.length.unique()) == [32, 64, 128, 256]
     assert set(res.attention) == {"own", "alibi", "poslsh"} and set(res[res.attention == "poslsh"].s) == {2, 4}
     own = res[(res.attention == "own")]
-    assert len(own) == 6 * 4 and (own.bits_per_byte > 0).all()
+    # five deterministic schemes once per length; the Positional-LSH model over 3 mask draws (the default)
+    assert len(own) == (5 + 3) * 4 and (own.bits_per_byte > 0).all()
+    drawn = own[own.position == "poslsh"]
+    assert sorted(drawn.trial.unique()) == [0, 1, 2] and drawn.groupby("length").seed.nunique().eq(3).all()
+    assert (own[own.position != "poslsh"].seed == -1).all()
     # an alibi-trained model evaluated "own" and with alibi swapped in is the same computation
     a = res[(res.position == "alibi")]
     pd.testing.assert_series_equal(a[a.attention == "own"].set_index("length").loss,
