@@ -126,6 +126,17 @@ TIME_RULE = (f"log-log slope of end-to-end time against n over the larger half o
              "by fixed costs, so the fit says nothing about growth) or with fewer than three n")
 
 
+def crossover(ratio: dict[int, float]) -> int | None:
+    """The smallest length from which a time ratio (new over reference) stays below 1 at every
+    larger measured length; None when it is not below 1 at the largest."""
+    best = None
+    for n in sorted(ratio, reverse=True):
+        if ratio[n] >= 1:
+            break
+        best = n
+    return best
+
+
 def upper_half(ns: Iterable[int]) -> list[int]:
     """The larger half of the distinct n (at least three when three exist)."""
     u = sorted(set(int(x) for x in ns))

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
+from poslsh_cli.claims import crossover as crossover_of
 from poslsh_cli.methods import Method
 from poslsh_cli.metrics import fit_loglog_slope
 
@@ -30,14 +31,8 @@ def crossover(df: Any, method: str, select: Callable[[Any], Any] | None = None) 
     if select is not None:
         m = select(m)
     m = m.groupby("n")["seconds"].median()
-    common = sorted(set(ex.index) & set(m.index))
-    best = math.nan
-    for n in reversed(common):
-        if m[n] < ex[n]:
-            best = n
-        else:
-            break
-    return best
+    best = crossover_of({n: m[n] / ex[n] for n in set(ex.index) & set(m.index)})
+    return math.nan if best is None else best
 
 
 def pareto_front(points: np.ndarray) -> np.ndarray:

@@ -17,10 +17,10 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from poslsh_cli.attention.plan import BACKENDS, Backend
-from poslsh_cli.claims import Section, Status, Verdict, combine
+from poslsh_cli.claims import Section, Status, Verdict, combine, crossover
 from poslsh_cli.config import ConfigError, Spec, key
 from poslsh_cli.experiment import Device, Experiment, choices, resolve_device, synchronize
 from poslsh_cli.methods import INFO
@@ -231,6 +231,17 @@ def _auto(g: Any, position: str, s: int | None = None) -> Any:
     return sel[sel.s == s] if s is not None else sel
 
 
+def _poslsh_and_alibi(df: Any, column: str) -> Iterator[tuple[int, int, float, float]]:
+    """(L, s, Positional LSH, exact ALiBi): medians of ``column`` on the plan's path (backend=auto),
+    for every L and s where both were measured."""
+    for n, g in df.groupby("seq_len"):
+        a = float(_auto(g, ALIBI)[column].median())
+        for s in sorted(_auto(g, POSLSH).s.unique()):
+            p = float(_auto(g, POSLSH, s)[column].median())
+            if a == a and p == p:
+                yield int(n), int(s), p, a
+
+
 def claim_alibi_near_rope(df: Any) -> list[Verdict]:
     st, ev = [], []
     for n, g in df.groupby("seq_len"):
@@ -261,14 +272,10 @@ def claim_long_context(df: Any) -> list[Verdict]:
     """Near-linear training: Positional LSH (the plan's path) at most LONG_GOALS[L] times exact ALiBi's
     step time at each goal length measured."""
     st, ev = [], []
-    for n, g in df.groupby("seq_len"):
-        a = float(_auto(g, ALIBI).step_seconds.median())
-        for s in sorted(_auto(g, POSLSH).s.unique()):
-            p = float(_auto(g, POSLSH, s).step_seconds.median())
-            if a == a and p == p:
-                ev.append(f"L={n} s={s}: {p / a:.2f}x")
-                if int(n) in LONG_GOALS:
-                    st.append(Status.SUPPORTED if p / a <= LONG_GOALS[int(n)] else Status.NOT_SUPPORTED)
+    for n, s, p, a in _poslsh_and_alibi(df, "step_seconds"):
+        ev.append(f"L={n} s={s}: {p / a:.2f}x")
+        if n in LONG_GOALS:
+            st.append(Status.SUPPORTED if p / a <= LONG_GOALS[n] else Status.NOT_SUPPORTED)
     goals = ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items())
     status = combine(st) if st else Status.NOT_MEASURED
     return [Verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})", status,
@@ -279,13 +286,10 @@ def claim_long_context(df: Any) -> list[Verdict]:
 
 def claim_memory(df: Any) -> list[Verdict]:
     st, ev = [], []
-    for n, g in df.groupby("seq_len"):
-        a = float(_auto(g, ALIBI).peak_mem_mb.median())
-        for s in sorted(_auto(g, POSLSH).s.unique()):
-            p = float(_auto(g, POSLSH, s).peak_mem_mb.median())
-            if a == a and p == p and a > 0:
-                st.append(Status.SUPPORTED if p / a <= MEMORY_GOAL else Status.NOT_SUPPORTED)
-                ev.append(f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
+    for n, s, p, a in _poslsh_and_alibi(df, "peak_mem_mb"):
+        if a > 0:
+            st.append(Status.SUPPORTED if p / a <= MEMORY_GOAL else Status.NOT_SUPPORTED)
+            ev.append(f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
     return [Verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory", combine(st),
                     "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
                     "peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every L")]
@@ -293,21 +297,14 @@ def claim_memory(df: Any) -> list[Verdict]:
 
 def crossover_findings(df: Any) -> list[str]:
     """The smallest L from which Positional LSH steps faster than exact ALiBi at every larger L."""
+    ratios: dict[int, dict[int, float]] = {}
+    for n, s, p, a in _poslsh_and_alibi(df, "step_seconds"):
+        ratios.setdefault(s, {})[n] = p / a
     out = []
-    for s in sorted(df[(df.position == POSLSH) & (df.backend == "auto")].s.unique()):
-        ratio = {}
-        for n, g in df.groupby("seq_len"):
-            a, p = float(_auto(g, ALIBI).step_seconds.median()), float(_auto(g, POSLSH, s).step_seconds.median())
-            if a == a and p == p:
-                ratio[int(n)] = p / a
+    for s, ratio in sorted(ratios.items()):
         if len(ratio) < 2:
             continue
-        best = None
-        for n in sorted(ratio, reverse=True):
-            if ratio[n] < 1:
-                best = n
-            else:
-                break
+        best = crossover(ratio)
         where = f"from L={best} on" if best else "at no measured L"
         out.append(f"Positional LSH s={s} trains faster than exact ALiBi {where} (step-time ratios: "
                    + ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratio.items())) + ").")

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.claims import Section, Status, Verdict
+from poslsh_cli.claims import Section, Status, Verdict, crossover
 from poslsh_cli.positions import Position
 
 SCHEMES = [p.value for p in Position]
@@ -128,13 +128,8 @@ def crossover_length(df: Any, s: int | None = None) -> float:
         p = times.loc[(POSLSH, s if s is not None else max(ps))]
     except KeyError:
         return math.nan
-    best = math.nan
-    for L in sorted(set(alibi.index) & set(p.index), reverse=True):
-        if p[L] < alibi[L]:
-            best = L
-        else:
-            break
-    return best
+    best = crossover({L: p[L] / alibi[L] for L in set(alibi.index) & set(p.index)})
+    return math.nan if best is None else best
 
 
 def report(run: Path, df: Any) -> Section:
