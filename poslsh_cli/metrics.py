@@ -190,27 +190,29 @@ class SlopeFit:
     points: int
 
 
+def fit_line(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> SlopeFit:
+    """Least-squares fit of ``y = slope * x + intercept`` with a t-interval on the slope (NaN
+    interval with fewer than three points; NaN slope with fewer than two distinct x)."""
+    from scipy import stats
+
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.size < 2 or np.ptp(x) == 0:
+        return SlopeFit(math.nan, math.nan, math.nan, math.nan, math.nan, int(x.size))
+    res = stats.linregress(x, y)
+    half = stats.t.ppf(0.5 + level / 2, df=x.size - 2) * res.stderr if x.size > 2 else math.nan
+    return SlopeFit(float(res.slope), float(res.intercept), float(res.stderr),
+                    float(res.slope - half), float(res.slope + half), int(x.size))
+
+
 def fit_loglog_slope(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> SlopeFit:
     """Least-squares fit of ``log y = slope * log x + intercept`` with a t-interval on the slope.
 
     Fit on every (x, y) pair (all trials), so the interval reflects trial-to-trial spread.
     """
-    from scipy import stats
-
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     ok = (x > 0) & (y > 0) & np.isfinite(y)
-    x, y = np.log(x[ok]), np.log(y[ok])
-    if x.size < 2 or np.ptp(x) == 0:
-        return SlopeFit(math.nan, math.nan, math.nan, math.nan, math.nan, int(x.size))
-    res = stats.linregress(x, y)
-    if x.size > 2:
-        t = stats.t.ppf(0.5 + level / 2, df=x.size - 2)
-        half = t * res.stderr
-    else:
-        half = math.nan
-    return SlopeFit(float(res.slope), float(res.intercept), float(res.stderr),
-                    float(res.slope - half), float(res.slope + half), int(x.size))
+    return fit_line(np.log(x[ok]), np.log(y[ok]), level)
 
 
 def output_errors(exact, approx) -> tuple[np.ndarray, np.ndarray]:

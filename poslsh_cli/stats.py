@@ -27,6 +27,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from poslsh_cli.claims import Status
+from poslsh_cli.metrics import fit_line
 
 #: Fewer training seeds than this: a comparison can only use evaluation noise.
 MIN_SEEDS = 3
@@ -100,16 +101,10 @@ def paired_windows(a_bits: np.ndarray, b_bits: np.ndarray, nbytes: np.ndarray, l
 
 
 def slope(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> Interval:
-    """Least-squares slope of y on x with its t-interval (the residuals' spread)."""
-    from scipy import stats
-
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if x.size < 3 or np.ptp(x) == 0:
-        est = float(np.polyfit(x, y, 1)[0]) if x.size >= 2 and np.ptp(x) > 0 else math.nan
-        return Interval(est, math.nan, math.nan, int(x.size), level, "points")
-    res = stats.linregress(x, y)
-    half = float(stats.t.ppf(0.5 + level / 2, df=x.size - 2) * res.stderr)
-    return Interval(float(res.slope), res.slope - half, res.slope + half, int(x.size), level, "points")
+    """Least-squares slope of y on x with its t-interval (the residuals' spread; none below three
+    points): :func:`poslsh_cli.metrics.fit_line`."""
+    f = fit_line(np.asarray(x, float), np.asarray(y, float), level)
+    return Interval(f.slope, f.ci_low, f.ci_high, f.points, level, "points")
 
 
 def equivalence(iv: Interval, margin: float = MARGIN) -> tuple[Status, str]:
