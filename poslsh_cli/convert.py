@@ -269,17 +269,6 @@ def new_model(source: Source, seed: int) -> Any:
     return model.float()
 
 
-def byte_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, head_dim: int,
-                max_positions: int) -> dict:
-    """The transformers Qwen3 configuration of the byte model (vocabulary 256, tied embeddings)."""
-    from poslsh_cli.data import VOCAB
-
-    return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                max_position_embeddings=max_positions, tie_word_embeddings=True, use_cache=False,
-                attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
 # ---------------------------------------------------------------------------------------------
 # LoRA
 

@@ -238,21 +238,24 @@ class Arch:
     head_dim: int
     max_positions: int
 
+    def config(self) -> dict:
+        """Its transformers ``Qwen3Config`` arguments (vocabulary 256, tied embeddings)."""
+        from poslsh_cli.data import VOCAB
+
+        return dict(vocab_size=VOCAB, hidden_size=self.hidden, intermediate_size=self.intermediate,
+                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                    max_position_embeddings=self.max_positions, tie_word_embeddings=True, use_cache=False,
+                    attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
 
 def build_model(arch: Arch, state: PositionState, seed: int) -> Any:
     """A randomly initialised Qwen3ForCausalLM (vocabulary 256, tied embeddings) with ``state``."""
     import torch
     import transformers as tf
 
-    from poslsh_cli.data import VOCAB
-
     tf.logging.set_verbosity_error()
-    config = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
-                            num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
-                            num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
-                            max_position_embeddings=arch.max_positions, tie_word_embeddings=True,
-                            use_cache=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None,
-                            pad_token_id=None)
+    config = tf.Qwen3Config(**arch.config())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.Qwen3ForCausalLM(config)

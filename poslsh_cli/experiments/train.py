@@ -157,10 +157,10 @@ class Context:
 
 
 def _byte_config(spec: TrainSpec) -> dict:
-    from poslsh_cli.convert import byte_config
+    from poslsh_cli.positions import Arch
 
-    return byte_config(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim,
-                       max(32 * max(spec.seq_len), 8192))
+    return Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim,
+                max(32 * max(spec.seq_len), 8192)).config()
 
 
 def micro_batch(spec: TrainSpec, world: int) -> int:
