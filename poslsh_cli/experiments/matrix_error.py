@@ -90,7 +90,7 @@ def memory(spec: MatrixErrorSpec) -> MemoryNeed:
     need, what = 0.0, ""
     for n in spec.n:
         blocks = max(spec.s) * max(mean_blocks(n, sg) for sg in spec.sigma)
-        b = 8.0 * (16 * n + 7 * blocks) + 40.0 * max(spec.s) * min(n, 1 << 17) + min(REORTH_BYTES, 8.0 * n * n)
+        b = 8.0 * (18 * n + 7 * blocks) + 40.0 * max(spec.s) * min(n, 1 << 17) + min(REORTH_BYTES, 8.0 * n * n)
         if spec.method is not Computation.FAST:
             b = max(b, 6 * 8.0 * float(n) ** 2)
         if b > need:
