@@ -99,7 +99,13 @@ def test_the_plan_picks_the_training_paths_by_length_and_gradient():
     assert backend(Method.EXACT, A.RANK1_MIN_N, dtype=torch.bfloat16) is Backend.DENSE
     assert backend(Method.WINDOWED, 64) is Backend.DENSE
     assert backend(Method.POSLSH, 64) is Backend.DENSE
-    assert backend(Method.POSLSH, A.DENSE_MAX_N + 1) is Backend.BLOCKS
+    assert backend(Method.POSLSH, A.DENSE_MAX_N + 1, causal=False) is Backend.BLOCKS
+    assert backend(Method.POSLSH, A.DENSE_MAX_N, causal=False) is Backend.DENSE
+    # causal: where exact ALiBi trains in O(n) memory (rank1), the others leave the dense bias too
+    assert backend(Method.POSLSH, A.RANK1_MIN_N - 1) is Backend.DENSE
+    assert backend(Method.POSLSH, A.RANK1_MIN_N) is Backend.BLOCKS
+    assert backend(Method.WINDOWED, A.RANK1_MIN_N) is Backend.CHUNKED
+    assert backend(Method.FIXED_BLOCK, A.RANK1_MIN_N) is Backend.BLOCKS
     assert backend(Method.POSLSH, 64, grad=False) is Backend.BLOCKS  # inference keeps the memory-light paths
     assert backend(Method.EXACT, 64, grad=False) is Backend.CHUNKED
     with pytest.raises(ValueError, match="no backend 'rank1'"):

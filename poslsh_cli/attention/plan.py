@@ -50,8 +50,12 @@ BACKENDS: dict[Method, tuple[Backend, ...]] = {
     Method.POSLSH: (Backend.BLOCKS, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
 }
 
-#: Largest n at which training (gradients needed) runs one dense attention with an (H, n, n)
-#: bias instead of the block or chunked paths: there it costs one attention whatever s is.
+#: Largest n at which bidirectional training (gradients needed) runs one dense attention with an
+#: (H, n, n) bias instead of the block or chunked paths: there it costs one attention whatever s is.
+#: Causal training takes the dense bias only below RANK1_MIN_N: from there on exact ALiBi trains in
+#: O(n) memory (rank1), and the (H, n, n) bias with its probabilities kept for the backward would
+#: cost the other methods 2-3x its memory (`poslsh step-bench` at L=1024, batch 1, two layers:
+#: Positional LSH s=10 139 MiB dense, 65 MiB on the blocks, exact ALiBi 51 MiB).
 DENSE_MAX_N = 4096
 #: From this n on, causal exact ALiBi with gradients (float32/64, CPU) takes the rank-one path
 #: rather than the dense bias: measured by `poslsh step-bench` on a 2-core CPU, a training step
@@ -126,9 +130,10 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     - for inference on the CPU: exact and windowed ALiBi by query chunks, the partition methods
       (poslsh, fixed_block) on the blocks.
     - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
-      otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (up to
-      DENSE_MAX_N), the blocks (partition methods) and the banded chunks (ALiBi); without ``work``
-      the dense bias up to DENSE_MAX_N and the blocks or chunks beyond.
+      otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (while
+      n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
+      O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
+      (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
 
     Kernel (``auto``): the fused CPU kernels (the flash kernel, which returns lse, and its own
     backward; SDPA with a float mask) on the CPU for float32 and wider, padded matmuls otherwise.
@@ -168,11 +173,19 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
         return sparse
     if method is Method.EXACT and causal and n >= RANK1_MIN_N and dtype in (torch.float32, torch.float64):
         return Backend.RANK1
-    if n > DENSE_MAX_N:
+    if n >= dense_limit(method, causal):
         return sparse
     if work is None:
         return Backend.DENSE
     return min((Backend.DENSE, sparse), key=lambda b: work.cost(method, b))
+
+
+def dense_limit(method: Method, causal: bool) -> int:
+    """Training length from which the dense (H, n, n) bias is no longer taken: for the methods
+    compared with exact ALiBi, RANK1_MIN_N when causal (from there exact ALiBi trains in O(n)
+    memory, so must they), else past DENSE_MAX_N (bidirectional exact ALiBi is dense itself up to
+    there); exact ALiBi off its rank-one path (bidirectional, low precision) up to DENSE_MAX_N."""
+    return RANK1_MIN_N if causal and method is not Method.EXACT else DENSE_MAX_N + 1
 
 
 def plan_for(method: Method | str, q: Any, k: Any, v: Any, causal: bool, backend: Backend | str = "auto",
