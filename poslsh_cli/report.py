@@ -78,7 +78,30 @@ def notes_of(paths: list[Path]) -> list[str]:
                                  + (f", failed: {', '.join(sess['failed'])}" if sess.get("failed") else ""))
             except (OSError, ValueError, KeyError, TypeError):
                 pass
+            timing = _wall_times(root)
+            if timing:
+                total = sum(timing.values())
+                notes.append("wall time per experiment (meta.json, all sessions): "
+                             + ", ".join(f"{name} {sec:.0f} s" for name, sec in timing.items())
+                             + f"; total {total:.0f} s ({total / 3600:.2f} h)")
     return notes
+
+
+def _wall_times(root: Path) -> dict[str, float]:
+    """Seconds each experiment under a reproduce root ran, summed over its sessions (and over the
+    jobs of a multirun): what ``make reproduce-*`` cost, even when it ran in several sessions."""
+    out: dict[str, float] = {}
+    for exp in sorted(p for p in root.iterdir() if p.is_dir()):
+        metas = [exp / "meta.json"] if (exp / "meta.json").exists() else sorted(exp.glob("*/meta.json"))
+        sec = 0.0
+        for m in metas:
+            try:
+                sec += float(json.loads(m.read_text()).get("wall_seconds", 0.0))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+        if sec > 0:
+            out[exp.name] = sec
+    return out
 
 
 def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, notice=_print) -> tuple[Path, Path]:

@@ -244,6 +244,10 @@ def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
     md = (root / "report.md").read_text()
     assert "skipped output_error_qwen3_0_6b: POSLSH_MODELS is not set" in md
     assert md.count("reproduce --scale quick: session started") == 2
+    # the budget: each experiment's wall time over both sessions, from its meta.json
+    wall = json.loads((root / "block_stats" / "meta.json").read_text())["wall_seconds"]
+    assert wall > 0 and f"wall time per experiment (meta.json, all sessions): block_stats {wall:.0f} s" in md
+    assert f"total {wall:.0f} s" in md
 
 
 # ---------------------------------------------------------------------------------------------
