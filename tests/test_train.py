@@ -227,6 +227,30 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
     assert invoke("plot", trained).exit_code == 0 and (trained / "figures" / "learning_curves.png").exists()
 
 
+def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(trained):
+    """train_eval_loss is the final weights evaluated on the first eval_tokens of the training split:
+    recomputed here from the saved checkpoint, and the report's overfitting table uses it."""
+    from poslsh_cli.experiments.train_report import overfitting_table
+    from poslsh_cli.lm import evaluate
+
+    df = pd.read_csv(trained / "results.csv")
+    assert df.train_eval_loss.notna().all() and (df.train_eval_loss > 0).all()
+    cfg = __import__("yaml").safe_load((trained / "config.yaml").read_text())
+    corpus = load_corpus("builtin", cfg["val_fraction"])
+    for r in df[df.position.isin(["alibi", "poslsh"])].itertuples():
+        model, state = load_model(trained / r.checkpoint)
+        ev = evaluate(model.float(), state, corpus.train, int(r.seq_len), max_tokens=cfg["eval_tokens"])
+        assert ev.loss == pytest.approx(r.train_eval_loss, rel=1e-5)
+    table = overfitting_table(df)
+    assert (table["train measured by"] == "final weights").all()
+    row = table[table.scheme == "alibi"].iloc[0]
+    assert row["gap"] == pytest.approx((df[df.position == "alibi"].val_loss.iloc[0]
+                                        - df[df.position == "alibi"].train_eval_loss.iloc[0]) / math.log(2), abs=1e-4)
+    # a run made before the column existed falls back to the training loss, and says so
+    old = overfitting_table(df.drop(columns=["train_eval_loss"]))
+    assert (old["train measured by"] == "loss of the last tenth of steps").all()
+
+
 def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 

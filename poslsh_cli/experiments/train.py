@@ -26,6 +26,7 @@ micro-batches of it), so the losses equal one process's; rank 0 writes everythin
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
-           "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token")
+           "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss")
+#: the final weights' loss on the first ``eval_tokens`` of the training split (nats per token), per stage
+TRAIN_EVAL = "train_eval.json"
 METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
 
 
@@ -384,7 +387,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
 
     from poslsh_cli import distributed as dist
     from poslsh_cli.data import train_batch
-    from poslsh_cli.files import fault_point, write_dir
+    from poslsh_cli.files import atomic_write_text, fault_point, write_dir
     from poslsh_cli.lm import evaluate
 
     def where() -> tuple[str, Optional[str], int]:
@@ -472,6 +475,11 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
                           token_bytes=ctx.corpus.val_bytes, shard=(rank, world))
             row["val_loss"] = ev.loss
             row["val_bpb"] = ev.bits_per_byte
+            if step == stage.steps:  # the final weights on as many training tokens: the overfitting gap
+                tr = evaluate(trained, state, ctx.corpus.train, stage.seq_len, max_tokens=spec.eval_tokens,
+                              shard=(rank, world))
+                if dist.is_main():
+                    atomic_write_text(work.path / TRAIN_EVAL, json.dumps({"step": step, "loss": tr.loss}) + "\n")
         metrics.append(row)
         fault_point(f"step:{step}")
         work.progress(step, stage.steps, f"{stage.label} loss {loss_value:.3f}"
@@ -489,6 +497,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
 def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> tuple[list[dict], dict]:
     from poslsh_cli import distributed as dist
     from poslsh_cli.cellwork import read_log
+    from poslsh_cli.rundir import read_json
 
     t0 = time.perf_counter()
     position, s, seed = Position(key["position"]), key["s"], key["seed"]
@@ -506,6 +515,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
     if not dist.is_main():
         return [], {}
     m = read_log(work.path / "metrics.csv")
+    train_eval, _ = read_json(work.path / TRAIN_EVAL)
     tail = m.tail(max(1, len(m) // 10))
     last = m[m.val_loss.notna()].iloc[-1]  # the evaluation of the final weights (the last step's)
     pre = spec.pretrain_steps * spec.batch * L if spec.pretrain is not None else 0
@@ -519,7 +529,8 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
            "step_seconds": float(m.step_seconds.median()), "attn_dropout": dropout,
            "passes": ctx.corpus.passes(float(m.tokens.iloc[-1]) + pre),
            "trainable": _trainable(final), "world_size": ctx.world, "tokenizer": ctx.corpus.tokenizer,
-           "bits_per_token": float(last.val_loss) / math.log(2.0)}
+           "bits_per_token": float(last.val_loss) / math.log(2.0),
+           "train_eval_loss": float(train_eval["loss"]) if isinstance(train_eval, dict) else math.nan}
     return [row], {}
 
 
