@@ -150,7 +150,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
             what a caller records is what ran.
         on_plan: called with the plan that runs (callers that record the path taken).
         dropout: attention dropout probability (training only): the SDPA-based paths (sdpa,
-            dense, rank1) drop attention probabilities; the others refuse it.
+            dense, rank1) drop attention probabilities; on the CPU the automatic plan then takes the
+            dense bias where it would take another path; a path forced otherwise refuses it.
 
     Returns (B, H, n, d) in q's dtype.
     """
@@ -159,6 +160,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
             backend = Backend.FLEX if isinstance(layout, FlexLayout) else Backend.BLOCKS
         work = work_of(spec, q.shape[-2]) if backend == "auto" and needs_grad(q, k, v) else None
         plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work)
+        if dropout and backend == "auto" and plan.backend not in DROPOUT_BACKENDS and q.device.type == "cpu":
+            # only the SDPA-based paths drop attention probabilities: the dense bias, whatever its memory
+            plan = plan_for(spec.method, q, k, v, spec.causal, Backend.DENSE)
     if on_plan is not None:
         on_plan(plan)
     if dropout and plan.backend not in DROPOUT_BACKENDS:
