@@ -10,6 +10,7 @@ Every operator here is symmetric n x n and is applied in O(n) without forming th
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -200,8 +201,6 @@ _THREADS_MIN_N = 1 << 16
 @lru_cache(maxsize=1)
 def _threads() -> int:
     """Threads that split a gather: one per core, at most 4."""
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cores))
 
@@ -211,6 +210,10 @@ def _pool():
     from concurrent.futures import ThreadPoolExecutor
 
     return ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="poslsh-op")
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def _splits(m: int) -> list[tuple[int, int]]:
