@@ -123,3 +123,28 @@ def test_slope_fit_recovers_power_law():
     assert fit.slope == pytest.approx(-0.5, abs=1e-12)
     assert fit.intercept == pytest.approx(np.log(3.0), abs=1e-12)
     assert fit.ci_low <= fit.slope <= fit.ci_high
+
+
+def test_threaded_mean_mask_product_equals_dense_and_works_in_a_forked_child():
+    """At lengths where the gathers are split over threads the product still equals the mean of the
+    indicator products, and a child forked after the pool started gets a pool of its own."""
+    import os
+
+    n, s = 1 << 17, 3
+    parts = sample_partitions(n, 6.0, s, np.random.default_rng(5))
+    M = MeanMask(parts)
+    x = np.random.default_rng(6).standard_normal(n)
+    ref = np.zeros(n)
+    for o in parts.offsets:  # each sample's block sums broadcast back, independently of MeanMask
+        ref += np.repeat(np.add.reduceat(x, o[:-1]), np.diff(o))
+    got = M.matvec(x)
+    np.testing.assert_allclose(got, ref / s, rtol=0, atol=1e-9)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        ok = np.array_equal(M.matvec(x), got)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and status == 0
