@@ -439,6 +439,9 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
         for g in opt.param_groups:
             g["lr"] = lr
         rng = np.random.default_rng(derive_seed(stage.seed, "batch", step))
+        if stage.dropout:  # dropout draws from torch's global generator: seeded per step and rank, so a
+            # run (and a run resumed from a checkpoint) draws the same dropout masks
+            torch.manual_seed(derive_seed(stage.seed, "dropout", step, rank))
         batch = train_batch(ctx.corpus.train, stage.seq_len, spec.batch, rng)[rank * share:(rank + 1) * share]
         xb = torch.as_tensor(batch, device=ctx.device)
         opt.zero_grad(set_to_none=True)
