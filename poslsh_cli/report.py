@@ -20,7 +20,7 @@ from poslsh_cli import registry
 from poslsh_cli.claims import Section, Status
 from poslsh_cli.config import ConfigError
 from poslsh_cli.files import atomic_write_text
-from poslsh_cli.rundir import find_runs, results, status
+from poslsh_cli.rundir import find_runs, read_json, results, status
 
 
 def _print(text: str) -> None:
@@ -95,9 +95,10 @@ def _wall_times(root: Path) -> dict[str, float]:
         metas = [exp / "meta.json"] if (exp / "meta.json").exists() else sorted(exp.glob("*/meta.json"))
         sec = 0.0
         for m in metas:
+            meta, _ = read_json(m)
             try:
-                sec += float(json.loads(m.read_text()).get("wall_seconds", 0.0))
-            except (OSError, ValueError, TypeError, AttributeError):
+                sec += float(meta.get("wall_seconds", 0.0)) if isinstance(meta, dict) else 0.0
+            except (TypeError, ValueError):
                 continue
         if sec > 0:
             out[exp.name] = sec

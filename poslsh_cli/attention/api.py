@@ -19,7 +19,7 @@ from poslsh_cli.attention.alibi import BAND_CHUNK, alibi_banded, alibi_chunked, 
 from poslsh_cli.attention.blocks import BlockLayout, blocks_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
-from poslsh_cli.attention.plan import Backend, Kernel, Plan, Work, choose, needs_grad, plan_for
+from poslsh_cli.attention.plan import DROPOUT_BACKENDS, Backend, Kernel, Plan, Work, choose, needs_grad, plan_for
 from poslsh_cli.attention.reference import (as_sigmas, laplacian_weight, mean_mask_weight,
                                             reference_attention)
 from poslsh_cli.methods import INFO, Method
@@ -159,20 +159,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         if backend == "auto" and layout is not None:
             backend = Backend.FLEX if isinstance(layout, FlexLayout) else Backend.BLOCKS
         work = work_of(spec, q.shape[-2]) if backend == "auto" and needs_grad(q, k, v) else None
-        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work)
-        if dropout and backend == "auto" and plan.backend not in DROPOUT_BACKENDS and q.device.type == "cpu":
-            # only the SDPA-based paths drop attention probabilities: the dense bias, whatever its memory
-            plan = plan_for(spec.method, q, k, v, spec.causal, Backend.DENSE)
+        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0)
     if on_plan is not None:
         on_plan(plan)
     if dropout and plan.backend not in DROPOUT_BACKENDS:
         raise ValueError(f"attention dropout is not available on the {plan.label} path of {spec.method.value} "
                          f"(only {', '.join(b.value for b in DROPOUT_BACKENDS)})")
     return _run(q, k, v, spec, plan, layout, dropout)
-
-
-#: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
-DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, plan: Plan,

@@ -64,6 +64,10 @@ DENSE_MAX_N = 4096
 RANK1_MIN_N = 512
 
 
+#: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
+DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
+
+
 #: Cost model of the training paths (seconds per unit, forward + backward, float32, head_dim 16),
 #: measured on a 2-core CPU (docs/THEORY.md, "Choosing the training path"): only their ratios
 #: matter. Dense attention with an (H, n, n) bias per scored pair; Positional LSH's log M~ bias is
@@ -121,7 +125,8 @@ def needs_grad(*ts: Any) -> bool:
 
 
 def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: bool, grad: bool,
-           backend: Backend | str = "auto", kernel: Kernel | str = "auto", work: Work | None = None) -> Plan:
+           backend: Backend | str = "auto", kernel: Kernel | str = "auto", work: Work | None = None,
+           dropout: bool = False) -> Plan:
     """The plan for ``method`` on ``device`` with ``dtype`` inputs of length ``n``.
 
     Backend (``auto``):
@@ -135,6 +140,9 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
       (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
 
+    With ``dropout`` the automatic CPU plan takes the dense bias where it would take a path that
+    cannot drop attention probabilities (only DROPOUT_BACKENDS can).
+
     Kernel (``auto``): the fused CPU kernels (the flash kernel, which returns lse, and its own
     backward; SDPA with a float mask) on the CPU for float32 and wider, padded matmuls otherwise.
     With gradients the blocks and the banded chunks recompute in the backward pass instead of
@@ -147,6 +155,8 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     device = torch.device(device)
     if backend == "auto":
         backend = _backend(method, device, dtype, n, causal, grad, work)
+        if dropout and backend not in DROPOUT_BACKENDS and Backend.DENSE in BACKENDS[method] and device.type == "cpu":
+            backend = Backend.DENSE  # only the SDPA-based paths drop attention probabilities
     backend = Backend(backend)
     if backend not in BACKENDS[method]:
         raise ValueError(f"method {method.value} has no backend {backend.value!r} "
@@ -189,7 +199,7 @@ def dense_limit(method: Method, causal: bool) -> int:
 
 
 def plan_for(method: Method | str, q: Any, k: Any, v: Any, causal: bool, backend: Backend | str = "auto",
-             kernel: Kernel | str = "auto", work: Work | None = None) -> Plan:
+             kernel: Kernel | str = "auto", work: Work | None = None, dropout: bool = False) -> Plan:
     """:func:`choose` for these tensors (device, dtype, length, gradient need)."""
     return choose(method, device=q.device, dtype=q.dtype, n=q.shape[-2], causal=causal,
-                  grad=needs_grad(q, k, v), backend=backend, kernel=kernel, work=work)
+                  grad=needs_grad(q, k, v), backend=backend, kernel=kernel, work=work, dropout=dropout)
