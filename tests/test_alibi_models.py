@@ -148,7 +148,7 @@ def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(famil
     path = save_alibi(family, tmp_path / family)
     out = tmp_path / "ppl"
     r = runner.invoke(app, ["perplexity", str(path), "lengths=[32,64]", "attention=[own,alibi,poslsh]", "s=[4]",
-                            "max_tokens=3000", f"out={out}"])
+                            "swapped_at=every", "max_tokens=3000", f"out={out}"])
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv").set_index(["attention", "length"])
     assert set(df.position) == {"alibi"} and (df.bits_per_token > 0).all()

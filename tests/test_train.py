@@ -289,10 +289,32 @@ def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
     drawn = own[own.position == "poslsh"]
     assert sorted(drawn.trial.unique()) == [0, 1, 2] and drawn.groupby("length").seed.nunique().eq(3).all()
     assert (own[own.position != "poslsh"].seed == -1).all()
-    # an alibi-trained model evaluated "own" and with alibi swapped in is the same computation
-    a = res[(res.position == "alibi")]
-    pd.testing.assert_series_equal(a[a.attention == "own"].set_index("length").loss,
-                                   a[a.attention == "alibi"].set_index("length").loss, check_names=False)
+    # swapped in at the training length only (swapped_at=trained), and not where it is the model's own
+    swapped = res[res.attention != "own"]
+    assert set(swapped.length) == {32}
+    assert not ((swapped.position == "alibi") & (swapped.attention == "alibi")).any()
+    trained_s = int(res[res.position == "poslsh"].trained_s.iloc[0])
+    assert not ((swapped.position == "poslsh") & (swapped.attention == "poslsh") & (swapped.s == trained_s)).any()
+    # six models: alibi swapped into five (not the ALiBi model), poslsh s=2 and s=4 into six (one of them is
+    # the Positional-LSH model's own s when it was trained with 2 or 4), three draws each
+    per_s = {s: 6 - int(s == trained_s) for s in (2, 4)}
+    assert len(swapped[swapped.attention == "alibi"]) == 5
+    assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
+    # the swap skipped on the ALiBi model is the same computation as its own forward
+    from poslsh_cli.config import build_spec
+    from poslsh_cli.experiments import perplexity as ppl
+    from poslsh_cli.lm import evaluate
+
+    spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})
+    ctx = ppl.prepare(spec)
+    (name,) = [n for n, ck in ctx.checkpoints.items() if ck.position == "alibi"]
+    ck = ctx.checkpoints[name]
+    assert ppl.same_as_own(ppl.Attention.ALIBI, 0, ck) and not ppl.same_as_own(ppl.Attention.POSLSH, 2, ck)
+    model, own = ppl._model(ctx, ck)
+    swap = ppl.scheme_for(spec, ppl.Attention.ALIBI, 0, own, 0)
+    a, b = (evaluate(model, st, ck.tokens, 64, None, 2048, 4, key="perplexity", own=own, token_bytes=ck.token_bytes)
+            for st in (own, swap))
+    assert a.loss == b.loss and a.predicted == b.predicted and b.kl == 0.0
     assert invoke("plot", out).exit_code == 0
     assert {"bpb_vs_length.png", "bpb_swapped.png", "bpb_vs_s.png"} <= {p.name for p in (out / "figures").iterdir()}
     r = invoke("report", out)

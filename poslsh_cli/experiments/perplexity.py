@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
 from poslsh_cli.config import ConfigError, Spec, check, key
@@ -49,6 +49,9 @@ class PerplexitySpec(Spec):
     s: tuple[int, ...] = key("Positional-LSH masks per head at inference (attention=poslsh)", [10], ge=1)
     window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
     trials: int = key("mask draws per Positional-LSH point (own or swapped in)", 3, ge=1)
+    swapped_at: Literal["trained", "every"] = key(
+        "lengths at which a swapped-in attention is evaluated: trained (the checkpoint's training length; the "
+        "shortest of lengths= when that is not among them) or every (each evaluation length)", "trained")
     stride: Optional[int] = key("sliding windows advancing by stride (each scores its last stride bytes); "
                                 "null: non-overlapping windows", None, ge=1)
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
@@ -194,12 +197,34 @@ def stochastic(attention: Attention, ck: Checkpoint) -> bool:
     return attention is Attention.POSLSH or (attention is Attention.OWN and ck.position == Position.POSLSH.value)
 
 
+def same_as_own(attention: Attention, s: int, ck: Checkpoint) -> bool:
+    """Whether swapping ``attention`` (with ``s`` masks) into ``ck`` gives the model as trained:
+    exact ALiBi into an ALiBi model (attention dropout is off at inference), Positional LSH with the
+    trained s into a Positional-LSH model (the own rows already draw its masks). Only for models this
+    project trained: a foreign ALiBi model's own forward is its library's code, not ours."""
+    if attention is Attention.OWN or attention.value != ck.position or not ck.info:
+        return False
+    return attention is not Attention.POSLSH or s == int(ck.info.get("s", 0) or 0)
+
+
+def swapped_lengths(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
+    """Where a swapped-in attention is evaluated (``swapped_at``)."""
+    lengths = lengths_of(spec, ck)
+    if spec.swapped_at == "every":
+        return lengths
+    return (ck.trained_len,) if ck.trained_len in lengths else (min(lengths),)
+
+
 def cells(spec: PerplexitySpec, ctx: Context | None = None) -> list[dict[str, Any]]:
+    """One cell per (checkpoint, attention, s, length, mask draw). A swapped-in attention is
+    evaluated at the lengths of :func:`swapped_lengths` and not where it equals the model's own."""
     out = []
     for name, ck in (ctx.checkpoints.items() if ctx is not None else []):
         for att in spec.attention:
             for s in (spec.s if att is Attention.POSLSH else (0,)):
-                for length in lengths_of(spec, ck):
+                if same_as_own(att, s, ck):
+                    continue
+                for length in (lengths_of(spec, ck) if att is Attention.OWN else swapped_lengths(spec, ck)):
                     for trial in range(spec.trials if stochastic(att, ck) else 1):
                         out.append({"checkpoint": name, "attention": att.value, "s": s, "length": length,
                                     "trial": trial})
