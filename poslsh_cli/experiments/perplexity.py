@@ -9,7 +9,8 @@ position of non-overlapping windows of the evaluation length (``stride=`` for sl
 byte models and BPE models compare on one scale; perplexity = exp(loss), per token.
 Evaluation text: each checkpoint's own validation split (checked against the corpus hash it was
 trained on), or ``data=PATH``. Lengths default to L, 2L, 4L, 8L of the training length L (the
-shape of the ALiBi paper's Figure 1).
+shape of the ALiBi paper's Figure 1). A swapped-in attention is evaluated at the training length
+(``swapped_at=every``: at each length), and not where it is the model's own computation.
 """
 from __future__ import annotations
 
