@@ -393,3 +393,37 @@ def test_long_context_goals_and_crossover():
     assert any("from L=16384 on" in p for p in slow.paragraphs)
     short = step_bench.report(RUN, step_table({1024: 0.9, 2048: 0.9}, 1.0, lengths=(1024, 2048)))
     assert status_of(short, "at long context") is Status.NOT_MEASURED
+
+
+def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
+    """Swapped rows at the training length: the mean over seeds of each seed's mean over draws, and the
+    seed-paired difference from the same models' own attention, recomputed here from the rows."""
+    from poslsh_cli.experiments.perplexity_report import swapped_table
+    from poslsh_cli.stats import t_interval
+
+    _, df = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.9})
+    g = np.random.default_rng(1)
+    extra = []
+    for _, r in df[(df.position == "poslsh") & (df.length == 256)].drop_duplicates("run_seed").iterrows():
+        extra.append({**r.to_dict(), "attention": "alibi", "s": 0, "trial": 0, "seed": -1,
+                      "bits_per_byte": 1.85 + g.normal(0, 0.01), "kl": 0.05})
+    for _, r in df[(df.position == "alibi") & (df.length == 256)].iterrows():
+        for trial in range(3):
+            extra.append({**r.to_dict(), "attention": "poslsh", "s": 10, "trial": trial, "seed": trial,
+                          "bits_per_byte": 2.0 + g.normal(0, 0.01), "kl": 0.1})
+    extra.append({**extra[0], "length": 1024})  # not at the training length: left out
+    df = pd.concat([df, pd.DataFrame(extra)], ignore_index=True)
+    t = swapped_table(df).set_index(["trained", "attention"])
+    assert list(t.index) == [("alibi", "poslsh s=10"), ("poslsh s=10", "alibi")]
+    for (trained, att), pos, swap in ((("poslsh s=10", "alibi"), "poslsh", "alibi"),
+                                      (("alibi", "poslsh s=10"), "alibi", "poslsh")):
+        rows = df[(df.position == pos) & (df.length == 256)]
+        sw = rows[rows.attention == swap].groupby("run_seed").bits_per_byte.mean()
+        own = rows[rows.attention == "own"].groupby("run_seed").bits_per_byte.mean()
+        row = t.loc[(trained, att)]
+        assert row["seeds"] == 3 and row["bits/byte"] == round(sw.mean(), 4)
+        assert row["own"] == round(own.mean(), 4)
+        iv = t_interval((sw - own).values)
+        assert row["swapped - own"] == round(iv.estimate, 4)
+        assert row["95% interval "] == f"[{iv.low:.4f}, {iv.high:.4f}]"
+    assert t.loc[("alibi", "poslsh s=10")]["draws/seed"] == 3 and t.loc[("alibi", "poslsh s=10")]["KL"] == 0.1

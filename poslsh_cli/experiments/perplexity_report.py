@@ -206,6 +206,42 @@ def interval_table(own: Any) -> Any:
     return pd.DataFrame(rows)
 
 
+def swapped_table(df: Any) -> Any:
+    """At the training length, each trained scheme with another attention swapped in: mean bits per
+    byte with its 95% t-interval over training seeds (each seed the mean over its mask draws), the
+    same models under their own attention, the seed-paired difference (swapped minus own) with its
+    95% interval, and the mean KL divergence (nats per token) from the model's own predictions."""
+    import pandas as pd
+
+    from poslsh_cli.stats import t_interval
+
+    df = df.assign(attn_dropout=df.get("attn_dropout", 0.0)).fillna({"attn_dropout": 0.0})
+    at_L = df[df.length == df.trained_len]
+    keys = ["finetuned", "trained_len", "position", "trained_s", "attn_dropout"]
+    rows = []
+    for k, g in sorted(at_L.groupby(keys), key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4])):
+        own = g[g.attention == OWN].groupby("run_seed").bits_per_byte.mean()
+        for (att, s), h in g[g.attention != OWN].groupby(["attention", "s"]):
+            per_seed = h.groupby("run_seed").bits_per_byte.mean()
+            iv = t_interval(per_seed.values)
+            common = per_seed.index.intersection(own.index)
+            diff = t_interval((per_seed[common] - own[common]).values)
+
+            def text(v: Any) -> str:
+                return f"[{v.low:.4f}, {v.high:.4f}]" if v.finite else "-"
+
+            rows.append({"fine-tuned": k[0], "L": k[1],
+                         "trained": k[2] + (f" s={k[3]}" if k[3] else "") + (f" +dropout {k[4]:g}" if k[4] else ""),
+                         "attention": att + (f" s={s}" if att == "poslsh" else ""),
+                         "bits/byte": round(iv.estimate, 4), "95% interval": text(iv),
+                         "own": round(float(own[common].mean()), 4) if len(common) else float("nan"),
+                         "swapped - own": round(diff.estimate, 4) if len(common) else float("nan"),
+                         "95% interval ": text(diff) if len(common) else "-",
+                         "KL": round(float(h.kl.mean()), 4), "seeds": iv.n,
+                         "draws/seed": int(h.groupby("run_seed").size().max())})
+    return pd.DataFrame(rows)
+
+
 def _windows(run: Path) -> Any:
     import pandas as pd
 
@@ -238,6 +274,11 @@ def report(run: Path, df: Any) -> Section:
     sec.verdicts += pc.claim_finetune_beats_fixed_blocks(d)
     swapped = df[df.attention != OWN]
     if len(swapped):
-        sec.paragraphs.append(f"{len(swapped)} rows evaluate a model with another attention than its own "
-                              "(the figure 'attention swapped at inference', the 'attention' column of results.csv).")
+        sec.tables.append(swapped_table(df))
+        sec.paragraphs.append(f"{len(swapped)} rows evaluate a model with another attention than its own (the table "
+                              "above, at the training length; the figure 'attention swapped at inference'; the "
+                              "'attention' column of results.csv): bits per byte over training seeds with a 95% "
+                              "t-interval, the same models under their own attention, the seed-paired difference "
+                              "(swapped minus own) with its 95% t-interval, and the KL divergence of the next-token "
+                              "distributions from the model's own (nats per token).")
     return sec
