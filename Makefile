@@ -8,6 +8,8 @@ RUNS   ?= runs
 # where make reproduce-* runs its presets: local (one after another), joblib (in parallel on this
 # machine) or slurm (each preset a SLURM job; needs the launchers extra and sbatch)
 LAUNCHER ?= local
+# opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long perplexity_long, or all
+WITH ?=
 
 .PHONY: install test test-fast reproduce-all reproduce-quick bench bench-matrix bench-attention \
 	bench-gpu clean-venv
@@ -31,10 +33,10 @@ test-fast: install
 # runs/reproduce/paper/report.{md,html}. Fixed run directories: interrupted and started again,
 # it resumes where it stopped. Large-model presets run only with their checkpoint and a GPU.
 reproduce-all: install
-	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce --launcher $(LAUNCHER)
+	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce --launcher $(LAUNCHER) $(foreach w,$(WITH),--with $(w))
 
 reproduce-quick: install
-	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER)
+	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER) $(foreach w,$(WITH),--with $(w))
 
 # Speed and memory targets, measured side by side in one run each and reported as ratios.
 bench: bench-matrix bench-attention

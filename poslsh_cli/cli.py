@@ -433,7 +433,9 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
                   runs: Path = typer.Option(Path("runs/reproduce"), help="root of the run directories"),
                   launcher: str = typer.Option("local", help="local (one preset after another), joblib (presets in "
                                                "parallel here) or slurm (each preset a SLURM job)"),
-                  jobs: Optional[int] = typer.Option(None, help="joblib: presets at once (default: the cores)")) -> None:
+                  jobs: Optional[int] = typer.Option(None, help="joblib: presets at once (default: the cores)"),
+                  with_: list[str] = typer.Option([], "--with", help="opt-in presets to run as well: train_long, "
+                                                  "perplexity_long (the long-context CPU runs), or all")) -> None:
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
     from poslsh_cli.reproduce import Launcher
     from poslsh_cli.reproduce import main as reproduce_main
@@ -446,7 +448,13 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
             _check_launcher(launcher, multirun=True)
         except ConfigError as exc:
             fail("reproduce", str(exc))
-    raise SystemExit(reproduce_main(scale, runs, launcher, jobs))
+    from poslsh_cli.reproduce import check_with
+
+    try:
+        include = check_with(with_)
+    except ConfigError as exc:
+        fail("reproduce", str(exc))
+    raise SystemExit(reproduce_main(scale, runs, launcher, jobs, include))
 
 
 @app.command("plot")

@@ -7,7 +7,10 @@ preset is a one-job Hydra multirun on that launcher (``out/0``), the presets run
 time (joblib: at most ``jobs`` at once; slurm: as the queue allows), in two waves: experiments
 that evaluate others' results (``reproduce_overrides``, e.g. perplexity) after the rest. A preset that cannot run here (its
 experiment's ``skip_reason``: no checkpoint, a large model without a GPU) is skipped, and the
-reason is kept in its run directory (``skipped.json``) so any later report says so.
+reason is kept in its run directory (``skipped.json``) so any later report says so. Opt-in presets
+(an experiment's ``opt_in``: the long-context CPU runs) run at the paper scale only when named with
+``--with NAME`` (``--with all`` for every one); otherwise they are skipped the same way, with that
+reason. The quick scale runs them always (its smoke test covers every preset).
 """
 from __future__ import annotations
 
@@ -35,6 +38,28 @@ def plan(scale: str) -> list[tuple[str, str, str]]:
     """(run name, command, preset) for every preset of every experiment, in report order."""
     return [(stem, exp.name, f"{stem}_{scale}") for exp in registry.experiments().values() for stem in exp.presets
             if f"{stem}_{scale}" in registry.preset_names(exp)]
+
+
+def opt_in() -> list[str]:
+    """The presets (run names) reproduce runs only when named with ``--with``."""
+    return [stem for exp in registry.experiments().values() for stem in exp.opt_in]
+
+
+def check_with(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``--with`` values: opt-in preset names or ``all``; anything else is an error."""
+    known = opt_in()
+    for n in names:
+        if n != "all" and n not in known:
+            raise ConfigError(f"--with must be one of {', '.join(known)} or all, got {n!r}")
+    return tuple(known) if "all" in names else tuple(names)
+
+
+def not_asked(name: str, preset: str, include: tuple[str, ...]) -> str | None:
+    """Why reproduce leaves the preset ``name`` out: at the paper scale, an opt-in preset not named
+    with ``--with``."""
+    if preset.endswith("_paper") and name in opt_in() and name not in include:
+        return f"an opt-in preset: poslsh reproduce --with {name} (make reproduce-all WITH={name}) runs it"
+    return None
 
 
 def overrides(command: str, preset: str, root: Path) -> list[str]:
@@ -80,7 +105,8 @@ def _record_session(root: Path, scale: str, started: str, seconds: float, ran: i
     atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
 
 
-def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None) -> int:
+def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None,
+         include: tuple[str, ...] = ()) -> int:
     from poslsh_cli import ownership
 
     root = Path(root) / scale
@@ -90,12 +116,12 @@ def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = Non
         print(f"poslsh reproduce: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return _main(scale, root, launcher, jobs)
+        return _main(scale, root, launcher, jobs, include)
     finally:
         ownership.release(root)
 
 
-def _main(scale: str, root: Path, launcher: str, jobs: int | None) -> int:
+def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tuple[str, ...] = ()) -> int:
     import datetime as _dt
     import os
 
@@ -108,7 +134,7 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None) -> int:
              [e for e in entries if registry.get(e[1]).reproduce_overrides is not None]]
     try:
         for wave in waves:
-            _run_wave(wave, root, launcher, limit, done, failed)
+            _run_wave(wave, root, launcher, limit, done, failed, include)
     except KeyboardInterrupt:
         _record_session(root, scale, started, time.time() - t0, len(done), failed + ["(interrupted)"])
         print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
@@ -122,7 +148,8 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None) -> int:
     return 1 if failed else 0
 
 
-def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list) -> None:
+def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list,
+              include: tuple[str, ...] = ()) -> None:
     """Run a wave's presets, at most ``limit`` at a time; a child that fails is recorded."""
     running: list[tuple[str, Path, subprocess.Popen]] = []
 
@@ -149,7 +176,7 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
             while len(running) >= limit:  # the previous child's output comes before this header
                 reap(block=False)
                 time.sleep(0.2)
-            reason = skip_reason(command, preset, root)
+            reason = not_asked(name, preset, include) or skip_reason(command, preset, root)
             if reason:
                 _mark_skipped(out, name, command, preset, reason)
                 print(f"== skipped {name}: {reason}", flush=True)

@@ -1,5 +1,8 @@
 """Configuration: every command composes and validates from the registry; the one validation
 turns values into concrete types with one-line messages; every preset belongs to one command."""
+import json
+import subprocess
+import sys
 from dataclasses import FrozenInstanceError
 
 import pytest
@@ -121,3 +124,33 @@ def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
     assert skip_reason("bench", "bench_quick") is None
     assert skip_reason("output-error", "output_error_mistral_7b_quick").startswith("POSLSH_MODELS is not set")
     assert skip_reason("output-error", "output_error_minilm_quick") is None
+
+
+def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
+    from poslsh_cli import reproduce
+
+    assert set(reproduce.opt_in()) == {"train_long", "perplexity_long"}
+    assert "--with train_long" in reproduce.not_asked("train_long", "train_long_paper", ())
+    assert reproduce.not_asked("train_long", "train_long_paper", ("train_long",)) is None
+    assert reproduce.not_asked("train_long", "train_long_quick", ()) is None  # the smoke test runs every preset
+    assert reproduce.not_asked("train", "train_paper", ()) is None
+    assert reproduce.check_with(["all"]) == tuple(reproduce.opt_in())
+    with pytest.raises(ConfigError, match="--with must be one of train_long, perplexity_long or all, got 'trian'"):
+        reproduce.check_with(["trian"])
+    # the driver leaves it out and says why in its run directory, running nothing
+    code = ("import sys; import poslsh_cli.reproduce as r;"
+            "r.plan = lambda scale: [('train_long','train','train_long_paper')];"
+            f"sys.exit(r.main('paper', {str(tmp_path)!r}))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "skipped train_long: an opt-in preset" in res.stdout
+    marker = json.loads((tmp_path / "paper" / "train_long" / "skipped.json").read_text())
+    assert "--with train_long" in marker["reason"]
+    assert not (tmp_path / "paper" / "train_long" / "config.yaml").exists()
+
+
+def test_reproduce_refuses_an_unknown_with_in_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "poslsh_cli", "reproduce", "--with", "trian", "--runs", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--with must be one of" in res.stderr and not any(tmp_path.iterdir())

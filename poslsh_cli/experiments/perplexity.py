@@ -334,6 +334,7 @@ EXPERIMENT = Experiment(
     plot=plot,
     report=report,
     presets=("perplexity", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu"),
+    opt_in=("perplexity_long",),
     order=60,
     positional="checkpoints",
     skip_reason=skip_reason,

@@ -598,6 +598,7 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("train", "train_finetune", "train_long", "train_gpu", "train_long_gpu", "finetune_mistral_7b_gpu",
              "train_qwen3_0_6b_gpu"),
+    opt_in=("train_long",),
     order=50,
     skip_reason=skip_reason,
     distributed=True,
