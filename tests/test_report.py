@@ -425,5 +425,5 @@ def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
         assert row["own"] == round(own.mean(), 4)
         iv = t_interval((sw - own).values)
         assert row["swapped - own"] == round(iv.estimate, 4)
-        assert row["95% interval "] == f"[{iv.low:.4f}, {iv.high:.4f}]"
+        assert row["difference 95%"] == f"[{iv.low:.4f}, {iv.high:.4f}]"
     assert t.loc[("alibi", "poslsh s=10")]["draws/seed"] == 3 and t.loc[("alibi", "poslsh s=10")]["KL"] == 0.1

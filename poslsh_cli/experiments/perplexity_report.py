@@ -184,6 +184,24 @@ def zoom_limits(lows: list[float], highs: list[float], best: float, within: floa
 # the report
 
 
+#: the columns a trained scheme is told apart by, in the tables of this report
+SCHEME_KEYS = ["finetuned", "trained_len", "position", "trained_s", "attn_dropout"]
+
+
+def _by_scheme(df: Any) -> list:
+    """(key, rows) per trained scheme (``SCHEME_KEYS``), in report order."""
+    df = df.assign(attn_dropout=df.get("attn_dropout", 0.0)).fillna({"attn_dropout": 0.0})
+    return sorted(df.groupby(SCHEME_KEYS), key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4]))
+
+
+def _scheme_label(k: tuple) -> str:
+    return k[2] + (f" s={k[3]}" if k[3] else "") + (f" +dropout {k[4]:g}" if k[4] else "")
+
+
+def _interval_text(iv: Any) -> str:
+    return f"[{iv.low:.4f}, {iv.high:.4f}]" if iv.finite else "-"
+
+
 def interval_table(own: Any) -> Any:
     """Per trained scheme and evaluation length: mean bits per byte with its 95% t-interval over
     training seeds (each seed the mean over its mask draws), and the counts it rests on."""
@@ -192,16 +210,13 @@ def interval_table(own: Any) -> Any:
     from poslsh_cli.stats import t_interval
 
     rows = []
-    keys = ["finetuned", "trained_len", "position", "trained_s", "attn_dropout"]
-    own = own.assign(attn_dropout=own.get("attn_dropout", 0.0)).fillna({"attn_dropout": 0.0})
-    for k, g in sorted(own.groupby(keys), key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4])):
+    for k, g in _by_scheme(own):
         for length, h in g.groupby("length"):
             per_seed = h.groupby("run_seed").bits_per_byte.mean()
             iv = t_interval(per_seed.values)
             rows.append({"fine-tuned": k[0], "L": k[1],
-                         "scheme": k[2] + (f" s={k[3]}" if k[3] else "") + (f" +dropout {k[4]:g}" if k[4] else ""),
-                         "length": length, "bits/byte": round(iv.estimate, 4),
-                         "95% interval": f"[{iv.low:.4f}, {iv.high:.4f}]" if iv.finite else "-",
+                         "scheme": _scheme_label(k),
+                         "length": length, "bits/byte": round(iv.estimate, 4), "95% interval": _interval_text(iv),
                          "seeds": iv.n, "draws/seed": int(h.groupby("run_seed").size().max())})
     return pd.DataFrame(rows)
 
@@ -215,28 +230,20 @@ def swapped_table(df: Any) -> Any:
 
     from poslsh_cli.stats import t_interval
 
-    df = df.assign(attn_dropout=df.get("attn_dropout", 0.0)).fillna({"attn_dropout": 0.0})
-    at_L = df[df.length == df.trained_len]
-    keys = ["finetuned", "trained_len", "position", "trained_s", "attn_dropout"]
     rows = []
-    for k, g in sorted(at_L.groupby(keys), key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4])):
+    for k, g in _by_scheme(df[df.length == df.trained_len]):
         own = g[g.attention == OWN].groupby("run_seed").bits_per_byte.mean()
         for (att, s), h in g[g.attention != OWN].groupby(["attention", "s"]):
             per_seed = h.groupby("run_seed").bits_per_byte.mean()
             iv = t_interval(per_seed.values)
             common = per_seed.index.intersection(own.index)
             diff = t_interval((per_seed[common] - own[common]).values)
-
-            def text(v: Any) -> str:
-                return f"[{v.low:.4f}, {v.high:.4f}]" if v.finite else "-"
-
-            rows.append({"fine-tuned": k[0], "L": k[1],
-                         "trained": k[2] + (f" s={k[3]}" if k[3] else "") + (f" +dropout {k[4]:g}" if k[4] else ""),
+            rows.append({"fine-tuned": k[0], "L": k[1], "trained": _scheme_label(k),
                          "attention": att + (f" s={s}" if att == "poslsh" else ""),
-                         "bits/byte": round(iv.estimate, 4), "95% interval": text(iv),
+                         "bits/byte": round(iv.estimate, 4), "95% interval": _interval_text(iv),
                          "own": round(float(own[common].mean()), 4) if len(common) else float("nan"),
                          "swapped - own": round(diff.estimate, 4) if len(common) else float("nan"),
-                         "95% interval ": text(diff) if len(common) else "-",
+                         "difference 95%": _interval_text(diff) if len(common) else "-",
                          "KL": round(float(h.kl.mean()), 4), "seeds": iv.n,
                          "draws/seed": int(h.groupby("run_seed").size().max())})
     return pd.DataFrame(rows)
