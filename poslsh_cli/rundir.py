@@ -177,6 +177,7 @@ class RunDir:
         self.cells_dir = self.path / "cells"
         self.meta: dict[str, Any] = {}
         self._created: Optional[Path] = None
+        self._done: Optional[dict[str, dict]] = None  # the owner's finished cells, read from disk once
 
     @classmethod
     def open(cls, path: Path, command: str, config_yaml: str) -> "RunDir":
@@ -273,11 +274,19 @@ class RunDir:
         """Finished cells by id, and the cell files that cannot be read (path, why)."""
         return read_cells(self.cells_dir)
 
+    def finished(self) -> dict[str, dict]:
+        """Finished cells by id. The owner reads cells/ once and then adds each cell it writes
+        (only the owner writes cells), so a run of N cells reads N files, not N^2/2."""
+        if self._done is None:
+            self._done = self.cells()[0]
+        return self._done
+
     def done_ids(self) -> set[str]:
-        return set(self.cells()[0])
+        return set(self.finished())
 
     def drop_unreadable_cells(self, notice: Callable[[str], None]) -> None:
         """(Owner only) a cell file that cannot be read is not finished: remove it, say so."""
+        self._done = None
         for path, why in self.cells()[1]:
             notice(f"{path} is unreadable ({why}); the cell will be computed again")
             path.unlink(missing_ok=True)
@@ -285,12 +294,14 @@ class RunDir:
     def write_cell(self, key: dict[str, Any], rows: list[dict[str, Any]], aux: dict[str, list[dict]] | None = None,
                    index: int | None = None) -> None:
         payload = {"key": key, "rows": rows, "aux": aux or {}, "index": index}
-        atomic_write_text(self.cells_dir / f"{cell_id(key)}.json", json.dumps(payload, default=_jsonable) + "\n")
+        text = json.dumps(payload, default=_jsonable)
+        atomic_write_text(self.cells_dir / f"{cell_id(key)}.json", text + "\n")
+        self.finished()[cell_id(key)] = json.loads(text)  # as a reader of the file would see it
         fault_point("cell")
 
     def write_tables(self, keys: list[dict[str, Any]], columns: list[str]) -> int:
         """Rewrite results.csv (and aux tables) from the finished cells, in grid order."""
-        done = self.cells()[0]
+        done = self.finished()
         cells = [done[cell_id(k)] for k in keys if cell_id(k) in done]
         _write_tables(self.path, cells, columns)
         return len(cells)

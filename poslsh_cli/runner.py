@@ -148,14 +148,15 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
     if len(todo) < len(keys):
         err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done", markup=False)
     status = "complete"
+    tables = _Tables(run, keys, list(exp.columns))
     try:
         with _Progress(err, len(keys), len(keys) - len(todo), exp.name) as bar:
             for key in todo:
                 t0 = time.perf_counter()
                 rows, aux = exp.run_cell(spec, key, ctx, run.work(key, bar.sub, notice))
                 run.write_cell(key, rows, aux, index[cell_id(key)])
-                run.write_tables(keys, list(exp.columns))
-                run.write_meta(cells_done=len(run.done_ids()))
+                tables.after_cell()
+                run.write_meta(cells_done=len(run.finished()))
                 bar.advance(key, time.perf_counter() - t0)
         run.write_tables(keys, list(exp.columns))
     except KeyboardInterrupt:
@@ -170,7 +171,7 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
         run.write_meta(status="failed", error=f"{type(exc).__name__}: {exc}")
         run.discard_if_empty()
         raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
-    n_done = len(run.done_ids())
+    n_done = len(run.finished())
     run.write_meta(status=status, cells_done=n_done)
     if status == "interrupted":
         run.discard_if_empty()
@@ -179,6 +180,30 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
         return INTERRUPTED
     _print_summary(exp, run)
     return 0
+
+
+class _Tables:
+    """results.csv (and the aux tables) rewritten after a cell when the last rewrite is at least
+    :data:`TABLES_EVERY_S` seconds old, or 20 times its own cost: rewriting them after every cell
+    costs O(N^2) over a run of N small cells (block-stats' 1080). The cell files are the record
+    (:func:`poslsh_cli.rundir.results` reads them, and rebuilds a stale table); the tables are
+    always rewritten at the end, on an interrupt, and after a cell that took longer than that."""
+
+    def __init__(self, run: Any, keys: list[dict], columns: list[str]):
+        self.run, self.keys, self.columns = run, keys, columns
+        self.last, self.cost = -float("inf"), 0.0
+
+    def after_cell(self) -> None:
+        now = time.perf_counter()
+        if now - self.last < max(TABLES_EVERY_S, 20.0 * self.cost):
+            return
+        self.run.write_tables(self.keys, self.columns)
+        self.last = time.perf_counter()
+        self.cost = self.last - now
+
+
+#: Seconds between rewrites of a run's tables while its cells finish (see :class:`_Tables`).
+TABLES_EVERY_S = 5.0
 
 
 def _print_summary(exp: Experiment, run: Any) -> None:
