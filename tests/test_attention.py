@@ -313,3 +313,54 @@ def test_attention_dropout_takes_a_path_that_drops_and_is_unbiased():
     exact = []
     attend(q, k, v, AttentionSpec(Method.EXACT, sig, True), on_plan=exact.append, dropout=0.1)
     assert exact[0].label == "rank1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_flash_dropout_is_dropout_of_the_softmax_with_its_mask(dtype):
+    """FlashDropout (two flash calls each way) against autograd through the float64 dense formula
+    ``(softmax(q k^T s + bias) o D / (1-p)) V`` with the same keep mask D: output and q, k, v
+    gradients. p = 0.5 with a causal window bias leaves rows that keep no key (their output is 0);
+    n = 300 spans several of the kernel's query and key tiles."""
+    from poslsh_cli.attention.dense import FlashDropout, alibi_bias, keep_mask
+
+    B, H, n, d = 2, 3, 300, 16
+    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(B=B, H=H, n=n, d=d, dtype=torch.float64, seed=4))
+    bias = alibi_bias(n, torch.tensor([2.0, 8.0, 64.0]), True, window=[5, 40, 300], dtype=dtype)[None]
+    torch.manual_seed(1)
+    keep, p = keep_mask((B, H, n, n), 0.5)
+    assert p == 0.5
+    empty = ~(keep & torch.isfinite(bias)).any(-1)
+    assert empty.any()  # rows with every key dropped are exercised
+    grad = torch.randn(B, H, n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    out = FlashDropout.apply(q, k, v, bias, keep, p, 0.25)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    prob = torch.softmax(q64 @ k64.transpose(-1, -2) * 0.25 + bias.double(), dim=-1)
+    ref = (prob * keep / (1 - p)) @ v64
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert (out.double() - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
+    assert (out[empty] == 0).all()
+    for g, w in zip(got, want):
+        assert (g.double() - w).abs().max().item() < tol * max(1.0, w.abs().max().item())
+
+
+def test_keep_mask_drops_each_lane_with_its_probability():
+    """keep_mask's four 16-bit lanes per 64-bit draw each drop with probability round(p 2^16)/2^16:
+    the drop fraction of every lane within 5 binomial standard errors of it; the same seed gives
+    the same mask; p = 0 drops nothing."""
+    from poslsh_cli.attention.dense import keep_mask
+
+    torch.manual_seed(3)
+    for p in (0.1, 0.37):
+        keep, pe = keep_mask((6, 1000, 100), p)
+        assert pe == round(p * 65536) / 65536 and abs(pe - p) <= 2 ** -17
+        lanes = (~keep).reshape(-1, 4).double().mean(dim=0)
+        se = math.sqrt(pe * (1 - pe) / (keep.numel() / 4))
+        assert ((lanes - pe).abs() < 5 * se).all(), (p, lanes.tolist())
+    torch.manual_seed(7)
+    a, _ = keep_mask((3, 50, 50), 0.2)
+    torch.manual_seed(7)
+    b, _ = keep_mask((3, 50, 50), 0.2)
+    assert torch.equal(a, b)
+    assert keep_mask((3, 50, 50), 0.0)[0].all()
