@@ -61,3 +61,24 @@ def test_bench_bad_input(tmp_path):
             continue  # a machine with a GPU
         assert r.exit_code == 2 and needle in r.stderr, (args, r.stderr)
         assert not (tmp_path / "x").exists()
+
+
+def test_measure_skips_the_warmup_after_a_long_memory_pass(monkeypatch):
+    """measure() runs the memory pass first; a call that took WARM_AFTER_S or longer there is warm,
+    so its warm-up calls are skipped: one memory call, then exactly ``repeats`` timed calls. A short
+    call keeps its ``warmup`` calls. (Counts calls; times nothing.)"""
+    import torch
+
+    from poslsh_cli import measure as m
+
+    def count(threshold):
+        monkeypatch.setattr(m, "WARM_AFTER_S", threshold)
+        calls = []
+        x = torch.ones(4, requires_grad=True)
+        t = m.measure(lambda: calls.append("prepare"), lambda _: x * 2, torch.device("cpu"), repeats=3, warmup=2,
+                      backward=True, inputs=(x,))
+        assert torch.equal(t.out, torch.full((4,), 2.0)) and t.seconds >= 0
+        return len(calls)
+
+    assert count(float("inf")) == 1 + 2 + 3  # memory pass, warm-up, repeats
+    assert count(0.0) == 1 + 3  # every call counts as long: the memory pass was the warm-up
