@@ -158,11 +158,11 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
                 tables.after_cell()
                 run.write_meta(cells_done=len(run.finished()))
                 bar.advance(key, time.perf_counter() - t0)
-        run.write_tables(keys, list(exp.columns))
+        tables.write()
     except KeyboardInterrupt:
         status = "interrupted"
         # the signal may have landed between a cell's file and the table: make them agree
-        run.write_tables(keys, list(exp.columns))
+        tables.write()
     except ConfigError as exc:
         run.write_meta(status="failed", error=str(exc))
         run.discard_if_empty()
@@ -194,9 +194,11 @@ class _Tables:
         self.last, self.cost = -float("inf"), 0.0
 
     def after_cell(self) -> None:
+        if time.perf_counter() - self.last >= max(TABLES_EVERY_S, 20.0 * self.cost):
+            self.write()
+
+    def write(self) -> None:
         now = time.perf_counter()
-        if now - self.last < max(TABLES_EVERY_S, 20.0 * self.cost):
-            return
         self.run.write_tables(self.keys, self.columns)
         self.last = time.perf_counter()
         self.cost = self.last - now

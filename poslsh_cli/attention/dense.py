@@ -17,6 +17,7 @@ import torch
 
 from poslsh_cli import masks
 from poslsh_cli.attention.blocks import device_bins
+from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import NEG_INF, scale_of
 from poslsh_cli.sampling import Partitions
 
@@ -43,8 +44,7 @@ def dense_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias
     """
     sc = scale_of(q.shape[-1], scale)
     mask = bias[None].to(q.dtype)
-    if dropout > 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled() \
-            and any(t.requires_grad for t in (q, k, v)):
+    if dropout > 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and needs_grad(q, k, v):
         keep, p = keep_mask(q.shape[:2] + bias.shape[-2:], dropout, q.device)
         return FlashDropout.apply(q, k, v, mask, keep, p, sc)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sc, dropout_p=dropout)
