@@ -458,8 +458,12 @@ def _cache(key: str, meta: dict, tokenise: Any) -> Corpus:
 
 
 def train_batch(tokens: np.ndarray, seq_len: int, batch: int, generator: np.random.Generator) -> np.ndarray:
-    """(batch, seq_len + 1) int64 windows at random offsets: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
-    starts = generator.integers(0, len(tokens) - seq_len - 1, size=batch)
+    """(batch, seq_len + 1) int64 windows at uniform random offsets ``0 .. len(tokens) - seq_len - 1``
+    (every window of ``seq_len + 1`` tokens, the last one included): inputs ``[:, :-1]``, targets
+    ``[:, 1:]``."""
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"{len(tokens)} tokens hold no window of {seq_len + 1}")
+    starts = generator.integers(0, len(tokens) - seq_len, size=batch)
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     return np.asarray(tokens)[idx].astype(np.int64)
 

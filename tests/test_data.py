@@ -134,3 +134,20 @@ def test_eval_windows_predict_every_token_once_and_count_bytes():
     assert seen[0] == 0 and (seen[1:start + 75] == 1).all()
     nb = np.full(1000, 3)
     assert sum(w.nbytes for w in eval_windows(tokens, 100, token_bytes=nb)) == 3 * 10 * 99
+
+
+def test_train_batch_draws_every_window_the_last_one_included():
+    """Windows of L + 1 tokens start at 0 .. len - L - 1, each with probability 1 / (len - L); a
+    split of exactly L + 1 tokens holds one window (the size check accepts it)."""
+    from poslsh_cli.data import train_batch
+
+    L = 4
+    one = np.arange(L + 1)
+    b = train_batch(one, L, 3, np.random.default_rng(0))
+    assert b.shape == (3, L + 1) and (b == one).all()
+    tokens = np.arange(10)  # starts 0 .. 5: six windows
+    starts = train_batch(tokens, L, 6000, np.random.default_rng(1))[:, 0]
+    counts = np.bincount(starts, minlength=6)
+    assert len(counts) == 6 and counts.min() > 1000 - 5 * 30  # each 1000 +- 5 binomial SE (~29)
+    with pytest.raises(ValueError, match="hold no window"):
+        train_batch(np.arange(L), L, 1, np.random.default_rng(0))

@@ -401,6 +401,33 @@ def test_finetuning_shares_one_pretraining_stage(tmp_path):
     assert info["init"].endswith("pretrain-rope-seed0/final")
 
 
+def test_finetuning_continues_the_batch_stream_instead_of_replaying_pretraining(tmp_path, monkeypatch):
+    """A fine-tune after pretrain_steps=N draws the batches of global steps N+1.., not the first
+    ones again (every cell the same batches, so cells stay paired), and ``passes`` counts both."""
+    import poslsh_cli.data as data
+
+    seen = []
+    real = data.train_batch
+
+    def spy(tokens, seq_len, batch, generator):
+        out = real(tokens, seq_len, batch, generator)
+        seen.append(out.tobytes())
+        return out
+
+    monkeypatch.setattr(data, "train_batch", spy)
+    out = tmp_path / "ft"
+    r = invoke("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=3",
+               "eval_every=0", f"out={out}")
+    assert r.exit_code == 0, r.output
+    assert len(seen) == 9
+    pre, first, second = seen[:3], seen[3:6], seen[6:]
+    assert first == second  # the two fine-tuning cells see the same data
+    assert not set(first) & set(pre), "fine-tuning replays pretraining batches"
+    df = pd.read_csv(out / "results.csv")
+    corpus = load_corpus("builtin")
+    np.testing.assert_allclose(df.passes, (3 + 3) * 4 * 32 / len(corpus.train))
+
+
 def test_step_bench_compares_paths_in_one_run(tmp_path):
     r = invoke("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
                "intermediate=64", "batch=2", "steps=1", "warmup=0", f"out={tmp_path}")

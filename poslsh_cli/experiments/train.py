@@ -274,6 +274,10 @@ class Stage:
     label: str
     dropout: float = 0.0
     lora: bool = False
+    #: training steps the weights saw before this stage (a fine-tune after ``pretrain_steps`` of
+    #: pretraining): the stage's step t draws batch, masks and dropout of global step
+    #: ``first_step + t``, so fine-tuning continues the data stream instead of replaying it
+    first_step: int = 0
 
 
 def _build(spec: TrainSpec, ctx: Context, stage: Stage, resume: Optional[Path]) -> tuple[Any, Any]:
@@ -434,14 +438,15 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
     lora_save = spec.lora_save.value
     for step in range(start + 1, stage.steps + 1):
         t0 = time.perf_counter()
-        state.step = step
+        stream = stage.first_step + step  # the global step: what this step's randomness is drawn for
+        state.step = stream
         lr = learning_rate(spec, step, stage.steps)
         for g in opt.param_groups:
             g["lr"] = lr
-        rng = np.random.default_rng(derive_seed(stage.seed, "batch", step))
+        rng = np.random.default_rng(derive_seed(stage.seed, "batch", stream))
         if stage.dropout:  # dropout draws from torch's global generator: seeded per step and rank, so a
             # run (and a run resumed from a checkpoint) draws the same dropout masks
-            torch.manual_seed(derive_seed(stage.seed, "dropout", step, rank))
+            torch.manual_seed(derive_seed(stage.seed, "dropout", stream, rank))
         batch = train_batch(ctx.corpus.train, stage.seq_len, spec.batch, rng)[rank * share:(rank + 1) * share]
         xb = torch.as_tensor(batch, device=ctx.device)
         opt.zero_grad(set_to_none=True)
@@ -514,7 +519,8 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
     label = (f"{position.value}" + (f" s={s}" if s else "") + (f" dropout={dropout:g}" if dropout else "")
              + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else ""))
     final = train_stage(spec, ctx, work, Stage(position, s, seed, spec.steps, L, init, label, dropout,
-                                               lora=spec.lora_rank > 0))
+                                               lora=spec.lora_rank > 0,
+                                               first_step=spec.pretrain_steps if spec.pretrain is not None else 0))
     if not dist.is_main():
         return [], {}
     m = read_log(work.path / "metrics.csv")
