@@ -468,6 +468,18 @@ def train_batch(tokens: np.ndarray, seq_len: int, batch: int, generator: np.rand
     return np.asarray(tokens)[idx].astype(np.int64)
 
 
+def spread_sample(tokens: np.ndarray, length: int, max_tokens: int) -> np.ndarray:
+    """``max_tokens // length`` spans of ``length`` tokens at evenly spaced offsets over the whole
+    of ``tokens``, concatenated: non-overlapping evaluation windows of ``length`` over the result
+    are spans of the text. A sample of the training split spread like the validation documents
+    (every 10th of the corpus), so training and validation losses compare like with like."""
+    if len(tokens) < length:
+        raise ValueError(f"{len(tokens)} tokens hold no window of {length}")
+    k = max(1, int(max_tokens) // int(length))
+    starts = np.linspace(0, len(tokens) - length, k).round().astype(np.int64)
+    return np.concatenate([np.asarray(tokens[a:a + length]) for a in starts])
+
+
 @dataclass(frozen=True)
 class Window:
     """One evaluation window: ``tokens`` (length,) int64, the first position whose prediction

@@ -228,27 +228,44 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
 
 
 def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(trained):
-    """train_eval_loss is the final weights evaluated on the first eval_tokens of the training split:
-    recomputed here from the saved checkpoint, and the report's overfitting table uses it."""
+    """train_eval_loss is the final weights evaluated on eval_tokens spread over the whole training
+    split (like the validation documents over the corpus): recomputed here from the saved
+    checkpoint, and the report's overfitting table uses it, with a t-interval over seeds."""
+    from poslsh_cli.data import spread_sample
     from poslsh_cli.experiments.train_report import overfitting_table
     from poslsh_cli.lm import evaluate
 
     df = pd.read_csv(trained / "results.csv")
     assert df.train_eval_loss.notna().all() and (df.train_eval_loss > 0).all()
+    assert (df.train_eval_sample == "spread").all()
     cfg = __import__("yaml").safe_load((trained / "config.yaml").read_text())
     corpus = load_corpus("builtin", cfg["val_fraction"])
     for r in df[df.position.isin(["alibi", "poslsh"])].itertuples():
         model, state = load_model(trained / r.checkpoint)
-        ev = evaluate(model.float(), state, corpus.train, int(r.seq_len), max_tokens=cfg["eval_tokens"])
+        sample = spread_sample(corpus.train, int(r.seq_len), cfg["eval_tokens"])
+        assert len(sample) == cfg["eval_tokens"] // int(r.seq_len) * int(r.seq_len)
+        assert sample[-1] == corpus.train[-1] and sample[0] == corpus.train[0]  # it spans the whole split
+        ev = evaluate(model.float(), state, sample, int(r.seq_len))
         assert ev.loss == pytest.approx(r.train_eval_loss, rel=1e-5)
     table = overfitting_table(df)
-    assert (table["train measured by"] == "final weights").all()
+    assert table["train measured by"].str.startswith("final weights, spread").all()
     row = table[table.scheme == "alibi"].iloc[0]
     assert row["gap"] == pytest.approx((df[df.position == "alibi"].val_loss.iloc[0]
                                         - df[df.position == "alibi"].train_eval_loss.iloc[0]) / math.log(2), abs=1e-4)
-    # a run made before the column existed falls back to the training loss, and says so
+    assert row["gap 95% over seeds"] == "no interval (1 seed)"
+    # three seeds: the t-interval of the per-seed gaps
+    three = pd.concat([df[df.position == "alibi"].assign(seed=k, val_loss=df[df.position == "alibi"].val_loss + 0.01 * k)
+                       for k in range(3)])
+    gaps = (three.val_loss - three.train_eval_loss) / math.log(2)
+    from poslsh_cli.stats import t_interval
+
+    iv = t_interval(gaps.to_numpy())
+    assert overfitting_table(three).iloc[0]["gap 95% over seeds"] == f"[{iv.low:+.4f}, {iv.high:+.4f}]"
+    # runs that scored the first tokens, or recorded nothing, say so
+    first = overfitting_table(df.assign(train_eval_sample=float("nan")))
+    assert first["train measured by"].str.contains("first eval_tokens").all()
     old = overfitting_table(df.drop(columns=["train_eval_loss"]))
-    assert (old["train measured by"] == "loss of the last tenth of steps").all()
+    assert old["train measured by"].str.startswith("loss of the last tenth of steps").all()
 
 
 def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):

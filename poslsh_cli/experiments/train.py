@@ -42,9 +42,13 @@ from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
-           "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss")
-#: the final weights' loss on the first ``eval_tokens`` of the training split (nats per token), per stage
+           "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss",
+           "train_eval_sample")
+#: the final weights' loss on ``eval_tokens`` spread over the training split (nats per token), per stage
 TRAIN_EVAL = "train_eval.json"
+#: how the training-split evaluation samples its windows (``train_eval_sample``): spans spread over
+#: the whole split (:func:`poslsh_cli.data.spread_sample`); older runs scored its first tokens
+TRAIN_SAMPLE = "spread"
 METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
 
 
@@ -390,7 +394,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
     import torch
 
     from poslsh_cli import distributed as dist
-    from poslsh_cli.data import train_batch
+    from poslsh_cli.data import spread_sample, train_batch
     from poslsh_cli.files import atomic_write_text, fault_point, write_dir
     from poslsh_cli.lm import evaluate
 
@@ -483,11 +487,13 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
                           token_bytes=ctx.corpus.val_bytes, shard=(rank, world))
             row["val_loss"] = ev.loss
             row["val_bpb"] = ev.bits_per_byte
-            if step == stage.steps:  # the final weights on as many training tokens: the overfitting gap
-                tr = evaluate(trained, state, ctx.corpus.train, stage.seq_len, max_tokens=spec.eval_tokens,
-                              shard=(rank, world))
+            if step == stage.steps:  # the final weights on as many training tokens, spread over the
+                # whole training split as the validation documents are over the corpus: the overfitting gap
+                tr = evaluate(trained, state, spread_sample(ctx.corpus.train, stage.seq_len, spec.eval_tokens),
+                              stage.seq_len, shard=(rank, world))
                 if dist.is_main():
-                    atomic_write_text(work.path / TRAIN_EVAL, json.dumps({"step": step, "loss": tr.loss}) + "\n")
+                    atomic_write_text(work.path / TRAIN_EVAL, json.dumps(
+                        {"step": step, "loss": tr.loss, "sample": TRAIN_SAMPLE}) + "\n")
         metrics.append(row)
         fault_point(f"step:{step}")
         work.progress(step, stage.steps, f"{stage.label} loss {loss_value:.3f}"
@@ -539,7 +545,8 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
            "passes": ctx.corpus.passes(float(m.tokens.iloc[-1]) + pre),
            "trainable": _trainable(final), "world_size": ctx.world, "tokenizer": ctx.corpus.tokenizer,
            "bits_per_token": float(last.val_loss) / math.log(2.0),
-           "train_eval_loss": float(train_eval["loss"]) if isinstance(train_eval, dict) else math.nan}
+           "train_eval_loss": float(train_eval["loss"]) if isinstance(train_eval, dict) else math.nan,
+           "train_eval_sample": train_eval.get("sample", "first") if isinstance(train_eval, dict) else ""}
     return [row], {}
 
 

@@ -143,10 +143,9 @@ def report(run: Path, df: Any) -> Section:
     sec.paragraphs += passes_findings(df)
     sec.tables.append(overfitting_table(df))
     sec.paragraphs.append("The overfitting gap is validation minus training bits per token (bits per byte for the "
-                          "byte-level models), mean over seeds. Training is the final weights evaluated on the first "
-                          "eval_tokens of the training split where the run recorded it; otherwise (runs made before "
-                          "it was recorded) the mean training loss of the last tenth of the steps, which the "
-                          "still-falling loss, the per-step masks and dropout push up, so such a gap is biased low. "
+                          "byte-level models): mean over seeds with its 95% t-interval over seeds. Training is the "
+                          "final weights evaluated on eval_tokens spread over the whole training split (like the "
+                          "validation documents over the corpus); the last column says what each row used. "
                           "Per-step random masks act like a structured attention dropout, which the attention-dropout "
                           "control of exact ALiBi isolates.")
     sec.verdicts += claim_schemes_compared(df)
@@ -167,27 +166,43 @@ def passes_findings(df: Any) -> list[str]:
 
 def overfitting_table(df: Any) -> Any:
     """Per scheme: the final weights' bits per token on the training and the validation split and
-    their gap, mean over seeds (bits per byte for byte-level models). Training: the evaluation of
-    the final weights on the first ``eval_tokens`` of the training split (``train_eval_loss``);
-    runs made before it was recorded fall back to the mean training loss of the last tenth of the
-    steps, which the still-falling loss and the per-step masks and dropout push up, and the table
-    says which it used."""
+    their gap (validation minus training; bits per byte for byte-level models): the mean over
+    seeds with a 95% t-interval over seeds (none from fewer than two).
+
+    Training is the evaluation of the final weights on ``eval_tokens`` spread over the whole
+    training split (``train_eval_sample == "spread"``), like with like against the validation
+    documents, which are spread over the corpus. Runs that scored the first ``eval_tokens`` of the
+    training split (``first``) compare other pages, and runs that recorded no evaluation fall back
+    to the mean training loss of the last tenth of the steps (pushed up by the still-falling loss,
+    the per-step masks and dropout): the table says which one each row used, and only ``spread``
+    rows measure overfitting."""
     import pandas as pd
+
+    from poslsh_cli.stats import t_interval
 
     drop = df.attn_dropout if "attn_dropout" in df.columns else 0.0
     evals = df.train_eval_loss if "train_eval_loss" in df.columns else math.nan
-    d = df.assign(attn_dropout=drop, train_eval_loss=evals)
+    sample = df.train_eval_sample.astype(object).where(df.train_eval_sample.notna(), "first") \
+        if "train_eval_sample" in df.columns else "first"
+    d = df.assign(attn_dropout=drop, train_eval_loss=evals, train_eval_sample=sample)
+    by = {"spread": "final weights, spread over the training split",
+          "first": "final weights, first eval_tokens of the training split (other pages: not overfitting)"}
     rows = []
     for (p, s, a, L), g in sorted(d.groupby(["position", "s", "attn_dropout", "seq_len"]),
                                   key=lambda kg: (_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3])):
         evaluated = bool(g.train_eval_loss.notna().all())
         train = (g.train_eval_loss if evaluated else g.train_loss) / math.log(2.0)
         val = g.val_loss / math.log(2.0)
+        gap = t_interval((val - train).to_numpy())
+        how = sorted(set(g.train_eval_sample)) if evaluated else []
         rows.append({"scheme": p + (f" s={s}" if s else "") + (f" +dropout {a:g}" if a else ""), "L": L,
                      "seeds": g.seed.nunique(), "train bits/token": round(float(train.mean()), 4),
                      "validation bits/token": round(float(val.mean()), 4),
-                     "gap": round(float((val - train).mean()), 4),
-                     "train measured by": "final weights" if evaluated else "loss of the last tenth of steps"})
+                     "gap": round(gap.estimate, 4),
+                     "gap 95% over seeds": (f"[{gap.low:+.4f}, {gap.high:+.4f}]" if gap.finite
+                                            else f"no interval ({gap.n} seed)"),
+                     "train measured by": (by.get(how[0], how[0]) if len(how) == 1 else "mixed: " + ", ".join(how))
+                     if evaluated else "loss of the last tenth of steps (biased high)"})
     return pd.DataFrame(rows)
 
 
