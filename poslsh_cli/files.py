@@ -25,9 +25,13 @@ from typing import Callable, Optional
 
 #: Temporary files and directories start with this prefix (and are hidden).
 TMP_PREFIX = ".tmp-"
+#: An older directory that :func:`write_dir` moved aside while replacing it (put back if need be).
+OLD_PREFIX = ".old-"
 MANIFEST = "manifest.json"
 #: Environment variable naming a fault-injection point (see :func:`fault_point`).
 FAULT_ENV = "POSLSH_FAULT"
+#: The signal a fault point sends (KILL, TERM or INT; default KILL).
+FAULT_SIGNAL_ENV = "POSLSH_FAULT_SIGNAL"
 
 
 def _umask() -> int:
@@ -103,11 +107,16 @@ def verify_dir(root: Path) -> Optional[str]:
 
 def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
     """Create the directory ``target`` whole: ``fill(tmp)`` writes its files into a temporary
-    sibling, the manifest is written last, then the directory is renamed into place (replacing an
-    older ``target``). A kill at any moment leaves either the old ``target`` or the new one."""
+    sibling, the manifest is written last, then the directory is renamed into place. An older
+    ``target`` is first renamed aside (to ``.old-<name>``), then the new one takes its place, then
+    the old one is deleted: a kill at any moment leaves the old ``target``, the new one, or the
+    old one aside, which :func:`restore_replaced` (run by the directory's owner on start, and here)
+    puts back."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _restore(target.parent / f"{OLD_PREFIX}{target.name}")
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}.", dir=target.parent))
+    aside = None
     try:
         fill(tmp)
         fault_point(f"dir:{target.name}")
@@ -115,20 +124,52 @@ def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
         os.chmod(tmp, 0o777 & ~_umask())
         fault_point(f"rename:{target.name}")
         if target.exists():
-            shutil.rmtree(target)
+            aside = target.parent / f"{OLD_PREFIX}{target.name}"
+            os.replace(target, aside)
+            fault_point(f"replace:{target.name}")
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and aside.exists() and not target.exists():
+            os.replace(aside, target)  # the new one never got its place: the old one goes back
         raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     return target
 
 
-def remove_stale_temporaries(root: Path) -> int:
-    """Remove temporary files and directories a killed session left below ``root`` (call only as
-    the directory's owner); returns how many."""
+def _restore(aside: Path) -> None:
+    """``.old-<name>``, an older directory :func:`write_dir` moved aside: deleted when ``<name>``
+    (the new one) is in place, renamed back to ``<name>`` when it is not."""
+    if not aside.is_dir():
+        return
+    target = aside.parent / aside.name[len(OLD_PREFIX):]
+    if target.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(aside, target)
+
+
+def restore_replaced(root: Path) -> int:
+    """Put back, or delete when superseded, every older directory that a killed :func:`write_dir`
+    left aside below ``root`` (call only as the directory's owner); returns how many."""
     root = Path(root)
     if not root.is_dir():
         return 0
+    found = sorted((p for p in root.rglob(f"{OLD_PREFIX}*") if p.is_dir()), key=lambda p: len(p.parts))
+    for p in found:
+        _restore(p)
+    return len(found)
+
+
+def remove_stale_temporaries(root: Path) -> int:
+    """Remove temporary files and directories a killed session left below ``root``, after putting
+    back any directory a killed :func:`write_dir` had moved aside (call only as the directory's
+    owner); returns how many temporaries."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    restore_replaced(root)
     found = sorted(root.rglob(f"{TMP_PREFIX}*"), key=lambda p: len(p.parts))
     removed = 0
     for p in found:
@@ -143,12 +184,14 @@ def remove_stale_temporaries(root: Path) -> int:
 
 
 def fault_point(name: str) -> None:
-    """Fault injection for the tests: when ``$POSLSH_FAULT`` names this point, the process kills
-    itself with SIGKILL right here, as a power cut or the kernel's OOM killer would.
+    """Fault injection for the tests: when ``$POSLSH_FAULT`` names this point, the process sends
+    itself a signal right here: SIGKILL by default (a power cut, the kernel's OOM killer), or the
+    one ``$POSLSH_FAULT_SIGNAL`` names (``TERM``: a cancelled or preempted job; ``INT``: Ctrl-C).
 
     ``POSLSH_FAULT=name`` fires at the first pass, ``name@k`` at the k-th. Points: ``write:<file>``
     (an atomic write, before its rename), ``dir:<name>`` and ``rename:<name>`` (a checkpoint or
-    final model filled but without its manifest, or complete but not yet renamed), ``step:<t>``
+    final model filled but without its manifest, or complete but not yet renamed), ``replace:<name>``
+    (an older directory of that name moved aside, the new one not yet in its place), ``step:<t>``
     (after training step t is logged), ``cell`` (after a cell's file, before results.csv).
     """
     want = os.environ.get(FAULT_ENV)
@@ -158,8 +201,9 @@ def fault_point(name: str) -> None:
     if point != name:
         return
     count = _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
-    if count >= int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if count == int(nth or 1):
+        # the Python-level handler of TERM / INT (KeyboardInterrupt) runs as this call returns
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(FAULT_SIGNAL_ENV, "KILL").upper()))
 
 
 _FAULT_COUNTS: dict[str, int] = {}

@@ -8,8 +8,9 @@ Layout of ``runs/<command>/<timestamp>/`` (or ``out=DIR``)::
                     the history of earlier sessions (one that died is recorded as such)
     cells/          one JSON file per finished cell (its key, rows, grid index), written atomically:
                     the source of truth for every table
-    results.csv     every finished cell's rows, in grid order; rewritten atomically per cell, and
-                    rebuilt from cells/ by any reader that finds it disagreeing (:func:`results`)
+    results.csv     every finished cell's rows, in grid order; rewritten atomically by the owner as
+                    cells finish and at the end; a reader that finds it disagreeing with cells/
+                    reads the cells instead and writes nothing (:func:`results`)
     <aux>.csv       extra tables some experiments keep (e.g. block_lengths.csv), also from cells/
     work/<cell>/    a long cell's own directory (:mod:`poslsh_cli.cellwork`)
     figures/        written by ``poslsh plot``
@@ -37,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from poslsh_cli import ownership
 from poslsh_cli.cellwork import CellWork
 from poslsh_cli.config import ConfigError
-from poslsh_cli.files import atomic_write_text, fault_point, remove_stale_temporaries
+from poslsh_cli.files import TMP_PREFIX, atomic_write_text, fault_point, remove_stale_temporaries
 
 #: Keys that do not change any result: a run resumes when only these differ.
 RESUME_IGNORED = ("out", "memory_check")
@@ -306,12 +307,25 @@ class RunDir:
         _write_tables(self.path, cells, columns)
         return len(cells)
 
-    def discard_if_empty(self) -> None:
-        """(Owner only) after a failure before any cell finished: leave nothing half-written
-        behind, including the directories this run created above it."""
-        if self.fresh and not self.done_ids():
-            shutil.rmtree(self.path, ignore_errors=True)
-            remove_created(self.path.parent, self._created)
+    def holds_work(self) -> bool:
+        """Whether the directory holds anything a later session needs: a finished cell, or any file
+        below ``work/`` (a checkpoint, a metrics log, a shared stage), temporaries aside."""
+        if self.done_ids():
+            return True
+        work = self.path / "work"
+        return work.is_dir() and any(p.is_file() and not any(part.startswith(TMP_PREFIX) for part in p.parts)
+                                     for p in work.rglob("*"))
+
+    def discard_if_empty(self) -> bool:
+        """(Owner only) after a failure or an interrupt: remove a run this session created when it
+        holds no work yet (:meth:`holds_work`), and the directories created above it, so nothing
+        half-written stays behind. A directory with any work in it is never removed. True when
+        removed."""
+        if not self.fresh or not ownership.owns(self.path) or self.holds_work():
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        remove_created(self.path.parent, self._created)
+        return True
 
 
 def read_cells(cells_dir: Path) -> tuple[dict[str, dict], list[tuple[Path, str]]]:
@@ -354,9 +368,9 @@ def _write_tables(path: Path, cells: list[dict], columns: list[str]) -> None:
 def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None] = print) -> Any:
     """The rows of a run as a DataFrame, from ``cells/`` (the source of truth).
 
-    results.csv is checked against the cells: when it is missing, cut, or holds other rows, it is
-    rebuilt from them (saying so), unless a live process owns the run (then the cells are read and
-    the file is left to its owner). Without ``columns`` (the experiment's column order) the cells
+    results.csv is checked against the cells: when it is missing, cut, or holds other rows, the
+    table is rebuilt from them in memory, saying so; the file is never written here (only a run's
+    owner writes it: the same command rewrites it). Without ``columns`` (the experiment's column order) the cells
     are only read. An unreadable cell file is named and left out. Runs without
     ``cells/`` are read from results.csv, with one error line naming it when it cannot be parsed.
     """
@@ -391,12 +405,14 @@ def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None
                    else f"holds {max(0, len(current.splitlines()) - 1)} rows where the cells hold "
                         f"{max(0, len(text.splitlines()) - 1)}" if len(current.splitlines()) != len(text.splitlines())
                    else "disagrees with the cells")
+        # only the owner writes a run (a reader that rewrote the table could lose its temporary
+        # file to an owner starting at that moment): the table is rebuilt here in memory only
         owner = ownership.holder(run)
         if owner is not None and not ownership.owns(run):
             notice(f"{table} {problem} while pid {owner.get('pid')} writes the run; read from its cells/")
         elif current is not None or cells:
-            _write_tables(run, cells, list(columns))
-            notice(f"{table} {problem}; rebuilt from {len(cells)} cells in {run / 'cells'}")
+            notice(f"{table} {problem}; read from its {len(cells)} cells in {run / 'cells'} (the same command "
+                   f"with out={run} rewrites the file)")
     if not text.strip():
         return pd.DataFrame(columns=list(columns))
     return pd.read_csv(io.StringIO(text))

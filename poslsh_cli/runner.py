@@ -121,8 +121,28 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
         return [k for k in keys if cell_id(k) not in done]
 
     with owned:
-        todo = dist.decide(started)
+        try:
+            todo = dist.decide(started)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM while the directory was being set up
+            return _interrupted(run, len(keys), err)
         return _loop(exp, spec, ctx, run, keys, todo, err, notice)
+
+
+def _interrupted(run: Any, total: int, err: Any) -> int:
+    """Record an interrupted session and say what was kept: a directory with any work in it (a
+    finished cell, a checkpoint or metrics log of an unfinished one) stays for the same command to
+    resume; one that holds nothing yet is removed."""
+    with contextlib.suppress(OSError):
+        run.write_meta(status="interrupted", cells_done=len(run.finished()))
+    n_done = len(run.finished())
+    if run.discard_if_empty():
+        err.print(f"interrupted before anything was computed; {run.path} removed", markup=False)
+    else:
+        partial = n_done < total and (run.path / "work").is_dir() and any((run.path / "work").iterdir())
+        err.print(f"interrupted: {n_done}/{total} cells finished"
+                  + (", and the work of unfinished ones (checkpoints, logs)" if partial else "")
+                  + f" kept in {run.path}; run the same command with out={run.path} to continue", markup=False)
+    return INTERRUPTED
 
 
 def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
@@ -171,13 +191,9 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
         run.write_meta(status="failed", error=f"{type(exc).__name__}: {exc}")
         run.discard_if_empty()
         raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
-    n_done = len(run.finished())
-    run.write_meta(status=status, cells_done=n_done)
     if status == "interrupted":
-        run.discard_if_empty()
-        err.print(f"interrupted: {n_done}/{len(keys)} cells kept in {run.path}; "
-                  f"run the same command with out={run.path} to finish", markup=False)
-        return INTERRUPTED
+        return _interrupted(run, len(keys), err)
+    run.write_meta(status=status, cells_done=len(run.finished()))
     _print_summary(exp, run)
     return 0
 

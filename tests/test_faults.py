@@ -25,10 +25,12 @@ TIMING = {"seconds", "tokens_per_s", "wall_seconds", "step_seconds", "peak_mem_m
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
-def poslsh(*args, fault=None, cwd=None, timeout=600):
-    env = {k: v for k, v in ENV.items() if k != "POSLSH_FAULT"}
+def poslsh(*args, fault=None, signal=None, cwd=None, timeout=600):
+    env = {k: v for k, v in ENV.items() if k not in ("POSLSH_FAULT", "POSLSH_FAULT_SIGNAL")}
     if fault:
         env["POSLSH_FAULT"] = fault
+    if signal:
+        env["POSLSH_FAULT_SIGNAL"] = signal
     return subprocess.run([sys.executable, "-m", "poslsh_cli", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout)
 
@@ -115,6 +117,50 @@ def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_pa
     assert history and history[-1]["status"] == "died"
 
 
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+@pytest.mark.parametrize("fault", [
+    "step:3",                      # before the first checkpoint: only the metrics log is there
+    "step:6",                      # after the step-4 checkpoint
+    "dir:step-00000008",
+    "rename:step-00000008",
+    "rename:final",
+    "write:results.csv",
+    "write:meta.json@3",
+])
+def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, fault, sig):
+    """SIGTERM (a cancelled or preempted job) or SIGINT at each kill point of a run's first and only
+    cell: exit 130, nothing deleted that holds work, and the same command resumes to the
+    uninterrupted run."""
+    out = tmp_path / "run"
+    r = poslsh("train", *TINY, f"out={out}", fault=fault, signal=sig)
+    assert r.returncode == 130, (fault, sig, r.returncode, r.stderr[-2000:])
+    assert out.is_dir() and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"kept in {out}" in r.stderr and "removed" not in r.stderr, r.stderr[-2000:]
+    assert json.loads((out / "meta.json").read_text())["status"] in ("interrupted", "complete")
+    assert not list(out.rglob(".tmp-*")), "temporaries left behind"
+    r = poslsh("train", *TINY, f"out={out}")
+    assert r.returncode == 0, r.stderr
+    assert_same_training(out, reference / "train")
+
+
+def test_an_interrupt_before_any_work_removes_only_what_it_created(tmp_path):
+    """Interrupted while the run directory is set up (nothing computed yet): nothing is left."""
+    out = tmp_path / "a" / "run"
+    r = poslsh("train", *TINY, f"out={out}", fault="write:meta.json", signal="TERM")
+    assert r.returncode == 130 and "before anything was computed" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
+    out = tmp_path / "m"
+    r = poslsh(*MATRIX, f"out={out}", fault="cell@2", signal=sig)
+    assert r.returncode == 130 and "2/8 cells finished" in r.stderr, r.stderr[-2000:]
+    r = poslsh(*MATRIX, f"out={out}")
+    assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
+    assert_same_results(out, reference / "matrix")
+
+
 # write:results.csv@2 is the final rewrite: while cells finish the tables are rewritten at most every
 # few seconds (runner._Tables), after the first cell and then at the end of this quick sweep
 @pytest.mark.parametrize("fault", ["cell@2", "write:results.csv@2", "write:meta.json@4"])
@@ -183,19 +229,25 @@ def copy_run(src, dst):
     return dst
 
 
-def test_cut_results_csv_is_rebuilt_from_the_cells(reference, tmp_path):
+def test_cut_results_csv_is_read_from_the_cells_and_rewritten_by_its_owner(reference, tmp_path):
+    """Readers (plot, report) read a cut or stale results.csv from the cells and write nothing (only
+    the owner writes); the same command rewrites it."""
     run = copy_run(reference / "train", tmp_path / "run")
     good = (run / "results.csv").read_text()
-    (run / "results.csv").write_text(good[: len(good) - 40])  # cut mid-line
+    cut = good[: len(good) - 40]
+    (run / "results.csv").write_text(cut)  # cut mid-line
     r = poslsh("plot", run)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "results.csv is cut mid-line; rebuilt from 1 cells" in r.stderr
-    assert (run / "results.csv").read_text() == good
+    assert "results.csv is cut mid-line; read from its 1 cells" in r.stderr
+    assert (run / "results.csv").read_text() == cut  # the reader wrote nothing
     (run / "results.csv").write_text(good.splitlines()[0] + "\n")  # rows lost
     r = poslsh("report", run)
-    assert r.returncode == 0 and "rebuilt" in r.stderr, r.stderr
+    assert r.returncode == 0 and "read from its 1 cells" in r.stderr, r.stderr
+    assert "read from its 1 cells" in (run / "report.md").read_text()
+    assert "0.0" in (run / "report.md").read_text()  # the report has the cell's numbers
+    r = poslsh("train", *TINY, f"out={run}")  # the owner: every cell done, the tables rewritten
+    assert r.returncode == 0, r.stderr
     assert (run / "results.csv").read_text() == good
-    assert "rebuilt from 1 cells" in (run / "report.md").read_text()
 
 
 def test_cut_cell_file_is_named_and_computed_again(reference, tmp_path):
@@ -284,9 +336,78 @@ def test_collect_rebuilds_a_cut_job_table_and_names_a_dead_job(tmp_path):
     table = out / "0" / "results.csv"
     table.write_text(table.read_text()[:-25])
     r = poslsh("collect", out)
-    assert r.returncode == 0 and "cut mid-line; rebuilt from 2 cells" in r.stderr, r.stderr
+    assert r.returncode == 0 and "cut mid-line; read from its 2 cells" in r.stderr, r.stderr
     pd.testing.assert_frame_equal(pd.read_csv(out / "results.csv"), whole)
     meta = json.loads((out / "1" / "meta.json").read_text())
     (out / "1" / "meta.json").write_text(json.dumps({**meta, "status": "running"}))  # its process was killed
     r = poslsh("collect", out)
     assert r.returncode == 1 and "job 1 (n=600 sigma=[4] s=[2,8] trials=1) died" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces: a directory replaced whole, the lock's one descriptor
+
+
+def test_write_dir_killed_while_replacing_keeps_the_old_directory(tmp_path):
+    """write_dir over an existing directory renames the old one aside, puts the new one in place,
+    then deletes the old: killed in between, the owner's next start puts the old one back."""
+    from poslsh_cli.files import remove_stale_temporaries, verify_dir, write_dir
+
+    code = (f"import sys; from pathlib import Path; from poslsh_cli.files import write_dir\n"
+            f"write_dir(Path({str(tmp_path / 'ck')!r}), lambda d: (d / 'w').write_text(sys.argv[1]))")
+    env = {k: v for k, v in ENV.items() if k != "POSLSH_FAULT"}
+    assert subprocess.run([sys.executable, "-c", code, "old"], env=env).returncode == 0
+    r = subprocess.run([sys.executable, "-c", code, "new"], env={**env, "POSLSH_FAULT": "replace:ck"})
+    assert r.returncode == -9
+    assert not (tmp_path / "ck").exists() and (tmp_path / ".old-ck" / "w").read_text() == "old"
+    remove_stale_temporaries(tmp_path)
+    assert (tmp_path / "ck" / "w").read_text() == "old" and verify_dir(tmp_path / "ck") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    write_dir(tmp_path / "ck", lambda d: (d / "w").write_text("new"))  # and replacing works
+    assert (tmp_path / "ck" / "w").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+    def fail(d):
+        raise RuntimeError("fill failed")
+
+    with pytest.raises(RuntimeError):
+        write_dir(tmp_path / "ck", fail)
+    assert (tmp_path / "ck" / "w").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_the_owner_never_opens_its_lock_file_again(tmp_path, monkeypatch):
+    """POSIX locks (what NFS offers across nodes) are dropped when the owning process closes any
+    descriptor of the file: the owner asks who holds it through the lock's own descriptor, and
+    another process still finds the directory in use afterwards."""
+    from poslsh_cli import ownership
+
+    run = tmp_path / "run"
+    ownership.acquire(run, "test")
+    try:
+        lock = os.path.realpath(run / ownership.LOCK_NAME)
+        opened = []
+        real_open, real_os_open = open, os.open
+
+        def spy_open(path, *a, **k):
+            if os.path.realpath(str(path)) == lock:
+                opened.append(path)
+            return real_open(path, *a, **k)
+
+        def spy_os_open(path, *a, **k):
+            if os.path.realpath(str(path)) == lock:
+                opened.append(path)
+            return real_os_open(path, *a, **k)
+
+        import io
+
+        monkeypatch.setattr("builtins.open", spy_open)
+        monkeypatch.setattr(io, "open", spy_open)
+        monkeypatch.setattr(os, "open", spy_os_open)
+        info = ownership.holder(run)
+        ownership.check_free(run)
+        monkeypatch.undo()
+        assert opened == [] and info["pid"] == os.getpid()
+        probe = ("import sys; from poslsh_cli import ownership\n"
+                 f"try:\n    ownership.acquire({str(run)!r}, 'probe')\nexcept ownership.RunBusy:\n    sys.exit(3)")
+        assert subprocess.run([sys.executable, "-c", probe], env=ENV).returncode == 3
+    finally:
+        ownership.release(run)
