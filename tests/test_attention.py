@@ -204,16 +204,86 @@ def test_low_precision_inputs_stay_finite_and_close(dtype, blocks):
         assert torch.isfinite(ex).all()
 
 
-def test_gradients_flow_and_match_finite_differences():
-    q, k, v = qkv(B=1, H=2, n=12, d=4)
-    parts = parts_for(12, [2.0, 6.0], 4)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda a, b, c: poslsh_attention(a, b, c, parts, causal=True), (q, k, v))
-    out = poslsh_attention(q.float(), k.float(), v.float(), parts, causal=False)
+@pytest.mark.parametrize("plan", [Plan(Method.POSLSH, Backend.BLOCKS, Kernel.FUSED),
+                                  Plan(Method.POSLSH, Backend.BLOCKS, Kernel.MATMUL),
+                                  Plan(Method.POSLSH, Backend.DENSE, Kernel.FUSED)], ids=str)
+def test_gradients_flow_and_match_finite_differences(plan):
+    """gradcheck (float64 finite differences) through each backend forced by its plan: the
+    recomputing block kernel (MergedBlockAttention, both kernels) and the dense bias."""
+    q, k, v = qkv(B=1, H=2, n=40, d=4)
+    parts = tuple(parts_for(40, [2.0, 6.0], 4))
+    for causal in (True, False):
+        spec = AttentionSpec(Method.POSLSH, [2.0, 6.0], causal, partitions=parts)
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if plan.backend is Backend.BLOCKS:
+            assert type(attend(*x, spec, plan=plan).grad_fn).__name__ == "MergedBlockAttentionBackward"
+        assert torch.autograd.gradcheck(lambda a, b, c: attend(a, b, c, spec, plan=plan), x)
+    out = attend(*(t.float().requires_grad_(True) for t in (q, k, v)), spec, plan=plan)
     out.square().sum().backward()
-    for t in (q, k, v):
-        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+#: Every path that trains (or runs) with gradients, forced by its plan: (method, backend, kernel, causal only).
+GRAD_PATHS = [(Method.POSLSH, Backend.BLOCKS, Kernel.FUSED, False), (Method.POSLSH, Backend.BLOCKS, Kernel.MATMUL, False),
+              (Method.POSLSH, Backend.DENSE, Kernel.FUSED, False), (Method.FIXED_BLOCK, Backend.BLOCKS, Kernel.FUSED, False),
+              (Method.EXACT, Backend.CHUNKED, Kernel.FUSED, False), (Method.EXACT, Backend.CHUNKED, Kernel.MATMUL, False),
+              (Method.EXACT, Backend.DENSE, Kernel.FUSED, False), (Method.EXACT, Backend.RANK1, Kernel.FUSED, True),
+              (Method.WINDOWED, Backend.CHUNKED, Kernel.FUSED, False),
+              (Method.WINDOWED, Backend.CHUNKED, Kernel.MATMUL, False), (Method.WINDOWED, Backend.DENSE, Kernel.FUSED, False)]
+
+
+@pytest.mark.parametrize("method,backend,kernel,causal_only", GRAD_PATHS,
+                         ids=lambda x: getattr(x, "value", str(x)))
+@pytest.mark.parametrize("causal", [True, False])
+def test_float64_in_float64_out_forward_and_backward(method, backend, kernel, causal_only, causal):
+    """Float64 q, k, v that need gradients, n=600 (five 128-token tiles), non-power-of-two slopes:
+    the output and the q, k, v gradients of every path equal float64 autograd of the dense
+    reference to 1e-10 of their size (float64 accuracy, not float32's 1e-6)."""
+    from poslsh_cli.attention import reference_weight
+
+    if causal_only and not causal:
+        pytest.skip("the rank-one path is causal")
+    n, sig = 600, [2 ** 0.25, 2 ** 1.75, 2 ** 3.25, 2 ** 6.5]
+    q, k, v = qkv(B=1, H=4, n=n, d=8, seed=11)
+    extra = {}
+    if method is Method.POSLSH:
+        extra["partitions"] = tuple(parts_for(n, sig, 5, seed=12))
+    elif method is Method.FIXED_BLOCK:
+        extra["partitions"] = tuple(fixed_block_partitions(n, sig))
+    elif method is Method.WINDOWED:
+        extra["window"] = (3, 20, 90, 700)
+    spec = AttentionSpec(method, sig, causal, **extra)
+    w = reference_weight(spec, n)
+    x64 = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*x64, w, causal)[0]
+    dT = torch.randn(ref.shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    g64 = torch.autograd.grad(ref, x64, dT)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*x, spec, plan=Plan(method, backend, kernel))
+    grads = torch.autograd.grad(out, x, dT)
+    assert out.dtype == torch.float64 and all(g.dtype == torch.float64 for g in grads)
+    assert (out - ref).abs().max().item() <= 1e-10 * ref.abs().max().item()
+    for name, g, r in zip("qkv", grads, g64):
+        assert (g - r).abs().max().item() <= 1e-10 * r.abs().max().item(), name
+
+
+def test_alibi_with_non_power_of_two_slopes_is_float64_exact_on_every_path():
+    """MPT-style slopes 2^(-h/4) at n=2048: every exact-ALiBi path in float64 equals the float64
+    reference to 1e-12 (slopes rounded to float32 anywhere would give about 1e-7)."""
+    from poslsh_cli.attention import reference_weight
+
+    n, sig = 2048, [2 ** (h / 4) for h in (1, 3, 5, 7)]
+    q, k, v = qkv(B=1, H=4, n=n, d=8, seed=14)
+    for causal in (True, False):
+        spec = AttentionSpec(Method.EXACT, sig, causal)
+        ref = reference_attention(q, k, v, reference_weight(spec, n), causal)[0]
+        plans = [Plan(Method.EXACT, Backend.CHUNKED, kk) for kk in Kernel] + [Plan(Method.EXACT, Backend.DENSE, Kernel.FUSED)]
+        plans += [Plan(Method.EXACT, Backend.RANK1, Kernel.FUSED)] if causal else []
+        for plan in plans:
+            err = (attend(q, k, v, spec, plan=plan) - ref).abs().max().item()
+            assert err <= 1e-12, (causal, plan, err)
+        x = [t.clone().requires_grad_() for t in (q, k, v)]  # the banded training path (fused, gradients)
+        err = (attend(*x, spec, plan=Plan(Method.EXACT, Backend.CHUNKED, Kernel.FUSED)) - ref).abs().max().item()
+        assert err <= 1e-12, (causal, "banded", err)
 
 
 def test_layout_pads_less_than_twice():

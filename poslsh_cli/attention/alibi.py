@@ -16,7 +16,7 @@ import torch
 
 from poslsh_cli import masks
 from poslsh_cli.attention.plan import Kernel
-from poslsh_cli.attention.reference import NEG_INF, scale_of
+from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, alibi_slopes, scale_of
 
 #: Elements of one chunk's (heads, chunk, keys) bias in the chunked exact path: bounds its memory.
 CHUNK_ELEMENTS = 2**26
@@ -47,8 +47,8 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
     sc = scale_of(d, scale)
     if chunk is None:
         chunk = max(16, min(1024, CHUNK_ELEMENTS // max(1, B * H * n)))
-    slopes = (1.0 / sigmas).to(device=q.device, dtype=torch.float32)[:, None, None]  # (H, 1, 1)
     acc = torch.promote_types(q.dtype, torch.float32)
+    slopes = alibi_slopes(sigmas, acc, q.device)  # (H,) in the precision of the scores
     if kernel is Kernel.FUSED and q.dtype != acc:
         kernel = Kernel.MATMUL  # SDPA's float mask would be rounded to the input dtype
     outs = []
@@ -60,9 +60,8 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
         if keep is not None:  # intervals are monotone: the chunk's keys span lo(a) .. hi(b-1)
             lo = max(0, int(keep.interval(pos[a:a + 1])[0].min()))
             hi = min(n, int(keep.interval(pos[b - 1:b])[1].max()) + 1)
+        bias = alibi_distance_bias(pos[a:b], pos[lo:hi], slopes)  # (H, c, m)
         qi, kj = pos[a:b], pos[lo:hi]
-        dist = (qi[:, None] - kj[None, :]).abs().to(acc)  # (c, m)
-        bias = -slopes.to(acc) * dist  # (H, c, m)
         if keep is not None:
             bias = bias.masked_fill(~keep.grid(qi, kj, H), NEG_INF)
         if kernel is Kernel.FUSED:
@@ -90,7 +89,7 @@ def alibi_banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torc
     """
     H, n = q.shape[1], q.shape[2]
     wins = (None,) * H if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(H))
-    slopes = tuple(float(x) for x in (1.0 / sigmas).reshape(-1))
+    slopes = alibi_slopes(sigmas, torch.promote_types(q.dtype, torch.float32), q.device)  # (H,)
     return BandedAlibi.apply(q, k, v, slopes, causal, wins, scale_of(q.shape[-1], scale), max(1, min(chunk, n)))
 
 
@@ -104,12 +103,13 @@ def _bands(n: int, causal: bool, wins: tuple, chunk: int) -> Any:
             yield h, a, b, lo, hi
 
 
-def _band_bias(a: int, b: int, lo: int, hi: int, slope: float, causal: bool, w: int | None, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    """The (1, 1, b-a, hi-lo) ALiBi bias of one call, -inf outside the causal / window mask."""
-    i = torch.arange(a, b, device=device)[:, None]
-    j = torch.arange(lo, hi, device=device)[None, :]
-    bias = -(i - j).abs().to(dtype) * slope
+def _band_bias(a: int, b: int, lo: int, hi: int, slope: torch.Tensor, causal: bool, w: int | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The (1, 1, b-a, hi-lo) ALiBi bias of one call in ``dtype`` (``slope``: (1,), one head's),
+    -inf outside the causal / window mask."""
+    i = torch.arange(a, b, device=slope.device)[:, None]
+    j = torch.arange(lo, hi, device=slope.device)[None, :]
+    bias = alibi_distance_bias(i[:, 0], j[0], slope)[0].to(dtype)  # (b-a, hi-lo)
     drop = torch.zeros_like(bias, dtype=torch.bool)
     if causal:
         drop |= j > i
@@ -126,9 +126,10 @@ class BandedAlibi(torch.autograd.Function):
     def forward(ctx, q, k, v, slopes, causal, wins, sc, chunk):  # noqa: ANN001, ANN205
         B, H, n, d = q.shape
         out = torch.empty_like(q)
-        lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
+        # the flash kernel's lse is float32 for float32 inputs, float64 for float64 ones
+        lse = torch.empty(B, H, n, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         for h, a, b, lo, hi in _bands(n, causal, wins, chunk):
-            bias = _band_bias(a, b, lo, hi, slopes[h], causal, wins[h], q.dtype, q.device)
+            bias = _band_bias(a, b, lo, hi, slopes[h:h + 1], causal, wins[h], q.dtype)
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q[:, h:h + 1, a:b], k[:, h:h + 1, lo:hi], v[:, h:h + 1, lo:hi], 0.0, False, attn_mask=bias, scale=sc)
             out[:, h:h + 1, a:b] = o
@@ -145,7 +146,7 @@ class BandedAlibi(torch.autograd.Function):
         grad = grad.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for h, a, b, lo, hi in _bands(n, causal, wins, chunk):
-            bias = _band_bias(a, b, lo, hi, slopes[h], causal, wins[h], q.dtype, q.device)
+            bias = _band_bias(a, b, lo, hi, slopes[h:h + 1], causal, wins[h], q.dtype)
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad[:, h:h + 1, a:b], q[:, h:h + 1, a:b], k[:, h:h + 1, lo:hi], v[:, h:h + 1, lo:hi],
                 out[:, h:h + 1, a:b], lse[:, h:h + 1, a:b], 0.0, False, attn_mask=bias, scale=sc)
@@ -176,7 +177,7 @@ def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch
     B, H, n, d = q.shape
     sc = scale_of(d, scale)
     extra = -(-(d + 1) // 8) * 8 - d  # at least one coordinate, total a multiple of 8
-    slopes = (1.0 / sigmas).to(device=q.device, dtype=q.dtype)  # (H,)
+    slopes = alibi_slopes(sigmas, q.dtype, q.device)  # (H,)
     pos = torch.arange(n, device=q.device, dtype=q.dtype) - (n - 1) / 2
     qe = q.new_zeros(B, H, n, extra)
     qe[..., 0] = 1.0

@@ -297,7 +297,9 @@ def block_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     B, H, n, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     qr, kr, vr, gr, orow = (_rows(t) for t in (q, k, v, grad.to(q.dtype), merged))
-    lr = torch.cat([total.permute(1, 2, 0).reshape(H * n, B), total.new_zeros(1, B)]).to(torch.float32)
+    # the merged lse in the accumulation precision: float64 gradients for float64 inputs (the CPU flash
+    # kernel's backward takes its lse in float32 for float32 inputs, float64 for float64 ones)
+    lr = torch.cat([total.permute(1, 2, 0).reshape(H * n, B), total.new_zeros(1, B)]).to(acc)
     dq, dk, dv = (torch.zeros(H * n + 1, B, d, dtype=acc, device=q.device) for _ in range(3))
     for src, dest, ok in _batches(layout, lambda L: B * (6 * d * q.element_size() + 4 * L * 4)):
         m, L = src.shape

@@ -18,7 +18,7 @@ import torch
 from poslsh_cli import masks
 from poslsh_cli.attention.blocks import device_bins
 from poslsh_cli.attention.plan import needs_grad
-from poslsh_cli.attention.reference import NEG_INF, scale_of
+from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, alibi_slopes, scale_of
 from poslsh_cli.sampling import Partitions
 
 
@@ -107,7 +107,7 @@ class FlashDropout(torch.autograd.Function):
 
 def alibi_bias(n: int, sigmas: torch.Tensor, causal: bool, window: int | Sequence[int] | None = None,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The ALiBi bias ``-|i-j| / sigma_h``, (H, n, n) in ``dtype``, ``-inf`` where the causal or
+    """The ALiBi bias ``-m_h |i-j|`` (``m_h = 1 / sigma_h``), (H, n, n) in ``dtype``, ``-inf`` where the causal or
     window mask drops a key. It depends only on its arguments, so the last few are cached
     (training rebuilds it in every layer at every step otherwise); treat it as read-only."""
     sig = tuple(float(x) for x in sigmas.reshape(-1))
@@ -120,8 +120,7 @@ def _alibi_bias(n: int, sigmas: tuple[float, ...], causal: bool, window: tuple[i
                 dtype: torch.dtype) -> torch.Tensor:
     H = len(sigmas)
     i = torch.arange(n, device=device)
-    sig = torch.tensor(sigmas, device=device, dtype=dtype)
-    bias = -(i[:, None] - i[None, :]).abs().to(dtype)[None] / sig[:, None, None]
+    bias = alibi_distance_bias(i, i, alibi_slopes(sigmas, dtype, device))  # (H, n, n)
     keep = masks.combine(causal, None if window is None else masks.Window.of(window, H, device))
     return bias if keep is None else bias.masked_fill(~keep.grid(i, i, H), NEG_INF)
 

@@ -12,7 +12,7 @@ import torch
 
 from poslsh_cli import masks
 from poslsh_cli.attention.blocks import device_bins, merge_by_lse
-from poslsh_cli.attention.reference import scale_of
+from poslsh_cli.attention.reference import alibi_slopes, scale_of
 from poslsh_cli.sampling import Partitions
 
 _FLEX = None
@@ -33,7 +33,8 @@ def flex_function(compiled: bool) -> Any:
 def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
                window: int | Sequence[int] | None = None, scale: float | None = None,
                compiled: bool = True) -> torch.Tensor:
-    """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-|i-j|/sigma_h``.
+    """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-m_h |i-j|`` (the formula
+    of :func:`~poslsh_cli.attention.reference.alibi_distance_bias`, per element).
 
     Args:
         q, k, v: (B, H, n, d), float16/bfloat16/float32; queries, keys, values.
@@ -46,7 +47,7 @@ def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.
     Returns (B, H, n, d) in q's dtype.
     """
     B, H, n, d = q.shape
-    slopes = (1.0 / sigmas).to(device=q.device, dtype=torch.float32)
+    slopes = alibi_slopes(sigmas, torch.float32, q.device)  # the scores are float32 inside the kernel
 
     def score_mod(score, b, h, qi, kj):  # noqa: ANN001
         return score - slopes[h] * (qi - kj).abs().to(score.dtype)

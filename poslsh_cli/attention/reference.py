@@ -23,6 +23,26 @@ def scale_of(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def alibi_slopes(sigmas: Sequence[float] | torch.Tensor | np.ndarray, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """ALiBi slopes ``m_h = 1 / sigma_h`` (H,): computed in float64 and rounded once to ``dtype``,
+    the precision of the inputs they bias (every exact-ALiBi path takes its slopes from here)."""
+    if isinstance(sigmas, torch.Tensor):
+        sig = sigmas.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    else:
+        sig = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
+    return (1.0 / sig).to(device=device, dtype=dtype)
+
+
+def alibi_distance_bias(qi: torch.Tensor, kj: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """The ALiBi logit bias ``-m_h |i - j|`` of query positions ``qi`` (c,) against key positions
+    ``kj`` (m,): (H, c, m) in the slopes' dtype (:func:`alibi_slopes`). The one builder of the bias
+    for the dense, chunked and banded paths (FlexAttention's ``score_mod`` applies the same formula
+    per element)."""
+    dist = (qi[:, None] - kj[None, :]).abs().to(slopes.dtype)  # (c, m)
+    return -slopes[:, None, None] * dist[None]
+
+
 def as_sigmas(sigmas: Sequence[float] | torch.Tensor | np.ndarray, heads: int) -> torch.Tensor:
     """One float64 sigma per head, (H,), from one value or H values; all > 0."""
     s = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
