@@ -194,3 +194,74 @@ def gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world().size
     td.all_gather_object(out, obj)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# a follower's failure, told to rank 0 at once
+
+#: the key of the process group's store under which a failing follower leaves its error
+FAILURE_KEY = "poslsh/follower-failure"
+
+
+def _store() -> Any:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except Exception:  # no process group (one process), or a torch without the private helper
+        return None
+
+
+def report_failure(text: str) -> None:
+    """(A rank other than 0, about to exit with an error) leave ``text`` in the process group's
+    store for rank 0, which then fails at once naming it (:func:`follower_failure`) instead of
+    waiting in a collective for the timeout. First come first kept."""
+    store = _store() if active() and initialized() else None
+    if store is None:
+        return
+    try:
+        store.compare_set(FAILURE_KEY, "", f"rank {rank()}: {text}")
+    except Exception:
+        pass
+
+
+def follower_failure() -> Optional[str]:
+    """The error a follower reported (:func:`report_failure`), or None."""
+    store = _store() if active() and initialized() else None
+    if store is None:
+        return None
+    try:
+        if store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode() or None
+    except Exception:
+        return None
+    return None
+
+
+def watch_followers(every_s: float = 1.0) -> None:
+    """(Rank 0) a daemon thread that aborts this process's collectives as soon as a follower reports
+    a failure: gloo already fails at once when a peer's connection closes; NCCL would wait for the
+    collective timeout, so its communicators are aborted (the waiting collective then raises)."""
+    import threading
+
+    if not active() or not is_main() or not initialized():
+        return
+
+    def watch() -> None:
+        import time
+
+        while initialized():
+            if follower_failure() is not None:
+                try:
+                    from torch.distributed import distributed_c10d as c10d
+
+                    c10d._abort_process_group()
+                except Exception:
+                    pass
+                return
+            time.sleep(every_s)
+
+    import torch
+
+    if torch.cuda.is_available():  # only NCCL needs it
+        threading.Thread(target=watch, name="poslsh-follower-watch", daemon=True).start()

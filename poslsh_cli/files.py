@@ -30,8 +30,10 @@ OLD_PREFIX = ".old-"
 MANIFEST = "manifest.json"
 #: Environment variable naming a fault-injection point (see :func:`fault_point`).
 FAULT_ENV = "POSLSH_FAULT"
-#: The signal a fault point sends (KILL, TERM or INT; default KILL).
+#: The signal a fault point sends (KILL, TERM or INT; default KILL), or RAISE: an exception.
 FAULT_SIGNAL_ENV = "POSLSH_FAULT_SIGNAL"
+#: Only the process of this rank (``$RANK`` of a distributed run) fires the fault point.
+FAULT_RANK_ENV = "POSLSH_FAULT_RANK"
 
 
 def _umask() -> int:
@@ -186,7 +188,9 @@ def remove_stale_temporaries(root: Path) -> int:
 def fault_point(name: str) -> None:
     """Fault injection for the tests: when ``$POSLSH_FAULT`` names this point, the process sends
     itself a signal right here: SIGKILL by default (a power cut, the kernel's OOM killer), or the
-    one ``$POSLSH_FAULT_SIGNAL`` names (``TERM``: a cancelled or preempted job; ``INT``: Ctrl-C).
+    one ``$POSLSH_FAULT_SIGNAL`` names (``TERM``: a cancelled or preempted job; ``INT``: Ctrl-C), or
+    raises RuntimeError (``RAISE``: a bug or an out-of-memory error). ``$POSLSH_FAULT_RANK=r``: only
+    rank r of a distributed run fires.
 
     ``POSLSH_FAULT=name`` fires at the first pass, ``name@k`` at the k-th. Points: ``write:<file>``
     (an atomic write, before its rename), ``dir:<name>`` and ``rename:<name>`` (a checkpoint or
@@ -200,8 +204,13 @@ def fault_point(name: str) -> None:
     point, _, nth = want.partition("@")
     if point != name:
         return
+    only = os.environ.get(FAULT_RANK_ENV)
+    if only is not None and os.environ.get("RANK", "0") != only:
+        return
     count = _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
     if count == int(nth or 1):
+        if os.environ.get(FAULT_SIGNAL_ENV, "").upper() == "RAISE":
+            raise RuntimeError(f"fault injected at {name}")
         # the Python-level handler of TERM / INT (KeyboardInterrupt) runs as this call returns
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(FAULT_SIGNAL_ENV, "KILL").upper()))
 

@@ -51,6 +51,25 @@ def fast_cpu_math() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def vocab_size(model: Any) -> int:
+    """The output vocabulary of ``model``, also when wrapped (DDP's ``.module``; a peft model or an
+    FSDP-sharded one keeps its ``config``), else the size of its output embeddings."""
+    base = getattr(model, "module", model)
+    config = getattr(base, "config", None)
+    if getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    out = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if out is None:
+        raise ValueError(f"cannot tell the vocabulary of a {type(base).__name__}")
+    return int(out.weight.shape[0])
+
+
+def eval_batch(model: Any, length: int, batch: int) -> int:
+    """Windows per forward pass: at most ``batch``, and few enough that their float32 logits
+    (``batch x length x vocabulary``) stay under 1 GiB."""
+    return max(1, min(batch, int(2**30 // max(1, 4 * length * vocab_size(model)))))
+
+
 def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[int] = None,
              max_tokens: Optional[int] = None, batch: int = 8, key: str = "eval", own: Any = None,
              token_bytes: Any = None, shard: tuple[int, int] = (0, 1)) -> Evaluation:
@@ -76,8 +95,7 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     rank, world = shard
     mine = list(range(rank, len(windows), world))
     device = next(model.parameters()).device
-    vocab = int(model.config.vocab_size) if hasattr(model, "config") else 256
-    batch = max(1, min(batch, int(2**30 // max(1, 4 * length * vocab))))
+    batch = eval_batch(model, length, batch)
     passes = -(-(-(-len(windows) // world)) // batch)  # forward passes per rank
     swapped = own is not None and state is not own
     states = [state] + ([own] if swapped else [])

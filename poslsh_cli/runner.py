@@ -80,6 +80,7 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
         dist.init()
         if not dist.is_main():
             return _follow(exp, spec, run_dir)
+        dist.watch_followers()
 
     found: dict[str, Any] = {}
 
@@ -151,11 +152,17 @@ def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
     from poslsh_cli.cellwork import CellWork
     from poslsh_cli.rundir import work_name
 
-    dist.decide(lambda: None)  # rank 0 has checked the run directory and prepared the data
-    ctx = exp.prepare(spec) if exp.prepare is not None else None
-    todo = dist.decide(lambda: [])
-    for key in todo:
-        exp.run_cell(spec, key, ctx, CellWork(Path(run_dir) / "work" / work_name(key), writer=False))
+    try:
+        dist.decide(lambda: None)  # rank 0 has checked the run directory and prepared the data
+        ctx = exp.prepare(spec) if exp.prepare is not None else None
+        todo = dist.decide(lambda: [])
+        for key in todo:
+            exp.run_cell(spec, key, ctx, CellWork(Path(run_dir) / "work" / work_name(key), writer=False))
+    except (dist.FollowerError, KeyboardInterrupt):
+        raise  # rank 0 reported it, or the whole job is being stopped
+    except BaseException as exc:
+        dist.report_failure(f"{type(exc).__name__}: {exc}")  # rank 0 fails at once, naming it
+        raise
     return 0
 
 
@@ -188,9 +195,13 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
         run.discard_if_empty()
         raise
     except Exception as exc:  # keep finished cells, say what happened
-        run.write_meta(status="failed", error=f"{type(exc).__name__}: {exc}")
+        from poslsh_cli import distributed as dist
+
+        why = dist.follower_failure()  # a follower's error is the cause of this rank's broken collective
+        text = f"{why} (rank 0 then: {type(exc).__name__})" if why else f"{type(exc).__name__}: {exc}"
+        run.write_meta(status="failed", error=text)
         run.discard_if_empty()
-        raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
+        raise RunFailed(text) from exc
     if status == "interrupted":
         return _interrupted(run, len(keys), err)
     run.write_meta(status=status, cells_done=len(run.finished()))

@@ -385,6 +385,22 @@ def test_attention_dropout_takes_a_path_that_drops_and_is_unbiased():
     assert exact[0].label == "rank1"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_dropout_on_cuda_is_planned_on_a_path_that_drops(dtype):
+    """On CUDA the automatic plan would take FlexAttention, which has no dropout: with dropout it
+    takes the dense bias (SDPA's dropout_p) for every scheme the training loop drops in, at every
+    length, so a dropout run never fails inside its first step."""
+    from poslsh_cli.attention import choose
+    from poslsh_cli.attention.plan import DROPOUT_BACKENDS
+
+    for method in (Method.EXACT, Method.NO_BIAS):
+        for n, causal in ((256, True), (4096, True), (512, False)):
+            plan = choose(method, device="cuda", dtype=dtype, n=n, causal=causal, grad=True, dropout=True)
+            assert plan.backend in DROPOUT_BACKENDS, (method, n, plan)
+            assert choose(method, device="cuda", dtype=dtype, n=n, causal=causal, grad=True).backend in (
+                Backend.FLEX, Backend.SDPA)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_flash_dropout_is_dropout_of_the_softmax_with_its_mask(dtype):
     """FlashDropout (two flash calls each way) against autograd through the float64 dense formula

@@ -153,3 +153,64 @@ def test_cuda_training_with_autocast_follows_the_float32_cpu_run(single, tmp_pat
             "gradient_checkpointing=true", f"out={out}")
     assert r.returncode == 0, r.stderr[-3000:]
     np.testing.assert_allclose(metrics_of(out).loss, metrics_of(single).loss, rtol=3e-2)
+
+
+def test_evaluation_batch_sees_the_vocabulary_through_ddp(tmp_path):
+    """lm.evaluate caps the batch by the logits' memory: a DDP-wrapped 32k-vocabulary model at
+    L=4096 gets 2 windows a pass (2 x 4096 x 32000 float32 logits, 1 GiB), as unwrapped, not the
+    8 a 256-token vocabulary would allow."""
+    import torch.distributed as td
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from poslsh_cli.lm import eval_batch, vocab_size
+
+    cfg = Qwen3Config(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = Qwen3ForCausalLM(cfg)
+    td.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(model)
+        assert vocab_size(wrapped) == vocab_size(model) == 32000
+        assert eval_batch(wrapped, 4096, 8) == eval_batch(model, 4096, 8) == 2
+    finally:
+        td.destroy_process_group()
+
+
+def test_a_follower_failure_stops_rank_zero_at_once_naming_it(tmp_path):
+    """An exception on rank 1 inside a training cell (a multi-task job: no torchrun agent to stop the
+    others) is left for rank 0, which fails at once with that error as its one line, keeping the
+    checkpoint written before, instead of waiting in a collective (default timeout 2 h)."""
+    out = tmp_path / "sweep"
+    env = {"POSLSH_FAULT": "step:5", "POSLSH_FAULT_RANK": "1", "POSLSH_FAULT_SIGNAL": "RAISE"}
+    r = subprocess.run([sys.executable, "-m", "poslsh_cli", "train", "-m", "seed=0", *TINY,
+                        "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", f"out={out}"],
+                       capture_output=True, text=True, env=dict(ENV, **env), timeout=300)
+    errors = [x for x in r.stderr.splitlines() if "poslsh train: error:" in x]
+    assert errors and "rank 1: RuntimeError: fault injected at step:5" in errors[0], r.stderr[-3000:]
+    assert list((out / "0" / "work").glob("*/checkpoints/step-00000003"))  # the work before stays
+
+
+def test_fp16_checkpoints_keep_the_loss_scale(tmp_path):
+    """An fp16 run's checkpoint holds its GradScaler state (scale, growth tracker), restored on
+    resume; a checkpoint without one is refused in one line rather than resumed at the initial
+    scale. (The fp16 training path itself needs CUDA: tests/test_distributed.py's gpu tests.)"""
+    from poslsh_cli.config import ConfigError
+    from poslsh_cli.experiments.train import SCALER, load_scaler
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for bad in (True, False, False):  # one overflow halves the scale; two good steps advance the tracker
+        opt.zero_grad()
+        scaler.scale((w * (float("inf") if bad else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    torch.save(scaler.state_dict(), tmp_path / SCALER)
+    again = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
+    load_scaler(again, tmp_path)
+    assert again.get_scale() == scaler.get_scale() == 2.0 ** 15
+    assert again.state_dict() == scaler.state_dict()
+    (tmp_path / SCALER).unlink()
+    with pytest.raises(ConfigError, match="has no scaler.pt"):
+        load_scaler(again, tmp_path)

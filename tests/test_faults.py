@@ -256,7 +256,10 @@ def test_cut_cell_file_is_named_and_computed_again(reference, tmp_path):
     cell.write_text(cell.read_text()[:30])
     r = poslsh("report", run)
     assert r.returncode == 0 and f"{cell.name} is unreadable" in r.stderr, r.stderr
-    assert len(pd.read_csv(run / "results.csv")) == 7  # 8 cells, one unreadable: left out, not a wrong row
+    # 8 cells, one unreadable: the report reads the 7 others (not a wrong row) and, being a reader,
+    # leaves results.csv as the owner wrote it
+    assert "read from its 7 cells" in r.stderr, r.stderr
+    assert len(pd.read_csv(run / "results.csv")) == 8
     r = poslsh(*MATRIX, f"out={run}")
     assert r.returncode == 0 and "will be computed again" in r.stderr, r.stderr
     assert_same_results(run, reference / "matrix")

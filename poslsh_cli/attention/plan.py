@@ -140,8 +140,9 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
       (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
 
-    With ``dropout`` the automatic CPU plan takes the dense bias where it would take a path that
-    cannot drop attention probabilities (only DROPOUT_BACKENDS can).
+    With ``dropout`` the automatic plan, on the CPU and on CUDA, takes the dense bias where it would
+    take a path that cannot drop attention probabilities (only DROPOUT_BACKENDS can: FlexAttention
+    and the blocks cannot), so a run with attention dropout never fails inside a step.
 
     Kernel (``auto``): the fused CPU kernels (the flash kernel, which returns lse, and its own
     backward; SDPA with a float mask) on the CPU for float32 and wider, padded matmuls otherwise.
@@ -155,8 +156,8 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     device = torch.device(device)
     if backend == "auto":
         backend = _backend(method, device, dtype, n, causal, grad, work)
-        if dropout and backend not in DROPOUT_BACKENDS and Backend.DENSE in BACKENDS[method] and device.type == "cpu":
-            backend = Backend.DENSE  # only the SDPA-based paths drop attention probabilities
+        if dropout and backend not in DROPOUT_BACKENDS and Backend.DENSE in BACKENDS[method]:
+            backend = Backend.DENSE  # only the SDPA-based paths drop attention probabilities (CPU and CUDA)
     backend = Backend(backend)
     if backend not in BACKENDS[method]:
         raise ValueError(f"method {method.value} has no backend {backend.value!r} "

@@ -46,6 +46,8 @@ COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "tra
            "train_eval_sample")
 #: the final weights' loss on ``eval_tokens`` spread over the training split (nats per token), per stage
 TRAIN_EVAL = "train_eval.json"
+#: the GradScaler state of an fp16 run, beside optimizer.pt in every checkpoint
+SCALER = "scaler.pt"
 #: how the training-split evaluation samples its windows (``train_eval_sample``): spans spread over
 #: the whole split (:func:`poslsh_cli.data.spread_sample`); older runs scored its first tokens
 TRAIN_SAMPLE = "spread"
@@ -350,7 +352,7 @@ def _state_dicts(spec: TrainSpec, ctx: Context, model: Any, opt: Any) -> tuple[O
 
 
 def _save(ctx: Context, model: Any, path: Path, info: dict, opt: Any = None, full: tuple = (None, None),
-          lora_save: str = "merged") -> None:
+          lora_save: str = "merged", scaler: Any = None) -> None:
     import torch
 
     from poslsh_cli.convert import save
@@ -359,6 +361,20 @@ def _save(ctx: Context, model: Any, path: Path, info: dict, opt: Any = None, ful
     save(model, path, info, ctx.source.tokenizer, lora_save, state_dict=weights)
     if opt is not None:
         torch.save(optim if optim is not None else opt.state_dict(), path / "optimizer.pt")
+    if scaler is not None:  # fp16: the loss scale and its growth tracker, so a resumed run scales alike
+        torch.save(scaler.state_dict(), path / SCALER)
+
+
+def load_scaler(scaler: Any, checkpoint: Path) -> None:
+    """Restore an fp16 run's GradScaler from its checkpoint (``scaler.pt``); a checkpoint without one
+    (written by a run in another precision) is refused rather than resumed at the initial scale."""
+    import torch
+
+    path = Path(checkpoint) / SCALER
+    if not path.is_file():
+        raise ConfigError(f"{checkpoint} has no {SCALER} (the loss scale of an fp16 run); resume it with the "
+                          "precision it was trained with")
+    scaler.load_state_dict(torch.load(path, weights_only=True))
 
 
 def _load_optimizer(spec: TrainSpec, ctx: Context, model: Any, opt: Any, path: Path) -> None:
@@ -425,7 +441,9 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
                              {"params": other, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
     if resume is not None:
         _load_optimizer(spec, ctx, trained, opt, resume)
-    scaler = torch.amp.GradScaler("cuda") if spec.precision is Precision.FP16 else None
+    scaler = torch.amp.GradScaler(ctx.device.type) if spec.precision is Precision.FP16 else None
+    if scaler is not None and resume is not None:
+        load_scaler(scaler, resume)
     info = {"position": stage.position.value, "s": stage.s, "seed": stage.seed, "seq_len": stage.seq_len,
             "steps": stage.steps, "data": spec.data, "data_sha256": ctx.corpus.sha256,
             "val_fraction": spec.val_fraction, "val_every": spec.val_every, "data_field": spec.data_field,
@@ -493,7 +511,7 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
                               stage.seq_len, shard=(rank, world))
                 if dist.is_main():
                     atomic_write_text(work.path / TRAIN_EVAL, json.dumps(
-                        {"step": step, "loss": tr.loss, "sample": TRAIN_SAMPLE}) + "\n")
+                        {"step": step, "loss": tr.loss, "sampling": TRAIN_SAMPLE}) + "\n")
         metrics.append(row)
         fault_point(f"step:{step}")
         work.progress(step, stage.steps, f"{stage.label} loss {loss_value:.3f}"
@@ -501,7 +519,8 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
         if step % spec.checkpoint_every == 0 and step < stage.steps:
             full = _state_dicts(spec, ctx, trained, opt)
             if dist.is_main():
-                ckpts.save(step, lambda d: _save(ctx, model, d, {**info, "step": step}, opt, full, "adapter"), keep=2)
+                ckpts.save(step, lambda d: _save(ctx, model, d, {**info, "step": step}, opt, full, "adapter",
+                                                 scaler), keep=2)
     full = _state_dicts(spec, ctx, trained, opt)
     final = dist.decide(lambda: str(write_dir(work.final, lambda d: _save(
         ctx, model, d, {**info, "step": stage.steps}, full=(full[0], None), lora_save=lora_save))))
@@ -546,7 +565,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
            "trainable": _trainable(final), "world_size": ctx.world, "tokenizer": ctx.corpus.tokenizer,
            "bits_per_token": float(last.val_loss) / math.log(2.0),
            "train_eval_loss": float(train_eval["loss"]) if isinstance(train_eval, dict) else math.nan,
-           "train_eval_sample": train_eval.get("sample", "first") if isinstance(train_eval, dict) else ""}
+           "train_eval_sample": train_eval.get("sampling", "first") if isinstance(train_eval, dict) else ""}
     return [row], {}
 
 
