@@ -208,8 +208,8 @@ def test_low_precision_inputs_stay_finite_and_close(dtype, blocks):
                                   Plan(Method.POSLSH, Backend.BLOCKS, Kernel.MATMUL),
                                   Plan(Method.POSLSH, Backend.DENSE, Kernel.FUSED)], ids=str)
 def test_gradients_flow_and_match_finite_differences(plan):
-    """gradcheck (float64 finite differences) through each backend forced by its plan: the
-    recomputing block kernel (MergedBlockAttention, both kernels) and the dense bias."""
+    """gradcheck (float64 finite differences along random directions) through each backend forced
+    by its plan: the recomputing block kernel (MergedBlockAttention, both kernels) and the dense bias."""
     q, k, v = qkv(B=1, H=2, n=40, d=4)
     parts = tuple(parts_for(40, [2.0, 6.0], 4))
     for causal in (True, False):
@@ -217,7 +217,9 @@ def test_gradients_flow_and_match_finite_differences(plan):
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         if plan.backend is Backend.BLOCKS:
             assert type(attend(*x, spec, plan=plan).grad_fn).__name__ == "MergedBlockAttentionBackward"
-        assert torch.autograd.gradcheck(lambda a, b, c: attend(a, b, c, spec, plan=plan), x)
+        # fast mode: finite differences along random directions (a full Jacobian costs 960 columns);
+        # the gradients' values are compared column-free with float64 autograd in the test below
+        assert torch.autograd.gradcheck(lambda a, b, c: attend(a, b, c, spec, plan=plan), x, fast_mode=True)
     out = attend(*(t.float().requires_grad_(True) for t in (q, k, v)), spec, plan=plan)
     out.square().sum().backward()
 
