@@ -73,13 +73,14 @@ def tally(statuses: Iterable[Status]) -> str:
 #: the entries of M~ are coarse multiples of 1/s and the max norm saturates near 1, so the
 #: log-log slope there says nothing about the O(1/sqrt(s)) regime of Theorem 2.1.
 ASYMPTOTIC_S = 8
-#: A slope interval wider than this cannot tell -1/2 from a flat or a -1 decay.
-INFORMATIVE_WIDTH = 0.5
+#: "Decays like s^(-1/2)" is an equivalence claim: the slope's 95% interval must lie inside
+#: -1/2 ± this (a wide interval, or a tight one that excludes -1/2, cannot support it).
+DECAY_MARGIN = 0.1
 
 DECAY_RULE = (f"log-log slope of the error against s, fitted over s >= {ASYMPTOTIC_S} (all trials; at least three "
-              f"such s); informative when its 95% interval excludes 0 and is narrower than {INFORMATIVE_WIDTH}, "
-              "else INCONCLUSIVE; SUPPORTED when -0.5 lies in the interval or the slope is within 0.1 of it, "
-              "else NOT SUPPORTED")
+              f"such s), with its 95% t-interval: SUPPORTED when the interval lies inside "
+              f"[{-0.5 - DECAY_MARGIN:.1f}, {-0.5 + DECAY_MARGIN:.1f}], NOT SUPPORTED when it lies wholly outside, "
+              "else INCONCLUSIVE")
 
 
 def asymptotic_fit(s: np.ndarray, err: np.ndarray) -> SlopeFit | None:
@@ -92,16 +93,17 @@ def asymptotic_fit(s: np.ndarray, err: np.ndarray) -> SlopeFit | None:
 
 
 def decay_status(fit: SlopeFit | None) -> Status:
+    """The equivalence rule of :data:`DECAY_RULE` on a slope fit."""
     if fit is None or not math.isfinite(fit.slope):
         return Status.NOT_MEASURED
     if not (math.isfinite(fit.ci_low) and math.isfinite(fit.ci_high)):
         return Status.INCONCLUSIVE
-    informative = (fit.ci_high < 0 or fit.ci_low > 0) and (fit.ci_high - fit.ci_low) < INFORMATIVE_WIDTH
-    if not informative:
-        return Status.INCONCLUSIVE
-    if fit.ci_low <= -0.5 <= fit.ci_high or abs(fit.slope + 0.5) <= 0.1:
+    lo, hi = -0.5 - DECAY_MARGIN, -0.5 + DECAY_MARGIN
+    if lo <= fit.ci_low and fit.ci_high <= hi:
         return Status.SUPPORTED
-    return Status.NOT_SUPPORTED
+    if fit.ci_high < lo or fit.ci_low > hi:
+        return Status.NOT_SUPPORTED
+    return Status.INCONCLUSIVE
 
 
 def slope_text(fit: SlopeFit | None) -> str:

@@ -10,10 +10,10 @@ may only use evaluation noise: the per-window differences of the same models on 
 evaluation windows, whose interval says how sure the measurement is of *these* models, not of
 the schemes. Verdicts say which one they used.
 
-    equivalence    the 90% interval lies inside (-margin, +margin)      -> SUPPORTED ("equivalent")
-                   it lies below -margin                                -> SUPPORTED ("better")
-                   it lies above +margin                                -> NOT SUPPORTED
-                   otherwise                                            -> INCONCLUSIVE
+    equivalence    the 90% interval ends below +margin                  -> SUPPORTED ("reaches": at
+                   (non-inferiority: "A reaches B")                        most margin worse, or better)
+                   it starts at or above +margin                        -> NOT SUPPORTED
+                   otherwise (it contains +margin)                      -> INCONCLUSIVE
     difference     the 95% interval excludes 0 in the claimed direction -> SUPPORTED
                    it excludes 0 in the other direction                 -> NOT SUPPORTED
                    otherwise                                            -> INCONCLUSIVE
@@ -108,16 +108,18 @@ def slope(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> Interv
 
 
 def equivalence(iv: Interval, margin: float = MARGIN) -> tuple[Status, str]:
-    """The equivalence rule on a 90% interval of a difference (smaller is better)."""
+    """The non-inferiority rule ("A reaches B") on a 90% interval of A - B (smaller is better): A
+    is at most ``margin`` worse than B when the interval's upper end is below the margin, however
+    far below 0 its lower end reaches (a scheme better than B reaches it too); A is worse by the
+    margin or more when the lower end is at or above it."""
     if not iv.finite:
         return Status.INCONCLUSIVE, "no interval"
-    if -margin < iv.low and iv.high < margin:
-        return Status.SUPPORTED, f"equivalent within ±{margin}"
-    if iv.high <= -margin:
-        return Status.SUPPORTED, f"better by more than {margin}"
+    if iv.high < margin:
+        return Status.SUPPORTED, (f"better by more than {margin}" if iv.high <= -margin
+                                  else f"at most {margin} worse")
     if iv.low >= margin:
-        return Status.NOT_SUPPORTED, f"worse by more than {margin}"
-    return Status.INCONCLUSIVE, f"the interval crosses ±{margin}"
+        return Status.NOT_SUPPORTED, f"worse by {margin} or more"
+    return Status.INCONCLUSIVE, f"the interval crosses +{margin}"
 
 
 def difference(iv: Interval, claimed: str = "positive") -> Status:
@@ -132,9 +134,9 @@ def difference(iv: Interval, claimed: str = "positive") -> Status:
     return Status.INCONCLUSIVE
 
 
-EQUIVALENCE_RULE = (f"paired by training seed, the 90% t-interval of the difference lies inside ±{MARGIN} bits per "
-                    f"byte (SUPPORTED, equivalent) or below -{MARGIN} (SUPPORTED, better); above +{MARGIN}: NOT "
-                    f"SUPPORTED; otherwise INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds the interval is over the "
+EQUIVALENCE_RULE = (f"non-inferiority, paired by training seed: the 90% t-interval of the difference ends below "
+                    f"+{MARGIN} bits per byte (SUPPORTED: at most {MARGIN} worse, or better); it starts at or above "
+                    f"+{MARGIN}: NOT SUPPORTED; otherwise INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds the interval is over the "
                     "evaluation windows (evaluation noise only)")
 DIFFERENCE_RULE = (f"paired by training seed, the 95% t-interval of the difference excludes 0 on the claimed side "
                    f"(SUPPORTED) or on the other side (NOT SUPPORTED), else INCONCLUSIVE. With fewer than {MIN_SEEDS} "

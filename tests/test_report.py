@@ -52,11 +52,33 @@ def test_decay_verdicts_pass_fail_inconclusive_and_no_data():
     assert status_of(sec, "spectral error decays") is Status.SUPPORTED
     sec = registry.get('matrix-error').report(RUN, matrix_table(-1.0, 0.03))
     assert status_of(sec, "spectral error decays") is Status.NOT_SUPPORTED
-    # flat and noisy: the interval holds -0.5 but also 0, so it says nothing
-    sec = registry.get('matrix-error').report(RUN, matrix_table(0.0, 1.5, s=(8, 16, 32)))
+    # noisy: every interval holds -0.5 but also 0, so it says nothing
+    sec = registry.get('matrix-error').report(RUN, matrix_table(-0.5, 1.5, s=(8, 16, 32)))
     assert status_of(sec, "spectral error decays") is Status.INCONCLUSIVE
+    # tight around -0.35: it excludes -0.5 ± 0.1
+    sec = registry.get('matrix-error').report(RUN, matrix_table(-0.35, 0.03, s=(8, 16, 32)))
+    assert status_of(sec, "spectral error decays") is Status.NOT_SUPPORTED
     sec = registry.get('matrix-error').report(RUN, matrix_table(-0.5, 0.03, s=(1, 2, 4)))
     assert status_of(sec, "spectral error decays") is Status.NOT_MEASURED
+
+
+def fit(lo, hi):
+    from poslsh_cli.metrics import SlopeFit
+
+    return SlopeFit((lo + hi) / 2, 0.0, (hi - lo) / 4, lo, hi, 5)
+
+
+@pytest.mark.parametrize("lo,hi,expected", [
+    (-0.55, -0.45, Status.SUPPORTED), (-0.6, -0.4, Status.SUPPORTED),      # inside, and at its edges
+    (-0.74, -0.26, Status.INCONCLUSIVE),                                     # wide: holds -1/2 but says little
+    (-0.61, -0.45, Status.INCONCLUSIVE), (-0.55, -0.39, Status.INCONCLUSIVE),  # just across one edge
+    (-0.39, -0.30, Status.NOT_SUPPORTED), (-0.70, -0.62, Status.NOT_SUPPORTED),  # tight, excluding -1/2 ± 0.1
+    (-0.405, -0.395, Status.INCONCLUSIVE),                                   # slope within 0.1, interval across
+])
+def test_decay_rule_is_an_equivalence_rule_at_its_edges(lo, hi, expected):
+    from poslsh_cli.claims import decay_status
+
+    assert decay_status(fit(lo, hi)) is expected
 
 
 def test_unconverged_rows_are_flagged_and_left_out_of_fits():
@@ -314,6 +336,27 @@ def test_reaches_alibi_is_an_equivalence_test(tmp_path):
     assert status_of(sec, "s=10 reaches") is Status.NOT_MEASURED
 
 
+@pytest.mark.parametrize("lo,hi,expected", [
+    (-0.015, 0.015, Status.SUPPORTED), (-0.03, 0.005, Status.SUPPORTED),   # a better scheme reaches it too
+    (-0.08, -0.03, Status.SUPPORTED), (-0.01, 0.0199, Status.SUPPORTED),
+    (-0.01, 0.02, Status.INCONCLUSIVE), (0.0, 0.05, Status.INCONCLUSIVE),  # the upper end at or past the margin
+    (0.02, 0.05, Status.NOT_SUPPORTED), (0.03, 0.04, Status.NOT_SUPPORTED),
+    (-0.1, 0.1, Status.INCONCLUSIVE),
+])
+def test_reaches_is_non_inferiority_at_its_edges(lo, hi, expected):
+    from poslsh_cli.stats import Interval, equivalence
+
+    assert equivalence(Interval((lo + hi) / 2, lo, hi, 3, 0.9, "seeds"))[0] is expected
+
+
+def test_a_better_scheme_reaches_alibi(tmp_path):
+    """Positional LSH clearly better than ALiBi (by 0.01 with a 90% interval reaching below -0.02):
+    under the old two-sided rule this was INCONCLUSIVE, stricter than for an equal scheme."""
+    sec = ppl_report(tmp_path, scratch={A: 1.8, P10: 1.79}, seed_sd=0.01)
+    v = [v for v in sec.verdicts if "s=10 reaches" in v.claim][0]
+    assert v.status is Status.SUPPORTED, v.evidence
+
+
 def test_better_rules_need_the_interval_to_exclude_zero(tmp_path):
     sec = ppl_report(tmp_path / "a", scratch={A: 1.85, P10: 1.80, NONE: 2.8, AD: 1.83})
     assert status_of(sec, "without positional information") is Status.SUPPORTED
@@ -347,6 +390,42 @@ def test_fine_tuning_needs_a_negative_slope_and_closeness(tmp_path):
     sec = ppl_report(tmp_path / "d", scratch={A: 1.8, P10: 1.8})
     assert status_of(sec, "falls as s grows") is Status.NOT_MEASURED
     assert status_of(sec, "better than fixed blocks") is Status.NOT_MEASURED
+
+
+def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
+    """Every gap of a seed shares that seed's ALiBi value: with seed-to-seed shifts of ALiBi alone,
+    15 (s, seed) points fitted as independent give a tight slope; one slope per seed (each exactly
+    the same here) gives the interval over 3 seeds, and the evidence lists the per-seed slopes."""
+    from poslsh_cli.experiments.perplexity_claims import Data, Scheme, claim_finetune_approaches_alibi
+    from poslsh_cli.stats import t_interval
+
+    gaps = {1: 0.3, 2: 0.2, 5: 0.1, 10: 0.05, 20: 0.01}
+    ft = {A: 2.0, **{("poslsh", s, 0.0): 2.0 + g for s, g in gaps.items()}}
+    run, df = ppl_run(tmp_path, tuned=ft, seed_sd=0.05, window_sd=0.001, draws=1)
+    d = Data(df[df.attention == "own"], pd.read_csv(run / "windows.csv"), 256)
+    v = claim_finetune_approaches_alibi(d)[0]
+    assert "one slope per seed" in v.evidence and "seed 2:" in v.evidence, v.evidence
+    a = d.per_seed(Scheme("alibi"), 256)
+    slopes = []
+    for seed in (0, 1, 2):
+        x = [np.log(s) for s in gaps]
+        y = [d.per_seed(Scheme("poslsh", s), 256)[seed] - a[seed] for s in gaps]
+        slopes.append(np.polyfit(x, y, 1)[0])
+    iv = t_interval(slopes)
+    assert f"{iv.estimate:+.4f} [{iv.low:+.4f}, {iv.high:+.4f}] (95%, 3 seeds)" in v.evidence, v.evidence
+    assert v.status is (Status.SUPPORTED if iv.high < 0 else Status.INCONCLUSIVE)
+    one = claim_finetune_approaches_alibi(Data(d.rows[d.rows.run_seed == 0], d.windows, 256))[0]
+    assert "evaluation noise only" in one.evidence and "1 seed:" in one.evidence, one.evidence
+
+
+def test_extrapolation_with_two_seeds_uses_evaluation_noise(tmp_path):
+    """Two seeds give a t-interval with one degree of freedom; like every other rule, the robustness
+    claim needs three and otherwise says it rests on evaluation noise."""
+    base = {A: 1.8, P10: 1.8, ROPE: 1.8, NONE: 2.8}
+    sec = ppl_report(tmp_path, scratch=base, degrade={P10: -0.02, ROPE: 0.4, NONE: 0.2}, seeds=(0, 1))
+    v = [v for v in sec.verdicts if "robust at 4x" in v.claim][0]
+    assert "evaluation noise only" in v.evidence and "2 training seed(s)" in v.evidence, v.evidence
+    assert v.status is Status.SUPPORTED  # -0.02 with windows of sd 0.01: the interval ends below 0.05
 
 
 def test_extrapolation_needs_its_contrast_and_intervals(tmp_path):

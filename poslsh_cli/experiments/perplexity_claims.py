@@ -17,7 +17,7 @@ import numpy as np
 from poslsh_cli.claims import Status, Verdict
 from poslsh_cli.positions import Position
 from poslsh_cli.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, difference, equivalence,
-                              paired, paired_windows, slope)
+                              paired, paired_windows, ratio_interval, slope)
 
 OWN = "own"
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
@@ -187,33 +187,43 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
     """Fine-tuned from one pretrained model, the gap to exact ALiBi falls with log s, and at the
     largest s Positional LSH reaches exact ALiBi."""
     claim = "fine-tuned, the gap of Positional LSH to exact ALiBi falls as s grows"
-    rule = ("gap = bits per byte of Positional LSH s minus exact ALiBi at the training length, paired by seed; the "
-            "least-squares slope of the gap against ln s over every (s, seed) with its 95% t-interval: below 0 "
-            "SUPPORTED, above 0 NOT SUPPORTED, else INCONCLUSIVE; needs at least three s. With one seed the "
-            "interval covers the fit's residuals, not the seed-to-seed spread")
+    rule = (f"gap = bits per byte of Positional LSH s minus exact ALiBi at the training length; per training seed the "
+            f"least-squares slope of its gaps against ln s (at least three s), and the 95% t-interval of those "
+            f"slopes over the seeds (at least {MIN_SEEDS}): below 0 SUPPORTED, above 0 NOT SUPPORTED, else "
+            f"INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds, the slope of the seeds' mean gaps with the interval "
+            "of the fit's residuals (evaluation noise only, not the seed-to-seed spread)")
     if d is None:
         return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule),
                 Verdict("fine-tuned, Positional LSH at the largest s reaches exact ALiBi", Status.NOT_MEASURED,
                         "no fine-tuned checkpoints", EQUIVALENCE_RULE)]
     a = d.per_seed(Scheme(ALIBI), d.L)
-    xs, ys, gaps = [], [], {}
+    by_seed: dict = {}  # seed -> {s: gap}; every gap of a seed shares that seed's ALiBi value
     for s in poslsh_s(d):
         p = d.per_seed(Scheme(POSLSH, s), d.L)
         for seed in sorted(set(p) & set(a)):
-            xs.append(math.log(s))
-            ys.append(p[seed] - a[seed])
-        if set(p) & set(a):
-            gaps[s] = float(np.mean([p[k] - a[k] for k in set(p) & set(a)]))
-    if len(gaps) < 3:
+            by_seed.setdefault(seed, {})[s] = p[seed] - a[seed]
+    gaps = {s: float(np.mean([g[s] for g in by_seed.values() if s in g]))
+            for s in poslsh_s(d) if any(s in g for g in by_seed.values())}
+    fitted = {seed: g for seed, g in by_seed.items() if len(g) >= 3}
+    if len(gaps) < 3 or not fitted:
         st = Status.NOT_MEASURED if not gaps else Status.INCONCLUSIVE
         out = [Verdict(claim, st, "fewer than three s with alibi and poslsh models" if gaps else
                        "no alibi or poslsh fine-tuning runs", rule)]
     else:
-        iv = slope(xs, ys)
-        seeds = len(a)
-        out = [Verdict(claim, difference(iv, "negative"), f"L={d.L}: slope of the gap against ln s {iv.text()} over "
-                       f"{len(xs)} (s, seed) points ({seeds} seed{'s' if seeds != 1 else ''}); gaps "
-                       + ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items()), rule)]
+        shown = ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items())
+        if len(fitted) >= MIN_SEEDS:
+            slopes = {seed: slope([math.log(s) for s in g], list(g.values())).estimate for seed, g in fitted.items()}
+            from poslsh_cli.stats import t_interval
+
+            iv = t_interval(slopes.values())
+            ev = (f"L={d.L}: slope of the gap against ln s {iv.text()}, one slope per seed ("
+                  + ", ".join(f"seed {k}: {v:+.4f}" for k, v in sorted(slopes.items())) + f"); mean gaps {shown}")
+        else:
+            iv = slope([math.log(s) for s in gaps], list(gaps.values()))
+            n = len(by_seed)
+            ev = (f"L={d.L}: slope of the mean gap against ln s {iv.text()} over {len(gaps)} s ({n} seed"
+                  f"{'s' if n != 1 else ''}: the fit's residuals, evaluation noise only); gaps {shown}")
+        out = [Verdict(claim, difference(iv, "negative"), ev, rule)]
     ss = poslsh_s(d)
     if ss:
         out.append(judged_equivalent(d, f"fine-tuned, Positional LSH at the largest s (s={max(ss)}) reaches exact "
@@ -242,8 +252,9 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     """Positional LSH stays robust at 4L, where RoPE and no-position models degrade (more)."""
     s = reference_s(d)
     robust = "Positional LSH stays robust at 4x the training length"
-    rule_r = (f"per seed, bits per byte at 4L minus at L (own attention, from scratch); SUPPORTED when the 95% "
-              f"t-interval's upper end is below {EXTRAPOLATION_MARGIN}, NOT SUPPORTED when its lower end is above it, "
+    rule_r = (f"per seed, bits per byte at 4L minus at L (own attention, from scratch); SUPPORTED when its 95% "
+              f"t-interval over the seeds (at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation "
+              f"noise only) ends below {EXTRAPOLATION_MARGIN}, NOT SUPPORTED when it starts above it, "
               "else INCONCLUSIVE; a claim about robustness needs a RoPE or no-position model evaluated at the same "
               "lengths to contrast (NOT MEASURED otherwise)")
     if s is None or not _degradation(d, Scheme(POSLSH, s)):
@@ -252,16 +263,21 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     p = _degradation(d, Scheme(POSLSH, s))
     from poslsh_cli.stats import t_interval
 
-    iv = t_interval(p.values())
-    ev = f"L={d.L}: poslsh s={s} at 4L minus at L {iv.text()}"
+    if len(p) >= MIN_SEEDS:
+        iv = t_interval(p.values())
+        ev = f"L={d.L}: poslsh s={s} at 4L minus at L {iv.text()}; {len(p)} training seeds"
+    else:  # the seed-to-seed spread cannot be estimated from fewer seeds
+        iv = _windows_change(d, Scheme(POSLSH, s), sorted(p))
+        ev = (f"L={d.L}: poslsh s={s} at 4L minus at L "
+              + (f"{iv.text()}; {len(p)} training seed(s): evaluation noise only" if iv is not None else
+                 f"{np.mean(list(p.values())):+.4f}; {len(p)} training seed(s) and no evaluation windows"))
     if not others:
         return [Verdict(robust, Status.NOT_MEASURED, ev + "; no rope or none model evaluated at L and 4L", rule_r)]
-    if iv.finite:
+    if iv is not None and iv.finite:
         st = Status.SUPPORTED if iv.high < EXTRAPOLATION_MARGIN else (
             Status.NOT_SUPPORTED if iv.low > EXTRAPOLATION_MARGIN else Status.INCONCLUSIVE)
     else:
         st = Status.INCONCLUSIVE
-        ev += f" (fewer than {MIN_SEEDS} seeds: no interval over seeds)"
     out = [Verdict(robust, st, ev, rule_r)]
     for sc in others:
         o = _degradation(d, sc)
@@ -281,11 +297,35 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     return out
 
 
+def _combine(hi: Interval, lo: Interval) -> Interval:
+    """hi - lo for two interval estimates on different windows: each standard error backed out of its
+    95% half-width, the variances added."""
+    from scipy import stats
+
+    est = hi.estimate - lo.estimate
+    se = [(iv.high - iv.low) / 2 / stats.t.ppf(0.975, df=iv.n - 1) for iv in (hi, lo)]
+    n = min(hi.n, lo.n)
+    half = float(stats.t.ppf(0.975, df=n - 1) * math.hypot(*se))
+    return Interval(est, est - half, est + half, n, 0.95, "windows")
+
+
+def _windows_change(d: Data, sc: Scheme, seeds: list) -> Optional[Interval]:
+    """Evaluation noise of one scheme's bits per byte at 4L minus at L: the pooled windows' ratio
+    estimate at each length (different windows), its variances added."""
+    if not seeds:
+        return None
+    parts = []
+    for length in (4 * d.L, d.L):
+        w = d.window_bits(sc, length, seeds)
+        if w is None or len(w[0]) < 2:
+            return None
+        parts.append(ratio_interval(w[0], w[1], 0.95))
+    return _combine(*parts)
+
+
 def _windows_degradation(d: Data, other: Scheme, pos: Scheme, seeds: list) -> Optional[Interval]:
     """Evaluation noise of the difference of degradations: per-window paired differences of the two
     models at 4L and at L (different windows at the two lengths), their variances added."""
-    from scipy import stats
-
     if not seeds:
         return None
     parts = []
@@ -294,12 +334,7 @@ def _windows_degradation(d: Data, other: Scheme, pos: Scheme, seeds: list) -> Op
         if w_o is None or w_p is None or len(w_o[0]) != len(w_p[0]) or len(w_o[0]) < 2:
             return None
         parts.append(paired_windows(w_o[0], w_p[0], w_o[1], 0.95))
-    hi, lo = parts
-    est = hi.estimate - lo.estimate
-    # back out each interval's standard error from its half-width, add the variances
-    se = [(iv.high - iv.low) / 2 / stats.t.ppf(0.975, df=iv.n - 1) for iv in parts]
-    half = float(stats.t.ppf(0.975, df=min(iv.n for iv in parts) - 1) * math.hypot(*se))
-    return Interval(est, est - half, est + half, min(iv.n for iv in parts), 0.95, "windows")
+    return _combine(*parts)
 
 
 __all__ = ["Data", "Scheme", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi",
