@@ -78,6 +78,8 @@ def check_checkpoint(path: Path) -> None:
         return
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+    if not (path / MANIFEST).exists():  # with a manifest, its hashes name a changed file first
+        json_file(path / "config.json")
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -162,13 +164,31 @@ def read_config(path: Path) -> dict:
 
     path = Path(path)
     if is_adapter(path):
-        cfg = json.loads((adapter_base(path) / "config.json").read_text())
+        cfg = json_file(adapter_base(path) / "config.json")
         info_file = path / "poslsh_train.json"
-        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+        info = json_file(info_file) if info_file.is_file() else {}
         if info.get("scheme"):
             cfg["poslsh"] = info["scheme"]
         return cfg
-    return json.loads((path / "config.json").read_text())
+    return json_file(path / "config.json")
+
+
+def json_file(path: Path) -> Any:
+    """A checkpoint's JSON file (a JSON object), or one error line naming it: missing, not UTF-8, not
+    JSON, not an object."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text (a checkpoint's JSON file)") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def unreadable_safetensors(path: Path) -> str | None:

@@ -217,7 +217,7 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     import tempfile
 
     from poslsh_cli import ownership
-    from poslsh_cli.rundir import check_writable, missing_top, timestamp
+    from poslsh_cli.rundir import check_writable, missing_top, reserve_default, timestamp
 
     from poslsh_cli import distributed as dist
 
@@ -233,7 +233,8 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
             dist.init()
         args = _positional(exp, args)
         jobs = _parse(exp, args, multirun)
-        out = dist.broadcast(_out_of(jobs[0]) or str(Path("runs") / exp.name / timestamp()))
+        given = _out_of(jobs[0])
+        out = dist.broadcast(given or str(Path("runs") / exp.name / timestamp()))
         out = str(Path(out).expanduser().resolve())
         for job in jobs:
             job = [o for o in job if not o.startswith("out=")] + [f"out={out}"]
@@ -244,6 +245,11 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
             ownership.check_free(Path(out))
 
         dist.decide(where)
+        if not given:  # the default directory, made here so two launches in one second get two
+            if dist.is_main():
+                made, reserved = reserve_default(Path(out).parent, Path(out).name)
+                out = str(made)
+            out = dist.broadcast(out)
     except ConfigError as exc:
         fail(exp.name, exc)
         return
@@ -260,7 +266,7 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
         argv += [f"hydra.run.dir={scratch}", "hydra/hydra_logging=disabled"]
     argv += hydra_args
     replay = " ".join(["poslsh", exp.name] + (["-m"] if multirun else []) + list(args))
-    top = missing_top(Path(out))
+    top = reserved if not given and dist.is_main() else missing_top(Path(out))
     try:
         if multirun:
             try:
@@ -273,7 +279,11 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
                 _remove_if_no_run(Path(out), top)
                 ownership.release(Path(out))
         else:
-            _run_hydra(exp, argv, replay, multirun)
+            try:
+                _run_hydra(exp, argv, replay, multirun)
+            finally:
+                if not given and dist.is_main():  # the reserved directory, when the run left nothing in it
+                    _remove_if_no_run(Path(out), top)
     finally:
         if scratch is not None:
             import shutil
@@ -290,7 +300,12 @@ def _remove_if_no_run(out: Path, top: Optional[Path]) -> None:
     from poslsh_cli import ownership
     from poslsh_cli.rundir import remove_created
 
-    if top is None or not out.is_dir() or any(out.rglob("config.yaml")):
+    if top is None:
+        return
+    if not out.is_dir():  # the run removed itself (nothing computed): what was made above it goes too
+        remove_created(out.parent, top)
+        return
+    if any(out.rglob("config.yaml")):
         return
     if ownership.owns(out) or ownership.holder(out) is None:
         shutil.rmtree(out, ignore_errors=True)
@@ -391,10 +406,15 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
     try:
         runs = find_runs(run_dirs)
         target = out or _common_parent(runs)
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"-o {target} is a file: -o names the folder that report.md and report.html go to")
         md, html_path = report.build(run_dirs, target,
                                      notice=lambda text: sys.stderr.write(f"poslsh report: {text}\n"))
     except ConfigError as exc:
         fail("report", str(exc))
+        return
+    except OSError as exc:
+        fail("report", f"cannot write the report ({exc.strerror or type(exc).__name__}: {exc.filename or target})")
         return
     typer.echo(str(md))
     typer.echo(str(html_path))
@@ -465,12 +485,29 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
     from poslsh_cli.report import plot_run
     from poslsh_cli.rundir import find_runs
 
+    def notice(text: str) -> None:
+        sys.stderr.write(f"poslsh plot: {text}\n")
+
     try:
-        for run in find_runs(run_dirs):
-            for p in plot_run(run, notice=lambda text: sys.stderr.write(f"poslsh plot: {text}\n")):
-                typer.echo(str(p))
+        runs = find_runs(run_dirs)
     except ConfigError as exc:
         fail("plot", str(exc))
+    failed = []
+    for run in runs:  # one run that cannot be plotted does not stop the others
+        try:
+            for p in plot_run(run, notice=notice):
+                typer.echo(str(p))
+        except ConfigError as exc:
+            failed.append(str(exc))
+        except OSError as exc:
+            failed.append(f"{run}: cannot write its figures ({exc.strerror or type(exc).__name__}: "
+                          f"{exc.filename or run})")
+    if failed and len(runs) > 1:
+        for why in failed[:-1]:
+            notice(f"not plotted: {why}")
+        fail("plot", f"{len(failed)} of {len(runs)} runs not plotted; the last: {failed[-1]}")
+    elif failed:
+        fail("plot", failed[0])
 
 
 def run() -> None:

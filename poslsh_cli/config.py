@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Iterable, Literal, Mapping, Optional, Union
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -248,8 +248,9 @@ def register_schemas(specs: Mapping[str, type], groups: Mapping[str, type] | Non
         cs.store(group=group, name=f"_schema_{group}", node=hydra_schema(spec))
 
 
-def compose(config_name: str, overrides: list[str]) -> Any:
-    """Compose ``conf/<config_name>.yaml`` with overrides (schemas registered first)."""
+def compose(config_name: str, overrides: list[str], known: Iterable[str] = ()) -> Any:
+    """Compose ``conf/<config_name>.yaml`` with overrides (schemas registered first); ``known``:
+    the command's keys, listed when an override names another."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
@@ -259,16 +260,18 @@ def compose(config_name: str, overrides: list[str]) -> Any:
         with initialize_config_module("poslsh_cli.conf", version_base="1.3"):
             return hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(hydra_message(exc)) from None
+        raise ConfigError(hydra_message(exc, known)) from None
 
 
-def hydra_message(exc: BaseException) -> str:
-    """One line from a Hydra/OmegaConf error: unknown keys and groups said plainly."""
+def hydra_message(exc: BaseException, known: Iterable[str] = ()) -> str:
+    """One line from a Hydra/OmegaConf error: unknown keys (with the ``known`` ones) and groups said
+    plainly."""
     cause = exc.__cause__ or exc
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     full_key = getattr(cause, "full_key", None)
     if "not in struct" in text or "Key '" in text and "not in" in text:
-        return f"unknown key {full_key or text!r}"
+        known = sorted(known)
+        return f"unknown key {full_key or text!r}" + (f"; known keys: {', '.join(known)}" if known else "")
     if text.startswith("Could not find") or "In 'hydra/config'" in text or "Could not load" in text:
         detail = str(cause).strip().splitlines()
         options = [line.strip() for line in detail if line.startswith("\t")]

@@ -130,33 +130,68 @@ def open_documents(data: str, field: str = "text") -> tuple[Source, Any]:
 
     def docs() -> Iterator[tuple[str, str]]:
         for p in files:
-            yield str(p.relative_to(path.parent if path.is_file() else path)), p.read_bytes().decode("utf-8", "replace")
+            name = str(p.relative_to(path.parent if path.is_file() else path))
+            yield name, decode_text(p.read_bytes(), f"data={data}: {name}")
 
     return Source("files", str(path), digest), docs
 
 
-def _jsonl_documents(path: Path, data: str, field: str) -> tuple[Source, Any]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+#: A file whose characters are more than this share undecodable bytes (U+FFFD after decoding) or
+#: control codes is not text: random or binary bytes come out near one half, text in a legacy
+#: 8-bit encoding far below (one accented letter in a word or two).
+NOT_TEXT_SHARE = 0.3
+
+
+def decode_text(raw: bytes, what: str) -> str:
+    """``raw`` decoded as UTF-8 (an undecodable byte becomes U+FFFD); refuses, in one line naming
+    ``what``, bytes that are mostly not text (:data:`NOT_TEXT_SHARE`)."""
+    text = raw.decode("utf-8", "replace")
+    if not text:
+        return text
+    b = np.frombuffer(raw, dtype=np.uint8)
+    control = int(np.count_nonzero(b < 32)) - sum(int(np.count_nonzero(b == c)) for c in (9, 10, 12, 13))
+    bad = (text.count("\ufffd") + control) / len(text)
+    if bad > NOT_TEXT_SHARE:
+        raise ConfigError(f"{what} is not text: {bad:.0%} of its characters are undecodable bytes or control codes "
+                          "(give UTF-8 text)")
+    return text
+
+
+def _json_lines(path: Path, data: str) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of every non-blank line; one error line naming the first line that is
+    not UTF-8 or not JSON."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"data={data}: line {lineno} is not UTF-8 (byte {exc.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except ValueError:
-                raise ConfigError(f"data={data}: line {lineno} is not JSON") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
-                keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
-                raise ConfigError(f"data={data}: line {lineno} has no text field {field!r} (fields: {keys}; "
-                                  "set data_field=)")
-            break
-        else:
-            raise ConfigError(f"data={data}: the file holds no JSON lines")
+                yield lineno, json.loads(line)
+            except ValueError as exc:
+                raise ConfigError(f"data={data}: line {lineno} is not JSON ({str(exc).splitlines()[0]})") from None
+
+
+def _jsonl_documents(path: Path, data: str, field: str) -> tuple[Source, Any]:
+    """Every line read once here (UTF-8, JSON, a record; the first one with the text field), so a
+    bad line is refused before anything is tokenised."""
+    first = None
+    for lineno, rec in _json_lines(path, data):
+        if not isinstance(rec, dict):
+            raise ConfigError(f"data={data}: line {lineno} is a JSON {type(rec).__name__}, not a record")
+        if first is None:
+            first = lineno
+            if not isinstance(rec.get(field), str):
+                raise ConfigError(f"data={data}: line {lineno} has no text field {field!r} (fields: "
+                                  f"{', '.join(sorted(rec))}; set data_field=)")
+    if first is None:
+        raise ConfigError(f"data={data}: the file holds no JSON lines")
 
     def docs() -> Iterator[tuple[str, str]]:
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if line.strip():
-                    yield f"{path.name}:{i + 1}", str(json.loads(line).get(field) or "")
+        for lineno, rec in _json_lines(path, data):
+            yield f"{path.name}:{lineno}", str(rec.get(field) or "")
 
     return Source("jsonl", str(path), _file_digest([path])), docs
 
@@ -337,7 +372,8 @@ def load_corpus(data: str, val_fraction: float = 0.1, min_tokens: int = 0, val_e
         empty = corpus.train_text_bytes + int(np.asarray(corpus.val_bytes, dtype=np.int64).sum()) == 0
         raise ConfigError(f"data={data}: the text is empty" + (f" ({source.description} has 0 bytes)" if empty else ""))
     if len(corpus.val) < min_tokens or (not whole and len(corpus.train) < min_tokens):
-        raise ConfigError(f"data={data}: {corpus.documents} documents leave {len(corpus.train)} tokens for training "
+        docs_text = f"{corpus.documents} document" + ("s leave" if corpus.documents != 1 else " leaves")
+        raise ConfigError(f"data={data}: {docs_text} {len(corpus.train)} tokens for training "
                           f"and {len(corpus.val)} for validation, fewer than one window of {min_tokens} tokens")
     return corpus
 

@@ -16,8 +16,8 @@ The enum order is the display order of every table and figure.
 For every scheme but ``rope`` the rotary embedding is replaced by the identity and attention is
 the project's (:func:`poslsh_cli.attention.attend`), installed through transformers' own
 attention-function registry (``AttentionInterface``) under the name ``poslsh``. Positional-LSH
-masks for training step t, layer l, head h come from the seed ``derive_seed(seed, "masks", t,
-l, h)``: any step's masks replay. The scheme is stored in the checkpoint's ``config.json``
+masks for training step t, layer l, head h come from the seed ``derive_seed(seed, "masks", "step",
+t, l, h)``: any step's masks replay. The scheme is stored in the checkpoint's ``config.json``
 (``poslsh``), so :func:`load_model` restores it and ``AutoModelForCausalLM.from_pretrained``
 still loads the weights.
 """
@@ -47,6 +47,42 @@ def method_of(position: "Position | str") -> Method:
     if position is Position.ROPE:
         raise ValueError("rope uses the model's own attention")
     return of_scheme(position.value)
+
+
+def sigma_label(sigmas: Any) -> str:
+    """A short name for a model's per-head bandwidths, the part of a trained scheme that tables and
+    legends must tell apart: ``standard`` (the standard ALiBi slopes for its head count), ``sigma=V
+    every head`` (one bandwidth, as the official code's sigma = 256), else the range and count."""
+    sig = np.asarray([] if sigmas is None else list(sigmas), dtype=np.float64)
+    if sig.size == 0:
+        return ""
+    if np.allclose(sig, alibi_sigmas(sig.size), rtol=1e-6):
+        return "standard"
+    if np.allclose(sig, sig[0], rtol=1e-9):
+        return f"sigma={sig[0]:g} every head"
+    return f"sigma {sig.min():g}..{sig.max():g} ({sig.size} heads)"
+
+
+def model_label(position: str, s: Any = 0, dropout: Any = 0.0, sigmas: Any = "") -> str:
+    """A trained model's scheme as tables and legends print it: position, s, attention dropout and,
+    when not the standard slopes, its bandwidths (the training seed is shown or counted apart)."""
+    s = int(s) if s == s and s else 0
+    dropout = float(dropout) if dropout == dropout and dropout else 0.0
+    sigmas = sigmas if isinstance(sigmas, str) else ""
+    return (str(position) + (f" s={s}" if s else "") + (f" +dropout {dropout:g}" if dropout else "")
+            + (f" ({sigmas})" if sigmas and sigmas != "standard" else ""))
+
+
+def with_model_columns(df: Any) -> Any:
+    """A results table with the columns that tell trained models apart besides position, s and seed
+    (``attn_dropout``, ``sigmas``); runs written before a column existed get its neutral value (no
+    dropout, the standard slopes)."""
+    if "attn_dropout" not in df.columns:
+        df = df.assign(attn_dropout=0.0)
+    if "sigmas" not in df.columns:
+        df = df.assign(sigmas="")
+    return df.assign(attn_dropout=df.attn_dropout.fillna(0.0),
+                     sigmas=df.sigmas.astype(object).where(df.sigmas.notna(), ""))
 
 
 @dataclass

@@ -74,8 +74,10 @@ def register_all_schemas() -> None:
 
 def compose_config(exp: Experiment, overrides: list[str]) -> Any:
     """``conf/<command>.yaml`` composed with ``overrides`` (Hydra checks key names)."""
+    import dataclasses
+
     register_all_schemas()
-    return compose(exp.config_name, overrides)
+    return compose(exp.config_name, overrides, known=[f.name for f in dataclasses.fields(exp.spec)])
 
 
 def compose_spec(exp: Experiment, overrides: list[str]) -> Any:

@@ -48,6 +48,26 @@ def timestamp() -> str:
     return _dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
+def reserve_default(root: Path, stamp: Optional[str] = None) -> tuple[Path, Path]:
+    """A new, empty run directory ``root/<timestamp>`` (``-2``, ``-3``, ... after it when another
+    launch took that second): ``mkdir`` is atomic, so launches in the same second never share one.
+    Returns (the directory, the highest directory this call created, for
+    :func:`remove_created`)."""
+    root = Path(root).resolve()
+    top = missing_top(root)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = stamp or timestamp()
+    k = 1
+    while True:
+        path = root / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            k += 1
+            continue
+        return path, top or path
+
+
 def check_writable(out: Path) -> None:
     """Refuse an ``out=`` that cannot be created or written, before anything is written."""
     out = Path(out)
@@ -151,15 +171,28 @@ def cell_id(key: dict[str, Any]) -> str:
 def read_json(path: Path) -> tuple[Optional[Any], Optional[str]]:
     """(value, None), or (None, why) for a missing, empty, cut or malformed file."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as exc:
         return None, exc.strerror or type(exc).__name__
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
     if not text.strip():
         return None, "empty"
     try:
         return json.loads(text), None
     except ValueError:
         return None, "cut or malformed JSON"
+
+
+def read_config_text(path: Path) -> str:
+    """A run's config.yaml as text, or one error line naming it (unreadable, not UTF-8)."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text: not a poslsh configuration (move it away, or use "
+                          "another out=)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
 
 
 def _config_body(yaml_text: str) -> str:
@@ -192,7 +225,7 @@ class RunDir:
     def _check(self) -> None:
         cfg_file = self.path / "config.yaml"
         if cfg_file.exists():
-            if _config_body(cfg_file.read_text()) != _config_body(self.config_yaml):
+            if _config_body(read_config_text(cfg_file)) != _config_body(self.config_yaml):
                 raise ConfigError(f"out={self.path} holds a run with a different configuration; "
                                   "use another out= (or the same keys to resume)")
             self.fresh = False
@@ -402,8 +435,8 @@ def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None
     current = table.read_bytes().decode("utf-8", errors="replace") if table.exists() else None
     if current is None or sorted(current.splitlines()) != sorted(text.splitlines()):
         problem = ("is missing" if current is None else "is cut mid-line" if not current.endswith("\n")
-                   else f"holds {max(0, len(current.splitlines()) - 1)} rows where the cells hold "
-                        f"{max(0, len(text.splitlines()) - 1)}" if len(current.splitlines()) != len(text.splitlines())
+                   else f"holds {_rows(len(current.splitlines()) - 1)} where the cells hold "
+                        f"{_rows(len(text.splitlines()) - 1)}" if len(current.splitlines()) != len(text.splitlines())
                    else "disagrees with the cells")
         # only the owner writes a run (a reader that rewrote the table could lose its temporary
         # file to an owner starting at that moment): the table is rebuilt here in memory only
@@ -411,11 +444,17 @@ def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None
         if owner is not None and not ownership.owns(run):
             notice(f"{table} {problem} while pid {owner.get('pid')} writes the run; read from its cells/")
         elif current is not None or cells:
-            notice(f"{table} {problem}; read from its {len(cells)} cells in {run / 'cells'} (the same command "
+            notice(f"{table} {problem}; read from its {len(cells)} cell{'s' if len(cells) != 1 else ''} in "
+                   f"{run / 'cells'} (the same command "
                    f"with out={run} rewrites the file)")
     if not text.strip():
         return pd.DataFrame(columns=list(columns))
     return pd.read_csv(io.StringIO(text))
+
+
+def _rows(n: int) -> str:
+    n = max(0, n)
+    return f"{n} row{'s' if n != 1 else ''}"
 
 
 def status(run: Path, meta: dict[str, Any]) -> str:
@@ -443,7 +482,7 @@ def load_run(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if not (path / "config.yaml").exists():
         raise ConfigError(f"{path} is not a poslsh run directory (no config.yaml)")
     try:
-        cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        cfg = yaml.safe_load(read_config_text(path / "config.yaml")) or {}
     except yaml.YAMLError:
         raise ConfigError(f"{path / 'config.yaml'} cannot be read (malformed YAML)") from None
     meta, _ = read_json(path / "meta.json")
@@ -463,10 +502,12 @@ def find_runs(paths: Iterable[Path]) -> list[Path]:
             if not found:
                 raise ConfigError(f"{p} holds no poslsh run (no config.yaml below it)")
             out.extend(found)
+        elif p.exists():
+            raise ConfigError(f"{p} is not a run: give a run directory (it holds config.yaml) or a folder of runs")
         else:
             raise ConfigError(f"{p} does not exist")
     return out
 
 
-__all__ = ["RunDir", "atomic_write_text", "check_writable", "timestamp", "load_run", "find_runs", "cell_id",
+__all__ = ["RunDir", "atomic_write_text", "check_writable", "reserve_default", "timestamp", "load_run", "find_runs", "cell_id",
            "work_name", "results", "status", "missing_top", "remove_created"]

@@ -254,6 +254,13 @@ def _print_summary(exp: Experiment, run: Any) -> None:
     out.print(f"results: {run.path / 'results.csv'}   plots: poslsh plot {run.path}")
 
 
+
+def key_text(key: dict) -> str:
+    """A cell's key as progress lines print it: ``k=v`` pairs, without ``s=0`` (the cells of schemes
+    that draw no masks, and attention that is not Positional LSH, carry s = 0)."""
+    return " ".join(f"{k}={v}" for k, v in key.items() if not (k == "s" and v == 0))
+
+
 class _Progress:
     """Rich progress bar on a terminal; one plain line per cell otherwise (logs, SLURM). A long
     cell reports its own steps through :meth:`sub` (a second bar, or a line every 10%)."""
@@ -291,7 +298,7 @@ class _Progress:
         """One more cell. The time shown is the cell's wall time (a training cell's includes its
         evaluations and saving; its rows' ``seconds`` column counts training steps only)."""
         self.done += 1
-        text = " ".join(f"{k}={v}" for k, v in key.items())
+        text = key_text(key)
         if self.rich:
             if self._sub_task is not None:
                 self.progress.remove_task(self._sub_task)

@@ -54,9 +54,14 @@ class Interval:
     def text(self, digits: int = 4, sign: bool = True) -> str:
         f = f"{{:{'+' if sign else ''}.{digits}f}}"
         if not self.finite:
-            return f.format(self.estimate) + f" (no interval: {self.n} {self.source})"
+            return f.format(self.estimate) + f" (no interval: {count(self.n, self.source)})"
         return (f.format(self.estimate) + f" [{f.format(self.low)}, {f.format(self.high)}] "
-                f"({int(round(self.level * 100))}%, {self.n} {self.source})")
+                f"({int(round(self.level * 100))}%, {count(self.n, self.source)})")
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and a plural noun, singular for one: ``count(1, "seeds") == "1 seed"``."""
+    return f"{n} {noun[:-1] if n == 1 and noun.endswith('s') else noun}"
 
 
 def t_interval(values: Iterable[float], level: float = 0.95, source: str = "seeds") -> Interval:

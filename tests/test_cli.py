@@ -88,6 +88,7 @@ def test_sample_with_alibi_heads(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["matrix-error", "foo=1"], "unknown key 'foo'"),
+    (["matrix-error", "sigmaa=1"], "unknown key 'sigmaa'; known keys: delta, dense_max_n,"),
     (["matrix-error", "sigma=0"], "sigma must be > 0"),
     (["matrix-error", "sigma=[2,-1]"], "sigma must be > 0"),
     (["matrix-error", "s=0"], "s must be >= 1"),
@@ -246,3 +247,124 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "poslsh_cli", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "matrix-error" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# bad files: one line each, nothing half-written
+
+
+def one_line(r):
+    lines = r.stderr.strip().splitlines()
+    return r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("b.jsonl", b'{"text":"a"}\n{broken\n', "line 2 is not JSON"),
+    ("c.jsonl", b'{"text":"a"}\n{"text":"caf\xe9"}\n', "line 2 is not UTF-8"),
+    ("d.jsonl", b'{"text":"a"}\n[1, 2]\n', "line 2 is a JSON list, not a record"),
+    ("r.txt", np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8).tobytes(),
+     "r.txt is not text: "),
+])
+def test_a_corpus_that_cannot_be_read_is_one_line(tmp_path, name, content, needle):
+    (tmp_path / name).write_bytes(content)
+    out = tmp_path / "run"
+    r = invoke("train", f"data={tmp_path / name}", "steps=1", f"out={out}")
+    assert one_line(r) and needle in r.stderr, r.output
+    assert not out.exists()
+
+
+def test_text_in_a_legacy_encoding_is_still_text(tmp_path):
+    """Latin-1 French: a few undecodable bytes (U+FFFD) among many letters trains."""
+    from poslsh_cli.data import decode_text
+
+    raw = ("Le cœur a ses raisons que la raison ne connaît point. " * 200).encode("latin-1", "replace")
+    assert "\ufffd" in decode_text(raw, "x")
+
+
+def small_run(tmp_path, name="m"):
+    out = tmp_path / name
+    r = invoke("matrix-error", "n=[64]", "sigma=[4]", "s=[1,2]", "trials=1", f"out={out}")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_plot_reads_around_a_binary_cell_and_over_a_parent_plots_the_rest(tmp_path):
+    good = small_run(tmp_path / "runs", "good")
+    bad = small_run(tmp_path / "runs", "bad")
+    for cell in (bad / "cells").glob("*.json"):
+        cell.write_bytes(bytes(range(256)))
+    r = invoke("plot", good.parent)
+    assert r.exit_code == 2 and "is unreadable (not UTF-8 text)" in r.stderr and "Traceback" not in r.output
+    assert "1 of 2 runs not plotted" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert (good / "figures" / "matrix_error_vs_s.png").exists()
+
+
+def test_plot_that_cannot_write_its_figures_is_one_line(tmp_path):
+    run = small_run(tmp_path)
+    (run / "figures").write_text("a file where the figures folder goes")  # like a read-only run: mkdir fails
+    r = invoke("plot", run)
+    assert one_line(r) and "cannot write its figures" in r.stderr, r.output
+
+
+def test_binary_config_yaml_on_resume_is_one_line(tmp_path):
+    run = small_run(tmp_path)
+    (run / "config.yaml").write_bytes(bytes(range(256)))
+    r = invoke("matrix-error", "n=[64]", "sigma=[4]", "s=[1,2]", "trials=1", f"out={run}")
+    assert one_line(r) and "config.yaml is not UTF-8 text" in r.stderr, r.output
+
+
+def test_report_to_an_existing_file_or_of_a_file_is_one_line(tmp_path):
+    run = small_run(tmp_path)
+    (tmp_path / "x.md").write_text("mine")
+    r = invoke("report", run, "-o", tmp_path / "x.md")
+    assert one_line(r) and "is a file: -o names the folder" in r.stderr, r.output
+    assert (tmp_path / "x.md").read_text() == "mine"
+    r = invoke("report", tmp_path / "x.md")
+    assert one_line(r) and "x.md is not a run" in r.stderr and "does not exist" not in r.stderr, r.output
+
+
+def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{broken")
+    (ck / "model.safetensors").write_bytes(b"\0" * 16)
+    r = invoke("perplexity", ck, f"out={tmp_path / 'p'}")
+    assert one_line(r) and "config.json is not valid JSON" in r.stderr, r.output
+    assert not (tmp_path / "p").exists()
+
+
+def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypatch):
+    """Launches in the same second (the timestamp held fixed here) get their own directories; two
+    processes race for them through mkdir, which only one can win."""
+    import poslsh_cli.rundir as rundir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rundir, "timestamp", lambda: "2026-01-01_00-00-00")
+    for s in ("[1]", "[2]", "[1]"):
+        r = invoke("matrix-error", "n=[64]", "sigma=[4]", f"s={s}", "trials=1")
+        assert r.exit_code == 0, r.output
+    made = sorted(p.name for p in (tmp_path / "runs" / "matrix-error").iterdir())
+    assert made == ["2026-01-01_00-00-00", "2026-01-01_00-00-00-2", "2026-01-01_00-00-00-3"]
+    r = invoke("matrix-error", "n=[64]", "sigma=[-4]")  # refused: nothing reserved
+    assert r.exit_code == 2 and len(list((tmp_path / "runs" / "matrix-error").iterdir())) == 3
+    code = ("import sys; from poslsh_cli.rundir import reserve_default; "
+            "print(reserve_default(sys.argv[1], 'same')[0].name)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "race")], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    names = sorted(p.communicate()[0].strip() for p in procs)
+    assert names == ["same", "same-2", "same-3", "same-4"]
+
+
+def test_progress_lines_leave_out_s_for_schemes_without_it():
+    from poslsh_cli.runner import key_text
+
+    assert key_text({"position": "none", "s": 0, "seed": 0}) == "position=none seed=0"
+    assert key_text({"position": "poslsh", "s": 4, "seed": 1}) == "position=poslsh s=4 seed=1"
+
+
+def test_matrix_error_table_says_why_a_slope_is_missing(tmp_path):
+    from poslsh_cli.experiments.matrix_error import summary
+
+    df = pd.read_csv(small_run(tmp_path) / "results.csv")
+    head, rows = summary(df)
+    assert rows[0][head.index("slope spec (s≥8)")] == "– (fit needs 3 s≥8, has 0)"

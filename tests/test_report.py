@@ -424,7 +424,7 @@ def test_extrapolation_with_two_seeds_uses_evaluation_noise(tmp_path):
     base = {A: 1.8, P10: 1.8, ROPE: 1.8, NONE: 2.8}
     sec = ppl_report(tmp_path, scratch=base, degrade={P10: -0.02, ROPE: 0.4, NONE: 0.2}, seeds=(0, 1))
     v = [v for v in sec.verdicts if "robust at 4x" in v.claim][0]
-    assert "evaluation noise only" in v.evidence and "2 training seed(s)" in v.evidence, v.evidence
+    assert "evaluation noise only" in v.evidence and "2 training seeds: evaluation noise only" in v.evidence, v.evidence
     assert v.status is Status.SUPPORTED  # -0.02 with windows of sd 0.01: the interval ends below 0.05
 
 
@@ -506,3 +506,59 @@ def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
         assert row["swapped - own"] == round(iv.estimate, 4)
         assert row["difference 95%"] == f"[{iv.low:.4f}, {iv.high:.4f}]"
     assert t.loc[("alibi", "poslsh s=10")]["draws/seed"] == 3 and t.loc[("alibi", "poslsh s=10")]["KL"] == 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# a model is keyed by all that defines it
+
+
+def captured_figures(monkeypatch):
+    """Figures handed to plotting.save, kept open for inspection instead of written."""
+    import poslsh_cli.plotting as plotting
+
+    figs = {}
+    monkeypatch.setattr(plotting, "save", lambda fig, run, name: figs.setdefault(name, fig) and [])
+    return figs
+
+
+def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monkeypatch):
+    """Exact ALiBi and exact ALiBi trained with attention dropout (and a model with one sigma for
+    every head) are different models: their own rows in the console table, their own curves in
+    bits per byte against length, their own legend entries and colours in the learning curves."""
+    from poslsh_cli.experiments import perplexity_report, train_report
+
+    run, df = ppl_run(tmp_path / "p", scratch={A: 1.8, AD: 1.9})
+    df = pd.concat([df, df[(df.position == "alibi") & (df.attn_dropout == 0)].assign(
+        sigmas="sigma=256 every head", bits_per_byte=lambda x: x.bits_per_byte + 0.5,
+        checkpoint=lambda x: x.checkpoint + "-256")])
+    df["sigmas"] = df.sigmas.fillna("")
+    head, rows = perplexity_report.summary(df)
+    by = {r[0]: r for r in rows}
+    assert set(by) == {"alibi", "alibi +dropout 0.1", "alibi (sigma=256 every head)"}, rows
+    col = head.index("L=256")
+    for label, sel in (("alibi", (df.attn_dropout == 0) & (df.sigmas == "")), ("alibi +dropout 0.1", df.attn_dropout > 0)):
+        assert by[label][col] == f"{df[sel & (df.length == 256)].bits_per_byte.mean():.4f}"
+        assert by[label][head.index("seeds")] == "3"
+    figs = captured_figures(monkeypatch)
+    perplexity_report.plot(run, df)
+    ax = figs["bpb_vs_length"].axes[0]
+    curves = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    assert set(curves) == {"alibi", "alibi +dropout 0.1", "alibi (sigma=256 every head)"}
+    assert abs(curves["alibi +dropout 0.1"].get_ydata()[0]
+               - df[(df.attn_dropout > 0) & (df.length == 256)].bits_per_byte.mean()) < 1e-12
+
+    runs = []
+    for drop in (0.0, 0.1):
+        work = tmp_path / "t" / f"work/alibi-{drop}"
+        (work / "final").mkdir(parents=True)
+        pd.DataFrame({"step": [1, 2], "loss": [3.0, 2.0 + drop], "val_bpb": [4.0, 3.0 + drop]}).to_csv(
+            work / "metrics.csv", index=False)
+        runs.append(dict(position="alibi", s=0, seed=0, seq_len=256, attn_dropout=drop, sigmas="standard",
+                         checkpoint=f"work/alibi-{drop}/final", params=1, train_loss=2.0, val_bpb=3.0 + drop,
+                         val_ppl=1.0, tokens_per_s=1.0, seconds=1.0))
+    tdf = pd.DataFrame(runs)
+    assert [r[0] for r in train_report.summary(tdf)[1]] == ["alibi", "alibi +dropout 0.1"]
+    train_report.plot_learning_curves(tmp_path / "t", tdf)
+    lines = [ln for ln in figs["learning_curves"].axes[1].get_lines()]
+    assert [ln.get_label() for ln in lines] == ["alibi seed=0", "alibi +dropout 0.1 seed=0"]
+    assert lines[0].get_color() != lines[1].get_color()

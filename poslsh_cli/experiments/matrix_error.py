@@ -149,6 +149,15 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
     return [asdict(r) for r in rows], {}
 
 
+def no_fit_text(s: Any) -> str:
+    """What a slope cell says when there is no fit: how many s >= ASYMPTOTIC_S were run of the
+    three a fit needs."""
+    import numpy as np
+
+    k = int(np.unique(np.asarray(s)[np.asarray(s) >= ASYMPTOTIC_S]).size)
+    return f"– (fit needs 3 s≥{ASYMPTOTIC_S}, has {k})"
+
+
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Per (n, sigma, method): the decay slopes by the report's rule (fits over s >= 8) and the
     error at the largest s."""
@@ -158,7 +167,8 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     for (n, sigma, method), g in df.groupby(["n", "sigma", "method"], sort=False):
         fs, fm = asymptotic_fit(g["s"], g["spectral_err"]), asymptotic_fit(g["s"], g["max_err"])
         top = g[g["s"] == g["s"].max()]
-        rows.append([str(n), f"{sigma:g}", method, f"{fs.slope:.3f}" if fs else "–", f"{fm.slope:.3f}" if fm else "–",
+        none = no_fit_text(g["s"])
+        rows.append([str(n), f"{sigma:g}", method, f"{fs.slope:.3f}" if fs else none, f"{fm.slope:.3f}" if fm else none,
                      str(int(top['s'].iloc[0])), f"{top['spectral_rel'].mean():.4g}", f"{top['max_err'].mean():.4g}",
                      f"{g['seconds'].sum():.2f}"])
     return head, rows
@@ -264,8 +274,8 @@ def report(run: Path, df: Any) -> Section:
         rows.append({"n": n, "σ": sigma,
                      f"s ≥ {ASYMPTOTIC_S}": ",".join(str(x) for x in sorted(g.s[g.s >= ASYMPTOTIC_S].unique())) or "–",
                      "trials": g.trial.nunique(),
-                     "slope spectral [95% CI]": slope_text(fs) + (f" {decay_status(fs).value}" if fs else ""),
-                     "slope max [95% CI]": slope_text(fm) + (f" {decay_status(fm).value}" if fm else ""),
+                     "slope spectral [95% CI]": slope_text(fs) + f" {decay_status(fs).value}" if fs else no_fit_text(g.s),
+                     "slope max [95% CI]": slope_text(fm) + f" {decay_status(fm).value}" if fm else no_fit_text(g.s),
                      "slopes over all s (spec / max)": f"{fit_loglog_slope(g.s, g.spectral_err).slope:.3f} / {whole.slope:.3f}",
                      "spectral_rel at s_max": fmt(top.spectral_rel.mean()), "max_err at s_max": fmt(top.max_err.mean())})
     sec.tables.append(pd.DataFrame(rows))

@@ -24,12 +24,12 @@ from typing import Any, Literal, Optional
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
 from poslsh_cli.config import ConfigError, Spec, check, key
 from poslsh_cli.experiment import Experiment, MemoryNeed, Device, choices, resolve_device
-from poslsh_cli.positions import Position, method_of
+from poslsh_cli.positions import Position, method_of, sigma_label
 from poslsh_cli.sampling import derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
-           "attn_dropout")
+           "attn_dropout", "sigmas")
 LN2 = math.log(2.0)
 
 
@@ -110,7 +110,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
     exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
     from poslsh_cli.attention import CHUNK_ELEMENTS
-    from poslsh_cli.capture import read_config, weights_bytes
+    from poslsh_cli.capture import json_file, read_config, weights_bytes
 
     need, what = 0.0, ""
     try:
@@ -120,8 +120,8 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     for path, name in entries:
         try:
             cfg = read_config(path)
-            info = json.loads((path / "poslsh_train.json").read_text()) if (path / "poslsh_train.json").exists() else {}
-        except (OSError, ValueError):
+            info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").exists() else {}
+        except (OSError, ValueError, ConfigError):
             return None
         L = max(spec.lengths) if spec.lengths is not None else 8 * int(info.get("seq_len", 0) or 0)
         hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd") or 64)
@@ -135,7 +135,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> Context:
-    from poslsh_cli.capture import check_checkpoint, read_config, refuse_rotary_falcon
+    from poslsh_cli.capture import check_checkpoint, json_file, read_config, refuse_rotary_falcon
     from poslsh_cli.lm import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -147,7 +147,7 @@ def prepare(spec: PerplexitySpec) -> Context:
         for path, name in _expand(entry):
             check_checkpoint(path)
             info_file = path / "poslsh_train.json"
-            info = json.loads(info_file.read_text()) if info_file.exists() else {}
+            info = json_file(info_file) if info_file.exists() else {}
             cfg = read_config(path)
             refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
             position = (cfg.get("poslsh") or {}).get("position") or (
@@ -281,7 +281,9 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: Context, work: Any 
            "trained_len": ck.trained_len, "trained_s": int(ck.info.get("s", 0)),
            "finetuned": "yes" if ck.info.get("init") else "no", "run_seed": ck.info.get("seed", -1),
            "bits_per_token": loss / LN2, "kl": ev.kl / ev.predicted if att is not Attention.OWN else 0.0,
-           "bytes": ev.nbytes, "attn_dropout": float(ck.info.get("attn_dropout", 0.0))}
+           "bytes": ev.nbytes, "attn_dropout": float(ck.info.get("attn_dropout", 0.0)),
+           "sigmas": (sigma_label((ck.info.get("scheme") or {}).get("sigmas"))
+                      if ck.position not in (Position.ROPE.value, Position.NONE.value) else "")}
     windows = [{"checkpoint": ck.name, "attention": att.value, "s": used_s, "length": length, "trial": trial,
                 "window": i, "bits": float(nll) / LN2, "bytes": int(nb)} for i, (nll, nb) in enumerate(ev.windows)]
     return [row], {"windows": windows}

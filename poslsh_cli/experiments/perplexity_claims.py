@@ -16,7 +16,7 @@ import numpy as np
 
 from poslsh_cli.claims import Status, Verdict
 from poslsh_cli.positions import Position
-from poslsh_cli.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, difference, equivalence,
+from poslsh_cli.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, count, difference, equivalence,
                               paired, paired_windows, ratio_interval, slope)
 
 OWN = "own"
@@ -93,9 +93,9 @@ class Data:
         wa = self.window_bits(a, length, seeds) if seeds else None
         wb = self.window_bits(b, length, seeds) if seeds else None
         if wa is None or wb is None or len(wa[0]) != len(wb[0]):
-            return None, f"{len(common)} common seeds and no evaluation windows"
+            return None, f"{count(len(common), 'common seeds')} and no evaluation windows"
         iv = paired_windows(wa[0], wb[0], wa[1], level)
-        return iv, f"{len(common)} training seed(s): evaluation noise only, over {iv.n} windows"
+        return iv, f"{count(len(common), 'training seeds')}: evaluation noise only, over {iv.n} windows"
 
 
 def _draws(d: Data, sc: Scheme, length: int) -> int:
@@ -105,8 +105,10 @@ def _draws(d: Data, sc: Scheme, length: int) -> int:
 
 def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: str) -> str:
     sa, sb = d.per_seed(a, length), d.per_seed(b, length)
-    means = (f"{a.label} {np.mean(list(sa.values())):.4f} ({len(sa)} seeds x {_draws(d, a, length)} draws), "
-             f"{b.label} {np.mean(list(sb.values())):.4f} ({len(sb)} seeds x {_draws(d, b, length)} draws)")
+    means = (f"{a.label} {np.mean(list(sa.values())):.4f} ({count(len(sa), 'seeds')} x "
+             f"{count(_draws(d, a, length), 'draws')}), "
+             f"{b.label} {np.mean(list(sb.values())):.4f} ({count(len(sb), 'seeds')} x "
+             f"{count(_draws(d, b, length), 'draws')})")
     return f"L={length}: {means}; difference {iv.text()}; {basis}"
 
 
@@ -265,12 +267,12 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
 
     if len(p) >= MIN_SEEDS:
         iv = t_interval(p.values())
-        ev = f"L={d.L}: poslsh s={s} at 4L minus at L {iv.text()}; {len(p)} training seeds"
+        ev = f"L={d.L}: poslsh s={s} at 4L minus at L {iv.text()}; {count(len(p), 'training seeds')}"
     else:  # the seed-to-seed spread cannot be estimated from fewer seeds
         iv = _windows_change(d, Scheme(POSLSH, s), sorted(p))
         ev = (f"L={d.L}: poslsh s={s} at 4L minus at L "
-              + (f"{iv.text()}; {len(p)} training seed(s): evaluation noise only" if iv is not None else
-                 f"{np.mean(list(p.values())):+.4f}; {len(p)} training seed(s) and no evaluation windows"))
+              + (f"{iv.text()}; {count(len(p), 'training seeds')}: evaluation noise only" if iv is not None else
+                 f"{np.mean(list(p.values())):+.4f}; {count(len(p), 'training seeds')} and no evaluation windows"))
     if not others:
         return [Verdict(robust, Status.NOT_MEASURED, ev + "; no rope or none model evaluated at L and 4L", rule_r)]
     if iv is not None and iv.finite:
@@ -288,7 +290,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             basis = f"{len(common)} training seeds paired"
         else:
             div = _windows_degradation(d, sc, Scheme(POSLSH, s), common)
-            basis = f"{len(common)} training seed(s): evaluation noise only" if div else "no evaluation windows"
+            basis = f"{count(len(common), 'training seeds')}: evaluation noise only" if div else "no evaluation windows"
         if div is None:
             out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE))
             continue

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.claims import Section
-from poslsh_cli.positions import Position
+from poslsh_cli.positions import Position, model_label, with_model_columns
 
 OWN = "own"  # the attention column's value for a model run as trained
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
@@ -23,18 +23,25 @@ def scheme_rank(position: str, s: int = 0) -> tuple:
     return (SCHEMES.index(position) if position in SCHEMES else len(SCHEMES), int(s or 0), position)
 
 
+#: what defines a trained model besides its training seed (which tables count and figures shade)
+MODEL_KEYS = ["position", "trained_s", "attn_dropout", "sigmas"]
+
+
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    """Bits per byte per (checkpoint scheme, attention, s) and evaluation length, mean over
-    trials and training seeds, in scheme order."""
+    """Bits per byte per trained model (scheme, s, dropout, bandwidths), attention and s at each
+    evaluation length, mean over trials and the training seeds counted in ``seeds``, in scheme
+    order."""
+    df = with_model_columns(df)
     lengths = sorted(df.length.unique())
-    head = ["trained", "finetuned", "attention", "s"] + [f"L={n}" for n in lengths]
-    keys = ["position", "trained_s", "finetuned", "attention", "s"]
-    groups = sorted(df.groupby(keys, sort=False), key=lambda kg: (scheme_rank(kg[0][0], kg[0][1]), kg[0][2],
-                                                                  kg[0][3] != OWN, scheme_rank(kg[0][3], kg[0][4])))
+    head = ["trained", "finetuned", "seeds", "attention", "s"] + [f"L={n}" for n in lengths]
+    keys = MODEL_KEYS + ["finetuned", "attention", "s"]
+    groups = sorted(df.groupby(keys, sort=False), key=lambda kg: (scheme_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3],
+                                                                  kg[0][4], kg[0][5] != OWN,
+                                                                  scheme_rank(kg[0][5], kg[0][6])))
     rows = []
     for k, g in groups:
         by = g.groupby("length").bits_per_byte.mean()
-        rows.append([k[0] + (f" s={k[1]}" if k[1] else ""), k[2], k[3], str(k[4]) if k[4] else "-"]
+        rows.append([model_label(*k[:4]), k[4], str(g.run_seed.nunique()), k[5], str(k[6]) if k[6] else "-"]
                     + [f"{by[n]:.4f}" if n in by else "-" for n in lengths])
     return head, rows
 
@@ -44,17 +51,18 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def _scheme(r: Any) -> str:
-    """A trained model's label: its scheme, s, and its training length when it is not the only one
-    (the ``multi_length`` column set by :func:`plot`)."""
-    return (r["position"] + (f" s={r['trained_s']}" if r["trained_s"] else "")
+    """A trained model's label (:func:`~poslsh_cli.positions.model_label`: scheme, s, dropout,
+    bandwidths), and its training length when it is not the only one (the ``multi_length`` column
+    set by :func:`plot`)."""
+    return (model_label(r["position"], r["trained_s"], r["attn_dropout"], r["sigmas"])
             + (f" L={r['trained_len']}" if r.get("multi_length", False) else ""))
 
 
 def _schemes(df: Any) -> list[str]:
-    """Trained schemes in the one order, so colours are stable across figures."""
-    keys = {(_scheme(r), r["position"], int(r["trained_s"] or 0), int(r["trained_len"]))
-            for _, r in df.drop_duplicates(["position", "trained_s", "trained_len"]).iterrows()}
-    return [k for k, pos, s, L in sorted(keys, key=lambda t: (scheme_rank(t[1], t[2]), t[3]))]
+    """Trained models (all but the seed) in the one order, so colours are stable across figures."""
+    keys = {(_scheme(r), r["position"], int(r["trained_s"] or 0), float(r["attn_dropout"]), str(r["sigmas"]),
+             int(r["trained_len"])) for _, r in df.drop_duplicates(MODEL_KEYS + ["trained_len"]).iterrows()}
+    return [k[0] for k in sorted(keys, key=lambda t: (scheme_rank(t[1], t[2]), t[3], t[4], t[5]))]
 
 
 def _groups(df: Any) -> list[tuple[str, Any]]:
@@ -65,7 +73,7 @@ def _groups(df: Any) -> list[tuple[str, Any]]:
 def plot(run: Path, df: Any) -> list[Path]:
     """bits per byte against evaluation length under each model's own attention, the same models
     with another attention swapped in, and bits per byte against inference-time s."""
-    df = df.assign(multi_length=df.trained_len.nunique() > 1)
+    df = with_model_columns(df).assign(multi_length=df.trained_len.nunique() > 1)
     schemes = _schemes(df)
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
     paths = plot_length(run, df, schemes, color)
@@ -154,12 +162,11 @@ def plot_inference_s(run: Path, df: Any) -> list[Path]:
     plt = pyplot()
     p = df[df.attention == POSLSH]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for i, ((pos, ts, length), g) in enumerate(p.groupby(["position", "trained_s", "length"])):
+    for i, (k, g) in enumerate(p.groupby(MODEL_KEYS + ["length"])):
         agg = g.groupby("s").bits_per_byte.mean()
         ax.plot(agg.index, agg.values, "o-", ms=3.5, color=f"C{i % 10}",
-                label=f"trained {pos}{f' s={ts}' if ts else ''}, L={length}")
-        own = df[(df.attention == OWN) & (df.position == pos) & (df.trained_s == ts) & (df.length == length)
-                 & (df.checkpoint.isin(g.checkpoint))]
+                label=f"trained {model_label(*k[:4])}, L={k[4]}")
+        own = df[(df.attention == OWN) & (df.length == k[4]) & (df.checkpoint.isin(g.checkpoint))]
         if len(own):
             ax.axhline(own.bits_per_byte.mean(), color=f"C{i % 10}", lw=0.9, ls="--")
     ax.set_xscale("log", base=2)
@@ -185,17 +192,17 @@ def zoom_limits(lows: list[float], highs: list[float], best: float, within: floa
 
 
 #: the columns a trained scheme is told apart by, in the tables of this report
-SCHEME_KEYS = ["finetuned", "trained_len", "position", "trained_s", "attn_dropout"]
+SCHEME_KEYS = ["finetuned", "trained_len"] + MODEL_KEYS
 
 
 def _by_scheme(df: Any) -> list:
     """(key, rows) per trained scheme (``SCHEME_KEYS``), in report order."""
-    df = df.assign(attn_dropout=df.get("attn_dropout", 0.0)).fillna({"attn_dropout": 0.0})
-    return sorted(df.groupby(SCHEME_KEYS), key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4]))
+    return sorted(with_model_columns(df).groupby(SCHEME_KEYS),
+                  key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4], kg[0][5]))
 
 
 def _scheme_label(k: tuple) -> str:
-    return k[2] + (f" s={k[3]}" if k[3] else "") + (f" +dropout {k[4]:g}" if k[4] else "")
+    return model_label(*k[2:6])
 
 
 def _interval_text(iv: Any) -> str:
@@ -256,13 +263,28 @@ def _windows(run: Path) -> Any:
     return pd.read_csv(path) if path.exists() and path.stat().st_size else None
 
 
+def _by_bandwidths(own: Any) -> list[tuple[str, Any]]:
+    """The models of one comparison group split by their bandwidths (``sigmas``) when they were
+    trained with several: each set of claims compares models of one sigma scheme (schemes without
+    bandwidths, rope and none, join every set). One set, untagged, otherwise."""
+    labels = sorted(set(own.sigmas) - {""})
+    if len(labels) <= 1:
+        return [("", own)]
+    return [(lab, own[own.sigmas.isin([lab, ""])]) for lab in labels]
+
+
+def _tagged(verdicts: list, tag: str) -> list:
+    import dataclasses
+
+    return [dataclasses.replace(v, claim=f"{v.claim} [{tag}]") for v in verdicts] if tag else verdicts
+
+
 def report(run: Path, df: Any) -> Section:
     from poslsh_cli.experiments import perplexity_claims as pc
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
+    df = with_model_columns(df)
     own = df[df.attention == OWN]
-    if "attn_dropout" not in own.columns:
-        own = own.assign(attn_dropout=0.0)
     sec.tables.append(interval_table(own))
     sec.paragraphs.append(
         "Bits per byte of each model under its own attention, mean over training seeds with a 95% t-interval; "
@@ -272,13 +294,14 @@ def report(run: Path, df: Any) -> Section:
         "differences on those windows (evaluation noise only) and says so.")
     windows = _windows(run)
     for L, g in own[own.finetuned != "yes"].groupby("trained_len"):
-        d = pc.Data(g, windows, int(L))
-        for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_alibi, pc.claim_extrapolation):
-            sec.verdicts += claim(d)
+        for tag, h in _by_bandwidths(g):
+            d = pc.Data(h, windows, int(L))
+            for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_alibi, pc.claim_extrapolation):
+                sec.verdicts += _tagged(claim(d), tag)
     tuned = own[own.finetuned == "yes"]
-    d = pc.Data(tuned, windows, int(tuned.trained_len.max())) if len(tuned) else None
-    sec.verdicts += pc.claim_finetune_approaches_alibi(d)
-    sec.verdicts += pc.claim_finetune_beats_fixed_blocks(d)
+    for tag, h in _by_bandwidths(tuned) if len(tuned) else [("", None)]:
+        d = pc.Data(h, windows, int(h.trained_len.max())) if h is not None else None
+        sec.verdicts += _tagged(pc.claim_finetune_approaches_alibi(d) + pc.claim_finetune_beats_fixed_blocks(d), tag)
     swapped = df[df.attention != OWN]
     if len(swapped):
         sec.tables.append(swapped_table(df))

@@ -43,7 +43,7 @@ from poslsh_cli.sampling import derive_seed
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
            "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss",
-           "train_eval_sample")
+           "train_eval_sample", "sigmas")
 #: the final weights' loss on ``eval_tokens`` spread over the training split (nats per token), per stage
 TRAIN_EVAL = "train_eval.json"
 #: the GradScaler state of an fp16 run, beside optimizer.pt in every checkpoint
@@ -565,7 +565,8 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> t
            "trainable": _trainable(final), "world_size": ctx.world, "tokenizer": ctx.corpus.tokenizer,
            "bits_per_token": float(last.val_loss) / math.log(2.0),
            "train_eval_loss": float(train_eval["loss"]) if isinstance(train_eval, dict) else math.nan,
-           "train_eval_sample": train_eval.get("sampling", "first") if isinstance(train_eval, dict) else ""}
+           "train_eval_sample": train_eval.get("sampling", "first") if isinstance(train_eval, dict) else "",
+           "sigmas": _sigmas(final, position)}
     return [row], {}
 
 
@@ -578,6 +579,19 @@ def _param_count(path: Path) -> int:
         with safe_open(str(f), framework="np") as fh:
             total += sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
     return int(total)
+
+
+def _sigmas(final: Path, position: Position) -> str:
+    """The trained scheme's bandwidths (:func:`~poslsh_cli.positions.sigma_label`); empty for the
+    schemes that have none (rope, none)."""
+    import json
+
+    from poslsh_cli.positions import sigma_label
+
+    if position in (Position.ROPE, Position.NONE):
+        return ""
+    info = json.loads((Path(final) / "poslsh_train.json").read_text())
+    return sigma_label((info.get("scheme") or {}).get("sigmas"))
 
 
 def _trainable(final: Path) -> int:

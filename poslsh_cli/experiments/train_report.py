@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.claims import Section, Status, Verdict, crossover
-from poslsh_cli.positions import Position
+from poslsh_cli.positions import Position, model_label, with_model_columns
 
 SCHEMES = [p.value for p in Position]
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
@@ -18,13 +18,19 @@ def _rank(position: str, s: int = 0) -> tuple:
     return (SCHEMES.index(position) if position in SCHEMES else len(SCHEMES), int(s or 0))
 
 
+def _model(r: Any) -> str:
+    """position, s, dropout and bandwidths of one row (:func:`~poslsh_cli.positions.model_label`)."""
+    return model_label(r["position"], r["s"], r["attn_dropout"], r["sigmas"])
+
+
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    head = ["position", "s", "seed", "L", "params", "train loss", "val bpb", "val ppl", "s/step", "tokens/s",
+    df = with_model_columns(df)
+    head = ["model", "seed", "L", "params", "train loss", "val bpb", "val ppl", "s/step", "tokens/s",
             "training s", "wall s (this session)"]
-    rows = [[r.position, str(r.s) if r.s else "-", str(r.seed), str(r.seq_len), f"{r.params:,}", f"{r.train_loss:.3f}",
-             f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{getattr(r, 'step_seconds', float('nan')):.3f}",
-             f"{r.tokens_per_s:.0f}", f"{r.seconds:.0f}", f"{getattr(r, 'wall_seconds', float('nan')):.0f}"]
-            for r in df.itertuples()]
+    rows = [[_model(r), str(r["seed"]), str(r["seq_len"]), f"{r['params']:,}", f"{r['train_loss']:.3f}",
+             f"{r['val_bpb']:.4f}", f"{r['val_ppl']:.3f}", f"{r.get('step_seconds', float('nan')):.3f}",
+             f"{r['tokens_per_s']:.0f}", f"{r['seconds']:.0f}", f"{r.get('wall_seconds', float('nan')):.0f}"]
+            for r in df.to_dict("records")]
     return head, rows
 
 
@@ -54,22 +60,23 @@ def plot_learning_curves(run: Path, df: Any) -> list[Path]:
     from poslsh_cli.plotting import pyplot, save
 
     plt = pyplot()
-    curves = list(metrics_of(run, df))
-    schemes = sorted({(r["position"], int(r["s"] or 0)) for r, _ in curves}, key=lambda t: _rank(*t))
+    curves = list(metrics_of(run, with_model_columns(df)))
+    schemes = sorted({(r["position"], int(r["s"] or 0), float(r["attn_dropout"]), str(r["sigmas"])) for r, _ in curves},
+                     key=lambda t: (_rank(t[0], t[1]), t[2], t[3]))
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
     by_length = df.seq_len.nunique() > 1
     kinds = sorted({int(r["seq_len"] if by_length else r["seed"]) for r, _ in curves})
     styles = ("-", "--", ":", "-.")
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
     for r, m in curves:
-        key = (r["position"], int(r["s"] or 0))
+        key = (r["position"], int(r["s"] or 0), float(r["attn_dropout"]), str(r["sigmas"]))
         kind = int(r["seq_len"] if by_length else r["seed"])
-        label = r["position"] + (f" s={r['s']}" if r["s"] else "") + (f" L={kind}" if by_length else f" seed={kind}")
+        label = _model(r) + (f" L={kind} seed={r['seed']}" if by_length else f" seed={kind}")
         style = dict(color=color[key], ls=styles[kinds.index(kind) % len(styles)], lw=1.1, label=label)
         axes[0].plot(m.step, m.loss.rolling(max(1, len(m) // 50), min_periods=1).mean(), **style)
         v = m.dropna(subset=["val_bpb"])
         axes[1].plot(v.step, v.val_bpb, marker="o", ms=3, **style)
-    axes[0].set_ylabel("training loss (nats per byte, running mean)")
+    axes[0].set_ylabel("training loss (nats per token, running mean)")
     axes[1].set_ylabel("validation bits per byte")
     for ax in axes:
         ax.set_xlabel("step")
@@ -84,11 +91,14 @@ def plot_learning_curves(run: Path, df: Any) -> list[Path]:
 
 
 def step_times(df: Any) -> Any:
-    """Median training-step seconds per (scheme, s, L), mean over seeds."""
+    """Median training-step seconds per (scheme, s, L), mean over seeds, of the runs without
+    attention dropout (a dropout run is a regulariser control with its own cost, not the scheme's
+    attention path)."""
     col = "step_seconds" if "step_seconds" in df.columns else None
     if col is None:
         return None
-    return df.groupby(["position", "s", "seq_len"])[col].mean()
+    df = with_model_columns(df)
+    return df[df.attn_dropout == 0].groupby(["position", "s", "seq_len"])[col].mean()
 
 
 def plot_step_time(run: Path, df: Any) -> list[Path]:
@@ -134,9 +144,9 @@ def crossover_length(df: Any, s: int | None = None) -> float:
 
 def report(run: Path, df: Any) -> Section:
     sec = Section("train", run, "Training: validation bits per byte at the training length")
-    cols = ["position", "s", "attn_dropout", "seed", "seq_len", "pretrain", "params", "steps", "val_bpb", "val_ppl",
-            "step_seconds", "tokens_per_s", "passes"]
-    sec.tables.append(df[[c for c in cols if c in df.columns]].round(4))
+    cols = ["position", "s", "attn_dropout", "sigmas", "seed", "seq_len", "pretrain", "params", "steps", "val_bpb",
+            "val_ppl", "step_seconds", "tokens_per_s", "passes"]
+    sec.tables.append(with_model_columns(df)[[c for c in cols if c in df.columns or c == "sigmas"]].round(4))
     sec.paragraphs.append("Bits per byte on the held-out validation documents at the training length, "
                           "non-overlapping windows; `poslsh perplexity` measures longer lengths, more mask draws and "
                           "swapped attention, with intervals.")
@@ -180,27 +190,26 @@ def overfitting_table(df: Any) -> Any:
 
     from poslsh_cli.stats import t_interval
 
-    drop = df.attn_dropout if "attn_dropout" in df.columns else 0.0
     evals = df.train_eval_loss if "train_eval_loss" in df.columns else math.nan
     sample = df.train_eval_sample.astype(object).where(df.train_eval_sample.notna(), "first") \
         if "train_eval_sample" in df.columns else "first"
-    d = df.assign(attn_dropout=drop, train_eval_loss=evals, train_eval_sample=sample)
+    d = with_model_columns(df).assign(train_eval_loss=evals, train_eval_sample=sample)
     by = {"spread": "final weights, spread over the training split",
           "first": "final weights, first eval_tokens of the training split (other pages: not overfitting)"}
     rows = []
-    for (p, s, a, L), g in sorted(d.groupby(["position", "s", "attn_dropout", "seq_len"]),
-                                  key=lambda kg: (_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3])):
+    for (p, s, a, sig, L), g in sorted(d.groupby(["position", "s", "attn_dropout", "sigmas", "seq_len"]),
+                                       key=lambda kg: (_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3], kg[0][4])):
         evaluated = bool(g.train_eval_loss.notna().all())
         train = (g.train_eval_loss if evaluated else g.train_loss) / math.log(2.0)
         val = g.val_loss / math.log(2.0)
         gap = t_interval((val - train).to_numpy())
         how = sorted(set(g.train_eval_sample)) if evaluated else []
-        rows.append({"scheme": p + (f" s={s}" if s else "") + (f" +dropout {a:g}" if a else ""), "L": L,
+        rows.append({"scheme": model_label(p, s, a, sig), "L": L,
                      "seeds": g.seed.nunique(), "train bits/token": round(float(train.mean()), 4),
                      "validation bits/token": round(float(val.mean()), 4),
                      "gap": round(gap.estimate, 4),
                      "gap 95% over seeds": (f"[{gap.low:+.4f}, {gap.high:+.4f}]" if gap.finite
-                                            else f"no interval ({gap.n} seed)"),
+                                            else f"no interval ({gap.n} seed{'s' if gap.n != 1 else ''})"),
                      "train measured by": (by.get(how[0], how[0]) if len(how) == 1 else "mixed: " + ", ".join(how))
                      if evaluated else "loss of the last tenth of steps (biased high)"})
     return pd.DataFrame(rows)
