@@ -15,8 +15,12 @@ An experiment is pure functions from a validated spec to result rows:
     plot(run_dir, df) -> [paths]         figures into run_dir/figures/
     report(run_dir, df) -> Section       claims, verdicts, tables for ``poslsh report``
 
-No printing and no file writing in the first four: the runner (:mod:`poslsh_cli.runner`) owns
-side effects.
+The runner (:mod:`poslsh_cli.runner`) owns the run directory: results.csv, cells/, meta.json and
+the auxiliary tables are written by it alone. Two writes happen inside the first four, each in a
+place the runner hands out or a cache of its own: ``run_cell`` of a training cell writes its
+metrics log and checkpoints into ``work`` (and a shared stage's into ``work.shared``), and
+``prepare`` of a command that tokenises with a Hugging Face tokenizer fills the token cache
+(:func:`poslsh_cli.data.cache_dir`, written whole or not at all). No printing in any of them.
 """
 from __future__ import annotations
 

@@ -139,6 +139,7 @@ def test_gradient_checkpointing_and_bf16(single, tmp_path):
     assert r.returncode == 0, r.stderr
     a, b = metrics_of(single), metrics_of(tmp_path / "bf16")
     np.testing.assert_allclose(b.loss, a.loss, rtol=3e-2)  # bfloat16 logits: 8 bits of mantissa
+    assert not np.array_equal(b.loss.to_numpy(), a.loss.to_numpy())  # autocast ran: not float32's bits
     r = one("train", *TINY, "precision=fp16", f"out={tmp_path / 'fp16'}")
     assert r.returncode == 2 and "precision=fp16 needs CUDA" in r.stderr
 
@@ -214,3 +215,78 @@ def test_fp16_checkpoints_keep_the_loss_scale(tmp_path):
     (tmp_path / SCALER).unlink()
     with pytest.raises(ConfigError, match="has no scaler.pt"):
         load_scaler(again, tmp_path)
+
+
+def test_gradient_checkpointing_recomputes_every_layer_and_autocast_computes_in_bf16(tmp_path, monkeypatch):
+    """In process: with gradient_checkpointing=true each decoder layer's forward runs twice per
+    training micro-batch (the forward, and its recomputation in the backward), once without; under
+    precision=bf16 the layers' matmuls return bfloat16."""
+    from transformers.models.qwen3 import modeling_qwen3
+    from typer.testing import CliRunner
+
+    from poslsh_cli.cli import app
+
+    calls = {"grad": 0, "dtypes": set()}
+    forward = modeling_qwen3.Qwen3MLP.forward
+
+    def counted(self, x):
+        # counted on entry: the recomputation stops early (torch.utils.checkpoint), once the saved
+        # tensors the backward needs are back, so the recomputed call does not return
+        if torch.is_grad_enabled():
+            calls["grad"] += 1
+        out = forward(self, x)
+        if torch.is_grad_enabled():
+            calls["dtypes"].add(out.dtype)
+        return out
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3MLP, "forward", counted)
+    base = [a for a in TINY if not a.startswith(("steps=", "checkpoint_every=", "eval_every="))]
+    base += ["steps=3", "checkpoint_every=3", "eval_every=3"]
+    seen = {}
+    for name, extra in (("gc", ["gradient_checkpointing=true"]), ("plain", []), ("bf16", ["precision=bf16"])):
+        calls["grad"], calls["dtypes"] = 0, set()
+        r = CliRunner().invoke(app, ["train", *base, *extra, f"out={tmp_path / name}"])
+        assert r.exit_code == 0, r.output
+        seen[name] = (calls["grad"], set(calls["dtypes"]))
+    layers = 2
+    assert seen["plain"] == (3 * layers, {torch.float32})
+    assert seen["gc"][0] == 2 * 3 * layers
+    assert seen["bf16"] == (3 * layers, {torch.bfloat16})
+
+
+BLOCK_PATH = [a for a in TINY if not a.startswith(("seq_len=", "batch=", "steps=", "checkpoint_every=", "eval_every=",
+                                                   "eval_tokens="))] + [
+    "seq_len=512", "batch=4", "steps=3", "checkpoint_every=3", "eval_every=3", "eval_tokens=2048"]
+
+
+def test_two_processes_equal_one_on_the_block_path(tmp_path):
+    """At L=512 causal Positional LSH trains on the recomputing block kernel (the plan's sparse path),
+    not the dense bias of L=48: two processes still give one process's losses and weights."""
+    from poslsh_cli.attention.plan import Backend, Method, choose
+
+    for n, backend in ((48, Backend.DENSE), (512, Backend.BLOCKS)):  # TINY's L, and this test's
+        assert choose(Method.POSLSH, device=torch.device("cpu"), dtype=torch.float32, n=n, causal=True,
+                      grad=True).backend is backend
+    r = one("train", *BLOCK_PATH, f"out={tmp_path / 'one'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = two("train", *BLOCK_PATH, f"out={tmp_path / 'two'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = metrics_of(tmp_path / "one"), metrics_of(tmp_path / "two")
+    assert list(a.step) == list(b.step) == [1, 2, 3]
+    np.testing.assert_allclose(b.loss, a.loss, rtol=1e-4)
+    assert_same_weights(tmp_path / "one", tmp_path / "two")
+
+
+def test_ddp_with_attention_dropout_replays_itself_not_one_process(tmp_path):
+    """The stated exception (docs/THEORY.md): dropout masks are drawn per rank, so two processes
+    with attention dropout replay each other exactly and differ from one process."""
+    args = [a for a in TINY if not a.startswith(("position=", "s=", "steps=", "checkpoint_every=", "eval_every="))] + [
+        "position=[alibi]", "attn_dropout=[0.1]", "steps=3", "checkpoint_every=3", "eval_every=3"]
+    for name in ("a", "b"):
+        r = two("train", *args, f"out={tmp_path / name}")
+        assert r.returncode == 0, r.stderr[-3000:]
+    r = one("train", *args, f"out={tmp_path / 'one'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b, single = (metrics_of(tmp_path / n).loss.to_numpy() for n in ("a", "b", "one"))
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a[1:], single[1:], rtol=1e-6)  # step 1's loss is before any update

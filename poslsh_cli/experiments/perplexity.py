@@ -53,7 +53,7 @@ class PerplexitySpec(Spec):
     swapped_at: Literal["trained", "every"] = key(
         "lengths at which a swapped-in attention is evaluated: trained (the checkpoint's training length; the "
         "shortest of lengths= when that is not among them) or every (each evaluation length)", "trained")
-    stride: Optional[int] = key("sliding windows advancing by stride (each scores its last stride bytes); "
+    stride: Optional[int] = key("sliding windows advancing by stride tokens (each scores its last stride tokens); "
                                 "null: non-overlapping windows", None, ge=1)
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
     max_tokens: int = key("evaluation text used per length (at least one window of that length)", 65536, ge=2)

@@ -467,7 +467,8 @@ def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
             g["lr"] = lr
         rng = np.random.default_rng(derive_seed(stage.seed, "batch", stream))
         if stage.dropout:  # dropout draws from torch's global generator: seeded per step and rank, so a
-            # run (and a run resumed from a checkpoint) draws the same dropout masks
+            # run (and a run resumed from a checkpoint) draws the same dropout masks; with several
+            # processes each rank draws its own, so it does not replay one process (docs/THEORY.md)
             torch.manual_seed(derive_seed(stage.seed, "dropout", stream, rank))
         batch = train_batch(ctx.corpus.train, stage.seq_len, spec.batch, rng)[rank * share:(rank + 1) * share]
         xb = torch.as_tensor(batch, device=ctx.device)
