@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
