@@ -1,3 +1,3 @@
-from poslsh_cli.cli import run
+from poslsh_cli.app.cli import run
 
 run()

@@ -11,7 +11,7 @@ import torch
 
 from poslsh_cli.attention import (AttentionSpec, Backend, Kernel, Method, Plan, attend, mean_mask_weight,
                                   reference_attention)
-from poslsh_cli.sampling import sample_partitions
+from poslsh_cli.numerics.sampling import sample_partitions
 
 
 def grads(q, k, v, dT, run, dtype=torch.float32):

@@ -8,7 +8,7 @@
 Every ``*.rst.txt`` file (the reStructuredText source of one documentation page) becomes one
 document, in sorted path order, its bytes unchanged: one JSON line ``{"path": ..., "text": ...}``
 per document, xz-compressed. The SHA-256 of the decompressed corpus (the documents' bytes joined
-by blank lines, as :mod:`poslsh_cli.data` reads them) is printed and pinned in
+by blank lines, as :mod:`poslsh_cli.lm.data` reads them) is printed and pinned in
 ``tests/test_data.py``. Licence: the PSF License Agreement (the documentation's own licence;
 code examples in it are also under the Zero-Clause BSD licence), see
 ``poslsh_cli/corpora/README.md``.

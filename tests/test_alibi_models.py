@@ -11,11 +11,11 @@ import torch
 from typer.testing import CliRunner
 
 from poslsh_cli.attention import laplacian_weight, reference_attention
-from poslsh_cli.capture import builtin_text, capture_qkv, load, tokenize
-from poslsh_cli.cli import app
-from poslsh_cli.config import ConfigError
-from poslsh_cli.models import minilm_path
-from poslsh_cli.sampling import alibi_slopes
+from poslsh_cli.lm.capture import builtin_text, capture_qkv, load, tokenize
+from poslsh_cli.app.cli import app
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.models import minilm_path
+from poslsh_cli.numerics.sampling import alibi_slopes
 
 H, N = 6, 80
 runner = CliRunner()
@@ -161,7 +161,8 @@ def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(famil
         drawn = df.loc[("poslsh", length)]  # three mask draws by default
         assert len(drawn) == 3 and (drawn.kl > alibi.kl).all()
     # bits per byte = summed NLL / ln 2 / UTF-8 bytes covered by the predicted tokens
-    from poslsh_cli.data import HFTokenizer, eval_windows, load_corpus
+    from poslsh_cli.lm.data import HFTokenizer, load_corpus
+    from poslsh_cli.lm.windows import eval_windows
 
     c = load_corpus("builtin", tokenizer=HFTokenizer.load(path))
     row = df.loc[("own", 32)]

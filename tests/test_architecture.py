@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import poslsh_cli
-from poslsh_cli import registry
-from poslsh_cli.cellwork import Checkpoints, MetricsLog
-from poslsh_cli.rundir import RunDir
+from poslsh_cli.app import registry
+from poslsh_cli.store.cellwork import Checkpoints, MetricsLog
+from poslsh_cli.store.rundir import RunDir
 
 PKG = Path(poslsh_cli.__file__).parent
 
@@ -68,7 +68,7 @@ def test_no_import_cycles():
 
 
 def layers_from_the_architecture_document() -> list[tuple[str, list[str]]]:
-    """(layer, modules) rows of the table in docs/ARCHITECTURE.md, top layer first."""
+    """(layer, folders) rows of the table in docs/ARCHITECTURE.md, top layer first."""
     text = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
     section = text[text.index("## Layers"):]
     rows = []
@@ -76,47 +76,52 @@ def layers_from_the_architecture_document() -> list[tuple[str, list[str]]]:
         if line.startswith("## "):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 3 and cells[0] not in ("layer", "---") and "`" in cells[1]:
-            rows.append((cells[0], re.findall(r"`([a-z_]+)`", cells[1])))
+        if len(cells) >= 4 and cells[0] not in ("layer", "---") and "`" in cells[1]:
+            rows.append((cells[0], re.findall(r"`([a-z_]+)/`", cells[1])))
     return rows
 
 
 def layer_of(module: str, rank: dict[str, int]) -> int:
     parts = module.split(".")
-    if len(parts) < 2 or parts[1] in ("conf", "corpora"):
-        return -1  # the package itself, and conf/ (YAML presets only)
+    if len(parts) < 2 or parts[1] in ("conf", "corpora", "__main__"):
+        return -1  # the package itself, its entry point, and data folders (YAML presets, the corpus)
     return rank[parts[1]]
 
 
-def test_every_module_is_in_one_layer_and_imports_only_layers_above_it():
-    """The table in docs/ARCHITECTURE.md is the law: each module belongs to one layer, and each of
-    its imports (module level or inside a function) goes to the same layer or one above."""
+def test_every_folder_is_one_layer_and_imports_only_layers_above_it():
+    """The table in docs/ARCHITECTURE.md is the law: poslsh_cli/ holds one folder per layer (the
+    numerics layer two) and no loose modules, and each module's imports (module level or inside a
+    function) go to its own folder or a layer above."""
     rows = layers_from_the_architecture_document()
     assert [name for name, _ in rows] == ["foundations", "numerics", "run storage", "models and data", "claims",
-                                          "experiments", "registry", "execution", "front ends"]
-    rank = {m: i for i, (_, mods) in enumerate(rows) for m in mods}
-    assert sum(len(m) for _, m in rows) == len(rank), "a module listed in two layers"
-    top_level = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
-                 if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").exists()}
-    top_level -= {"conf", "corpora"}  # data only: YAML presets, the shipped corpus
-    assert top_level == set(rank), f"modules missing from the table: {sorted(top_level - set(rank))}; " \
-                                   f"listed but absent: {sorted(set(rank) - top_level)}"
-    upward = []
+                                          "experiments", "front ends"]
+    rank = {f: i for i, (_, folders) in enumerate(rows) for f in folders}
+    assert sum(len(f) for _, f in rows) == len(rank), "a folder listed in two layers"
+    loose = sorted(p.name for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert not loose, f"modules outside the layer folders: {loose}"
+    folders = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()} - {"conf", "corpora"}  # data only
+    assert folders == set(rank), f"folders missing from the table: {sorted(folders - set(rank))}; " \
+                                 f"listed but absent: {sorted(set(rank) - folders)}"
+    upward, edges = [], set()
     for module, deps in import_graph().items():
-        if module.endswith("__main__"):
-            continue
         mine = layer_of(module, rank)
         for dep in deps:
-            if dep != "poslsh_cli" and layer_of(dep, rank) > mine >= 0:
-                upward.append(f"{module} ({rows[mine][0]}) imports {dep} ({rows[layer_of(dep, rank)][0]})")
+            theirs = layer_of(dep, rank)
+            if dep == "poslsh_cli" or mine < 0:
+                continue
+            if theirs > mine:
+                upward.append(f"{module} ({rows[mine][0]}) imports {dep} ({rows[theirs][0]})")
+            if module.split(".")[1] != dep.split(".")[1]:
+                edges.add((module.split(".")[1], dep.split(".")[1]))
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+    assert ("app", "core") in edges and ("attention", "numerics") in edges  # the graph is read at all
 
 
 def test_each_command_is_named_in_its_own_module_only():
     """A command's name appears as a string literal only in the module that defines it (and its
     ``<module>_report`` companion, which holds its tables, figures and claims). One name is also an
-    ordinary word elsewhere: "train" is the name of a dataset split in the corpus reader."""
-    ordinary = {"train": {"poslsh_cli.data"}}
+    ordinary word elsewhere: "train" is the name of a dataset split in the corpus readers."""
+    ordinary = {"train": {"poslsh_cli.lm.data", "poslsh_cli.lm.documents"}}
     for exp in registry.experiments().values():
         home = "poslsh_cli.experiments." + exp.config_name
         owners = []
@@ -130,7 +135,7 @@ def test_each_command_is_named_in_its_own_module_only():
 
 
 def test_the_cli_starts_without_the_numerical_stack():
-    code = "import sys, poslsh_cli.cli; print(sorted(m for m in ('torch','scipy','pandas','matplotlib') if m in sys.modules))"
+    code = "import sys, poslsh_cli.app.cli; print(sorted(m for m in ('torch','scipy','pandas','matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -139,7 +144,7 @@ def test_registry_lists_every_command_once_with_its_yaml():
     exps = registry.experiments()
     assert {"sample", "matrix-error", "block-stats", "output-error", "bench"} <= set(exps)
     for exp in exps.values():
-        assert (poslsh_cli.config.CONF_DIR / f"{exp.config_name}.yaml").exists()
+        assert (poslsh_cli.core.config.CONF_DIR / f"{exp.config_name}.yaml").exists()
         assert exp.columns and exp.help.strip()
 
 
@@ -152,8 +157,8 @@ def test_adding_a_command_is_one_module_and_one_yaml(tmp_path):
     shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (pkg / "experiments" / "toy.py").write_text('''
 from dataclasses import dataclass
-from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Experiment
+from poslsh_cli.core.config import Spec, key
+from poslsh_cli.experiments.base import Experiment
 
 
 @dataclass(frozen=True)

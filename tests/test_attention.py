@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from poslsh_cli.attention import (AttentionSpec, Backend, BlockLayout, Kernel, Method, Plan, alibi_chunked, attend,
-                                  block_attention, exact_alibi, laplacian_weight, mean_mask_weight, merge_by_lse,
+                                  per_sample_block_attention, exact_alibi, laplacian_weight, mean_mask_weight, merge_by_lse,
                                   no_bias_attention, poslsh_attention, reference_attention)
-from poslsh_cli.sampling import alibi_sigmas, fixed_block_partitions, sample_partitions
+from poslsh_cli.numerics.sampling import alibi_sigmas, fixed_block_partitions, sample_partitions
 
 
 def qkv(B=2, H=4, n=57, d=8, dtype=torch.float64, seed=0, scale=1.0):
@@ -70,7 +70,7 @@ def test_flex_backend_equals_dense_mean_mask(n, causal):
 def test_cuda_paths_equal_reference(causal):
     """Compiled FlexAttention (exact, windowed per head, Positional LSH) and the block path on
     CUDA at n=1000 (eight key tiles), within twice the naive float32 error against float64."""
-    from poslsh_cli import masks
+    from poslsh_cli.numerics import masks
 
     q64, k64, v64 = qkv(B=1, H=4, n=1000, d=64)
     q, k, v = (t.cuda().float() for t in (q64, k64, v64))
@@ -100,7 +100,7 @@ def test_cuda_paths_equal_reference(causal):
 def test_block_lse_is_the_masked_normaliser(kernel):
     q, k, v = qkv(n=40, H=2)
     parts = parts_for(40, [2.0, 5.0], 3)
-    out, lse = block_attention(q, k, v, BlockLayout.build(parts), causal=False, kernel=kernel)
+    out, lse = per_sample_block_attention(q, k, v, BlockLayout.build(parts), causal=False, kernel=kernel)
     for h, p in enumerate(parts):
         for kk, b in enumerate(p.bins()):
             w = torch.as_tensor((b[:, None] == b[None, :]).astype(float))
@@ -128,7 +128,7 @@ def test_merging_a_split_equals_attention_over_the_union():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, 0, 5, 40, [0, 3, 9, 70]])
 def test_chunked_and_flex_alibi_equal_reference(causal, window):
-    from poslsh_cli import masks
+    from poslsh_cli.numerics import masks
 
     q, k, v = qkv(n=70, H=4)
     sigmas = torch.tensor([0.5, 2.0, 8.0, 64.0], dtype=torch.float64)
@@ -293,7 +293,7 @@ def test_layout_pads_less_than_twice():
     parts = parts_for(4096, alibi_sigmas(8), 8)
     layout = BlockLayout.build(parts)
     assert layout.padded_slots < 2 * 8 * 8 * 4096
-    real = torch.cat([idx[ok] for idx, ok in zip(layout.index, layout.valid)])
+    real = torch.cat([dest[ok] for dest, ok in zip(layout.dest, layout.valid)])
     assert torch.equal(torch.sort(real).values, torch.arange(8 * 8 * 4096))  # each slot exactly once
 
 
@@ -409,7 +409,8 @@ def test_flash_dropout_is_dropout_of_the_softmax_with_its_mask(dtype):
     ``(softmax(q k^T s + bias) o D / (1-p)) V`` with the same keep mask D: output and q, k, v
     gradients. p = 0.5 with a causal window bias leaves rows that keep no key (their output is 0);
     n = 300 spans several of the kernel's query and key tiles."""
-    from poslsh_cli.attention.dense import FlashDropout, alibi_bias, keep_mask
+    from poslsh_cli.attention.dense import alibi_bias
+    from poslsh_cli.attention.dropout import FlashDropout, keep_mask
 
     B, H, n, d = 2, 3, 300, 16
     q, k, v = (t.to(dtype).requires_grad_() for t in qkv(B=B, H=H, n=n, d=d, dtype=torch.float64, seed=4))
@@ -437,7 +438,7 @@ def test_keep_mask_drops_each_lane_with_its_probability():
     """keep_mask's four 16-bit lanes per 64-bit draw each drop with probability round(p 2^16)/2^16:
     the drop fraction of every lane within 5 binomial standard errors of it; the same seed gives
     the same mask; p = 0 drops nothing."""
-    from poslsh_cli.attention.dense import keep_mask
+    from poslsh_cli.attention.dropout import keep_mask
 
     torch.manual_seed(3)
     for p in (0.1, 0.37):

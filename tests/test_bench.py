@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 from typer.testing import CliRunner
 
-from poslsh_cli.cli import app
+from poslsh_cli.app.cli import app
 from poslsh_cli.experiments.bench import _band_pairs
 from poslsh_cli.experiments.bench_report import crossover
 
@@ -69,7 +69,7 @@ def test_measure_skips_the_warmup_after_a_long_memory_pass(monkeypatch):
     call keeps its ``warmup`` calls. (Counts calls; times nothing.)"""
     import torch
 
-    from poslsh_cli import measure as m
+    from poslsh_cli.experiments import measure as m
 
     def count(threshold):
         monkeypatch.setattr(m, "WARM_AFTER_S", threshold)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from poslsh_cli.attention import reference_attention
-from poslsh_cli.capture import builtin_text, capture_qkv, check_checkpoint, load, read_text, tokenize
-from poslsh_cli.config import ConfigError
-from poslsh_cli.models import minilm_path
+from poslsh_cli.lm.capture import builtin_text, capture_qkv, load, read_text, tokenize
+from poslsh_cli.lm.checkpoint import check_checkpoint
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.models import minilm_path
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"]
 
@@ -78,7 +79,8 @@ def test_default_model_is_the_shipped_minilm():
 def test_builtin_text_is_the_shipped_corpus_and_pydoc_topics_is_prose():
     import hashlib
 
-    from poslsh_cli.data import BUILTIN_SHA256, PYDOC_TOPICS
+    from poslsh_cli.lm.documents import BUILTIN_SHA256
+    from poslsh_cli.lm.documents import PYDOC_TOPICS
 
     text = builtin_text()
     assert hashlib.sha256(text.encode()).hexdigest() == BUILTIN_SHA256 and len(text) > 10_000_000

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from poslsh_cli.cli import app
-from poslsh_cli.operators import LaplacianKernel, MeanMask
-from poslsh_cli.metrics import max_error_fast
-from poslsh_cli.sampling import Partitions
+from poslsh_cli.app.cli import app
+from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
+from poslsh_cli.numerics.metrics import max_error_fast
+from poslsh_cli.numerics.sampling import Partitions
 
 runner = CliRunner()
 METRICS = ["n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err", "b_max"]
@@ -275,7 +275,7 @@ def test_a_corpus_that_cannot_be_read_is_one_line(tmp_path, name, content, needl
 
 def test_text_in_a_legacy_encoding_is_still_text(tmp_path):
     """Latin-1 French: a few undecodable bytes (U+FFFD) among many letters trains."""
-    from poslsh_cli.data import decode_text
+    from poslsh_cli.lm.documents import decode_text
 
     raw = ("Le cœur a ses raisons que la raison ne connaît point. " * 200).encode("latin-1", "replace")
     assert "\ufffd" in decode_text(raw, "x")
@@ -336,7 +336,7 @@ def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
 def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypatch):
     """Launches in the same second (the timestamp held fixed here) get their own directories; two
     processes race for them through mkdir, which only one can win."""
-    import poslsh_cli.rundir as rundir
+    import poslsh_cli.store.rundir as rundir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(rundir, "timestamp", lambda: "2026-01-01_00-00-00")
@@ -347,7 +347,7 @@ def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypa
     assert made == ["2026-01-01_00-00-00", "2026-01-01_00-00-00-2", "2026-01-01_00-00-00-3"]
     r = invoke("matrix-error", "n=[64]", "sigma=[-4]")  # refused: nothing reserved
     assert r.exit_code == 2 and len(list((tmp_path / "runs" / "matrix-error").iterdir())) == 3
-    code = ("import sys; from poslsh_cli.rundir import reserve_default; "
+    code = ("import sys; from poslsh_cli.store.rundir import reserve_default; "
             "print(reserve_default(sys.argv[1], 'same')[0].name)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "race")], stdout=subprocess.PIPE, text=True)
              for _ in range(4)]
@@ -356,7 +356,7 @@ def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypa
 
 
 def test_progress_lines_leave_out_s_for_schemes_without_it():
-    from poslsh_cli.runner import key_text
+    from poslsh_cli.app.runner import key_text
 
     assert key_text({"position": "none", "s": 0, "seed": 0}) == "position=none seed=0"
     assert key_text({"position": "poslsh", "s": 4, "seed": 1}) == "position=poslsh s=4 seed=1"

@@ -7,8 +7,8 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from poslsh_cli import registry
-from poslsh_cli.config import CONF_DIR, ConfigError
+from poslsh_cli.app import registry
+from poslsh_cli.core.config import CONF_DIR, ConfigError
 
 COMMANDS = sorted(registry.experiments())
 
@@ -83,7 +83,7 @@ def test_every_preset_has_quick_and_paper_scale():
 
 
 def test_reproduce_plan_covers_every_preset():
-    from poslsh_cli.reproduce import plan
+    from poslsh_cli.app.reproduce import plan
 
     for scale in registry.SCALES:
         planned = {preset for _, _, preset in plan(scale)}
@@ -99,7 +99,7 @@ def test_model_presets_select_their_checkpoint(preset, name):
 
 
 def test_model_references_resolve_in_one_place(tmp_path, monkeypatch):
-    from poslsh_cli import models
+    from poslsh_cli.lm import models
 
     monkeypatch.setenv("POSLSH_MODELS", str(tmp_path))
     spec = spec_of("output-error", ["model=qwen3-0.6b"])
@@ -116,7 +116,7 @@ def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
     without their checkpoint."""
     import torch
 
-    from poslsh_cli.reproduce import skip_reason
+    from poslsh_cli.app.reproduce import skip_reason
 
     monkeypatch.delenv("POSLSH_MODELS", raising=False)
     if not torch.cuda.is_available():
@@ -127,7 +127,7 @@ def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
 
 
 def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
-    from poslsh_cli import reproduce
+    from poslsh_cli.app import reproduce
 
     assert set(reproduce.opt_in()) == {"train_long", "perplexity_long"}
     assert "--with train_long" in reproduce.not_asked("train_long", "train_long_paper", ())
@@ -138,7 +138,7 @@ def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
     with pytest.raises(ConfigError, match="--with must be one of train_long, perplexity_long or all, got 'trian'"):
         reproduce.check_with(["trian"])
     # the driver leaves it out and says why in its run directory, running nothing
-    code = ("import sys; import poslsh_cli.reproduce as r;"
+    code = ("import sys; import poslsh_cli.app.reproduce as r;"
             "r.plan = lambda scale: [('train_long','train','train_long_paper')];"
             f"sys.exit(r.main('paper', {str(tmp_path)!r}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poslsh_cli.config import ConfigError
-from poslsh_cli.data import (BUILTIN_SHA256, CORPUS_FILE, ByteTokenizer, HFTokenizer, builtin_text, count_predicted,
-                             eval_windows, load_corpus, pydoc_topics_text)
-from poslsh_cli.models import minilm_path
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.data import ByteTokenizer, HFTokenizer, load_corpus
+from poslsh_cli.lm.documents import BUILTIN_SHA256
+from poslsh_cli.lm.windows import count_predicted, eval_windows
+from poslsh_cli.lm.documents import CORPUS_FILE, builtin_text, pydoc_topics_text
+from poslsh_cli.lm.models import minilm_path
 
 #: SHA-256 of the compressed corpus file as committed (its bytes, not only its content).
 CORPUS_FILE_SHA256 = "e441855acfced16f9c83075743b1e071f0cc160489e1925a6d6b19f84e700e96"
@@ -139,7 +141,7 @@ def test_eval_windows_predict_every_token_once_and_count_bytes():
 def test_train_batch_draws_every_window_the_last_one_included():
     """Windows of L + 1 tokens start at 0 .. len - L - 1, each with probability 1 / (len - L); a
     split of exactly L + 1 tokens holds one window (the size check accepts it)."""
-    from poslsh_cli.data import train_batch
+    from poslsh_cli.lm.windows import train_batch
 
     L = 4
     one = np.arange(L + 1)

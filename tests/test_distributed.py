@@ -164,7 +164,7 @@ def test_evaluation_batch_sees_the_vocabulary_through_ddp(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from poslsh_cli.lm import eval_batch, vocab_size
+    from poslsh_cli.lm.evaluate import eval_batch, vocab_size
 
     cfg = Qwen3Config(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -196,8 +196,8 @@ def test_fp16_checkpoints_keep_the_loss_scale(tmp_path):
     """An fp16 run's checkpoint holds its GradScaler state (scale, growth tracker), restored on
     resume; a checkpoint without one is refused in one line rather than resumed at the initial
     scale. (The fp16 training path itself needs CUDA: tests/test_distributed.py's gpu tests.)"""
-    from poslsh_cli.config import ConfigError
-    from poslsh_cli.experiments.train import SCALER, load_scaler
+    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.experiments.stage import SCALER, load_scaler
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
     w = torch.nn.Parameter(torch.ones(2))
@@ -224,7 +224,7 @@ def test_gradient_checkpointing_recomputes_every_layer_and_autocast_computes_in_
     from transformers.models.qwen3 import modeling_qwen3
     from typer.testing import CliRunner
 
-    from poslsh_cli.cli import app
+    from poslsh_cli.app.cli import app
 
     calls = {"grad": 0, "dtypes": set()}
     forward = modeling_qwen3.Qwen3MLP.forward
@@ -281,7 +281,7 @@ def test_ddp_with_attention_dropout_replays_itself_not_one_process(tmp_path):
     """The stated exception (docs/THEORY.md): dropout masks are drawn per rank, so two processes
     with attention dropout replay each other exactly and differ from one process."""
     args = [a for a in TINY if not a.startswith(("position=", "s=", "steps=", "checkpoint_every=", "eval_every="))] + [
-        "position=[alibi]", "attn_dropout=[0.1]", "steps=3", "checkpoint_every=3", "eval_every=3"]
+        "position=[alibi]", "attn_dropout=[0.1]", "steps=2", "checkpoint_every=2", "eval_every=2"]
     for name in ("a", "b"):
         r = two("train", *args, f"out={tmp_path / name}")
         assert r.returncode == 0, r.stderr[-3000:]

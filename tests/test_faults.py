@@ -1,7 +1,7 @@
 """Run directories that nothing can corrupt: a fault-injection suite.
 
 Each case kills a real ``poslsh`` process with SIGKILL at a chosen point (``$POSLSH_FAULT``, see
-:func:`poslsh_cli.files.fault_point`), or runs two processes on one directory, or corrupts a file
+:func:`poslsh_cli.core.files.fault_point`), or runs two processes on one directory, or corrupts a file
 on disk, then runs the same command again and compares the directory with an uninterrupted run:
 the final weights bit for bit, the metrics log step by step (no step twice), and every metric
 column of results.csv. Bad input must give one line, exit 2, and leave nothing behind.
@@ -245,12 +245,12 @@ def test_cut_results_csv_is_read_from_the_cells_and_rewritten_by_its_owner(refer
     (run / "results.csv").write_text(cut)  # cut mid-line
     r = poslsh("plot", run)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "results.csv is cut mid-line; read from its 1 cells" in r.stderr
+    assert "results.csv is cut mid-line; read from its 1 cell in" in r.stderr
     assert (run / "results.csv").read_text() == cut  # the reader wrote nothing
     (run / "results.csv").write_text(good.splitlines()[0] + "\n")  # rows lost
     r = poslsh("report", run)
-    assert r.returncode == 0 and "read from its 1 cells" in r.stderr, r.stderr
-    assert "read from its 1 cells" in (run / "report.md").read_text()
+    assert r.returncode == 0 and "read from its 1 cell in" in r.stderr, r.stderr
+    assert "read from its 1 cell in" in (run / "report.md").read_text()
     assert "0.0" in (run / "report.md").read_text()  # the report has the cell's numbers
     r = poslsh("train", *TINY, f"out={run}")  # the owner: every cell done, the tables rewritten
     assert r.returncode == 0, r.stderr
@@ -361,9 +361,9 @@ def test_collect_rebuilds_a_cut_job_table_and_names_a_dead_job(tmp_path):
 def test_write_dir_killed_while_replacing_keeps_the_old_directory(tmp_path):
     """write_dir over an existing directory renames the old one aside, puts the new one in place,
     then deletes the old: killed in between, the owner's next start puts the old one back."""
-    from poslsh_cli.files import remove_stale_temporaries, verify_dir, write_dir
+    from poslsh_cli.core.files import remove_stale_temporaries, verify_dir, write_dir
 
-    code = (f"import sys; from pathlib import Path; from poslsh_cli.files import write_dir\n"
+    code = (f"import sys; from pathlib import Path; from poslsh_cli.core.files import write_dir\n"
             f"write_dir(Path({str(tmp_path / 'ck')!r}), lambda d: (d / 'w').write_text(sys.argv[1]))")
     env = {k: v for k, v in ENV.items() if k != "POSLSH_FAULT"}
     assert subprocess.run([sys.executable, "-c", code, "old"], env=env).returncode == 0
@@ -388,7 +388,7 @@ def test_the_owner_never_opens_its_lock_file_again(tmp_path, monkeypatch):
     """POSIX locks (what NFS offers across nodes) are dropped when the owning process closes any
     descriptor of the file: the owner asks who holds it through the lock's own descriptor, and
     another process still finds the directory in use afterwards."""
-    from poslsh_cli import ownership
+    from poslsh_cli.store import ownership
 
     run = tmp_path / "run"
     ownership.acquire(run, "test")
@@ -416,7 +416,7 @@ def test_the_owner_never_opens_its_lock_file_again(tmp_path, monkeypatch):
         ownership.check_free(run)
         monkeypatch.undo()
         assert opened == [] and info["pid"] == os.getpid()
-        probe = ("import sys; from poslsh_cli import ownership\n"
+        probe = ("import sys; from poslsh_cli.store import ownership\n"
                  f"try:\n    ownership.acquire({str(run)!r}, 'probe')\nexcept ownership.RunBusy:\n    sys.exit(3)")
         assert subprocess.run([sys.executable, "-c", probe], env=ENV).returncode == 3
     finally:

@@ -17,9 +17,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from poslsh_cli.cli import app
-from poslsh_cli.config import ConfigError
-from poslsh_cli.models import minilm_path
+from poslsh_cli.app.cli import app
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.models import minilm_path
 
 runner = CliRunner()
 SCHEMES = ["rope", "none", "alibi", "poslsh", "fixed_block", "windowed"]
@@ -124,9 +124,10 @@ def reference_attention_forward(module, query, key, value, attention_mask, scali
 def test_perplexity_restores_each_scheme_and_equals_an_independent_forward(finetuned, tmp_path):
     import transformers as tf
 
-    from poslsh_cli.data import HFTokenizer, eval_windows, load_corpus
-    from poslsh_cli.positions import load_model
-    from poslsh_cli.sampling import derive_seed
+    from poslsh_cli.lm.data import HFTokenizer, load_corpus
+    from poslsh_cli.lm.windows import eval_windows
+    from poslsh_cli.lm.loading import load_model
+    from poslsh_cli.numerics.sampling import derive_seed
 
     out = tmp_path / "ppl"
     code, text = cli("perplexity", str(finetuned), "lengths=[32,64]", "trials=2", "max_tokens=1024", f"out={out}")
@@ -185,8 +186,8 @@ def test_alibi_checkpoint_keeps_its_own_slopes(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_alibi_models import save_alibi
 
-    from poslsh_cli.capture import load
-    from poslsh_cli.positions import load_model
+    from poslsh_cli.lm.capture import load
+    from poslsh_cli.lm.loading import load_model
 
     monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
     bloom = save_alibi("bloom", tmp_path / "bloom")
@@ -259,7 +260,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, monkeypatch):
 
 
 def test_init_preset_names_resolve_under_poslsh_models(llama, tmp_path, monkeypatch):
-    from poslsh_cli.convert import resolve_ref
+    from poslsh_cli.lm.convert import resolve_ref
 
     root = tmp_path / "models"
     (root / "Mistral-7B-v0.1").mkdir(parents=True)
@@ -270,7 +271,7 @@ def test_init_preset_names_resolve_under_poslsh_models(llama, tmp_path, monkeypa
 
 
 def test_paper_scale_presets_read_their_corpus_from_poslsh_data(monkeypatch, tmp_path):
-    from poslsh_cli import registry
+    from poslsh_cli.app import registry
     from poslsh_cli.experiments.train import skip_reason
 
     exp = registry.get("train")

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from poslsh_cli.cli import app
+from poslsh_cli.app.cli import app
 
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
@@ -147,7 +147,7 @@ def test_train_and_reproduce_run_under_a_launcher(tmp_path):
     df = pd.read_csv(sweep / "results.csv")
     assert sorted(df.position) == ["alibi", "rope"] and (df.val_bpb > 0).all()
     code = (
-        "import sys; import poslsh_cli.reproduce as r;"
+        "import sys; import poslsh_cli.app.reproduce as r;"
         "r.plan = lambda scale: [('block_stats','block-stats','block_stats_quick'),"
         "('sample_like','matrix-error','matrix_dense_check_quick')];"
         f"sys.exit(r.main('quick', {str(tmp_path / 'rep')!r}, 'joblib', 2))"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from poslsh_cli import masks
+from poslsh_cli.numerics import masks
 from poslsh_cli.attention import (exact_alibi, laplacian_weight, mean_mask_weight, poslsh_attention,
                                   reference_attention)
-from poslsh_cli.sampling import sample_partitions
+from poslsh_cli.numerics.sampling import sample_partitions
 
 SIGMAS = [1.0, 4.0, 16.0, 64.0]
 

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from poslsh_cli.metrics import (fit_loglog_slope, max_error_dense, max_error_fast, spectral_error_dense,
+from poslsh_cli.numerics.metrics import (fit_loglog_slope, max_error_dense, max_error_fast, spectral_error_dense,
                                 spectral_error_fast)
-from poslsh_cli.operators import LaplacianKernel, MeanMask, laplacian_norm
-from poslsh_cli.sampling import sample_partitions
+from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask, laplacian_norm
+from poslsh_cli.numerics.sampling import sample_partitions
 
 CASES = [(2, 1.0, 1), (3, 0.2, 5), (9, 2.0, 3), (64, 0.7, 16), (300, 4.0, 8), (1000, 16.0, 32),
          (2048, 8.0, 64), (2048, 16.0, 4), (512, 1e4, 3)]
@@ -86,14 +86,14 @@ def test_certified_interval_holds_a_tighter_run_at_32768(s, seed):
 
 
 def test_the_certified_step_count_depends_on_n_only_through_a_logarithm():
-    from poslsh_cli.metrics import lanczos_steps
+    from poslsh_cli.numerics.metrics import lanczos_steps
 
     steps = [lanczos_steps(2**k, 1e-3, 1e-3) for k in (14, 16, 20, 24)]
     assert steps == sorted(steps) and steps[-1] <= 250 and steps[-1] / steps[0] < 1.35
 
 
 def test_max_error_fast_is_chunk_independent(monkeypatch):
-    import poslsh_cli.metrics as metrics
+    import poslsh_cli.numerics.metrics as metrics
 
     p = sample_partitions(3000, 5.0, 7, np.random.default_rng(4))
     K, M = LaplacianKernel(3000, 5.0), MeanMask(p)

@@ -8,9 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from poslsh_cli.attention import alibi_chunked, poslsh_attention
-from poslsh_cli.cli import app
-from poslsh_cli.metrics import output_errors
-from poslsh_cli.sampling import Partitions, alibi_sigmas
+from poslsh_cli.app.cli import app
+from poslsh_cli.numerics.metrics import output_errors
+from poslsh_cli.numerics.sampling import Partitions, alibi_sigmas
 
 from test_capture import save_tiny
 

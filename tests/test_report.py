@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from poslsh_cli import registry
-from poslsh_cli.claims import Status
-from poslsh_cli.cli import app
+from poslsh_cli.app import registry
+from poslsh_cli.verdicts.claims import Status
+from poslsh_cli.app.cli import app
 
 runner = CliRunner()
 RUN = Path("synthetic")
@@ -63,7 +63,7 @@ def test_decay_verdicts_pass_fail_inconclusive_and_no_data():
 
 
 def fit(lo, hi):
-    from poslsh_cli.metrics import SlopeFit
+    from poslsh_cli.numerics.metrics import SlopeFit
 
     return SlopeFit((lo + hi) / 2, 0.0, (hi - lo) / 4, lo, hi, 5)
 
@@ -76,7 +76,7 @@ def fit(lo, hi):
     (-0.405, -0.395, Status.INCONCLUSIVE),                                   # slope within 0.1, interval across
 ])
 def test_decay_rule_is_an_equivalence_rule_at_its_edges(lo, hi, expected):
-    from poslsh_cli.claims import decay_status
+    from poslsh_cli.verdicts.claims import decay_status
 
     assert decay_status(fit(lo, hi)) is expected
 
@@ -182,7 +182,7 @@ def test_bench_report_groups_by_causal():
 
 
 def block_table(grow, c=1.0, trials=5):
-    from poslsh_cli.sampling import block_max_quantile, width_max_quantile
+    from poslsh_cli.numerics.sampling import block_max_quantile, width_max_quantile
 
     rows = []
     g = np.random.default_rng(0)
@@ -245,7 +245,7 @@ def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
     """The driver on a shortened experiment list: skips what it must (and says so in the run
     directory), resumes, and a later `poslsh report` on the same root still lists the skip."""
     code = (
-        "import sys; import poslsh_cli.reproduce as r;"
+        "import sys; import poslsh_cli.app.reproduce as r;"
         "r.plan = lambda scale: [('block_stats','block-stats','block_stats_quick'),"
         "('output_error_qwen3_0_6b','output-error','output_error_qwen3_0_6b_quick')];"
         f"sys.exit(r.main('quick', {str(tmp_path)!r}))"
@@ -344,7 +344,7 @@ def test_reaches_alibi_is_an_equivalence_test(tmp_path):
     (-0.1, 0.1, Status.INCONCLUSIVE),
 ])
 def test_reaches_is_non_inferiority_at_its_edges(lo, hi, expected):
-    from poslsh_cli.stats import Interval, equivalence
+    from poslsh_cli.verdicts.stats import Interval, equivalence
 
     assert equivalence(Interval((lo + hi) / 2, lo, hi, 3, 0.9, "seeds"))[0] is expected
 
@@ -397,7 +397,7 @@ def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
     15 (s, seed) points fitted as independent give a tight slope; one slope per seed (each exactly
     the same here) gives the interval over 3 seeds, and the evidence lists the per-seed slopes."""
     from poslsh_cli.experiments.perplexity_claims import Data, Scheme, claim_finetune_approaches_alibi
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     gaps = {1: 0.3, 2: 0.2, 5: 0.1, 10: 0.05, 20: 0.01}
     ft = {A: 2.0, **{("poslsh", s, 0.0): 2.0 + g for s, g in gaps.items()}}
@@ -478,7 +478,7 @@ def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
     """Swapped rows at the training length: the mean over seeds of each seed's mean over draws, and the
     seed-paired difference from the same models' own attention, recomputed here from the rows."""
     from poslsh_cli.experiments.perplexity_report import swapped_table
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     _, df = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.9})
     g = np.random.default_rng(1)
@@ -514,7 +514,7 @@ def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
 
 def captured_figures(monkeypatch):
     """Figures handed to plotting.save, kept open for inspection instead of written."""
-    import poslsh_cli.plotting as plotting
+    import poslsh_cli.verdicts.plotting as plotting
 
     figs = {}
     monkeypatch.setattr(plotting, "save", lambda fig, run, name: figs.setdefault(name, fig) and [])

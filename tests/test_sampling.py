@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from poslsh_cli.operators import LaplacianKernel, MeanMask
-from poslsh_cli.sampling import (alibi_slopes, block_length_pmf, derive_seed, sample_partitions,
+from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
+from poslsh_cli.numerics.sampling import (alibi_slopes, block_length_pmf, derive_seed, sample_partitions,
                                  width_max_cdf, width_max_quantile)
 
 
@@ -95,7 +95,7 @@ def test_largest_width_follows_exact_law(seed):
 def test_largest_block_follows_its_law(n, sigma, s, seed):
     """The realised largest block (positions, the b_max of block-stats) against
     P(b_max <= L) = (1 - e^{-L/s}(1 + L/s))^s at every integer L: the DKW bound at alpha = 0.001."""
-    from poslsh_cli.sampling import block_max_cdf, block_max_quantile
+    from poslsh_cli.numerics.sampling import block_max_cdf, block_max_quantile
 
     reps = 2000
     g = np.random.default_rng(seed)
@@ -109,7 +109,7 @@ def test_largest_block_follows_its_law(n, sigma, s, seed):
 
 def test_offsets_equal_the_bin_array_boundaries(rng):
     """Offsets come from the bin edges in O(n / delta); they equal the boundaries of bins_of."""
-    from poslsh_cli.sampling import Partitions
+    from poslsh_cli.numerics.sampling import Partitions
 
     cases = [sample_partitions(int(rng.integers(1, 3000)), float(10 ** rng.uniform(-2, 3.5)), 3, rng) for _ in range(400)]
     cases += [Partitions(997, 1.0, np.array([w]), np.array([u])) for w in (1.0, 2.0, 3.0, 0.5, 1 / 3, 7.0, 2.5)

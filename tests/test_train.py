@@ -17,10 +17,12 @@ from typer.testing import CliRunner
 
 from poslsh_cli import attention as A
 from poslsh_cli.attention import AttentionSpec, Backend, Method, attend, choose, reference_attention
-from poslsh_cli.cli import app
-from poslsh_cli.data import count_predicted, eval_windows, load_corpus
-from poslsh_cli.positions import Arch, Position, PositionState, build_model, load_model
-from poslsh_cli.sampling import alibi_sigmas, sample_partitions
+from poslsh_cli.app.cli import app
+from poslsh_cli.lm.data import load_corpus
+from poslsh_cli.lm.windows import count_predicted, eval_windows
+from poslsh_cli.lm.positions import Position, PositionState
+from poslsh_cli.lm.loading import Arch, build_model, load_model
+from poslsh_cli.numerics.sampling import alibi_sigmas, sample_partitions
 
 runner = CliRunner()
 TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32",
@@ -252,9 +254,9 @@ def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(traine
     """train_eval_loss is the final weights evaluated on eval_tokens spread over the whole training
     split (like the validation documents over the corpus): recomputed here from the saved
     checkpoint, and the report's overfitting table uses it, with a t-interval over seeds."""
-    from poslsh_cli.data import spread_sample
+    from poslsh_cli.lm.windows import spread_sample
     from poslsh_cli.experiments.train_report import overfitting_table
-    from poslsh_cli.lm import evaluate
+    from poslsh_cli.lm.evaluate import evaluate
 
     df = pd.read_csv(trained / "results.csv")
     assert df.train_eval_loss.notna().all() and (df.train_eval_loss > 0).all()
@@ -278,7 +280,7 @@ def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(traine
     three = pd.concat([df[df.position == "alibi"].assign(seed=k, val_loss=df[df.position == "alibi"].val_loss + 0.01 * k)
                        for k in range(3)])
     gaps = (three.val_loss - three.train_eval_loss) / math.log(2)
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     iv = t_interval(gaps.to_numpy())
     assert overfitting_table(three).iloc[0]["gap 95% over seeds"] == f"[{iv.low:+.4f}, {iv.high:+.4f}]"
@@ -339,9 +341,9 @@ def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
     assert len(swapped[swapped.attention == "alibi"]) == 5
     assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
     # the swap skipped on the ALiBi model is the same computation as its own forward
-    from poslsh_cli.config import build_spec
+    from poslsh_cli.core.config import build_spec
     from poslsh_cli.experiments import perplexity as ppl
-    from poslsh_cli.lm import evaluate
+    from poslsh_cli.lm.evaluate import evaluate
 
     spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})
     ctx = ppl.prepare(spec)
@@ -442,17 +444,17 @@ def test_finetuning_shares_one_pretraining_stage(tmp_path):
 def test_finetuning_continues_the_batch_stream_instead_of_replaying_pretraining(tmp_path, monkeypatch):
     """A fine-tune after pretrain_steps=N draws the batches of global steps N+1.., not the first
     ones again (every cell the same batches, so cells stay paired), and ``passes`` counts both."""
-    import poslsh_cli.data as data
+    import poslsh_cli.lm.windows as windows
 
     seen = []
-    real = data.train_batch
+    real = windows.train_batch
 
     def spy(tokens, seq_len, batch, generator):
         out = real(tokens, seq_len, batch, generator)
         seen.append(out.tobytes())
         return out
 
-    monkeypatch.setattr(data, "train_batch", spy)
+    monkeypatch.setattr(windows, "train_batch", spy)
     out = tmp_path / "ft"
     r = invoke("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=3",
                "eval_every=0", f"out={out}")

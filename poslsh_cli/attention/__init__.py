@@ -13,7 +13,10 @@ Modules, one job each:
     reference  the dense float64 oracle, L* and M~ as dense weights
     alibi      exact / windowed ALiBi by query chunks, the rank-one causal path, no bias
     dense      one attention with an (H, n, n) additive bias (ALiBi or log M~): training lengths
-    blocks     block layouts, block-local attention with lse, the merge by lse
+    blocks     block layouts, block-local attention with lse per sample, merged (MergedBlockAttention
+               recomputes the block probabilities in the backward pass)
+    merge      the merge of attention over disjoint key sets by their lse
+    dropout    attention dropout on the CPU flash kernel (FlashDropout) and its keep mask
     flex       FlexAttention: ALiBi score_mod, Positional LSH with bins as documents
 """
 from typing import Any
@@ -28,14 +31,14 @@ _WHERE = {
     "exact_alibi": "poslsh_cli.attention.api",
     "poslsh_attention": "poslsh_cli.attention.api",
     "poslsh_layout": "poslsh_cli.attention.api",
-    "prepare": "poslsh_cli.attention.api",
+    "layout_for": "poslsh_cli.attention.api",
     "reference_weight": "poslsh_cli.attention.api",
     "BLOCK_BATCH_BYTES": "poslsh_cli.attention.blocks",
     "BlockLayout": "poslsh_cli.attention.blocks",
-    "block_attention": "poslsh_cli.attention.blocks",
-    "blocks_attention": "poslsh_cli.attention.blocks",
+    "per_sample_block_attention": "poslsh_cli.attention.blocks",
+    "merged_block_attention": "poslsh_cli.attention.blocks",
     "device_bins": "poslsh_cli.attention.blocks",
-    "merge_by_lse": "poslsh_cli.attention.blocks",
+    "merge_by_lse": "poslsh_cli.attention.merge",
     "alibi_bias": "poslsh_cli.attention.dense",
     "dense_bias_attention": "poslsh_cli.attention.dense",
     "poslsh_bias": "poslsh_cli.attention.dense",
@@ -54,7 +57,7 @@ _WHERE = {
     "laplacian_weight": "poslsh_cli.attention.reference",
     "mean_mask_weight": "poslsh_cli.attention.reference",
     "reference_attention": "poslsh_cli.attention.reference",
-    "Method": "poslsh_cli.methods",
+    "Method": "poslsh_cli.numerics.methods",
 }
 
 
@@ -72,9 +75,9 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + list(_WHERE))
 
 
-__all__ = ["AttentionSpec", "attend", "exact_alibi", "poslsh_attention", "poslsh_layout", "prepare", "reference_weight",
+__all__ = ["AttentionSpec", "attend", "exact_alibi", "poslsh_attention", "poslsh_layout", "layout_for", "reference_weight",
            "Method", "Backend", "Kernel", "Plan", "choose", "plan_for", "needs_grad", "BACKENDS", "DENSE_MAX_N",
            "RANK1_MIN_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "no_bias_attention",
-           "BlockLayout", "block_attention", "blocks_attention", "device_bins", "merge_by_lse", "alibi_bias",
+           "BlockLayout", "per_sample_block_attention", "merged_block_attention", "device_bins", "merge_by_lse", "alibi_bias",
            "dense_bias_attention", "poslsh_bias", "FlexLayout", "alibi_flex", "poslsh_flex", "laplacian_weight",
            "mean_mask_weight", "reference_attention"]

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from poslsh_cli import masks
+from poslsh_cli.numerics import masks
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, alibi_slopes, scale_of
 

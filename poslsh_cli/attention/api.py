@@ -14,16 +14,16 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from poslsh_cli import masks
+from poslsh_cli.numerics import masks
 from poslsh_cli.attention.alibi import BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, no_bias_attention
-from poslsh_cli.attention.blocks import BlockLayout, blocks_attention, padded_work
+from poslsh_cli.attention.blocks import BlockLayout, merged_block_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
 from poslsh_cli.attention.plan import DROPOUT_BACKENDS, Backend, Kernel, Plan, Work, choose, needs_grad, plan_for
 from poslsh_cli.attention.reference import (as_sigmas, laplacian_weight, mean_mask_weight,
                                             reference_attention)
-from poslsh_cli.methods import INFO, Method
-from poslsh_cli.sampling import Partitions, fixed_block_partitions, sample_partitions, windows
+from poslsh_cli.numerics.methods import INFO, Method
+from poslsh_cli.numerics.sampling import Partitions, fixed_block_partitions, sample_partitions, windows
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,7 +35,7 @@ class AttentionSpec:
         sigmas: (H,) float64 kernel bandwidths, ``sigma_h = 1 / slope_h``.
         causal: drop keys j > i.
         scale: logit scale (None: 1/sqrt(d)).
-        window: windowed: (H,) key half-widths ``w_h`` (:func:`poslsh_cli.sampling.windows`).
+        window: windowed: (H,) key half-widths ``w_h`` (:func:`poslsh_cli.numerics.sampling.windows`).
         partitions: poslsh / fixed_block: one :class:`Partitions` per head.
     """
 
@@ -60,7 +60,7 @@ class AttentionSpec:
               num_samples: int = 0, rng: Any = None, window_sigmas: float | None = None,
               scale: float | None = None) -> "AttentionSpec":
         """The spec of ``method`` at length ``seq_len`` with one sigma per head: the one place
-        its parameters are drawn or derived (:data:`poslsh_cli.methods.INFO`).
+        its parameters are drawn or derived (:data:`poslsh_cli.numerics.methods.INFO`).
 
         - sampled partitions: ``num_samples`` per head; ``rng`` is one NumPy generator per head (a
           sequence), or one generator the heads draw from in order.
@@ -115,7 +115,7 @@ def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "
     return None
 
 
-def prepare(spec: AttentionSpec, plan: Plan, device: torch.device | str) -> BlockLayout | FlexLayout | None:
+def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str) -> BlockLayout | FlexLayout | None:
     """The per-call set-up of a method on its plan, apart from q, k, v: for partition methods on
     the blocks or flex backend the block layout (:func:`poslsh_layout`); nothing otherwise."""
     if spec.partitions is not None and plan.backend in (Backend.BLOCKS, Backend.FLEX):
@@ -144,7 +144,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
             number of heads; expand grouped key/value heads first).
         spec: the method and its parameters (:class:`AttentionSpec`), one sigma per head.
         backend: ``auto`` (the plan decides) or a :class:`Backend` the method has.
-        layout: a prepared block layout (:func:`prepare`) for partition methods; it fixes the
+        layout: a prepared block layout (:func:`layout_for`) for partition methods; it fixes the
             backend (blocks or flex) and keeps its set-up out of the call.
         plan: run exactly this plan (from :func:`~poslsh_cli.attention.plan.plan_for`), so that
             what a caller records is what ran.
@@ -196,7 +196,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
     if b is Backend.BLOCKS:
         if not isinstance(layout, BlockLayout):
             layout = BlockLayout.build(spec.partitions, q.device)
-        return blocks_attention(q, k, v, layout, spec.causal, spec.scale, plan.kernel)
+        return merged_block_attention(q, k, v, layout, spec.causal, spec.scale, plan.kernel)
     raise ValueError(f"no implementation of {spec.method.value} on {b.value}")
 
 
@@ -248,5 +248,5 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
     return attend(q, k, v, spec, backend, layout=layout)
 
 
-__all__ = ["AttentionSpec", "attend", "prepare", "poslsh_layout", "reference_weight", "exact_alibi",
+__all__ = ["AttentionSpec", "attend", "layout_for", "poslsh_layout", "reference_weight", "exact_alibi",
            "poslsh_attention", "Plan", "Backend", "Kernel", "choose", "plan_for"]

@@ -19,10 +19,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from poslsh_cli import masks
+from poslsh_cli.numerics import masks
+from poslsh_cli.attention.merge import merge_by_lse
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import NEG_INF, scale_of
-from poslsh_cli.sampling import Partitions
+from poslsh_cli.numerics.sampling import Partitions
 
 #: Upper bound on the bytes of one batch of gathered blocks (q, k, v copies and scores): large
 #: buckets are processed in several batches, so memory stays O(s n d), not O(padded slots x d x 3).
@@ -34,13 +35,11 @@ class BlockLayout:
     """Where every block of every (head, sample) lives, grouped into length buckets.
 
     For bucket b, all (num_blocks_b, L_b) int64:
-    - ``index[b]``: flat slots ``(h*s + k)*n + i`` of the per-(head, sample) copies of the
-      sequence; padding repeats the block's last position;
     - ``valid[b]``: bool, real positions (padding sits at the end of each block);
     - ``src[b]``: rows ``h*n + i`` of the (H*n)-row view of q, k, v; padding points to row H*n (a
       zero row appended by the kernels, or a row that receives nothing useful);
-    - ``dest[b]``: rows ``(h*s + k)*n + i`` of the per-sample outputs; padding points to row
-      H*s*n (a trash row).
+    - ``dest[b]``: rows ``(h*s + k)*n + i`` of the per-sample outputs (the flat slot of position i
+      in the copy of head h, sample k); padding points to row H*s*n (a trash row).
 
     Every (head, sample, position) is a real slot of exactly one block.
     """
@@ -48,17 +47,10 @@ class BlockLayout:
     heads: int
     num_samples: int
     seq_len: int
-    index: tuple[torch.Tensor, ...]
     valid: tuple[torch.Tensor, ...]
     src: tuple[torch.Tensor, ...]
     dest: tuple[torch.Tensor, ...]
     padded_slots: int  # total slots computed, padding included
-    useful_pairs: int  # sum over blocks of L^2 (bidirectional work)
-
-    @property
-    def padded_pairs(self) -> int:
-        """Sum over blocks of the padded length squared: the (bidirectional) pairs the kernels score."""
-        return int(sum(ix.shape[0] * ix.shape[1] ** 2 for ix in self.index))
 
     @classmethod
     def build(cls, partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> "BlockLayout":
@@ -71,29 +63,26 @@ class BlockLayout:
         counts = np.asarray([off.size - 1 for off in offs])
         starts_np = np.concatenate([off[:-1] for off in offs])
         lengths_np = np.concatenate([np.diff(off) for off in offs])
-        useful = int((lengths_np.astype(np.int64) ** 2).sum())
         bucket_np = length_bucket(lengths_np)
         starts = torch.as_tensor(starts_np, device=device)
         lengths = torch.as_tensor(lengths_np, device=device)
         owner = torch.repeat_interleave(torch.arange(len(offs), device=device),
                                         torch.as_tensor(counts, device=device))  # (blocks,) = h*s + k
         bucket = torch.as_tensor(bucket_np, device=device)
-        index, valid, src, dest = [], [], [], []
+        valid, src, dest = [], [], []
         offset = 0
-        for b in np.unique(bucket_np):
+        for b, _, L in buckets(lengths_np, bucket_np):
             sel = torch.nonzero(bucket == int(b)).reshape(-1)
-            L = int(lengths_np[bucket_np == b].max())
             ar = torch.arange(L, device=device)
             ln = lengths[sel, None]
             ok = ar[None, :] < ln  # (nb, L)
             pos = starts[sel, None] + torch.minimum(ar[None, :], ln - 1)
             slot = owner[sel, None] * n + pos  # (nb, L)
-            index.append(slot)
             valid.append(ok)
             src.append(torch.where(ok, (owner[sel, None] // s) * n + pos, heads * n))
             dest.append(torch.where(ok, slot, heads * s * n))
             offset += sel.numel() * L
-        return cls(heads, s, n, tuple(index), tuple(valid), tuple(src), tuple(dest), offset, useful)
+        return cls(heads, s, n, tuple(valid), tuple(src), tuple(dest), offset)
 
 
 #: Blocks up to this length are bucketed by their exact length (no padding at all); longer ones by
@@ -111,16 +100,23 @@ def length_bucket(lengths: np.ndarray) -> np.ndarray:
     return np.where(lengths <= EXACT_BUCKET_MAX, lengths, EXACT_BUCKET_MAX + big.astype(np.int64))
 
 
+def buckets(lengths: np.ndarray, bucket: np.ndarray | None = None) -> list[tuple[int, int, int]]:
+    """(bucket id, blocks, padded length L) of every length bucket of these block lengths, in bucket
+    order: the grouping both :meth:`BlockLayout.build` and :func:`padded_work` use."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bucket = length_bucket(lengths) if bucket is None else bucket
+    ids, inverse, counts = np.unique(bucket, return_inverse=True, return_counts=True)
+    longest = np.zeros(len(ids), dtype=np.int64)
+    np.maximum.at(longest, inverse, lengths)
+    return [(int(b), int(c), int(L)) for b, c, L in zip(ids, counts, longest)]
+
+
 def padded_work(partitions: Sequence[Partitions]) -> tuple[float, float]:
     """(padded pairs, slots) the blocks backend would compute for ``partitions``, from their block
     lengths alone (the plan's cost model): pairs = sum over blocks of the bucket's length squared,
     slots = H s n gathered rows."""
     lengths = np.concatenate([np.diff(o) for p in partitions for o in p.offsets])
-    bucket = length_bucket(lengths)
-    order = np.argsort(bucket, kind="stable")
-    b, lens = bucket[order], lengths[order]
-    cuts = np.flatnonzero(np.diff(b)) + 1
-    pairs = sum(float(len(seg)) * float(seg.max()) ** 2 for seg in np.split(lens, cuts) if len(seg))
+    pairs = sum(float(count) * float(L) ** 2 for _, count, L in buckets(lengths))
     return pairs, float(len(partitions) * partitions[0].num_samples * partitions[0].seq_len)
 
 
@@ -161,7 +157,7 @@ def _batches(layout: BlockLayout, per_row_bytes: int) -> Any:
             yield src[a:a + step], dest[a:a + step], ok[a:a + step]
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
+def per_sample_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
                     scale: float | None = None, kernel: Kernel = Kernel.MATMUL) -> tuple[torch.Tensor, torch.Tensor]:
     """Bias-free attention inside every block of every sample; outputs per sample, not merged.
 
@@ -190,6 +186,27 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
     return (out[:-1].view(H, s, n, B, d).permute(3, 0, 1, 2, 4), lse[:-1].view(H, s, n, B).permute(3, 0, 1, 2))
 
 
+def _padded_key_bias(ok: torch.Tensor, causal: bool, B: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused kernel's additive mask for padded keys, (B, nb, L, L), or None: with causal
+    attention padding (at the end of each block) is never seen by a real query, and blocks without
+    padding need none."""
+    if causal or bool(ok.all()):
+        return None
+    nb, L = ok.shape
+    mask = torch.zeros(nb, 1, L, dtype=dtype, device=ok.device).masked_fill(~ok[:, None, :], NEG_INF)
+    return mask[None].expand(B, nb, L, L)
+
+
+def _keep(ok: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Which (query, key) pairs of padded blocks count, (nb, L, L) or broadcastable: real keys, and
+    with causal attention keys at or before the query."""
+    keep = ok[:, None, :]
+    if causal:
+        local = torch.arange(ok.shape[-1], device=ok.device)
+        keep = keep & masks.Causal().grid(local, local, 1)
+    return keep
+
+
 def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torch.Tensor, causal: bool,
                   sc: float, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention inside padded blocks: ``qb, kb, vb`` (B, nb, L, d), ``ok`` (nb, L) real keys.
@@ -200,53 +217,27 @@ def _block_kernel(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, ok: torc
     B, nb, L, d = qb.shape
     acc = torch.promote_types(qb.dtype, torch.float32)
     if kernel is Kernel.FUSED:
-        mask = None
-        if not causal and not bool(ok.all()):
-            mask = torch.zeros(nb, 1, L, dtype=qb.dtype, device=qb.device).masked_fill(~ok[:, None, :], NEG_INF)
-            mask = mask[None].expand(B, nb, L, L)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb, kb, vb, 0.0, causal, attn_mask=mask, scale=sc)
+            qb, kb, vb, 0.0, causal, attn_mask=_padded_key_bias(ok, causal, B, qb.dtype), scale=sc)
         return out, lse.to(acc)
     scores = (qb @ kb.transpose(-1, -2)).to(acc) * sc  # (B, nb, L, L)
-    keep = ok[:, None, :]  # keys that are real positions
-    if causal:
-        local = torch.arange(L, device=qb.device)
-        keep = keep & masks.Causal().grid(local, local, 1)
-    scores = scores.masked_fill(~keep, NEG_INF)
+    scores = scores.masked_fill(~_keep(ok, causal), NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # (B, nb, L)
     p = torch.exp(scores - lse[..., None])
     return (p.to(vb.dtype) @ vb).to(qb.dtype), lse
 
 
-def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge attention results over ``dim`` by their natural-log normalisers.
-
-    ``out`` (..., K, n, d) and ``lse`` (..., K, n) with K at ``dim`` (counted on ``lse``):
-    ``sum_k exp(lse_k - LSE) out_k`` with ``LSE = logsumexp_k lse_k``; returns ``(merged, LSE)``.
-    Merging attention over disjoint key sets this way equals attention over their union.
-    Without autograd (inference) ``out`` is weighted in place to avoid a second (K, n, d) buffer.
-    """
-    total = torch.logsumexp(lse, dim=dim, keepdim=True)
-    w = torch.exp(lse - total).unsqueeze(-1)  # (..., K, n, 1)
-    odim = dim if dim >= 0 else dim - 1
-    if torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad) or out.dtype != w.dtype:
-        merged = (w * out.to(w.dtype)).sum(dim=odim)
-    else:  # inference: weight in place, no (..., K, n, d) temporary
-        merged = out.mul_(w).sum(dim=odim)
-    return merged.to(out.dtype), total.squeeze(dim)
-
-
-def blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
+def merged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, causal: bool,
                      scale: float | None = None, kernel: Kernel = Kernel.MATMUL) -> torch.Tensor:
     """Positional-LSH (or fixed-block) attention on the blocks backend: the block attentions of
-    every sample (:func:`block_attention`), merged by lse. q, k, v (B, H, n, d) -> (B, H, n, d).
+    every sample (:func:`per_sample_block_attention`), merged by lse. q, k, v (B, H, n, d) -> (B, H, n, d).
 
     Differentiable in q, k, v through :class:`MergedBlockAttention`, which keeps only q, k, v, the
     merged output and its lse and recomputes the block probabilities in the backward pass."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return MergedBlockAttention.apply(q, k, v, layout, causal, scale_of(q.shape[-1], scale), kernel)
-    out, lse = block_attention(q, k, v, layout, causal, scale, kernel)
-    return merge_by_lse(out, lse, dim=2)[0]
+    out, lse = per_sample_block_attention(q, k, v, layout, causal, scale, kernel)
+    return merge_by_lse(out, lse, dim=2, inplace=True)[0]
 
 
 class MergedBlockAttention(torch.autograd.Function):
@@ -268,8 +259,8 @@ class MergedBlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, sc, kernel):  # noqa: ANN001, ANN205
         with torch.no_grad():
-            out, lse = block_attention(q, k, v, layout, causal, sc, kernel)
-            merged, total = merge_by_lse(out, lse, dim=2)
+            out, lse = per_sample_block_attention(q, k, v, layout, causal, sc, kernel)
+            merged, total = merge_by_lse(out, lse, dim=2, inplace=True)
             del out, lse
         ctx.save_for_backward(q, k, v, merged, total)
         ctx.layout, ctx.causal, ctx.sc, ctx.kernel = layout, causal, sc, kernel
@@ -306,12 +297,8 @@ def block_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         qb, kb, vb, gb, ob = (_gather(t, src) for t in (qr, kr, vr, gr, orow))  # (B, m, L, d)
         lb = lr.index_select(0, src.reshape(-1)).view(m, L, B).permute(2, 0, 1)  # (B, m, L)
         if kernel is Kernel.FUSED:
-            mask = None
-            if not causal and not bool(ok.all()):
-                mask = torch.zeros(m, 1, L, dtype=q.dtype, device=q.device).masked_fill(~ok[:, None, :], NEG_INF)
-                mask = mask[None].expand(B, m, L, L)
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                gb, qb, kb, vb, ob, lb, 0.0, causal, attn_mask=mask, scale=sc)
+                gb, qb, kb, vb, ob, lb, 0.0, causal, attn_mask=_padded_key_bias(ok, causal, B, q.dtype), scale=sc)
         else:
             gq, gk, gv = _block_backward_matmul(gb, qb, kb, vb, ob, lb, ok, causal, sc, acc)
         flat = src.reshape(-1)
@@ -325,15 +312,10 @@ def _block_backward_matmul(gb: torch.Tensor, qb: torch.Tensor, kb: torch.Tensor,
                            acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The flash-attention backward on padded blocks with padded matmuls (any device):
     ``p = exp(s - lse)``, ``ds = p (dO v^T - rowsum(dO o O))``; (B, m, L, .) in, in ``acc``."""
-    L = qb.shape[-2]
     gq, gk, gv, go = (t.to(acc) for t in (qb, kb, vb, ob))
     g = gb.to(acc)
     scores = (gq @ gk.transpose(-1, -2)) * sc  # (B, m, L, L)
-    keep = ok[:, None, :]
-    if causal:
-        local = torch.arange(L, device=qb.device)
-        keep = keep & masks.Causal().grid(local, local, 1)
-    p = torch.exp(scores.masked_fill(~keep, NEG_INF) - lb.to(acc)[..., None])
+    p = torch.exp(scores.masked_fill(~_keep(ok, causal), NEG_INF) - lb.to(acc)[..., None])
     dpv = g @ gv.transpose(-1, -2)  # (B, m, L, L)
     ds = p * (dpv - (g * go).sum(-1, keepdim=True))
     return (ds @ gk) * sc, (ds.transpose(-1, -2) @ gq) * sc, p.transpose(-1, -2) @ g

@@ -1,5 +1,5 @@
 """FlexAttention paths: exact or windowed ALiBi with a ``score_mod``, Positional LSH with the sampled
-bins as document ids. Block masks come from the key intervals of :mod:`poslsh_cli.masks`, never
+bins as document ids. Block masks come from the key intervals of :mod:`poslsh_cli.numerics.masks`, never
 from an n x n grid. Compiled on CUDA; uncompiled they run anywhere (densely), which is how the
 tests check them on the CPU at sizes with many 128-token tiles.
 """
@@ -10,10 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
-from poslsh_cli import masks
-from poslsh_cli.attention.blocks import device_bins, merge_by_lse
+from poslsh_cli.numerics import masks
+from poslsh_cli.attention.blocks import device_bins
+from poslsh_cli.attention.merge import merge_by_lse
 from poslsh_cli.attention.reference import alibi_slopes, scale_of
-from poslsh_cli.sampling import Partitions
+from poslsh_cli.numerics.sampling import Partitions
 
 _FLEX = None
 
@@ -111,4 +112,5 @@ def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: S
     fn = flex_function(q.is_cuda if compiled is None else compiled)
     out, aux = fn(qs, k, v, block_mask=layout.block_mask, scale=scale_of(d, scale), enable_gqa=True,
                   return_aux=AuxRequest(lse=True))
-    return merge_by_lse(out.reshape(B, H, s, n, d), aux.lse.reshape(B, H, s, n).float(), dim=2)[0]
+    return merge_by_lse(out.reshape(B, H, s, n, d), aux.lse.reshape(B, H, s, n).float(), dim=2,
+                        inplace=True)[0]

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from poslsh_cli.methods import Method
+from poslsh_cli.numerics.methods import Method
 
 
 class Backend(str, enum.Enum):

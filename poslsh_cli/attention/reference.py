@@ -12,8 +12,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from poslsh_cli import masks
-from poslsh_cli.sampling import Partitions
+from poslsh_cli.numerics import masks
+from poslsh_cli.numerics.sampling import Partitions
 
 NEG_INF = float("-inf")
 
@@ -90,8 +90,8 @@ def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = 
 
 
 def mean_mask_weight(partitions: Sequence[Partitions], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Dense ``M~`` per head, (H, n, n) float64, from :meth:`poslsh_cli.operators.MeanMask.dense`
+    """Dense ``M~`` per head, (H, n, n) float64, from :meth:`poslsh_cli.numerics.operators.MeanMask.dense`
     (the one dense builder; tests and small references only)."""
-    from poslsh_cli.operators import MeanMask
+    from poslsh_cli.numerics.operators import MeanMask
 
     return torch.stack([torch.as_tensor(MeanMask(p).dense(), device=device) for p in partitions])

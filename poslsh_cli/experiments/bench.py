@@ -22,10 +22,10 @@ from typing import Any, Optional
 import numpy as np
 
 from poslsh_cli.experiments.bench_report import plot, report, summary
-from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Dtype, Experiment, MemoryNeed, Device, choices, cuda_skip_reason, resolve_device, torch_dtype
-from poslsh_cli.methods import INFO, Method
-from poslsh_cli.sampling import derive_seed
+from poslsh_cli.core.config import Spec, key
+from poslsh_cli.experiments.base import Dtype, Experiment, MemoryNeed, Device, choices, cuda_skip_reason, resolve_device, torch_dtype
+from poslsh_cli.numerics.methods import INFO, Method
+from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
            "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats")
@@ -81,7 +81,7 @@ class BenchRow:
 
 
 @dataclass
-class Context:
+class BenchContext:
     device: Any
     dtype: Any
     sigmas: Any  # (heads,) float64
@@ -90,16 +90,16 @@ class Context:
 
 
 
-def prepare(spec: BenchSpec) -> Context:
+def prepare(spec: BenchSpec) -> BenchContext:
 
-    from poslsh_cli.sampling import alibi_sigmas
+    from poslsh_cli.numerics.sampling import alibi_sigmas
 
-    from poslsh_cli.measure import TIMING_THRESHOLD, mmap_threshold
+    from poslsh_cli.experiments.measure import TIMING_THRESHOLD, mmap_threshold
 
     mmap_threshold(TIMING_THRESHOLD)
     device = resolve_device(spec.device)
     sigmas = alibi_sigmas(spec.heads) if spec.sigma is None else np.full(spec.heads, float(spec.sigma))
-    return Context(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
+    return BenchContext(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
 
 
 def partition_backends(device: Any) -> tuple[str, ...]:
@@ -149,7 +149,7 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     return out
 
 
-def _inputs(spec: BenchSpec, ctx: Context, n: int) -> tuple[Any, Any, Any]:
+def _inputs(spec: BenchSpec, ctx: BenchContext, n: int) -> tuple[Any, Any, Any]:
     import torch
 
     g = torch.Generator().manual_seed(derive_seed(spec.seed, "bench-inputs", n, spec.heads, spec.head_dim))
@@ -157,12 +157,12 @@ def _inputs(spec: BenchSpec, ctx: Context, n: int) -> tuple[Any, Any, Any]:
     return tuple(torch.randn(shape, generator=g).to(device=ctx.device, dtype=ctx.dtype) for _ in range(3))
 
 
-def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
+def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any = None) -> tuple[list[dict], dict]:
     import torch
 
-    from poslsh_cli.attention import AttentionSpec, attend, choose, prepare as prepare_layout
-    from poslsh_cli.measure import measure
-    from poslsh_cli.metrics import output_errors
+    from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
+    from poslsh_cli.experiments.measure import measure
+    from poslsh_cli.numerics.metrics import output_errors
 
     n, causal, method = key["n"], key["causal"], Method(key["method"])
     info = INFO[method]
@@ -185,9 +185,9 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: Context, work: Any = Non
     fixed = build()
     per_call = fixed.partitions is not None  # masks are drawn (and laid out) in every forward pass
 
-    def prepare() -> tuple[AttentionSpec, Any]:
+    def draw() -> tuple[AttentionSpec, Any]:  # the untimed part of a call: masks and their layout
         att = build() if per_call else fixed
-        return att, prepare_layout(att, plan, ctx.device)
+        return att, layout_for(att, plan, ctx.device)
 
     def run(ready: tuple[AttentionSpec, Any]) -> Any:
         return attend(q, k, v, ready[0], layout=ready[1], plan=plan)
@@ -200,7 +200,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: Context, work: Any = Non
         pairs = sum(_band_pairs(n, wh, causal) for wh in fixed.window)
     else:
         pairs = H * (n * (n + 1) / 2 if causal else float(n) * n)
-    t = measure(prepare, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v))
+    t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v))
     gflop = 4.0 * d * pairs / 1e9 * (3.0 if spec.backward else 1.0)
     rel = math.nan
     if method is Method.EXACT:

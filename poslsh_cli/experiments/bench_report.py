@@ -9,10 +9,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from poslsh_cli.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
-from poslsh_cli.claims import crossover as crossover_of
-from poslsh_cli.methods import Method
-from poslsh_cli.metrics import fit_loglog_slope
+from poslsh_cli.verdicts.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
+from poslsh_cli.verdicts.claims import crossover as crossover_of
+from poslsh_cli.numerics.methods import Method
+from poslsh_cli.numerics.metrics import fit_loglog_slope
 
 EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
                                                           Method.FIXED_BLOCK))
@@ -108,7 +108,7 @@ def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
     """Seconds against n per method and parameter, with the crossover with exact starred."""
     import pandas as pd
 
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -142,7 +142,7 @@ def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
     """Relative error against seconds per n for every approximation, with the Pareto front."""
     import matplotlib.ticker
 
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     pts = g[(g.method != EXACT) & g.rel_fro.notna()]

@@ -4,7 +4,7 @@ and sigma log log n.
 The largest width of s samples has the exact law
 ``P(max_k delta_k <= t) = (1 - e^{-t/sigma}(1 + t/sigma))^s``, and the realised largest block
 (positions) is ``max_k ceil(delta_k)`` for n >> sigma, so ``P(b_max <= L)`` is the same
-expression at integer L (:func:`poslsh_cli.sampling.block_max_cdf`). The paper's
+expression at integer L (:func:`poslsh_cli.numerics.sampling.block_max_cdf`). The paper's
 ``b_max ~ sigma log log n`` takes s of order log n: ``s_per_log_n=c`` runs s = ceil(c ln n).
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.claims import Section, Status, Verdict, combine, slope_text
-from poslsh_cli.config import Spec, key
-from poslsh_cli.experiment import Experiment, MemoryNeed, cell_seed, grid_cells
-from poslsh_cli.metrics import fit_loglog_slope
+from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, slope_text
+from poslsh_cli.core.config import Spec, key
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
+from poslsh_cli.numerics.metrics import fit_loglog_slope
 
 NAME = "block-stats"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",
@@ -67,7 +67,7 @@ def cells(spec: BlockStatsSpec, ctx: Any = None) -> list[dict[str, Any]]:
 def memory(spec: BlockStatsSpec) -> MemoryNeed:
     """Peak bytes of the largest cell: the block boundaries and lengths of its s samples, and an
     (n,) array for samples narrower than two positions."""
-    from poslsh_cli.sampling import mean_blocks
+    from poslsh_cli.numerics.sampling import mean_blocks
 
     def cell(n: int) -> float:
         s = samples_for(n, spec.s_per_log_n) if spec.s_per_log_n is not None else max(spec.s)
@@ -80,7 +80,7 @@ def memory(spec: BlockStatsSpec) -> MemoryNeed:
 def run_cell(spec: BlockStatsSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from poslsh_cli.sampling import block_max_quantile, sample_partitions, width_max_quantile
+    from poslsh_cli.numerics.sampling import block_max_quantile, sample_partitions, width_max_quantile
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
     seed = cell_seed(spec.seed, NAME, key)
@@ -129,8 +129,8 @@ def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
     import pandas as pd
 
-    from poslsh_cli.plotting import pyplot, save
-    from poslsh_cli.sampling import block_length_pmf, block_max_quantile
+    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.numerics.sampling import block_length_pmf, block_max_quantile
 
     plt = pyplot()
     df = _with_rule(df)
@@ -210,7 +210,7 @@ def report(run: Path, df: Any) -> Section:
     import pandas as pd
     from scipy import stats
 
-    from poslsh_cli.sampling import width_max_cdf, width_max_quantile
+    from poslsh_cli.numerics.sampling import width_max_cdf, width_max_quantile
 
     sec = Section("block-stats", run, "Block sizes: the largest block against the exact law and σ log log n")
     df = _with_rule(df)

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
+from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
-from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, MemoryNeed, cell_seed, grid_cells
-from poslsh_cli.metrics import fit_loglog_slope
+from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
+from poslsh_cli.numerics.metrics import fit_loglog_slope
 
 NAME = "matrix-error"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err",
@@ -84,8 +84,8 @@ def memory(spec: MatrixErrorSpec) -> MemoryNeed:
     """Peak bytes of the largest cell: the fast path keeps O(n) vectors (the Lanczos recurrence, the
     operators' temporaries; a full basis only below REORTH_BYTES) and O(blocks) integers; the dense
     path a few n x n float64 matrices."""
-    from poslsh_cli.metrics import REORTH_BYTES
-    from poslsh_cli.sampling import mean_blocks
+    from poslsh_cli.numerics.metrics import REORTH_BYTES
+    from poslsh_cli.numerics.sampling import mean_blocks
 
     need, what = 0.0, ""
     for n in spec.n:
@@ -105,9 +105,9 @@ def cells(spec: MatrixErrorSpec, ctx: Any = None) -> list[dict[str, Any]]:
 def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from poslsh_cli.metrics import max_error_dense, max_error_fast, spectral_error_dense, spectral_error_fast
-    from poslsh_cli.operators import LaplacianKernel, MeanMask
-    from poslsh_cli.sampling import sample_partitions
+    from poslsh_cli.numerics.metrics import max_error_dense, max_error_fast, spectral_error_dense, spectral_error_fast
+    from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
+    from poslsh_cli.numerics.sampling import sample_partitions
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
     seed = cell_seed(spec.seed, NAME, key)
@@ -179,7 +179,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.plotting import decay_panel, pyplot, save
+    from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
 
     plt = pyplot()
     main = df[df["method"] == ("fast" if (df["method"] == "fast").any() else "dense")]
@@ -201,7 +201,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 
 def _plot_fast_vs_dense(run: Path, df: Any) -> list[Path]:
     """The fast O(n) path against the dense float64 reference: same errors, far less time."""
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     piv = df.pivot_table(index=["n", "sigma", "s", "trial"], columns="method",

@@ -13,13 +13,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from poslsh_cli import models
+from poslsh_cli.lm import models
 from poslsh_cli.experiments.output_error_report import MODEL_OWN, plot, report, summary
-from poslsh_cli.config import ConfigError, Spec, key
-from poslsh_cli.experiment import (Dtype, Experiment, MemoryNeed, Device, choices, resolve_device, synchronize,
+from poslsh_cli.core.config import ConfigError, Spec, key
+from poslsh_cli.experiments.base import (Dtype, Experiment, MemoryNeed, Device, choices, resolve_device, synchronize,
                                    torch_dtype)
-from poslsh_cli.methods import INFO, Method, baselines
-from poslsh_cli.sampling import derive_seed
+from poslsh_cli.numerics.methods import INFO, Method, baselines
+from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
            "max_row_rel", "seconds", "window", "qkv_file")
@@ -78,7 +78,7 @@ class OutputErrorRow:
 
 
 @dataclass
-class Context:
+class OutputErrorContext:
     """What every cell of one run shares: captured tensors, bandwidths, exact outputs."""
 
     model_name: str
@@ -95,13 +95,13 @@ class Context:
     files: dict[str, Any] = field(default_factory=dict)  # relative path -> bytes producer
 
 
-def prepare(spec: OutputErrorSpec) -> Context:
+def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
     """Load the checkpoint, tokenise, capture q/k/v of the requested layers (raises ConfigError)."""
     import numpy as np
     import torch
 
-    from poslsh_cli import capture
-    from poslsh_cli.sampling import alibi_sigmas
+    from poslsh_cli.lm import capture
+    from poslsh_cli.numerics.sampling import alibi_sigmas
 
     device = resolve_device(spec.device)
     path = models.resolve(spec.model)
@@ -131,7 +131,7 @@ def prepare(spec: OutputErrorSpec) -> Context:
         qkv[layer] = (c.q[sel], c.k[sel], c.v[sel], c.scaling)  # (H', n, d) each
         if own_slopes and causal:
             own[layer] = c.output[sel]
-    ctx = Context(model_name=models.display_name(spec.model, path), layers=layers, heads=heads,
+    ctx = OutputErrorContext(model_name=models.display_name(spec.model, path), layers=layers, heads=heads,
                   sigmas=all_sigmas[heads], causal=causal, device=device, dtype=torch_dtype(spec.dtype.value),
                   qkv=qkv, input_ids=ids[0].numpy(), own=own)
     if spec.save_qkv:
@@ -147,7 +147,7 @@ def memory(spec: OutputErrorSpec) -> MemoryNeed | None:
     (H n^2) during the capture pass. None when the checkpoint cannot be found (prepare says why)."""
     import json
 
-    from poslsh_cli.capture import weights_bytes
+    from poslsh_cli.lm.checkpoint import weights_bytes
 
     try:
         path = models.resolve(spec.model)
@@ -170,7 +170,7 @@ def _qkv_file(layer: int) -> str:
     return f"qkv/layer{layer}.npz"
 
 
-def _npz(ctx: Context, layer: int) -> bytes:
+def _npz(ctx: OutputErrorContext, layer: int) -> bytes:
     import numpy as np
 
     q, k, v, scaling = ctx.qkv[layer]
@@ -180,7 +180,7 @@ def _npz(ctx: Context, layer: int) -> bytes:
     return buf.getvalue()
 
 
-def cells(spec: OutputErrorSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
+def cells(spec: OutputErrorSpec, ctx: OutputErrorContext | None = None) -> list[dict[str, Any]]:
     """Grid order: per layer, the baselines, then Positional LSH for each (s, trial)."""
     layers = ctx.layers if ctx is not None else (list(spec.layers) if spec.layers != "all" else [])
     out: list[dict[str, Any]] = []
@@ -198,7 +198,7 @@ def cells(spec: OutputErrorSpec, ctx: Context | None = None) -> list[dict[str, A
     return out
 
 
-def _exact(ctx: Context, layer: int) -> Any:
+def _exact(ctx: OutputErrorContext, layer: int) -> Any:
     """Exact ALiBi output of a layer in float64 (chunked: no n x n tensor), cached."""
     from poslsh_cli.attention import AttentionSpec, attend
 
@@ -209,11 +209,11 @@ def _exact(ctx: Context, layer: int) -> Any:
     return ctx.exact[layer]
 
 
-def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
+def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
     from poslsh_cli.attention import AttentionSpec, attend
-    from poslsh_cli.metrics import output_errors
+    from poslsh_cli.numerics.metrics import output_errors
 
     if key["method"] == MODEL_OWN:
         return _model_own(spec, key, ctx)
@@ -245,11 +245,11 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context, work: Any
     return [asdict(r) for r in rows], {}
 
 
-def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: Context) -> tuple[list[dict], dict]:
+def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext) -> tuple[list[dict], dict]:
     """``||own - T*|| / ||T*||``: how far the model's own attention output is from exact ALiBi
     recomputed from its captured q, k, v with its own slopes (float rounding, or its own
     approximations, such as Falcon's bfloat16 bias)."""
-    from poslsh_cli.metrics import output_errors
+    from poslsh_cli.numerics.metrics import output_errors
 
     layer = key["layer"]
     own = ctx.own[layer].to(ctx.device)

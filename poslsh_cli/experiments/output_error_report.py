@@ -7,9 +7,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
+from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, slope_text, tally)
-from poslsh_cli.methods import INFO, Method, baselines
+from poslsh_cli.numerics.methods import INFO, Method, baselines
 
 POSLSH = Method.POSLSH.value
 #: The method name of the rows that measure an ALiBi model's own attention against exact ALiBi.
@@ -55,8 +55,8 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
 
-    from poslsh_cli.metrics import fit_loglog_slope
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.numerics.metrics import fit_loglog_slope
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     paths = []

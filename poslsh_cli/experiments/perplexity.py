@@ -14,7 +14,6 @@ shape of the ALiBi paper's Figure 1). A swapped-in attention is evaluated at the
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,10 +21,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
-from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, MemoryNeed, Device, choices, resolve_device
-from poslsh_cli.positions import Position, method_of, sigma_label
-from poslsh_cli.sampling import derive_seed
+from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, Device, choices, resolve_device
+from poslsh_cli.lm.positions import Position, method_of, sigma_label
+from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
@@ -73,7 +72,7 @@ class Checkpoint:
 
 
 @dataclass
-class Context:
+class PerplexityContext:
     checkpoints: dict[str, Checkpoint]
     device: Any
     loaded: dict = field(default_factory=dict)  # name -> (model, own PositionState)
@@ -82,7 +81,7 @@ class Context:
 
 def _expand(entry: str) -> list[tuple[Path, str]]:
     """A checkpoint directory, or a train run directory -> its cells' final checkpoints."""
-    from poslsh_cli.rundir import results
+    from poslsh_cli.store.readers import results
 
     p = Path(entry).expanduser().resolve()
     if not p.exists():
@@ -110,7 +109,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
     exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
     from poslsh_cli.attention import CHUNK_ELEMENTS
-    from poslsh_cli.capture import json_file, read_config, weights_bytes
+    from poslsh_cli.lm.checkpoint import json_file, read_config, weights_bytes
 
     need, what = 0.0, ""
     try:
@@ -134,9 +133,9 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     return MemoryNeed(need, what, spec.device) if what else None
 
 
-def prepare(spec: PerplexitySpec) -> Context:
-    from poslsh_cli.capture import check_checkpoint, json_file, read_config, refuse_rotary_falcon
-    from poslsh_cli.lm import fast_cpu_math
+def prepare(spec: PerplexitySpec) -> PerplexityContext:
+    from poslsh_cli.lm.checkpoint import check_checkpoint, json_file, read_config, refuse_rotary_falcon
+    from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
     device = resolve_device(spec.device)
@@ -161,14 +160,14 @@ def prepare(spec: PerplexitySpec) -> Context:
             if len(tokens) < need:
                 raise ConfigError(f"the evaluation text has {len(tokens)} tokens, fewer than one window of {need}")
             cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes)
-    return Context(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}})
+    return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}})
 
 
 def _corpus_for(spec: PerplexitySpec, path: Path, info: dict, cfg: dict, corpora: dict) -> Any:
     """The evaluation text of one checkpoint, tokenised as it reads: its own validation split
     (checked against the hash it was trained on), or all of ``data=``; bytes for byte models, the
     checkpoint's own tokenizer otherwise."""
-    from poslsh_cli.data import VOCAB, ByteTokenizer, HFTokenizer, load_corpus
+    from poslsh_cli.lm.data import VOCAB, ByteTokenizer, HFTokenizer, load_corpus
 
     byte_model = cfg.get("vocab_size") == VOCAB and not (path / "tokenizer.json").exists() \
         and not (path / "tokenizer_config.json").exists()
@@ -216,7 +215,7 @@ def swapped_lengths(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
     return (ck.trained_len,) if ck.trained_len in lengths else (min(lengths),)
 
 
-def cells(spec: PerplexitySpec, ctx: Context | None = None) -> list[dict[str, Any]]:
+def cells(spec: PerplexitySpec, ctx: PerplexityContext | None = None) -> list[dict[str, Any]]:
     """One cell per (checkpoint, attention, s, length, mask draw). A swapped-in attention is
     evaluated at the lengths of :func:`swapped_lengths` and not where it equals the model's own."""
     out = []
@@ -232,8 +231,8 @@ def cells(spec: PerplexitySpec, ctx: Context | None = None) -> list[dict[str, An
     return out
 
 
-def _model(ctx: Context, ck: Checkpoint) -> tuple[Any, Any]:
-    from poslsh_cli.positions import load_model
+def _model(ctx: PerplexityContext, ck: Checkpoint) -> tuple[Any, Any]:
+    from poslsh_cli.lm.loading import load_model
 
     if ck.name not in ctx.loaded:
         ctx.loaded.clear()  # one model in memory at a time
@@ -248,7 +247,7 @@ def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, see
     "perplexity", l, h)``: the row's ``seed`` replays them."""
     import dataclasses
 
-    from poslsh_cli.positions import PositionState
+    from poslsh_cli.lm.positions import PositionState
 
     if attention is Attention.OWN:
         return dataclasses.replace(own, seed=seed, plans=set(), _cache={}) if _random(own) else own
@@ -257,13 +256,13 @@ def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, see
 
 
 def _random(state: Any) -> bool:
-    from poslsh_cli.methods import INFO
+    from poslsh_cli.numerics.methods import INFO
 
     return state.position is not Position.ROPE and INFO[method_of(state.position)].randomized
 
 
-def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
-    from poslsh_cli.lm import evaluate
+def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, work: Any = None) -> tuple[list[dict], dict]:
+    from poslsh_cli.lm.evaluate import evaluate
 
     ck = ctx.checkpoints[key["checkpoint"]]
     att, s, length, trial = Attention(key["attention"]), key["s"], key["length"], key["trial"]
@@ -306,7 +305,7 @@ def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
 
 
 def skip_reason(spec: PerplexitySpec) -> str | None:
-    from poslsh_cli.experiment import cuda_skip_reason
+    from poslsh_cli.experiments.base import cuda_skip_reason
 
     why = cuda_skip_reason(spec.device)
     if why:

@@ -1,5 +1,5 @@
 """The paper's downstream claims, each judged from ``poslsh perplexity`` rows by a rule with an
-interval (:mod:`poslsh_cli.stats`): one function per claim.
+interval (:mod:`poslsh_cli.verdicts.stats`): one function per claim.
 
 A trained scheme is (position, s, attention dropout). Its value at a length is, per training seed,
 the mean bits per byte over the mask draws of that seed's model (own attention); comparisons are
@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from poslsh_cli.claims import Status, Verdict
-from poslsh_cli.positions import Position
-from poslsh_cli.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, count, difference, equivalence,
+from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.lm.positions import Position
+from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, count, difference, equivalence,
                               paired, paired_windows, ratio_interval, slope)
 
 OWN = "own"
@@ -215,7 +215,7 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
         shown = ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items())
         if len(fitted) >= MIN_SEEDS:
             slopes = {seed: slope([math.log(s) for s in g], list(g.values())).estimate for seed, g in fitted.items()}
-            from poslsh_cli.stats import t_interval
+            from poslsh_cli.verdicts.stats import t_interval
 
             iv = t_interval(slopes.values())
             ev = (f"L={d.L}: slope of the gap against ln s {iv.text()}, one slope per seed ("
@@ -263,7 +263,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
         return [Verdict(robust, Status.NOT_MEASURED, "no poslsh model evaluated at L and 4L", rule_r)]
     others = [sc for sc in (Scheme(ROPE), Scheme(NONE)) if _degradation(d, sc)]
     p = _degradation(d, Scheme(POSLSH, s))
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     if len(p) >= MIN_SEEDS:
         iv = t_interval(p.values())

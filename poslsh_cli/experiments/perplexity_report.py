@@ -1,6 +1,6 @@
 """``poslsh perplexity``'s tables, figures and claims: one function per figure and per claim of the
 paper, each computed from the rows it quotes. Schemes appear in one order everywhere (the order
-of :class:`~poslsh_cli.positions.Position`: no bias, the baselines, exact ALiBi, Positional LSH,
+of :class:`~poslsh_cli.lm.positions.Position`: no bias, the baselines, exact ALiBi, Positional LSH,
 RoPE).
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.claims import Section
-from poslsh_cli.positions import Position, model_label, with_model_columns
+from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.lm.positions import Position, model_label, with_model_columns
 
 OWN = "own"  # the attention column's value for a model run as trained
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
@@ -51,7 +51,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def _scheme(r: Any) -> str:
-    """A trained model's label (:func:`~poslsh_cli.positions.model_label`: scheme, s, dropout,
+    """A trained model's label (:func:`~poslsh_cli.lm.positions.model_label`: scheme, s, dropout,
     bandwidths), and its training length when it is not the only one (the ``multi_length`` column
     set by :func:`plot`)."""
     return (model_label(r["position"], r["trained_s"], r["attn_dropout"], r["sigmas"])
@@ -87,7 +87,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -> list[Path]:
     """One colour per trained scheme (shaded: range over seeds and draws), and a zoom on the curves
     near the best."""
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     groups = _groups(df)
@@ -125,7 +125,7 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
     """The models at their training length with another attention swapped in, as a dot plot."""
     from matplotlib.lines import Line2D
 
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     groups = _groups(df)
@@ -157,7 +157,7 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
 
 def plot_inference_s(run: Path, df: Any) -> list[Path]:
     """Bits per byte against the s used at inference, with each model's own attention dashed."""
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     p = df[df.attention == POSLSH]
@@ -214,7 +214,7 @@ def interval_table(own: Any) -> Any:
     training seeds (each seed the mean over its mask draws), and the counts it rests on."""
     import pandas as pd
 
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     rows = []
     for k, g in _by_scheme(own):
@@ -235,7 +235,7 @@ def swapped_table(df: Any) -> Any:
     95% interval, and the mean KL divergence (nats per token) from the model's own predictions."""
     import pandas as pd
 
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     rows = []
     for k, g in _by_scheme(df[df.length == df.trained_len]):

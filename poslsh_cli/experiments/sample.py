@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from poslsh_cli.claims import Section
-from poslsh_cli.config import Spec, check, key
-from poslsh_cli.experiment import Experiment, MemoryNeed
-from poslsh_cli.sampling import derive_seed
+from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.core.config import Spec, check, key
+from poslsh_cli.experiments.base import Experiment, MemoryNeed
+from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("head", "sigma", "sample", "seed", "width", "shift", "num_blocks", "max_block", "mean_block")
 
@@ -32,17 +32,17 @@ class SampleSpec(Spec):
 
 
 @dataclass
-class Context:
+class SampleContext:
     sigmas: Any  # (H,)
     seeds: list[int]
     partitions: list[Any]
     files: dict[str, Callable[[], bytes]] = field(default_factory=dict)
 
 
-def prepare(spec: SampleSpec) -> Context:
+def prepare(spec: SampleSpec) -> SampleContext:
     import numpy as np
 
-    from poslsh_cli.sampling import alibi_sigmas, sample_partitions
+    from poslsh_cli.numerics.sampling import alibi_sigmas, sample_partitions
 
     if spec.heads is not None:
         sigmas = alibi_sigmas(spec.heads)
@@ -50,12 +50,12 @@ def prepare(spec: SampleSpec) -> Context:
     else:
         sigmas, seeds = np.asarray([float(spec.sigma)]), [spec.seed]
     parts = [sample_partitions(spec.n, float(sg), spec.s, np.random.default_rng(sd)) for sg, sd in zip(sigmas, seeds)]
-    ctx = Context(sigmas, seeds, parts)
+    ctx = SampleContext(sigmas, seeds, parts)
     ctx.files["masks.npz"] = lambda: _npz(spec, ctx)
     return ctx
 
 
-def _npz(spec: SampleSpec, ctx: Context) -> bytes:
+def _npz(spec: SampleSpec, ctx: SampleContext) -> bytes:
     import numpy as np
 
     parts, seeds = ctx.partitions, ctx.seeds
@@ -77,11 +77,11 @@ def memory(spec: SampleSpec) -> MemoryNeed:
     return MemoryNeed(8.0 * (2 * heads * spec.s * spec.n + 3 * spec.n), f"bins of {heads} x {spec.s} x {spec.n}")
 
 
-def cells(spec: SampleSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
+def cells(spec: SampleSpec, ctx: SampleContext | None = None) -> list[dict[str, Any]]:
     return [{"head": h} for h in range(spec.heads if spec.heads is not None else 1)]
 
 
-def run_cell(spec: SampleSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
+def run_cell(spec: SampleSpec, key: dict[str, Any], ctx: SampleContext, work: Any = None) -> tuple[list[dict], dict]:
     h = key["head"]
     p, sd = ctx.partitions[h], ctx.seeds[h]
     rows = [{"head": h, "sigma": p.sigma, "sample": k, "seed": sd, "width": float(p.widths[k]),
@@ -105,8 +105,8 @@ def plot(run: Path, df: Any) -> list[Path]:
     """One mask, the mean of the s masks and L* side by side, for up to four heads."""
     import numpy as np
 
-    from poslsh_cli.config import ConfigError
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     data = np.load(run / "masks.npz")

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from poslsh_cli.attention.plan import BACKENDS, Backend
-from poslsh_cli.claims import Section, Status, Verdict, combine, crossover
-from poslsh_cli.config import ConfigError, Spec, key
-from poslsh_cli.experiment import Device, Experiment, choices, resolve_device, synchronize
-from poslsh_cli.methods import INFO
-from poslsh_cli.positions import Arch, Position, PositionState, method_of
-from poslsh_cli.sampling import derive_seed
+from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crossover
+from poslsh_cli.core.config import ConfigError, Spec, key
+from poslsh_cli.experiments.base import Device, Experiment, choices, resolve_device, synchronize
+from poslsh_cli.numerics.methods import INFO
+from poslsh_cli.lm.positions import Position, PositionState, method_of
+from poslsh_cli.lm.loading import Arch
+from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
            "peak_mem_mb", "params", "device", "steps")
@@ -81,16 +82,16 @@ def _has(position: Position, backend: str) -> bool:
 
 
 @dataclass
-class Context:
+class StepBenchContext:
     device: Any
     arch: Arch
 
 
-def prepare(spec: StepBenchSpec) -> Context:
-    from poslsh_cli.lm import fast_cpu_math
+def prepare(spec: StepBenchSpec) -> StepBenchContext:
+    from poslsh_cli.lm.evaluate import fast_cpu_math
 
     fast_cpu_math()
-    return Context(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
+    return StepBenchContext(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
                                                      spec.intermediate, spec.head_dim, max(8192, 4 * max(spec.seq_len))))
 
 
@@ -107,7 +108,7 @@ def planned(position: Position, backend: str, n: int, device: Any) -> str:
                   backend=backend).label
 
 
-def cells(spec: StepBenchSpec, ctx: Context | None = None) -> list[dict[str, Any]]:
+def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict[str, Any]]:
     """One cell per distinct path: a backend the scheme does not have, or one that resolves to a
     path already listed, is skipped."""
     import torch
@@ -129,13 +130,13 @@ def cells(spec: StepBenchSpec, ctx: Context | None = None) -> list[dict[str, Any
     return out
 
 
-def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: Context, work: Any = None) -> tuple[list[dict], dict]:
+def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
     import torch
 
-    from poslsh_cli.data import VOCAB
-    from poslsh_cli.measure import peak_memory_mb
-    from poslsh_cli.positions import build_model
+    from poslsh_cli.lm.data import VOCAB
+    from poslsh_cli.experiments.measure import peak_memory_mb
+    from poslsh_cli.lm.loading import build_model
 
     n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
     state = PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
@@ -192,7 +193,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))

@@ -10,7 +10,7 @@ initial weights, the batch of step t (from (seed, t)) and the masks of step t, l
 a run killed at any point and started again with the same ``out=`` continues from its last
 checkpoint and ends with the same weights and losses as an uninterrupted run (CPU).
 
-The model (:mod:`poslsh_cli.convert`): the byte model built from the size keys; ``init=`` a
+The model (:mod:`poslsh_cli.lm.convert`): the byte model built from the size keys; ``init=`` a
 pretrained causal LM (Llama, Mistral, Qwen2/3, BLOOM, MPT, Falcon-RW; a directory or a model
 preset) converted to the scheme, with its own tokenizer, optionally with LoRA adapters
 (``lora_rank=``); ``arch=`` a checkpoint's configuration and tokenizer trained from scratch.
@@ -21,12 +21,11 @@ Several processes (``torchrun --nproc_per_node=N -m poslsh_cli train ...``, or a
 one task per GPU): data-parallel (DDP, or FSDP with ``parallel=fsdp``); the global batch of step t
 is the one a single process draws, each rank takes its contiguous share (and ``accumulate=``
 micro-batches of it), so the losses equal one process's; rank 0 writes everything
-(:mod:`poslsh_cli.distributed`). Lengths and batches count tokens (bytes for the byte model).
+(:mod:`poslsh_cli.core.distributed`). Lengths and batches count tokens (bytes for the byte model).
 """
 from __future__ import annotations
 
 import enum
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,39 +33,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.experiments.train_report import plot, report, summary
-from poslsh_cli.config import ConfigError, Spec, check, key
-from poslsh_cli.experiment import Experiment, Device, cuda_skip_reason
-from poslsh_cli.methods import INFO
-from poslsh_cli.positions import Position, method_of
-from poslsh_cli.sampling import derive_seed
+from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.experiments.base import Experiment, Device, cuda_skip_reason
+from poslsh_cli.experiments.stage import TRAIN_EVAL, Parallel, Precision, Stage, micro_batch, train_stage
+from poslsh_cli.numerics.methods import INFO
+from poslsh_cli.lm.positions import Position, method_of
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
            "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss",
            "train_eval_sample", "sigmas")
-#: the final weights' loss on ``eval_tokens`` spread over the training split (nats per token), per stage
-TRAIN_EVAL = "train_eval.json"
-#: the GradScaler state of an fp16 run, beside optimizer.pt in every checkpoint
-SCALER = "scaler.pt"
-#: how the training-split evaluation samples its windows (``train_eval_sample``): spans spread over
-#: the whole split (:func:`poslsh_cli.data.spread_sample`); older runs scored its first tokens
-TRAIN_SAMPLE = "spread"
-METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
-
-
-class Precision(str, enum.Enum):
-    """Arithmetic of the forward and backward passes (autocast); weights and optimizer stay float32."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-
-class Parallel(str, enum.Enum):
-    """How several processes share the model: replicated (DDP) or sharded (FSDP, ``fully_shard``)."""
-
-    DDP = "ddp"
-    FSDP = "fsdp"
 
 
 class LoraSave(str, enum.Enum):
@@ -157,7 +133,7 @@ class TrainSpec(Spec):
 
 
 @dataclass
-class Context:
+class TrainContext:
     corpus: Any
     source: Any  # convert.Source
     device: Any
@@ -166,28 +142,19 @@ class Context:
 
 
 def _byte_config(spec: TrainSpec) -> dict:
-    from poslsh_cli.positions import Arch
+    from poslsh_cli.lm.loading import Arch
 
     return Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim,
                 max(32 * max(spec.seq_len), 8192)).config()
 
 
-def micro_batch(spec: TrainSpec, world: int) -> int:
-    """Sequences per forward pass of one process; refuses a global batch that does not divide."""
-    parts = world * spec.accumulate
-    if spec.batch % parts:
-        raise ConfigError(f"batch={spec.batch} does not divide into {world} process(es) x accumulate={spec.accumulate} "
-                          f"micro-batches; use a multiple of {parts}")
-    return spec.batch // parts
-
-
-def prepare(spec: TrainSpec) -> Context:
+def prepare(spec: TrainSpec) -> TrainContext:
     import torch
 
-    from poslsh_cli import distributed as dist
-    from poslsh_cli.convert import open_source, peft_module, tokenizer_of
-    from poslsh_cli.data import load_corpus
-    from poslsh_cli.lm import fast_cpu_math
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.lm.convert import open_source, peft_module, tokenizer_of
+    from poslsh_cli.lm.data import load_corpus
+    from poslsh_cli.lm.evaluate import fast_cpu_math
 
     world = dist.world().size
     micro_batch(spec, world)
@@ -211,7 +178,7 @@ def prepare(spec: TrainSpec) -> Context:
     if top >= vocab:
         raise ConfigError(f"data={spec.data}: token id {top} does not fit the model's vocabulary of {vocab}")
     meta = {"corpus": corpus_meta(corpus, spec), "model_source": source.describe(), "world_size": world}
-    return Context(corpus, source, device, meta=meta, world=world)
+    return TrainContext(corpus, source, device, meta=meta, world=world)
 
 
 def corpus_meta(corpus: Any, spec: TrainSpec) -> dict:
@@ -246,292 +213,14 @@ def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
     return out
 
 
-def learning_rate(spec: TrainSpec, step: int, steps: int) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to 10% of it at the last step."""
-    warm = min(spec.warmup, max(steps - 1, 0))
-    if step <= warm:
-        return spec.lr * step / max(1, warm)
-    frac = (step - warm) / max(1, steps - warm)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def eval_interval(spec: TrainSpec, steps: int) -> int:
-    """Steps between evaluations: ``eval_every``, but at least five evaluations in a stage (and
-    always one at its last step)."""
-    five = max(1, steps // 5)
-    return min(spec.eval_every, five) if spec.eval_every else five
-
-
 # ---------------------------------------------------------------------------------------------
 # one stage: a model trained for ``steps`` steps under one scheme
 
 
-@dataclass
-class Stage:
-    """What a stage trains: ``label`` for progress lines, the scheme, where its weights start
-    (``init``: a checkpoint, or None for fresh weights) and whether LoRA adapters are trained."""
-
-    position: Position
-    s: int
-    seed: int
-    steps: int
-    seq_len: int
-    init: Optional[Path]
-    label: str
-    dropout: float = 0.0
-    lora: bool = False
-    #: training steps the weights saw before this stage (a fine-tune after ``pretrain_steps`` of
-    #: pretraining): the stage's step t draws batch, masks and dropout of global step
-    #: ``first_step + t``, so fine-tuning continues the data stream instead of replaying it
-    first_step: int = 0
-
-
-def _build(spec: TrainSpec, ctx: Context, stage: Stage, resume: Optional[Path]) -> tuple[Any, Any]:
-    """The stage's model with its scheme installed (not yet on the device or wrapped): from the
-    resume checkpoint, from ``stage.init``, or fresh weights from the seed."""
-    from poslsh_cli import convert
-    from poslsh_cli.positions import install, set_attention_dropout
-
-    if resume is not None and not stage.lora:
-        model = convert.load_weights(resume)
-    elif stage.init is not None:
-        model = convert.load_weights(stage.init)
-    else:
-        model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
-    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed)
-    install(model, state)
-    set_attention_dropout(model, stage.dropout)
-    if stage.lora:
-        model = convert.with_lora(model, spec.lora_rank, spec.lora_alpha, spec.lora_targets)
-        if resume is not None:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(model, load_file(str(resume / "adapter_model.safetensors")))
-    if spec.gradient_checkpointing:
-        convert.base_of(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, state
-
-
-def _wrap(spec: TrainSpec, ctx: Context, model: Any) -> Any:
-    """The model as several processes train it (DDP or FSDP); itself in one process."""
-    if ctx.world == 1:
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    if spec.parallel is Parallel.FSDP:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in convert_layers(model):
-            fully_shard(layer)
-        return fully_shard(model)
-    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
-
-
-def convert_layers(model: Any) -> list[Any]:
-    """The decoder layers (the units FSDP shards one at a time)."""
-    import torch
-
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) and type(m[0]).__name__.endswith(("DecoderLayer", "Block")):
-            return list(m)
-    return []
-
-
-def _state_dicts(spec: TrainSpec, ctx: Context, model: Any, opt: Any) -> tuple[Optional[dict], Optional[dict]]:
-    """Full weights and optimizer state of a sharded model, gathered on every rank (collective);
-    (None, None) when the model is whole in every process."""
-    if spec.parallel is not Parallel.FSDP or ctx.world == 1:
-        return None, None
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
-
-
-def _save(ctx: Context, model: Any, path: Path, info: dict, opt: Any = None, full: tuple = (None, None),
-          lora_save: str = "merged", scaler: Any = None) -> None:
-    import torch
-
-    from poslsh_cli.convert import save
-
-    weights, optim = full
-    save(model, path, info, ctx.source.tokenizer, lora_save, state_dict=weights)
-    if opt is not None:
-        torch.save(optim if optim is not None else opt.state_dict(), path / "optimizer.pt")
-    if scaler is not None:  # fp16: the loss scale and its growth tracker, so a resumed run scales alike
-        torch.save(scaler.state_dict(), path / SCALER)
-
-
-def load_scaler(scaler: Any, checkpoint: Path) -> None:
-    """Restore an fp16 run's GradScaler from its checkpoint (``scaler.pt``); a checkpoint without one
-    (written by a run in another precision) is refused rather than resumed at the initial scale."""
-    import torch
-
-    path = Path(checkpoint) / SCALER
-    if not path.is_file():
-        raise ConfigError(f"{checkpoint} has no {SCALER} (the loss scale of an fp16 run); resume it with the "
-                          "precision it was trained with")
-    scaler.load_state_dict(torch.load(path, weights_only=True))
-
-
-def _load_optimizer(spec: TrainSpec, ctx: Context, model: Any, opt: Any, path: Path) -> None:
-    import torch
-
-    saved = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
-    if spec.parallel is Parallel.FSDP and ctx.world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, opt, optim_state_dict=saved, options=StateDictOptions(full_state_dict=True))
-    else:
-        opt.load_state_dict(saved)
-
-
-def _autocast(spec: TrainSpec, device: Any) -> Any:
-    import contextlib
-
-    import torch
-
-    if spec.precision is Precision.FP32:
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if spec.precision is Precision.BF16 else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
-
-
-def train_stage(spec: TrainSpec, ctx: Context, work: Any, stage: Stage) -> Path:
-    """Train one stage in the cell directory ``work`` (resumable from its newest complete
-    checkpoint, or from scratch with an emptied log); returns its verified ``final/``. With several
-    processes rank 0 decides where to start and writes; every rank trains its share."""
-    import contextlib
-
-    import numpy as np
-    import torch
-
-    from poslsh_cli import distributed as dist
-    from poslsh_cli.data import spread_sample, train_batch
-    from poslsh_cli.files import atomic_write_text, fault_point, write_dir
-    from poslsh_cli.lm import evaluate
-
-    def where() -> tuple[str, Optional[str], int]:
-        final = work.finished()
-        if final is not None:
-            return "final", str(final), 0
-        last = work.checkpoints().latest()
-        return ("resume", str(last[1]), last[0]) if last is not None else ("start", None, 0)
-
-    how, at, start = dist.decide(where)
-    if how == "final":
-        return Path(at)
-    resume = Path(at) if how == "resume" else None
-    metrics = work.metrics(METRICS)
-    ckpts = work.checkpoints()
-    model, state = _build(spec, ctx, stage, resume)
-    if resume is not None:
-        work.progress(start, stage.steps, f"{stage.label} resumed from the checkpoint of step {start}")
-    metrics.truncate_after("step", start)  # steps after the starting point are computed again
-    model.to(ctx.device)
-    model.train()
-    trained = _wrap(spec, ctx, model)
-    named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
-    decay = [p for n, p in named if p.ndim >= 2]
-    other = [p for n, p in named if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
-                             {"params": other, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
-    if resume is not None:
-        _load_optimizer(spec, ctx, trained, opt, resume)
-    scaler = torch.amp.GradScaler(ctx.device.type) if spec.precision is Precision.FP16 else None
-    if scaler is not None and resume is not None:
-        load_scaler(scaler, resume)
-    info = {"position": stage.position.value, "s": stage.s, "seed": stage.seed, "seq_len": stage.seq_len,
-            "steps": stage.steps, "data": spec.data, "data_sha256": ctx.corpus.sha256,
-            "val_fraction": spec.val_fraction, "val_every": spec.val_every, "data_field": spec.data_field,
-            "attn_dropout": stage.dropout, "init": str(stage.init) if stage.init else None,
-            "tokenizer": ctx.corpus.tokenizer, "lora_rank": spec.lora_rank if stage.lora else 0,
-            "scheme": state.to_json(), "trainable": int(sum(p.numel() for _, p in named)), "world_size": ctx.world}
-    done = metrics.frame()
-    elapsed = float(done.seconds.iloc[-1]) if len(done) else 0.0
-    world, rank = ctx.world, dist.rank()
-    micro = micro_batch(spec, world)
-    share = spec.batch // world
-    tokens_per_step = spec.batch * stage.seq_len
-    every = eval_interval(spec, stage.steps)
-    lora_save = spec.lora_save.value
-    for step in range(start + 1, stage.steps + 1):
-        t0 = time.perf_counter()
-        stream = stage.first_step + step  # the global step: what this step's randomness is drawn for
-        state.step = stream
-        lr = learning_rate(spec, step, stage.steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        rng = np.random.default_rng(derive_seed(stage.seed, "batch", stream))
-        if stage.dropout:  # dropout draws from torch's global generator: seeded per step and rank, so a
-            # run (and a run resumed from a checkpoint) draws the same dropout masks; with several
-            # processes each rank draws its own, so it does not replay one process (docs/THEORY.md)
-            torch.manual_seed(derive_seed(stage.seed, "dropout", stream, rank))
-        batch = train_batch(ctx.corpus.train, stage.seq_len, spec.batch, rng)[rank * share:(rank + 1) * share]
-        xb = torch.as_tensor(batch, device=ctx.device)
-        opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for m in range(spec.accumulate):
-            x = xb[m * micro:(m + 1) * micro]
-            last = m == spec.accumulate - 1
-            sync = contextlib.nullcontext() if last or world == 1 or spec.parallel is Parallel.FSDP \
-                else trained.no_sync()
-            with sync:
-                with _autocast(spec, ctx.device):
-                    logits = trained(input_ids=x[:, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                         x[:, 1:].reshape(-1)) / spec.accumulate
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            loss_sum += loss.item()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        if spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], spec.grad_clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        loss_value = dist.all_reduce_mean(loss_sum, ctx.device)
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        row = {"step": step, "tokens": step * tokens_per_step, "loss": loss_value, "val_loss": None,
-               "val_bpb": None, "lr": lr, "seconds": round(elapsed, 4), "step_seconds": round(dt, 5),
-               "tokens_per_s": round(tokens_per_step / dt, 1)}
-        if step % every == 0 or step == stage.steps:
-            ev = evaluate(trained, state, ctx.corpus.val, stage.seq_len, max_tokens=spec.eval_tokens,
-                          token_bytes=ctx.corpus.val_bytes, shard=(rank, world))
-            row["val_loss"] = ev.loss
-            row["val_bpb"] = ev.bits_per_byte
-            if step == stage.steps:  # the final weights on as many training tokens, spread over the
-                # whole training split as the validation documents are over the corpus: the overfitting gap
-                tr = evaluate(trained, state, spread_sample(ctx.corpus.train, stage.seq_len, spec.eval_tokens),
-                              stage.seq_len, shard=(rank, world))
-                if dist.is_main():
-                    atomic_write_text(work.path / TRAIN_EVAL, json.dumps(
-                        {"step": step, "loss": tr.loss, "sampling": TRAIN_SAMPLE}) + "\n")
-        metrics.append(row)
-        fault_point(f"step:{step}")
-        work.progress(step, stage.steps, f"{stage.label} loss {loss_value:.3f}"
-                      + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))
-        if step % spec.checkpoint_every == 0 and step < stage.steps:
-            full = _state_dicts(spec, ctx, trained, opt)
-            if dist.is_main():
-                ckpts.save(step, lambda d: _save(ctx, model, d, {**info, "step": step}, opt, full, "adapter",
-                                                 scaler), keep=2)
-    full = _state_dicts(spec, ctx, trained, opt)
-    final = dist.decide(lambda: str(write_dir(work.final, lambda d: _save(
-        ctx, model, d, {**info, "step": stage.steps}, full=(full[0], None), lora_save=lora_save))))
-    return Path(final)
-
-
-def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: Context, work: Any) -> tuple[list[dict], dict]:
-    from poslsh_cli import distributed as dist
-    from poslsh_cli.cellwork import read_log
-    from poslsh_cli.rundir import read_json
+def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any) -> tuple[list[dict], dict]:
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.store.cellwork import read_log
+    from poslsh_cli.store.readers import read_json
 
     t0 = time.perf_counter()
     position, s, seed = Position(key["position"]), key["s"], key["seed"]
@@ -583,11 +272,11 @@ def _param_count(path: Path) -> int:
 
 
 def _sigmas(final: Path, position: Position) -> str:
-    """The trained scheme's bandwidths (:func:`~poslsh_cli.positions.sigma_label`); empty for the
+    """The trained scheme's bandwidths (:func:`~poslsh_cli.lm.positions.sigma_label`); empty for the
     schemes that have none (rope, none)."""
     import json
 
-    from poslsh_cli.positions import sigma_label
+    from poslsh_cli.lm.positions import sigma_label
 
     if position in (Position.ROPE, Position.NONE):
         return ""
@@ -605,7 +294,7 @@ def _trainable(final: Path) -> int:
 def skip_reason(spec: TrainSpec) -> Optional[str]:
     """Why ``poslsh reproduce`` skips a preset here: no CUDA for a GPU preset, or no checkpoint
     for init= / arch= (a model preset looks in $POSLSH_MODELS)."""
-    from poslsh_cli.convert import resolve_ref
+    from poslsh_cli.lm.convert import resolve_ref
 
     why = cuda_skip_reason(spec.device)
     if why:

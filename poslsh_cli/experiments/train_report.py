@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.claims import Section, Status, Verdict, crossover
-from poslsh_cli.positions import Position, model_label, with_model_columns
+from poslsh_cli.verdicts.claims import Section, Status, Verdict, crossover
+from poslsh_cli.lm.positions import Position, model_label, with_model_columns
 
 SCHEMES = [p.value for p in Position]
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
@@ -19,7 +19,7 @@ def _rank(position: str, s: int = 0) -> tuple:
 
 
 def _model(r: Any) -> str:
-    """position, s, dropout and bandwidths of one row (:func:`~poslsh_cli.positions.model_label`)."""
+    """position, s, dropout and bandwidths of one row (:func:`~poslsh_cli.lm.positions.model_label`)."""
     return model_label(r["position"], r["s"], r["attn_dropout"], r["sigmas"])
 
 
@@ -36,7 +36,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
     """(row, metrics DataFrame) for every finished cell, from its work directory."""
-    from poslsh_cli.cellwork import read_log
+    from poslsh_cli.store.cellwork import read_log
 
     out = []
     for r in df.to_dict("records"):
@@ -57,7 +57,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 def plot_learning_curves(run: Path, df: Any) -> list[Path]:
     """Training loss and validation bits per byte against steps: one colour per scheme, one line
     style per seed (or per length when several were trained)."""
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
     curves = list(metrics_of(run, with_model_columns(df)))
@@ -103,7 +103,7 @@ def step_times(df: Any) -> Any:
 
 def plot_step_time(run: Path, df: Any) -> list[Path]:
     """Seconds per training step against the training length, per scheme (log-log)."""
-    from poslsh_cli.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import pyplot, save
 
     times = step_times(df)
     if times is None:
@@ -188,7 +188,7 @@ def overfitting_table(df: Any) -> Any:
     rows measure overfitting."""
     import pandas as pd
 
-    from poslsh_cli.stats import t_interval
+    from poslsh_cli.verdicts.stats import t_interval
 
     evals = df.train_eval_loss if "train_eval_loss" in df.columns else math.nan
     sample = df.train_eval_sample.astype(object).where(df.train_eval_sample.notna(), "first") \

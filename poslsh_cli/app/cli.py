@@ -1,0 +1,258 @@
+"""The ``poslsh`` command line: Typer owns the command line, Hydra owns configuration.
+
+One command per registered experiment (:mod:`poslsh_cli.app.registry`), plus ``plot``, ``report``
+and ``reproduce``. Every experiment command takes trailing ``key=value`` Hydra overrides (lists
+as ``key=[a,b]`` sweep inside one run). ``-m`` turns comma-separated values (``s=8,16``) into a
+Hydra multirun, so the same command runs jobs one after another (basic launcher), in parallel
+(``hydra/launcher=joblib``) or as a SLURM array (``hydra/launcher=submitit_slurm``).
+
+Flow: argv -> overrides parsed and every job composed and validated into a frozen spec (so bad
+input fails before anything is written) -> ``hydra.main`` task -> the same validation -> runner
+-> run directory. Errors are raised below this module and turned into one line here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+
+from poslsh_cli import __version__
+from poslsh_cli.app import registry
+from poslsh_cli.app.launch import check_launcher, terminate_as_interrupt, fail, launch
+from poslsh_cli.core.config import CONF_DIR, ConfigError, key_help
+from poslsh_cli.lm import models
+from poslsh_cli.experiments.base import Experiment
+
+app = typer.Typer(
+    name="poslsh",
+    help="Reproduce, measure and extend Positional LSH (Wolfson & Wagner, 2026): ALiBi's bias exp(-|i-j|/sigma) "
+         "as the mean of random block-diagonal masks.\n\n"
+         "Experiment commands take KEY=VALUE overrides (lists: key=\\[a,b]); experiment=NAME applies a preset; "
+         "-m runs a Hydra multirun over comma-separated values. Results go to runs/<command>/<timestamp>/ or "
+         "out=DIR; running again with the same out= resumes.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"poslsh {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    """poslsh: Positional-LSH experiment runner."""
+
+
+# ---------------------------------------------------------------------------------------------
+# help text
+
+
+def _paragraphs(text: str) -> str:
+    """Reflow a docstring: lines of a paragraph joined, so the terminal wraps whole sentences;
+    square brackets escaped, so rich shows ``position=[a,b]`` instead of reading it as markup."""
+    from rich.markup import escape
+
+    paras = [" ".join(line.strip() for line in p.splitlines()) for p in text.strip().split("\n\n")]
+    return "\n\n".join(escape(p) for p in paras if p)
+
+
+def _helped(fn: Callable[..., None]) -> Callable[..., None]:
+    """A command whose docstring is reflowed (see :func:`_paragraphs`)."""
+    fn.__doc__ = _paragraphs(fn.__doc__ or "")
+    return fn
+
+
+def _yaml_defaults(exp: Experiment) -> dict:
+    """Defaults as written in conf/<command>.yaml, config groups by their chosen name."""
+    import yaml
+
+    data = yaml.safe_load((CONF_DIR / f"{exp.config_name}.yaml").read_text()) or {}
+    for entry in data.pop("defaults", []) or []:
+        if isinstance(entry, dict):
+            for group, name in entry.items():
+                if group in exp.groups:
+                    data[group] = {"name": name}
+    return data
+
+
+def _epilog(exp: Experiment) -> str:
+    from rich.markup import escape
+
+    lines = [f"[b]Keys[/b] (KEY=VALUE, defaults from conf/{exp.config_name}.yaml):\n\n"]
+    for k, default, text in key_help(exp.spec, _yaml_defaults(exp)):
+        if k in exp.groups and k == "model":
+            text = models.help_text()
+        lines.append(f"  [cyan]{k}[/cyan]={escape(default)}  {escape(text)}\n\n")
+    presets = registry.preset_names(exp)
+    if presets:
+        lines.append(f"  [cyan]experiment[/cyan]=NAME  a preset from conf/experiment/: {escape(', '.join(presets))}\n\n")
+    lines.append("  [cyan]hydra/launcher[/cyan]=NAME  with -m: basic (default), joblib (parallel on this machine), "
+                 "submitit_local or submitit_slurm (SLURM array); the last three need pip install -e \".\\[launchers]\"\n\n")
+    return "".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# overrides -> jobs -> hydra.main
+
+
+def _multirun_opt() -> Any:
+    return typer.Option(False, "-m", "--multirun",
+                        help="Hydra multirun: one job per combination of comma-separated values.")
+
+
+def _experiment_command(exp: Experiment) -> Callable[..., None]:
+    def command(ctx: typer.Context, multirun: bool = _multirun_opt()) -> None:
+        launch(exp, ctx.args, multirun)
+
+    command.__name__ = exp.config_name
+    command.__doc__ = _paragraphs(exp.help)
+    return command
+
+
+for _exp in registry.experiments().values():
+    app.command(_exp.name, context_settings=_EXTRA, epilog=_epilog(_exp))(_experiment_command(_exp))
+
+
+# ---------------------------------------------------------------------------------------------
+# commands over run directories
+
+
+@app.command("report")
+@_helped
+def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
+                                                     show_default=False),
+               out: Path = typer.Option(None, "--out", "-o", help="where report.md and report.html go "
+                                        "(default: the single run directory, or the common parent)")) -> None:
+    """One report.md and a self-contained report.html: each paper claim beside its measurement."""
+    from poslsh_cli.app import report
+    from poslsh_cli.store.readers import find_runs
+
+    try:
+        runs = find_runs(run_dirs)
+        target = out or _common_parent(runs)
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"-o {target} is a file: -o names the folder that report.md and report.html go to")
+        md, html_path = report.build(run_dirs, target,
+                                     notice=lambda text: sys.stderr.write(f"poslsh report: {text}\n"))
+    except ConfigError as exc:
+        fail("report", str(exc))
+        return
+    except OSError as exc:
+        fail("report", f"cannot write the report ({exc.strerror or type(exc).__name__}: {exc.filename or target})")
+        return
+    typer.echo(str(md))
+    typer.echo(str(html_path))
+
+
+def _common_parent(paths: list[Path]) -> Path:
+    if len(paths) == 1:
+        return paths[0]
+    return Path(os.path.commonpath([str(p.resolve()) for p in paths]))
+
+
+@app.command("collect")
+@_helped
+def collect_cmd(sweep_dir: Path = typer.Argument(..., help="the directory of a multirun (holds multirun.yaml)",
+                                                 show_default=False)) -> None:
+    """One results.csv from a multirun: every job's rows, with the job's overrides as columns;
+    says which jobs are missing or unfinished and which cells more than one job ran (exit 1).
+    Runs by itself at the end of every -m."""
+    from poslsh_cli.app.sweep import collect
+
+    try:
+        res = collect(sweep_dir)
+    except ConfigError as exc:
+        fail("collect", str(exc))
+        return
+    typer.echo(f"{res.rows} rows from {res.jobs} jobs: {res.path}")
+    for p in res.notes + res.problems:
+        sys.stderr.write(f"poslsh collect: {p}\n")
+    if res.problems:
+        raise SystemExit(1)
+
+
+@app.command("reproduce")
+@_helped
+def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
+                  runs: Path = typer.Option(Path("runs/reproduce"), help="root of the run directories"),
+                  launcher: str = typer.Option("local", help="local (one preset after another), joblib (presets in "
+                                               "parallel here) or slurm (each preset a SLURM job)"),
+                  jobs: Optional[int] = typer.Option(None, help="joblib: presets at once (default: the cores)"),
+                  with_: list[str] = typer.Option([], "--with", help="opt-in presets to run as well: train_long, "
+                                                  "perplexity_long (the long-context CPU runs), or all")) -> None:
+    """Every experiment of the paper at one scale, then plots and the report (resumable)."""
+    from poslsh_cli.app.reproduce import Launcher
+    from poslsh_cli.app.reproduce import main as reproduce_main
+
+    for value, kind in ((scale, registry.Scale), (launcher, Launcher)):
+        if value not in {m.value for m in kind}:
+            fail("reproduce", f"--{kind.__name__.lower()} must be {' or '.join(m.value for m in kind)}, got {value!r}")
+    if launcher != Launcher.LOCAL.value:
+        try:
+            check_launcher(launcher, multirun=True)
+        except ConfigError as exc:
+            fail("reproduce", str(exc))
+    from poslsh_cli.app.reproduce import check_with
+
+    try:
+        include = check_with(with_)
+    except ConfigError as exc:
+        fail("reproduce", str(exc))
+    raise SystemExit(reproduce_main(scale, runs, launcher, jobs, include))
+
+
+@app.command("plot")
+@_helped
+def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
+                                                   show_default=False)) -> None:
+    """Draw the figures of finished (or partial) runs into each run's figures/ (PNG and PDF)."""
+    from poslsh_cli.app.report import plot_run
+    from poslsh_cli.store.readers import find_runs
+
+    def notice(text: str) -> None:
+        sys.stderr.write(f"poslsh plot: {text}\n")
+
+    try:
+        runs = find_runs(run_dirs)
+    except ConfigError as exc:
+        fail("plot", str(exc))
+    failed = []
+    for run in runs:  # one run that cannot be plotted does not stop the others
+        try:
+            for p in plot_run(run, notice=notice):
+                typer.echo(str(p))
+        except ConfigError as exc:
+            failed.append(str(exc))
+        except OSError as exc:
+            failed.append(f"{run}: cannot write its figures ({exc.strerror or type(exc).__name__}: "
+                          f"{exc.filename or run})")
+    if failed and len(runs) > 1:
+        for why in failed[:-1]:
+            notice(f"not plotted: {why}")
+        fail("plot", f"{len(failed)} of {len(runs)} runs not plotted; the last: {failed[-1]}")
+    elif failed:
+        fail("plot", failed[0])
+
+
+def run() -> None:
+    """Console-script entry point."""
+    terminate_as_interrupt()
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()
+
+
+__all__ = ["app", "run", "launch", "fail"]

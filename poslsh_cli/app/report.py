@@ -1,0 +1,230 @@
+"""``poslsh report``: one markdown and one self-contained HTML report beside the runs.
+
+Each run contributes its experiment's section (``Experiment.report``: a claim of the paper
+beside what the run measured, with the verdict, the numbers it was computed from and the rule;
+see :mod:`poslsh_cli.verdicts.claims`). Every comparative sentence is generated from the data it talks
+about; a claim without data is NOT MEASURED. Skipped experiments and reproduce sessions are
+read from the run directories, so any report over them says what is missing and why.
+"""
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from poslsh_cli.app import registry
+from poslsh_cli.verdicts.claims import Section, Status
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.files import atomic_write_text
+from poslsh_cli.store.readers import find_runs, read_json, results, status
+
+
+def _print(text: str) -> None:
+    import sys
+
+    sys.stderr.write(text + "\n")
+
+
+def run_table(run: Path, notice=_print) -> tuple:
+    """(experiment, config, meta, rows) of one run directory; rows come from its cells
+    (:func:`poslsh_cli.store.readers.results` repairs a results.csv that disagrees, saying so)."""
+    exp, cfg, meta = registry.experiment_of(run)
+    return exp, cfg, meta, results(run, exp.columns, notice)
+
+
+def plot_run(run: Path, notice=_print) -> list[Path]:
+    """Every figure of one run directory (its experiment's ``plot``); returns the files written."""
+    exp, _, _, df = run_table(Path(run), notice)
+    if exp.plot is None:
+        raise ConfigError(f"{run}: no plots for command {exp.name!r}")
+    if df.empty:
+        raise ConfigError(f"{run}: no finished cell yet")
+    return exp.plot(Path(run), df)
+
+
+# ---------------------------------------------------------------------------------------------
+# notes kept in the run directories (skipped experiments, reproduce sessions)
+
+
+def notes_of(paths: list[Path]) -> list[str]:
+    """Skipped experiments (``skipped.json`` in their run directory) and ``reproduce.json`` sessions
+    found at or below ``paths``, so any report over them says what is missing and why."""
+    notes: list[str] = []
+    seen: set[Path] = set()
+    for root in paths:
+        root = Path(root)
+        for f in sorted(root.rglob("skipped.json")) + ([root / "skipped.json"] if (root / "skipped.json").exists() else []):
+            f = f.resolve()
+            if f in seen or (f.parent / "config.yaml").exists():
+                continue  # a run has since been made there
+            seen.add(f)
+            try:
+                rec = json.loads(f.read_text())
+                notes.append(f"skipped {rec['name']}: {rec['reason']}")
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        rep = root / "reproduce.json"
+        if rep.exists() and rep.resolve() not in seen:
+            seen.add(rep.resolve())
+            try:
+                rec = json.loads(rep.read_text())
+                for sess in rec.get("sessions", []):
+                    notes.append(f"reproduce --scale {rec.get('scale')}: session started {sess['started']}, "
+                                 f"{sess['ran']} experiments run in {sess['seconds']:.0f} s"
+                                 + (f", failed: {', '.join(sess['failed'])}" if sess.get("failed") else ""))
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            timing = _wall_times(root)
+            if timing:
+                total = sum(timing.values())
+                notes.append("wall time per experiment (meta.json, all sessions): "
+                             + ", ".join(f"{name} {sec:.0f} s" for name, sec in timing.items())
+                             + f"; total {total:.0f} s ({total / 3600:.2f} h)")
+    return notes
+
+
+def _wall_times(root: Path) -> dict[str, float]:
+    """Seconds each experiment under a reproduce root ran, summed over its sessions (and over the
+    jobs of a multirun): what ``make reproduce-*`` cost, even when it ran in several sessions."""
+    out: dict[str, float] = {}
+    for exp in sorted(p for p in root.iterdir() if p.is_dir()):
+        metas = [exp / "meta.json"] if (exp / "meta.json").exists() else sorted(exp.glob("*/meta.json"))
+        sec = 0.0
+        for m in metas:
+            meta, _ = read_json(m)
+            try:
+                sec += float(meta.get("wall_seconds", 0.0)) if isinstance(meta, dict) else 0.0
+            except (TypeError, ValueError):
+                continue
+        if sec > 0:
+            out[exp.name] = sec
+    return out
+
+
+def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, notice=_print) -> tuple[Path, Path]:
+    """Write report.md and report.html into ``out_dir``; returns their paths. Repairs of a run's
+    tables are said through ``notice`` and listed in the report."""
+    runs = find_runs(run_dirs)
+    notes = list(notes or []) + [n for n in notes_of([Path(p) for p in run_dirs]) if n not in (notes or [])]
+    experiments = registry.experiments()
+    order = {name: i for i, name in enumerate(experiments)}
+    sections, provenance = [], []
+    for run in runs:
+        said: list[str] = []
+
+        def tell(text: str) -> None:
+            said.append(text)
+            notice(text)
+
+        try:
+            exp, cfg, meta, df = run_table(run, tell)
+        except ConfigError as exc:
+            notes.append(f"left out {run}: {exc}")
+            continue
+        notes.extend(said)
+        if exp.report is None or df.empty:
+            continue
+        sec = exp.report(run, df)
+        try:
+            sec.figures = [p for p in exp.plot(run, df) if p.suffix == ".png"] if exp.plot else []
+        except Exception as exc:  # a figure that cannot be drawn must not lose the numbers
+            sec.paragraphs.append(f"(figures unavailable: {exc})")
+        sections.append(sec)
+        git = meta.get("git") or {}
+        provenance.append({"run": run.name, "command": exp.name, "status": status(run, meta),
+                           "commit": ((git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else "")) or None,
+                           "seed": meta.get("seed"), "wall s": meta.get("wall_seconds"),
+                           "device": (meta.get("device") or {}).get("cuda") or (meta.get("device") or {}).get("machine"),
+                           "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
+    sections.sort(key=lambda s: order[s.command])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
+    md_path, html_path = out_dir / "report.md", out_dir / "report.html"
+    atomic_write_text(md_path, md)
+    atomic_write_text(html_path, body)
+    return md_path, html_path
+
+
+def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, notes: list[str]) -> str:
+    lines = ["# Positional LSH: claims and measurements", "",
+             f"Generated {_dt.datetime.now().isoformat(timespec='seconds')} by `poslsh report`.", ""]
+    lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+    lines += ["## Summary", "", "| section | claim | verdict | evidence |", "|---|---|---|---|"]
+    for sec in sections:
+        for v in sec.verdicts:
+            lines.append(f"| {sec.command} ({sec.run.name}) | {v.claim} | **{v.status.value}** | {v.evidence} |")
+    for sec in sections:
+        lines += ["", f"## {sec.title}", "", f"Run: `{sec.run}`", ""]
+        for v in sec.verdicts:
+            lines.append(f"- **{v.status.value}**: {v.claim}. {v.evidence}. *Rule: {v.rule}.*")
+        lines += [""] + sec.paragraphs
+        for t in sec.tables:
+            lines += ["", t.to_markdown(index=False)]
+        for caption, _ in sec.details:
+            lines += ["", f"({caption}: in report.html and `{_rel(sec.run / 'results.csv', out_dir)}`.)"]
+        for f in sec.figures:
+            lines += ["", f"![{f.stem}]({_rel(f, out_dir)})"]
+    lines += ["", "## Provenance", ""]
+    lines.append(pd.DataFrame(provenance).to_markdown(index=False))
+    return "\n".join(lines) + "\n"
+
+
+def _rel(path: Path, base: Path) -> str:
+    import os
+
+    return os.path.relpath(path, base)
+
+
+_CLASS = {Status.SUPPORTED: "ok", Status.NOT_SUPPORTED: "no", Status.INCONCLUSIVE: "unsure", Status.NOT_MEASURED: "na"}
+
+
+def _html(sections: list[Section], provenance: list[dict], notes: list[str]) -> str:
+    e = html.escape
+    css = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}"
+           ".scroll{overflow-x:auto;max-width:100%}"
+           "table{border-collapse:collapse;margin:.8em 0;font-size:.85em}td,th{border:1px solid #ccc;padding:3px 7px;"
+           "text-align:right;vertical-align:top}th{background:#f3f3f3}td.text{text-align:left}"
+           "td.argv{text-align:left;font-family:monospace;font-size:.9em;word-break:break-all;min-width:16em}"
+           ".ok{color:#0a0;font-weight:bold}.no{color:#c00;font-weight:bold}.unsure{color:#b60;font-weight:bold}"
+           ".na{color:#888;font-weight:bold}.rule{color:#555;font-size:.9em}"
+           "img{max-width:100%;border:1px solid #eee;margin:.5em 0}code{background:#f5f5f5;padding:1px 3px;word-break:break-all}"
+           "details{margin:.6em 0}summary{cursor:pointer;color:#036}")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>poslsh report</title><style>{css}</style></head><body>",
+             "<h1>Positional LSH: claims and measurements</h1>",
+             f"<p>Generated {e(_dt.datetime.now().isoformat(timespec='seconds'))} by <code>poslsh report</code>.</p>"]
+    if notes:
+        parts.append("<ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
+    parts.append("<h2>Summary</h2><div class='scroll'><table><tr><th>section</th><th>claim</th><th>verdict</th>"
+                 "<th>evidence</th></tr>")
+    for sec in sections:
+        for v in sec.verdicts:
+            parts.append(f"<tr><td class='text'>{e(sec.command)} ({e(sec.run.name)})</td><td class='text'>{e(v.claim)}</td>"
+                         f"<td class='{_CLASS[v.status]}'>{v.status.value}</td><td class='text'>{e(v.evidence)}</td></tr>")
+    parts.append("</table></div>")
+    for sec in sections:
+        parts.append(f"<h2>{e(sec.title)}</h2><p>Run: <code>{e(str(sec.run))}</code></p><ul>")
+        for v in sec.verdicts:
+            parts.append(f"<li><span class='{_CLASS[v.status]}'>{v.status.value}</span>: {e(v.claim)}. {e(v.evidence)}."
+                         f"<br><span class='rule'>Rule: {e(v.rule)}.</span></li>")
+        parts.append("</ul>")
+        parts += [f"<p>{e(p)}</p>" for p in sec.paragraphs]
+        parts += [f"<div class='scroll'>{t.to_html(index=False, border=0, escape=True)}</div>" for t in sec.tables]
+        for caption, t in sec.details:
+            parts.append(f"<details><summary>{e(caption)}</summary><div class='scroll'>"
+                         f"{t.to_html(index=False, border=0, escape=True)}</div></details>")
+        for f in sec.figures:
+            data = base64.b64encode(f.read_bytes()).decode()
+            parts.append(f"<img alt='{e(f.stem)}' src='data:image/png;base64,{data}'>")
+    parts.append("<h2>Provenance</h2><div class='scroll'><table><tr>"
+                 + "".join(f"<th>{e(c)}</th>" for c in (provenance[0] if provenance else {})) + "</tr>")
+    for row in provenance:
+        parts.append("<tr>" + "".join(f"<td class='{'argv' if k == 'argv' else 'text'}'>{e(str(v))}</td>"
+                                      for k, v in row.items()) + "</tr>")
+    parts.append("</table></div></body></html>")
+    return "\n".join(parts)
+
+

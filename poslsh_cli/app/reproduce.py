@@ -1,0 +1,202 @@
+"""Run every experiment of the paper at one scale, then the plots and the report.
+
+The list is the registry's: for every experiment, each of its presets in order, run as
+``poslsh <command> experiment=<preset>_<scale> out=<root>/<scale>/<preset>`` in a child process,
+so a fixed run directory resumes after an interruption. With ``launcher=joblib`` or ``slurm`` each
+preset is a one-job Hydra multirun on that launcher (``out/0``), the presets run at the same
+time (joblib: at most ``jobs`` at once; slurm: as the queue allows), in two waves: experiments
+that evaluate others' results (``reproduce_overrides``, e.g. perplexity) after the rest. A preset that cannot run here (its
+experiment's ``skip_reason``: no checkpoint, a large model without a GPU) is skipped, and the
+reason is kept in its run directory (``skipped.json``) so any later report says so. Opt-in presets
+(an experiment's ``opt_in``: the long-context CPU runs) run at the paper scale only when named with
+``--with NAME`` (``--with all`` for every one); otherwise they are skipped the same way, with that
+reason. The quick scale runs them always (its smoke test covers every preset).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from poslsh_cli.app import registry
+from poslsh_cli.core.config import ConfigError
+
+
+class Launcher(str, enum.Enum):
+    """Where ``reproduce`` runs its presets."""
+
+    LOCAL = "local"  # one after another, here
+    JOBLIB = "joblib"  # in parallel, here
+    SLURM = "slurm"  # each a SLURM job
+
+
+def plan(scale: str) -> list[tuple[str, str, str]]:
+    """(run name, command, preset) for every preset of every experiment, in report order."""
+    return [(stem, exp.name, f"{stem}_{scale}") for exp in registry.experiments().values() for stem in exp.presets
+            if f"{stem}_{scale}" in registry.preset_names(exp)]
+
+
+def opt_in() -> list[str]:
+    """The presets (run names) reproduce runs only when named with ``--with``."""
+    return [stem for exp in registry.experiments().values() for stem in exp.opt_in]
+
+
+def check_with(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``--with`` values: opt-in preset names or ``all``; anything else is an error."""
+    known = opt_in()
+    for n in names:
+        if n != "all" and n not in known:
+            raise ConfigError(f"--with must be one of {', '.join(known)} or all, got {n!r}")
+    return tuple(known) if "all" in names else tuple(names)
+
+
+def not_asked(name: str, preset: str, include: tuple[str, ...]) -> str | None:
+    """Why reproduce leaves the preset ``name`` out: at the paper scale, an opt-in preset not named
+    with ``--with``."""
+    if preset.endswith("_paper") and name in opt_in() and name not in include:
+        return f"an opt-in preset: poslsh reproduce --with {name} (make reproduce-all WITH={name}) runs it"
+    return None
+
+
+def overrides(command: str, preset: str, root: Path) -> list[str]:
+    """What reproduce passes for a preset: the preset and the experiment's own extra overrides."""
+    exp = registry.get(command)
+    extra = []
+    if exp.reproduce_overrides is not None:
+        extra = exp.reproduce_overrides(root, registry.compose_spec(exp, [f"experiment={preset}"]))
+    return [f"experiment={preset}", *extra]
+
+
+def skip_reason(command: str, preset: str, root: Path = Path(".")) -> str | None:
+    """Why a preset cannot run on this machine (from its composed spec), or None."""
+    exp = registry.get(command)
+    if exp.skip_reason is None:
+        return None
+    try:
+        return exp.skip_reason(registry.compose_spec(exp, overrides(command, preset, root)))
+    except ConfigError as exc:
+        return f"the preset does not compose: {exc}"
+
+
+def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) -> None:
+    """Keep the reason in the experiment's own directory, so any report over it says so."""
+    from poslsh_cli.core.files import atomic_write_text
+
+    if (out / "config.yaml").exists():
+        return  # a run was made there before: its results stand
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "skipped.json", json.dumps({"name": name, "command": command, "preset": preset,
+                                                        "reason": reason}, indent=1) + "\n")
+
+
+def _record_session(root: Path, scale: str, started: str, seconds: float, ran: int, failed: list[str]) -> None:
+    from poslsh_cli.core.files import atomic_write_text
+
+    path = root / "reproduce.json"
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        rec = {"scale": scale, "sessions": []}
+    rec["sessions"].append({"started": started, "seconds": round(seconds, 1), "ran": ran, "failed": failed})
+    atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
+
+
+def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None,
+         include: tuple[str, ...] = ()) -> int:
+    from poslsh_cli.store import ownership
+
+    root = Path(root) / scale
+    try:  # one reproduce at a time per root; each preset's run directory has its own owner
+        ownership.acquire(root, f"poslsh reproduce --scale {scale}", what="--runs")
+    except ConfigError as exc:
+        print(f"poslsh reproduce: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _main(scale, root, launcher, jobs, include)
+    finally:
+        ownership.release(root)
+
+
+def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tuple[str, ...] = ()) -> int:
+    import datetime as _dt
+    import os
+
+    failed, done = [], []
+    started = _dt.datetime.now().isoformat(timespec="seconds")
+    t0 = time.time()
+    limit = 1 if launcher == "local" else (jobs or (os.cpu_count() or 1) if launcher == "joblib" else 10**6)
+    entries = plan(scale)
+    waves = [[e for e in entries if registry.get(e[1]).reproduce_overrides is None],
+             [e for e in entries if registry.get(e[1]).reproduce_overrides is not None]]
+    try:
+        for wave in waves:
+            _run_wave(wave, root, launcher, limit, done, failed, include)
+    except KeyboardInterrupt:
+        _record_session(root, scale, started, time.time() - t0, len(done), failed + ["(interrupted)"])
+        print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
+        return 130
+    _record_session(root, scale, started, time.time() - t0, len(done), failed)
+    if done:
+        from poslsh_cli.app import report
+
+        md, html_path = report.build([root], root)
+        print(f"report: {md}\n        {html_path}", flush=True)
+    return 1 if failed else 0
+
+
+def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list,
+              include: tuple[str, ...] = ()) -> None:
+    """Run a wave's presets, at most ``limit`` at a time; a child that fails is recorded."""
+    running: list[tuple[str, Path, subprocess.Popen]] = []
+
+    def reap(block: bool) -> None:
+        while running and (block or any(p.poll() is not None for _, _, p in running)):
+            for item in list(running):
+                name, out, proc = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                if proc.returncode == 130:
+                    raise KeyboardInterrupt
+                if proc.returncode != 0:
+                    failed.append(name)
+                    print(f"== FAILED {name} (exit {proc.returncode})", flush=True)
+                else:
+                    done.append(out)
+            if block and running:
+                time.sleep(0.2)
+
+    try:
+        for name, command, preset in wave:
+            out = root / name
+            while len(running) >= limit:  # the previous child's output comes before this header
+                reap(block=False)
+                time.sleep(0.2)
+            reason = not_asked(name, preset, include) or skip_reason(command, preset, root)
+            if reason:
+                _mark_skipped(out, name, command, preset, reason)
+                print(f"== skipped {name}: {reason}", flush=True)
+                continue
+            (out / "skipped.json").unlink(missing_ok=True)
+            extra = [] if launcher == "local" else ["-m", f"hydra/launcher={launcher}"]
+            args = [command, *extra, *overrides(command, preset, root), f"out={out}"]
+            print(f"== {name}: poslsh {' '.join(args)}", flush=True)
+            running.append((name, out, subprocess.Popen([sys.executable, "-m", "poslsh_cli", *args])))
+        while running:
+            reap(block=True)
+    except KeyboardInterrupt:
+        # Ctrl-C reached the children too; SIGTERM covers a kill aimed at this process only.
+        # Either way each child keeps its finished cells and marks its run interrupted.
+        for _, _, proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, _, proc in running:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise

@@ -1,0 +1,313 @@
+"""Run one experiment into a run directory: the side-effect layer.
+
+:func:`execute` takes an :class:`~poslsh_cli.experiments.base.Experiment` and its validated spec,
+walks the cells that are not finished yet, writes each atomically as it finishes, and prints
+progress (rich on a terminal, plain lines otherwise) and a summary table. Ctrl-C / SIGTERM stop
+between cells' writes: every finished cell stays, and the same command with the same ``out=``
+resumes. Errors are raised (ConfigError for bad input, RunFailed for anything else, after the
+run directory says so); the command line turns them into one line.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.experiments.base import Experiment
+
+INTERRUPTED = 130
+
+
+class RunFailed(RuntimeError):
+    """An unexpected failure inside a cell; finished cells are kept."""
+
+
+def console(stderr: bool = True) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # log lines stay whole; tables get room when the output is a file or a pipe
+    return Console(stderr=stderr, highlight=False, soft_wrap=stderr,
+                   width=None if stream.isatty() else 160)
+
+
+def config_yaml(spec: Any) -> str:
+    """The resolved configuration as YAML (enums by value, tuples as lists)."""
+    import dataclasses
+    import enum
+
+    from omegaconf import OmegaConf
+
+    def plain(x: Any) -> Any:
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, enum.Enum):
+            return x.value
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return OmegaConf.to_yaml(OmegaConf.create(plain(spec)))
+
+
+def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: str | None = None,
+            meta: dict | None = None) -> int:
+    """Run every unfinished cell of ``exp`` into ``run_dir``; 0 when complete, 130 when interrupted.
+
+    Order: the run directory is checked without writing (same configuration to resume; no live
+    owner), the memory estimate is checked, ``prepare`` checks the data and checkpoints; only then
+    is the directory created and owned (its lock held until the end). ``config_text`` is the
+    resolved configuration written to config.yaml (the composed Hydra config, as the user's keys
+    read); without it, the spec itself. ``meta`` goes into meta.json (a multirun job's number and
+    overrides).
+
+    Several processes (torchrun, a multi-task SLURM job; :mod:`poslsh_cli.core.distributed`): rank 0
+    does all of the above; the other ranks wait for its checks, prepare the same context, learn
+    the cells still to run from it and run them with it, writing nothing (:func:`_follow`).
+    """
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.experiments.base import check_memory
+    from poslsh_cli.core.files import atomic_write_bytes
+    from poslsh_cli.store.rundir import RunDir, cell_id
+
+    if dist.active():
+        if not exp.distributed:
+            raise ConfigError(f"poslsh {exp.name} runs in one process (this is rank {dist.rank()} of "
+                              f"{dist.world().size}); only train runs under torchrun or a multi-task job")
+        dist.init()
+        if not dist.is_main():
+            return _follow(exp, spec, run_dir)
+        dist.watch_followers()
+
+    found: dict[str, Any] = {}
+
+    def checked() -> None:  # the other ranks wait for this, then prepare (reading what rank 0 cached)
+        found["run"] = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec))
+        check_memory(exp, spec)
+        found["ctx"] = exp.prepare(spec) if exp.prepare is not None else None
+
+    dist.decide(checked)
+    run, ctx = found["run"], found["ctx"]
+    err = console()
+
+    def notice(text: str) -> None:
+        err.print(text, markup=False, highlight=False)
+
+    keys = exp.cells(spec, ctx)
+    owned = contextlib.ExitStack()
+
+    def started() -> list[dict]:
+        owned.enter_context(run.own(argv))
+        try:
+            run.start(argv, spec.seed, len(keys), notice)
+            run.drop_unreadable_cells(notice)
+            if meta:
+                run.write_meta(**meta)
+            if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
+                run.write_meta(**ctx.meta)
+            if dist.active():
+                run.write_meta(world_size=dist.world().size)
+            for rel, produce in (getattr(ctx, "files", None) or {}).items():
+                target = run.path / rel
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write_bytes(target, produce())
+        except OSError as exc:
+            run.discard_if_empty()
+            raise ConfigError(f"cannot write {run.path}: {exc.strerror}") from None
+        done = run.done_ids()
+        return [k for k in keys if cell_id(k) not in done]
+
+    with owned:
+        try:
+            todo = dist.decide(started)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM while the directory was being set up
+            return _interrupted(run, len(keys), err)
+        return _loop(exp, spec, ctx, run, keys, todo, err, notice)
+
+
+def _interrupted(run: Any, total: int, err: Any) -> int:
+    """Record an interrupted session and say what was kept: a directory with any work in it (a
+    finished cell, a checkpoint or metrics log of an unfinished one) stays for the same command to
+    resume; one that holds nothing yet is removed."""
+    with contextlib.suppress(OSError):
+        run.write_meta(status="interrupted", cells_done=len(run.finished()))
+    n_done = len(run.finished())
+    if run.discard_if_empty():
+        err.print(f"interrupted before anything was computed; {run.path} removed", markup=False)
+    else:
+        partial = n_done < total and (run.path / "work").is_dir() and any((run.path / "work").iterdir())
+        err.print(f"interrupted: {n_done}/{total} cells finished"
+                  + (", and the work of unfinished ones (checkpoints, logs)" if partial else "")
+                  + f" kept in {run.path}; run the same command with out={run.path} to continue", markup=False)
+    return INTERRUPTED
+
+
+def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
+    """A rank other than 0: the same cells as rank 0, computing its share, writing nothing."""
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.store.cellwork import CellWork
+    from poslsh_cli.store.rundir import work_name
+
+    try:
+        dist.decide(lambda: None)  # rank 0 has checked the run directory and prepared the data
+        ctx = exp.prepare(spec) if exp.prepare is not None else None
+        todo = dist.decide(lambda: [])
+        for key in todo:
+            exp.run_cell(spec, key, ctx, CellWork(Path(run_dir) / "work" / work_name(key), writer=False))
+    except (dist.FollowerError, KeyboardInterrupt):
+        raise  # rank 0 reported it, or the whole job is being stopped
+    except BaseException as exc:
+        dist.report_failure(f"{type(exc).__name__}: {exc}")  # rank 0 fails at once, naming it
+        raise
+    return 0
+
+
+def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo: list[dict], err: Any,
+          notice: Any) -> int:
+    """The cells not yet done (``todo``), each written as it finishes (the run directory is owned)."""
+    from poslsh_cli.store.rundir import cell_id
+
+    index = {cell_id(k): i for i, k in enumerate(keys)}
+    if len(todo) < len(keys):
+        err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done", markup=False)
+    status = "complete"
+    tables = _Tables(run, keys, list(exp.columns))
+    try:
+        with _Progress(err, len(keys), len(keys) - len(todo), exp.name) as bar:
+            for key in todo:
+                t0 = time.perf_counter()
+                rows, aux = exp.run_cell(spec, key, ctx, run.work(key, bar.sub, notice))
+                run.write_cell(key, rows, aux, index[cell_id(key)])
+                tables.after_cell()
+                run.write_meta(cells_done=len(run.finished()))
+                bar.advance(key, time.perf_counter() - t0)
+        tables.write()
+    except KeyboardInterrupt:
+        status = "interrupted"
+        # the signal may have landed between a cell's file and the table: make them agree
+        tables.write()
+    except ConfigError as exc:
+        run.write_meta(status="failed", error=str(exc))
+        run.discard_if_empty()
+        raise
+    except Exception as exc:  # keep finished cells, say what happened
+        from poslsh_cli.core import distributed as dist
+
+        why = dist.follower_failure()  # a follower's error is the cause of this rank's broken collective
+        text = f"{why} (rank 0 then: {type(exc).__name__})" if why else f"{type(exc).__name__}: {exc}"
+        run.write_meta(status="failed", error=text)
+        run.discard_if_empty()
+        raise RunFailed(text) from exc
+    if status == "interrupted":
+        return _interrupted(run, len(keys), err)
+    run.write_meta(status=status, cells_done=len(run.finished()))
+    _print_summary(exp, run)
+    return 0
+
+
+class _Tables:
+    """results.csv (and the aux tables) rewritten after a cell when the last rewrite is at least
+    :data:`TABLES_EVERY_S` seconds old, or 20 times its own cost: rewriting them after every cell
+    costs O(N^2) over a run of N small cells (block-stats' 1080). The cell files are the record
+    (:func:`poslsh_cli.store.readers.results` reads them, and rebuilds a stale table); the tables are
+    always rewritten at the end, on an interrupt, and after a cell that took longer than that."""
+
+    def __init__(self, run: Any, keys: list[dict], columns: list[str]):
+        self.run, self.keys, self.columns = run, keys, columns
+        self.last, self.cost = -float("inf"), 0.0
+
+    def after_cell(self) -> None:
+        if time.perf_counter() - self.last >= max(TABLES_EVERY_S, 20.0 * self.cost):
+            self.write()
+
+    def write(self) -> None:
+        now = time.perf_counter()
+        self.run.write_tables(self.keys, self.columns)
+        self.last = time.perf_counter()
+        self.cost = self.last - now
+
+
+#: Seconds between rewrites of a run's tables while its cells finish (see :class:`_Tables`).
+TABLES_EVERY_S = 5.0
+
+
+def _print_summary(exp: Experiment, run: Any) -> None:
+    from rich.table import Table
+
+    from poslsh_cli.store.readers import results
+
+    df = results(run.path, exp.columns)
+    if df.empty or exp.summary is None:
+        return
+    head, rows = exp.summary(df)
+    table = Table(title=f"poslsh {exp.name}: {run.path}", title_justify="left")
+    for h in head:
+        table.add_column(h, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    out = console(stderr=False)
+    out.print(table)
+    out.print(f"results: {run.path / 'results.csv'}   plots: poslsh plot {run.path}")
+
+
+
+def key_text(key: dict) -> str:
+    """A cell's key as progress lines print it: ``k=v`` pairs, without ``s=0`` (the cells of schemes
+    that draw no masks, and attention that is not Positional LSH, carry s = 0)."""
+    return " ".join(f"{k}={v}" for k, v in key.items() if not (k == "s" and v == 0))
+
+
+class _Progress:
+    """Rich progress bar on a terminal; one plain line per cell otherwise (logs, SLURM). A long
+    cell reports its own steps through :meth:`sub` (a second bar, or a line every 10%)."""
+
+    def __init__(self, console: Any, total: int, done: int, label: str):
+        self.console, self.total, self.done, self.label = console, total, done, label
+        self.rich = console.is_terminal
+        self._sub_task = None
+        self._last_tenth = -1
+
+    def __enter__(self) -> "_Progress":
+        if self.rich:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+                                     transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task(self.label, total=self.total, completed=self.done)
+        return self
+
+    def sub(self, done: int, total: int, text: str) -> None:
+        if self.rich:
+            if self._sub_task is None:
+                self._sub_task = self.progress.add_task("", total=total)
+            self.progress.update(self._sub_task, completed=done, total=total, description=f"  {text}")
+            return
+        tenth = int(10 * done / max(1, total))
+        if tenth != self._last_tenth or done == total:
+            self._last_tenth = tenth
+            self.console.print(f"    {done}/{total} {text}", markup=False)
+
+    def advance(self, key: dict, seconds: float) -> None:
+        """One more cell. The time shown is the cell's wall time (a training cell's includes its
+        evaluations and saving; its rows' ``seconds`` column counts training steps only)."""
+        self.done += 1
+        text = key_text(key)
+        if self.rich:
+            if self._sub_task is not None:
+                self.progress.remove_task(self._sub_task)
+                self._sub_task = None
+            self.progress.update(self.task, advance=1, description=f"{self.label} {text}")
+        else:
+            self._last_tenth = -1
+            self.console.print(f"[{self.done}/{self.total}] {text} ({seconds:.2f} s wall)", markup=False)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.rich:
+            self.progress.stop()

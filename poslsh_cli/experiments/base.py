@@ -1,0 +1,226 @@
+"""What an experiment command is: one :class:`Experiment` exported by one module of
+:mod:`poslsh_cli.experiments` (the registry, :mod:`poslsh_cli.app.registry`, finds it), plus the
+helpers every experiment shares (cell grids, devices, dtypes).
+
+An experiment is pure functions from a validated spec to result rows:
+
+    prepare(spec) -> ctx                 optional: shared state (a loaded model, captured q/k/v);
+                                         may refuse input with ConfigError before anything is written
+    cells(spec, ctx) -> [key, ...]       the grid, one dict per cell, in a fixed order
+    run_cell(spec, key, ctx, work) -> (rows, aux)
+                                         one cell's rows (results.csv) and auxiliary tables;
+                                         ``work`` is the cell's own directory (CellWork) for long
+                                         cells that keep metrics logs and checkpoints
+    summary(df) -> (header, rows)        the end-of-run console table
+    plot(run_dir, df) -> [paths]         figures into run_dir/figures/
+    report(run_dir, df) -> Section       claims, verdicts, tables for ``poslsh report``
+
+The runner (:mod:`poslsh_cli.app.runner`) owns the run directory: results.csv, cells/, meta.json and
+the auxiliary tables are written by it alone. Two writes happen inside the first four, each in a
+place the runner hands out or a cache of its own: ``run_cell`` of a training cell writes its
+metrics log and checkpoints into ``work`` (and a shared stage's into ``work.shared``), and
+``prepare`` of a command that tokenises with a Hugging Face tokenizer fills the token cache
+(:func:`poslsh_cli.lm.data.cache_dir`, written whole or not at all). No printing in any of them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from poslsh_cli.core.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str  # the command, e.g. "matrix-error"; its defaults are conf/<name with _>.yaml
+    spec: type  # frozen dataclass of typed keys (a config.Spec)
+    help: str  # --help text: a first line, then paragraphs separated by blank lines
+    columns: tuple[str, ...]  # results.csv column order (more columns may follow)
+    cells: Callable[[Any, Any], list[dict[str, Any]]]
+    run_cell: Callable[[Any, dict[str, Any], Any, Any], tuple[list[dict], dict]]
+    summary: Optional[Callable[[Any], tuple[list[str], list[list[str]]]]] = None
+    prepare: Optional[Callable[[Any], Any]] = None
+    plot: Optional[Callable[[Path, Any], list[Path]]] = None
+    report: Optional[Callable[[Path, Any], Any]] = None
+    #: preset stems in conf/experiment/ (each as <stem>_quick.yaml and <stem>_paper.yaml), in the
+    #: order `poslsh reproduce` runs them
+    presets: tuple[str, ...] = ()
+    #: presets `poslsh reproduce` runs only when named with ``--with`` (the long-context CPU runs:
+    #: left out of the default so ``make reproduce-all`` keeps its time budget)
+    opt_in: tuple[str, ...] = ()
+    #: position in `reproduce` and in reports
+    order: int = 100
+    #: Hydra config groups the command composes (e.g. model)
+    groups: tuple[str, ...] = ()
+    #: why the experiment cannot run here for this spec (reproduce skips it and says so), or None
+    skip_reason: Optional[Callable[[Any], Optional[str]]] = None
+    #: a list-valued key that plain (non KEY=VALUE) arguments fill: ``poslsh perplexity RUN...``
+    positional: Optional[str] = None
+    #: extra overrides `poslsh reproduce` adds for a preset, given the scale's root directory and
+    #: the preset's spec (e.g. the train runs a perplexity preset evaluates)
+    reproduce_overrides: Optional[Callable[[Path, Any], list[str]]] = None
+    #: estimated peak memory of the largest cell from the spec alone, in bytes, with what it is
+    #: for (checked before anything runs; ``memory_check=false`` skips the check)
+    memory: Optional[Callable[[Any], Optional["MemoryNeed"]]] = None
+    #: runs under torchrun / a multi-task SLURM job (data-parallel; rank 0 writes, see
+    #: :mod:`poslsh_cli.core.distributed`); the others refuse to
+    distributed: bool = False
+
+    @property
+    def config_name(self) -> str:
+        return self.name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """An estimate of a run's peak memory: ``bytes`` on ``device`` (cpu or cuda), for ``what``."""
+
+    bytes: float
+    what: str
+    device: str = "cpu"
+
+
+def format_bytes(x: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x / 2**10:.3g} KiB"
+
+
+def available_memory(device: str = "cpu") -> float:
+    """Bytes that can still be allocated: free CUDA memory on a GPU; otherwise the kernel's
+    MemAvailable, capped by a cgroup limit (a container, a SLURM job) when one is set."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+            return float(torch.cuda.mem_get_info(index)[0])
+    avail = float("inf")
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    avail = float(line.split()[1]) * 1024
+    except OSError:
+        try:
+            import os
+
+            avail = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit.isdigit() and int(limit) < 2**60:
+                avail = min(avail, float(int(limit) - int(Path(usage_file).read_text().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def check_memory(exp: Experiment, spec: Any) -> None:
+    """Refuse a run whose estimated peak memory (:attr:`Experiment.memory`) exceeds what is
+    available, with one line; ``memory_check=false`` runs it anyway."""
+    if exp.memory is None or not getattr(spec, "memory_check", True):
+        return
+    need = exp.memory(spec)
+    if need is None:  # nothing to estimate from yet (prepare says what is missing)
+        return
+    device = need.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    have = available_memory(device)
+    if need.bytes > have:
+        where = "this GPU has" if device.startswith("cuda") else "this machine has"
+        raise ConfigError(f"needs about {format_bytes(need.bytes)} of memory ({need.what}); {where} "
+                          f"{format_bytes(have)} available (memory_check=false runs it anyway)")
+
+
+def grid_cells(spec: Any) -> list[dict[str, Any]]:
+    """The (n, sigma, s, trial) grid of the matrix experiments, in a fixed order."""
+    return [{"n": n, "sigma": sigma, "s": s, "trial": t}
+            for n, sigma, s, t in product(spec.n, spec.sigma, spec.s, range(spec.trials))]
+
+
+class Device(str):
+    """A device key: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked once when the spec is built
+    (:func:`poslsh_cli.core.config.build_spec` calls :meth:`coerce`)."""
+
+    @classmethod
+    def coerce(cls, value: Any, name: str) -> "Device":
+        import re
+
+        if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ConfigError(f"{name} must be auto, cpu or cuda[:N], got {value!r}")
+        return cls(value)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.startswith("cuda")
+
+
+def resolve_device(name: str) -> Any:
+    """``auto`` -> CUDA when present, else CPU; refuses CUDA where there is none."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but CUDA is not available")
+    return torch.device(name)
+
+
+def cuda_skip_reason(device: str) -> Optional[str]:
+    """Why a preset asking for CUDA cannot run here (reproduce skips it and says so), or None."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"device={device} but this machine has no CUDA GPU"
+    return None
+
+
+def cell_seed(root_seed: int, command: str, key: dict[str, Any]) -> int:
+    """A cell's seed from the root seed, the command and the cell's (n, sigma, s, trial) key: the
+    ``seed`` column that ``poslsh sample ... seed=<seed>`` replays."""
+    from poslsh_cli.numerics.sampling import derive_seed
+
+    return derive_seed(root_seed, command, key["n"], float(key["sigma"]), key["s"], key["trial"])
+
+
+def choices(name: str, members: Any, module: str, **extra: str) -> Any:
+    """A ``str`` enum of a command's choices (``extra`` first, then ``members``, members of another
+    enum), so a command's key lists a subset of a shared enum rather than a copy of its values."""
+    return enum.Enum(name, {**extra, **{m.name: m.value for m in members}}, type=str, module=module)
+
+
+class Dtype(str, enum.Enum):
+    """Compute dtypes a command accepts (``dtype=``)."""
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def synchronize(device: Any) -> None:
+    """Wait for queued CUDA work, so wall-clock timings are honest."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,415 @@
+"""One training stage of ``poslsh train``: a model trained for ``steps`` steps under one scheme,
+in one cell's work directory, resumable from its newest complete checkpoint.
+
+The loop reads top to bottom (:func:`train_stage`): where to start, the set-up (:class:`StageRun`:
+the model with its scheme, wrapped for several processes, the optimizer, the loss scaler, the
+metrics log and checkpoints), then per step :meth:`StageRun.train_step`,
+:meth:`StageRun.maybe_evaluate`, :meth:`StageRun.log` and :meth:`StageRun.maybe_checkpoint`, and
+:meth:`StageRun.finish` writing ``final/``. Distributed, LoRA and fp16 details stay in the set-up
+and the save/load helpers. ``spec`` is the command's ``TrainSpec`` and ``ctx`` its context
+(:mod:`poslsh_cli.experiments.train`); with several processes rank 0 decides and writes, every rank
+trains its share of the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from poslsh_cli.core import distributed as dist
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.positions import Position
+from poslsh_cli.numerics.sampling import derive_seed
+
+
+#: the final weights' loss on ``eval_tokens`` spread over the training split (nats per token), per stage
+TRAIN_EVAL = "train_eval.json"
+
+
+#: the GradScaler state of an fp16 run, beside optimizer.pt in every checkpoint
+SCALER = "scaler.pt"
+
+
+#: how the training-split evaluation samples its windows (``train_eval_sample``): spans spread over
+#: the whole split (:func:`poslsh_cli.lm.windows.spread_sample`); older runs scored its first tokens
+TRAIN_SAMPLE = "spread"
+
+
+METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
+
+
+class Precision(str, enum.Enum):
+    """Arithmetic of the forward and backward passes (autocast); weights and optimizer stay float32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Parallel(str, enum.Enum):
+    """How several processes share the model: replicated (DDP) or sharded (FSDP, ``fully_shard``)."""
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+def micro_batch(spec: Any, world: int) -> int:
+    """Sequences per forward pass of one process; refuses a global batch that does not divide."""
+    parts = world * spec.accumulate
+    if spec.batch % parts:
+        raise ConfigError(f"batch={spec.batch} does not divide into {world} process(es) x accumulate={spec.accumulate} "
+                          f"micro-batches; use a multiple of {parts}")
+    return spec.batch // parts
+
+
+def learning_rate(spec: Any, step: int, steps: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to 10% of it at the last step."""
+    warm = min(spec.warmup, max(steps - 1, 0))
+    if step <= warm:
+        return spec.lr * step / max(1, warm)
+    frac = (step - warm) / max(1, steps - warm)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def eval_interval(spec: Any, steps: int) -> int:
+    """Steps between evaluations: ``eval_every``, but at least five evaluations in a stage (and
+    always one at its last step)."""
+    five = max(1, steps // 5)
+    return min(spec.eval_every, five) if spec.eval_every else five
+
+
+@dataclass
+class Stage:
+    """What a stage trains: ``label`` for progress lines, the scheme, where its weights start
+    (``init``: a checkpoint, or None for fresh weights) and whether LoRA adapters are trained."""
+
+    position: Position
+    s: int
+    seed: int
+    steps: int
+    seq_len: int
+    init: Optional[Path]
+    label: str
+    dropout: float = 0.0
+    lora: bool = False
+    #: training steps the weights saw before this stage (a fine-tune after ``pretrain_steps`` of
+    #: pretraining): the stage's step t draws batch, masks and dropout of global step
+    #: ``first_step + t``, so fine-tuning continues the data stream instead of replaying it
+    first_step: int = 0
+
+
+def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[Any, Any]:
+    """The stage's model with its scheme installed (not yet on the device or wrapped): from the
+    resume checkpoint, from ``stage.init``, or fresh weights from the seed."""
+    from poslsh_cli.lm import convert
+    from poslsh_cli.lm.install import install, set_attention_dropout
+
+    if resume is not None and not stage.lora:
+        model = convert.load_weights(resume)
+    elif stage.init is not None:
+        model = convert.load_weights(stage.init)
+    else:
+        model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
+    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed)
+    install(model, state)
+    set_attention_dropout(model, stage.dropout)
+    if stage.lora:
+        model = convert.with_lora(model, spec.lora_rank, spec.lora_alpha, spec.lora_targets)
+        if resume is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(model, load_file(str(resume / "adapter_model.safetensors")))
+    if spec.gradient_checkpointing:
+        convert.base_of(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, state
+
+
+def _wrap(spec: Any, ctx: Any, model: Any) -> Any:
+    """The model as several processes train it (DDP or FSDP); itself in one process."""
+    if ctx.world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if spec.parallel is Parallel.FSDP:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        return fully_shard(model)
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers (the units FSDP shards one at a time)."""
+    import torch
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) and type(m[0]).__name__.endswith(("DecoderLayer", "Block")):
+            return list(m)
+    return []
+
+
+def _state_dicts(spec: Any, ctx: Any, model: Any, opt: Any) -> tuple[Optional[dict], Optional[dict]]:
+    """Full weights and optimizer state of a sharded model, gathered on every rank (collective);
+    (None, None) when the model is whole in every process."""
+    if spec.parallel is not Parallel.FSDP or ctx.world == 1:
+        return None, None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
+
+
+def _save(ctx: Any, model: Any, path: Path, info: dict, opt: Any = None, full: tuple = (None, None),
+          lora_save: str = "merged", scaler: Any = None) -> None:
+    import torch
+
+    from poslsh_cli.lm.convert import save
+
+    weights, optim = full
+    save(model, path, info, ctx.source.tokenizer, lora_save, state_dict=weights)
+    if opt is not None:
+        torch.save(optim if optim is not None else opt.state_dict(), path / "optimizer.pt")
+    if scaler is not None:  # fp16: the loss scale and its growth tracker, so a resumed run scales alike
+        torch.save(scaler.state_dict(), path / SCALER)
+
+
+def load_scaler(scaler: Any, checkpoint: Path) -> None:
+    """Restore an fp16 run's GradScaler from its checkpoint (``scaler.pt``); a checkpoint without one
+    (written by a run in another precision) is refused rather than resumed at the initial scale."""
+    import torch
+
+    path = Path(checkpoint) / SCALER
+    if not path.is_file():
+        raise ConfigError(f"{checkpoint} has no {SCALER} (the loss scale of an fp16 run); resume it with the "
+                          "precision it was trained with")
+    scaler.load_state_dict(torch.load(path, weights_only=True))
+
+
+def _load_optimizer(spec: Any, ctx: Any, model: Any, opt: Any, path: Path) -> None:
+    import torch
+
+    saved = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+    if spec.parallel is Parallel.FSDP and ctx.world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, opt, optim_state_dict=saved, options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(saved)
+
+
+def _autocast(spec: Any, device: Any) -> Any:
+    import contextlib
+
+    import torch
+
+    if spec.precision is Precision.FP32:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if spec.precision is Precision.BF16 else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train_stage(spec: Any, ctx: Any, work: Any, stage: Stage) -> Path:
+    """Train one stage in the cell directory ``work``; returns its verified ``final/``."""
+    how, at, start = dist.decide(lambda: _starting_point(work))
+    if how == "final":
+        return Path(at)
+    run = StageRun.set_up(spec, ctx, work, stage, Path(at) if how == "resume" else None, start)
+    for step in range(start + 1, stage.steps + 1):
+        row = run.train_step(step)
+        run.maybe_evaluate(step, row)
+        run.log(step, row)
+        run.maybe_checkpoint(step)
+    return run.finish()
+
+
+def _starting_point(work: Any) -> tuple[str, Optional[str], int]:
+    """("final", its path, 0) for a finished stage, ("resume", the newest complete checkpoint, its
+    step), or ("start", None, 0)."""
+    final = work.finished()
+    if final is not None:
+        return "final", str(final), 0
+    last = work.checkpoints().latest()
+    return ("resume", str(last[1]), last[0]) if last is not None else ("start", None, 0)
+
+
+@dataclass
+class StageRun:
+    """A stage being trained: everything its steps share."""
+
+    spec: Any
+    ctx: Any
+    work: Any
+    stage: Stage
+    model: Any  # the model as saved (unwrapped)
+    trained: Any  # the model as trained: DDP- or FSDP-wrapped with several processes
+    state: Any  # PositionState: the scheme; its ``step`` selects the masks
+    opt: Any
+    scaler: Any  # a GradScaler for fp16, else None
+    params: list  # the trainable parameters
+    info: dict  # what every checkpoint records (poslsh_train.json)
+    metrics: Any
+    checkpoints: Any
+    elapsed: float = 0.0
+    rank: int = 0
+    share: int = 0  # sequences of the global batch this rank trains
+    micro: int = 0  # sequences per forward pass
+    every: int = 1  # steps between evaluations
+    timer: float = field(default=0.0, repr=False)
+
+    @classmethod
+    def set_up(cls, spec: Any, ctx: Any, work: Any, stage: Stage, resume: Optional[Path], start: int) -> "StageRun":
+        import torch
+
+        metrics, ckpts = work.metrics(METRICS), work.checkpoints()
+        model, state = _build(spec, ctx, stage, resume)
+        if resume is not None:
+            work.progress(start, stage.steps, f"{stage.label} resumed from the checkpoint of step {start}")
+        metrics.truncate_after("step", start)  # steps after the starting point are computed again
+        model.to(ctx.device)
+        model.train()
+        trained = _wrap(spec, ctx, model)
+        named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
+        opt = torch.optim.AdamW([{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": spec.weight_decay},
+                                 {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=spec.lr, betas=(0.9, 0.95))
+        scaler = torch.amp.GradScaler(ctx.device.type) if spec.precision is Precision.FP16 else None
+        if resume is not None:
+            _load_optimizer(spec, ctx, trained, opt, resume)
+            if scaler is not None:
+                load_scaler(scaler, resume)
+        info = {"position": stage.position.value, "s": stage.s, "seed": stage.seed, "seq_len": stage.seq_len,
+                "steps": stage.steps, "data": spec.data, "data_sha256": ctx.corpus.sha256,
+                "val_fraction": spec.val_fraction, "val_every": spec.val_every, "data_field": spec.data_field,
+                "attn_dropout": stage.dropout, "init": str(stage.init) if stage.init else None,
+                "tokenizer": ctx.corpus.tokenizer, "lora_rank": spec.lora_rank if stage.lora else 0,
+                "scheme": state.to_json(), "trainable": int(sum(p.numel() for _, p in named)),
+                "world_size": ctx.world}
+        done = metrics.frame()
+        return cls(spec, ctx, work, stage, model, trained, state, opt, scaler, [p for _, p in named], info, metrics,
+                   ckpts, elapsed=float(done.seconds.iloc[-1]) if len(done) else 0.0, rank=dist.rank(),
+                   share=spec.batch // ctx.world, micro=micro_batch(spec, ctx.world),
+                   every=eval_interval(spec, stage.steps))
+
+    def _batch(self, stream: int) -> Any:
+        """This rank's share of the global batch of global step ``stream`` (drawn as one process
+        draws it), on the device."""
+        import numpy as np
+        import torch
+
+        from poslsh_cli.lm.windows import train_batch
+
+        rng = np.random.default_rng(derive_seed(self.stage.seed, "batch", stream))
+        batch = train_batch(self.ctx.corpus.train, self.stage.seq_len, self.spec.batch, rng)
+        return torch.as_tensor(batch[self.rank * self.share:(self.rank + 1) * self.share], device=self.ctx.device)
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step over the global batch (accumulated micro-batches, all-reduced); the
+        metrics row of the step."""
+        import torch
+
+        spec, stage = self.spec, self.stage
+        self.timer = time.perf_counter()
+        stream = stage.first_step + step  # the global step: what this step's randomness is drawn for
+        self.state.step = stream
+        lr = learning_rate(spec, step, stage.steps)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if stage.dropout:  # dropout draws from torch's global generator: seeded per step and rank, so a
+            # run (and a run resumed from a checkpoint) draws the same dropout masks; with several
+            # processes each rank draws its own, so it does not replay one process (docs/THEORY.md)
+            torch.manual_seed(derive_seed(stage.seed, "dropout", stream, self.rank))
+        xb = self._batch(stream)
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for m in range(spec.accumulate):
+            x = xb[m * self.micro:(m + 1) * self.micro]
+            loss_sum += self._micro_step(x, last=m == spec.accumulate - 1)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        if spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, spec.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        loss = dist.all_reduce_mean(loss_sum, self.ctx.device)
+        dt = time.perf_counter() - self.timer
+        self.elapsed += dt
+        tokens = spec.batch * stage.seq_len
+        return {"step": step, "tokens": step * tokens, "loss": loss, "val_loss": None, "val_bpb": None, "lr": lr,
+                "seconds": round(self.elapsed, 4), "step_seconds": round(dt, 5), "tokens_per_s": round(tokens / dt, 1)}
+
+    def _micro_step(self, x: Any, last: bool) -> float:
+        """Forward and backward of one micro-batch (its loss divided by the number of them); DDP
+        all-reduces the gradients on the last one only."""
+        import torch
+
+        spec = self.spec
+        sync = contextlib.nullcontext() if last or self.ctx.world == 1 or spec.parallel is Parallel.FSDP \
+            else self.trained.no_sync()
+        with sync:
+            with _autocast(spec, self.ctx.device):
+                logits = self.trained(input_ids=x[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     x[:, 1:].reshape(-1)) / spec.accumulate
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.item()
+
+    def maybe_evaluate(self, step: int, row: dict) -> None:
+        """Every ``every`` steps and at the last one: validation loss and bits per byte into ``row``;
+        at the last step also the final weights' loss on the training split (``train_eval.json``)."""
+        from poslsh_cli.core.files import atomic_write_text
+        from poslsh_cli.lm.evaluate import evaluate
+        from poslsh_cli.lm.windows import spread_sample
+
+        spec, stage, corpus, shard = self.spec, self.stage, self.ctx.corpus, (self.rank, self.ctx.world)
+        if step % self.every and step != stage.steps:
+            return
+        ev = evaluate(self.trained, self.state, corpus.val, stage.seq_len, max_tokens=spec.eval_tokens,
+                      token_bytes=corpus.val_bytes, shard=shard)
+        row["val_loss"], row["val_bpb"] = ev.loss, ev.bits_per_byte
+        if step == stage.steps:  # as many training tokens, spread over the whole training split as the
+            # validation documents are over the corpus: the overfitting gap compares like with like
+            tr = evaluate(self.trained, self.state, spread_sample(corpus.train, stage.seq_len, spec.eval_tokens),
+                          stage.seq_len, shard=shard)
+            if dist.is_main():
+                atomic_write_text(self.work.path / TRAIN_EVAL, json.dumps(
+                    {"step": step, "loss": tr.loss, "sampling": TRAIN_SAMPLE}) + "\n")
+
+    def log(self, step: int, row: dict) -> None:
+        from poslsh_cli.core.files import fault_point
+
+        self.metrics.append(row)
+        fault_point(f"step:{step}")
+        self.work.progress(step, self.stage.steps, f"{self.stage.label} loss {row['loss']:.3f}"
+                           + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))
+
+    def maybe_checkpoint(self, step: int) -> None:
+        """Every ``checkpoint_every`` steps before the last: a resumable checkpoint (weights or LoRA
+        adapters, optimizer, loss scale), the newest two kept."""
+        if step % self.spec.checkpoint_every or step >= self.stage.steps:
+            return
+        full = _state_dicts(self.spec, self.ctx, self.trained, self.opt)
+        if dist.is_main():
+            self.checkpoints.save(step, lambda d: _save(self.ctx, self.model, d, {**self.info, "step": step}, self.opt,
+                                                        full, "adapter", self.scaler), keep=2)
+
+    def finish(self) -> Path:
+        """``final/``: the trained weights (merged or as adapters, ``lora_save``), written whole by rank 0."""
+        from poslsh_cli.core.files import write_dir
+
+        full = _state_dicts(self.spec, self.ctx, self.trained, self.opt)
+        final = dist.decide(lambda: str(write_dir(self.work.final, lambda d: _save(
+            self.ctx, self.model, d, {**self.info, "step": self.stage.steps}, full=(full[0], None),
+            lora_save=self.spec.lora_save.value))))
+        return Path(final)

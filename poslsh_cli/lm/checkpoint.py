@@ -1,0 +1,167 @@
+"""What a local checkpoint directory is, read without loading a model: refused with one clear
+line when it is not loadable (missing, no config, no safetensors, a file that differs from its
+manifest, an unreadable header, a LoRA adapter without its base), its JSON files, the size of its
+weights, whether it is an adapter and where its base is.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.core.config import ConfigError
+
+
+def check_checkpoint(path: Path) -> None:
+    """Refuse what is not a loadable local checkpoint, with one clear reason: missing, no config,
+    no safetensors, a file that differs from the manifest poslsh wrote with it, or a safetensors
+    file whose header cannot be read (named)."""
+    from poslsh_cli.core.files import MANIFEST, verify_dir
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint {path} does not exist")
+    if is_adapter(path):
+        _check_adapter(path)
+        return
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+    if not (path / MANIFEST).exists():  # with a manifest, its hashes name a changed file first
+        json_file(path / "config.json")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        extra = f" (found {other[0]}; convert it to safetensors)" if other else ""
+        raise ConfigError(f"{path} has no *.safetensors weights{extra}")
+    if (path / MANIFEST).exists():
+        why = verify_dir(path)
+        if why is not None:
+            raise ConfigError(f"checkpoint {path} is corrupt: {why}")
+    for w in weights:
+        why = unreadable_safetensors(w)
+        if why:
+            raise ConfigError(f"checkpoint weights {w} cannot be read ({why})")
+
+
+def is_adapter(path: Path) -> bool:
+    """A LoRA adapter saved beside its base (adapter_config.json, no config.json of its own)."""
+    return (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file()
+
+
+def adapter_base(path: Path) -> Path:
+    import json
+
+    base = json.loads((Path(path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return Path(str(base or ""))
+
+
+def _check_adapter(path: Path) -> None:
+    from poslsh_cli.core.files import MANIFEST, verify_dir
+
+    if (path / MANIFEST).exists():
+        why = verify_dir(path)
+        if why is not None:
+            raise ConfigError(f"checkpoint {path} is corrupt: {why}")
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{path}: a LoRA adapter without adapter_model.safetensors")
+    why = unreadable_safetensors(weights)
+    if why:
+        raise ConfigError(f"checkpoint weights {weights} cannot be read ({why})")
+    base = adapter_base(path)
+    if not (base / "config.json").is_file():
+        raise ConfigError(f"{path}: the LoRA adapter's base model {base} is not there (it is loaded with the adapter)")
+    check_checkpoint(base)
+
+
+PEFT_HINT = 'pip install peft (or pip install -e ".[finetune]")'
+
+
+def peft_module() -> Any:
+    """peft, or one line saying how to install it."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"lora_rank= needs peft: {PEFT_HINT}") from None
+    return peft
+
+
+def read_config(path: Path) -> dict:
+    """A checkpoint's config.json as a dict; for a LoRA adapter, its base's, with the scheme the
+    adapter was trained with (``poslsh`` from its poslsh_train.json)."""
+    path = Path(path)
+    if is_adapter(path):
+        cfg = json_file(adapter_base(path) / "config.json")
+        info_file = path / "poslsh_train.json"
+        info = json_file(info_file) if info_file.is_file() else {}
+        if info.get("scheme"):
+            cfg["poslsh"] = info["scheme"]
+        return cfg
+    return json_file(path / "config.json")
+
+
+def json_file(path: Path) -> Any:
+    """A checkpoint's JSON file (a JSON object), or one error line naming it: missing, not UTF-8, not
+    JSON, not an object."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text (a checkpoint's JSON file)") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def unreadable_safetensors(path: Path) -> str | None:
+    """Why a safetensors file cannot be opened (header or size wrong), or None. Reads the header
+    and the file size only."""
+    import json
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return "shorter than its 8-byte header length"
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                return "invalid header length (the file is truncated)"
+            header = json.loads(fh.read(n))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    except ValueError:
+        return "malformed header"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        return f"truncated: {size} bytes, its header needs {8 + n + end}"
+    return None
+
+
+def weights_bytes(path: Path, dtype_bytes: int = 4) -> float:
+    """Memory of a checkpoint's weights once loaded in a ``dtype_bytes`` float type, from its
+    safetensors files and the dtype they are stored in (for memory estimates; 0 if unknown)."""
+    import json
+
+    if is_adapter(path):
+        return weights_bytes(adapter_base(path), dtype_bytes)
+    stored = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    per = 2 if ("16" in dt) else 8 if "64" in dt else 4
+    return float(stored) * dtype_bytes / per
+
+
+def refuse_rotary_falcon(path: Path, model_type: str | None, alibi: bool) -> None:
+    """A Falcon with ``alibi=false`` is a rotary model whose attention is computed inline: refused."""
+    if model_type == "falcon" and not alibi:
+        raise ConfigError(f"{path}: a Falcon with alibi=false uses rotary embeddings, not ALiBi, and computes "
+                          "attention inline; only ALiBi Falcons (alibi=true, e.g. Falcon-RW) are supported")

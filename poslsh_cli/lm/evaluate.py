@@ -1,0 +1,141 @@
+"""Language-model evaluation shared by ``train`` and ``perplexity``: the negative log-likelihood of
+every predicted position of the evaluation windows, under a position scheme, and optionally the
+KL divergence from the model's own next-token distributions when another attention is swapped in.
+
+Windows come from :func:`poslsh_cli.lm.windows.eval_windows` (non-overlapping by default: every position
+but the first of a window is predicted). Log-probabilities are taken in float64. Bits per byte is
+the summed NLL over ln 2 over the UTF-8 bytes the predicted tokens cover (one byte per token for
+byte models), so models with different tokenizers compare on one scale. Positional-LSH
+masks are fixed by the evaluation ``key`` (not by a training step), so an evaluation replays.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Sums over the predicted positions: ``nll`` (natural log), ``predicted`` (how many), ``nbytes``
+    (UTF-8 bytes of text the predicted tokens cover), ``kl`` (nats; KL(own || evaluated), 0 when
+    the model runs under its own scheme); and per window the NLL and bytes (``windows``: (W, 2)),
+    for intervals over the evaluation text."""
+
+    nll: float
+    predicted: int
+    nbytes: int
+    kl: float = 0.0
+    windows: Any = None
+
+    @property
+    def loss(self) -> float:
+        """Mean NLL per predicted token (nats)."""
+        return self.nll / self.predicted
+
+    @property
+    def bits_per_byte(self) -> float:
+        """``sum NLL / ln 2 / bytes covered``: one scale for every tokenizer."""
+        return self.nll / math.log(2.0) / self.nbytes
+
+
+def fast_cpu_math() -> None:
+    """Flush denormal floats to zero for this process, as GPU kernels do: the softmax of a
+    biased or masked attention underflows into denormals, which CPUs handle up to 2x slower
+    (measured on the backward of the flash kernel); values below 1.2e-38 do not matter here.
+    Also keeps transformers' progress bars (checkpoint writes) out of the logs."""
+    import torch
+    import transformers
+
+    torch.set_flush_denormal(True)
+    transformers.utils.logging.disable_progress_bar()
+
+
+def vocab_size(model: Any) -> int:
+    """The output vocabulary of ``model``, also when wrapped (DDP's ``.module``; a peft model or an
+    FSDP-sharded one keeps its ``config``), else the size of its output embeddings."""
+    base = getattr(model, "module", model)
+    config = getattr(base, "config", None)
+    if getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    out = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if out is None:
+        raise ValueError(f"cannot tell the vocabulary of a {type(base).__name__}")
+    return int(out.weight.shape[0])
+
+
+def eval_batch(model: Any, length: int, batch: int) -> int:
+    """Windows per forward pass: at most ``batch``, and few enough that their float32 logits
+    (``batch x length x vocabulary``) stay under 1 GiB."""
+    return max(1, min(batch, int(2**30 // max(1, 4 * length * vocab_size(model)))))
+
+
+def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[int] = None,
+             max_tokens: Optional[int] = None, batch: int = 8, key: str = "eval", own: Any = None,
+             token_bytes: Any = None, shard: tuple[int, int] = (0, 1)) -> Evaluation:
+    """The model under position scheme ``state`` on the evaluation windows of ``tokens``.
+
+    ``own``: the model's own scheme when ``state`` is another one swapped in: the model runs under
+    both on the same windows (each installed in turn, ``own`` again at the end) and the KL
+    divergence of the next-token distributions is summed. The model runs in eval mode without
+    gradients and is left in the mode it was in. ``shard=(rank, world)``: in a distributed run
+    each rank scores every world-th window (all ranks run the same number of forward passes, so
+    a sharded model stays in step) and every rank gets the sums over all windows, in window
+    order. The batch shrinks so that a batch's float32 logits stay under 1 GiB (large
+    vocabularies); log-probabilities are taken in float64 per window.
+    """
+    import numpy as np
+    import torch
+
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.lm.windows import eval_windows
+    from poslsh_cli.lm.install import install
+
+    windows = list(eval_windows(tokens, length, stride, max_tokens, token_bytes))
+    rank, world = shard
+    mine = list(range(rank, len(windows), world))
+    device = next(model.parameters()).device
+    batch = eval_batch(model, length, batch)
+    passes = -(-(-(-len(windows) // world)) // batch)  # forward passes per rank
+    swapped = own is not None and state is not own
+    states = [state] + ([own] if swapped else [])
+    was_training = model.training
+    model.eval()
+    for st in states:
+        st.eval_key = key
+    scored: list[tuple[int, float, int, float, int]] = []  # (window, nll, predicted, kl, bytes)
+
+    def logits(x: Any, st: Any) -> Any:
+        if own is not None:
+            install(model, st)
+        return model(input_ids=x).logits[:, :-1]  # (b, L-1, V)
+
+    try:
+        with torch.no_grad():
+            for p in range(passes):
+                group = mine[p * batch:(p + 1) * batch]
+                idx = group or [0]  # a rank with no window left still runs the pass
+                x = torch.as_tensor(np.stack([windows[i].tokens for i in idx]), dtype=torch.long, device=device)
+                out = logits(x, state)
+                ref = logits(x, own) if swapped else None
+                for j, i in enumerate(group):  # target position p >= score_from is predicted at p - 1
+                    w = windows[i]
+                    logp = torch.log_softmax(out[j, w.score_from - 1:].double(), dim=-1)
+                    nll = -logp.gather(-1, x[j, w.score_from:, None])[..., 0]
+                    kl = 0.0
+                    if ref is not None:
+                        r = torch.log_softmax(ref[j, w.score_from - 1:].double(), dim=-1)
+                        kl = float((r.exp() * (r - logp)).sum())
+                    scored.append((i, float(nll.sum()), length - w.score_from, kl, int(w.nbytes)))
+    finally:
+        if own is not None:
+            install(model, own)
+        for st in states:
+            st.eval_key = None
+        model.train(was_training)
+    if world > 1:
+        scored = sorted(x for part in dist.gather(scored) for x in part)
+    nll_sum = float(sum(x[1] for x in scored))
+    return Evaluation(nll_sum, int(sum(x[2] for x in scored)), int(sum(x[4] for x in scored)),
+                      float(sum(x[3] for x in scored)),
+                      np.asarray([(x[1], x[4]) for x in scored], dtype=np.float64).reshape(-1, 2))

@@ -1,0 +1,139 @@
+"""A position scheme installed into a transformers model: for every scheme but ``rope`` the rotary
+embedding is replaced by the identity and attention is the project's
+(:func:`poslsh_cli.attention.attend`), through transformers' own attention-function registry
+(``AttentionInterface``) under the name ``poslsh``; ALiBi architectures that compute attention
+inline (BLOOM, MPT, Falcon-RW) get an adapter on their attention modules instead. The scheme is
+stored in the model's ``config.json`` (``poslsh``), so :func:`poslsh_cli.lm.loading.load_model`
+restores it and ``AutoModelForCausalLM.from_pretrained`` still loads the weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.positions import ATTENTION_NAME, Position, PositionState
+
+
+def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
+                      dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
+    """The ``poslsh`` entry of transformers' attention registry.
+
+    query (B, H, n, d), key/value (B, H_kv, n, d) as the model's attention module passes them
+    (grouped key/value heads are expanded here); causal always (decoder). Returns the output
+    as (B, n, H, d), the layout transformers expects, and no attention weights.
+    """
+    from poslsh_cli.attention import attend
+
+    state: PositionState = module.poslsh_position
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    spec = state.attention_spec(module.layer_idx, query.shape[-2], scaling)
+    out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label),
+                 dropout=dropout if module.training else 0.0)  # (B, H, n, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_rotary() -> Any:
+    import torch
+
+    class NoRotary(torch.nn.Module):
+        """Identity rotary embedding: cos = 1, sin = 0, so q and k are left as they are."""
+
+        def __init__(self, head_dim: int) -> None:
+            super().__init__()
+            self.head_dim = head_dim
+
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (*position_ids.shape, self.head_dim)
+            return x.new_ones(shape), x.new_zeros(shape)
+
+    return NoRotary
+
+
+def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
+    """A replacement ``forward`` for the inline attention of an ALiBi checkpoint (BLOOM, MPT,
+    Falcon-RW): its own fused projection and output projection around the project's attention
+    (:func:`~poslsh_cli.attention.attend`) with the module's position state."""
+    import torch
+
+    from poslsh_cli.attention import attend
+    from poslsh_cli.lm.capture import ALIBI_ARCHS, alibi_scaling, split_qkv
+
+    arch = ALIBI_ARCHS[mtype]
+    heads = getattr(module, "num_heads", None) or module.n_heads
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        state: PositionState = module.poslsh_position
+        B, T, _ = hidden_states.shape
+        q, k, v = split_qkv(module, mtype, getattr(module, arch.qkv)(hidden_states), heads)  # (B, H, T, d)
+        spec = state.attention_spec(layer, T, alibi_scaling(module, mtype, q.shape[-1]))
+        context = attend(q, k, v, spec, backend=state.backend,
+                         on_plan=lambda p: state.plans.add(p.label)).transpose(1, 2).reshape(B, T, -1)  # (B, T, H d)
+        out = getattr(module, arch.out)(context)
+        if mtype == "bloom":  # BLOOM's attention module adds the residual itself (dropout_add)
+            residual = args[0] if args else kwargs["residual"]
+            out = torch.nn.functional.dropout(out, p=module.hidden_dropout, training=module.training) + residual
+        return out, None
+
+    return forward
+
+
+def install(model: Any, state: PositionState) -> Any:
+    """Apply ``state`` to a transformers causal LM in place (and record it in its config).
+
+    ALiBi checkpoints (BLOOM, MPT, Falcon-RW) keep their own inline attention for a ``native``
+    state and get an adapter around the project's attention otherwise.
+    """
+    from transformers import AttentionInterface
+
+    from poslsh_cli.lm.capture import ALIBI_ARCHS, attention_modules
+
+    config = model.config
+    mtype = getattr(config, "model_type", None)
+    if mtype in ALIBI_ARCHS:
+        for layer, m in enumerate(attention_modules(model, mtype)):
+            m.poslsh_position = state
+            if "_poslsh_native_forward" not in m.__dict__:
+                m._poslsh_native_forward = m.forward
+            m.forward = m._poslsh_native_forward if state.native else _alibi_adapter(m, mtype, layer)
+        config.poslsh = state.to_json()
+        model.poslsh_position = state
+        return model
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    heads = config.num_attention_heads
+    if len(state.sigmas) != heads:
+        raise ConfigError(f"the position scheme has {len(state.sigmas)} sigmas for a model with {heads} heads")
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
+            m.poslsh_position = state
+    inner = model.model if hasattr(model, "model") else model
+    if state.position is Position.ROPE:
+        model.set_attn_implementation("sdpa")
+        if getattr(inner, "_poslsh_rotary", None) is not None:
+            inner.rotary_emb = inner._poslsh_rotary
+    else:
+        model.set_attn_implementation(ATTENTION_NAME)
+        if getattr(inner, "_poslsh_rotary", None) is None:
+            inner._poslsh_rotary = inner.rotary_emb
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        inner.rotary_emb = _no_rotary()(head_dim)
+    config.poslsh = state.to_json()
+    model.poslsh_position = state
+    return model
+
+
+def set_attention_dropout(model: Any, p: float) -> Any:
+    """Attention dropout ``p`` in every attention layer of a transformers decoder (and its config),
+    applied while training: the regulariser control of exact ALiBi (docs/THEORY.md)."""
+    import torch
+
+    model.config.attention_dropout = float(p)
+    for m in model.modules():
+        d = getattr(m, "attention_dropout", None)
+        if isinstance(d, torch.nn.Dropout):  # BLOOM's own attention
+            d.p = float(p)
+        elif isinstance(d, (int, float)) and hasattr(m, "layer_idx"):
+            m.attention_dropout = float(p)
+    return model

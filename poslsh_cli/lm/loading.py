@@ -1,0 +1,90 @@
+"""Models with a position scheme: poslsh's byte-level Qwen3-architecture model built from a
+configuration (:class:`Arch`, :func:`build_model`), and any checkpoint loaded with its scheme
+(:func:`load_model`: a ``poslsh train`` checkpoint, an ALiBi checkpoint with its own slopes, or
+another causal LM under its own attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.install import install
+from poslsh_cli.lm.positions import Position, PositionState
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Sizes of the Qwen3 decoder trained from scratch (byte vocabulary)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    head_dim: int
+    max_positions: int
+
+    def config(self) -> dict:
+        """Its transformers ``Qwen3Config`` arguments (vocabulary 256, tied embeddings)."""
+        from poslsh_cli.lm.data import VOCAB
+
+        return dict(vocab_size=VOCAB, hidden_size=self.hidden, intermediate_size=self.intermediate,
+                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                    max_position_embeddings=self.max_positions, tie_word_embeddings=True, use_cache=False,
+                    attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def build_model(arch: Arch, state: PositionState, seed: int) -> Any:
+    """A randomly initialised Qwen3ForCausalLM (vocabulary 256, tied embeddings) with ``state``."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    config = tf.Qwen3Config(**arch.config())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.Qwen3ForCausalLM(config)
+    return install(model, state)
+
+
+def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False) -> tuple[Any, PositionState]:
+    """A checkpoint saved by ``poslsh train``, an ALiBi checkpoint (BLOOM, MPT, Falcon-RW: its own
+    attention, with its own slopes, as the native state) or another causal LM (its own attention,
+    recorded as ``rope``)."""
+    import transformers as tf
+
+    from poslsh_cli.lm.capture import ALIBI_ARCHS, alibi_sigmas_of, load_adapter
+    from poslsh_cli.lm.checkpoint import check_checkpoint, is_adapter, read_config, refuse_rotary_falcon
+
+    tf.logging.set_verbosity_error()
+    path = Path(path)
+    check_checkpoint(path)
+    cfg = read_config(path)
+    mtype = cfg.get("model_type")
+    refuse_rotary_falcon(path, mtype, bool(cfg.get("alibi")))
+    impl = ALIBI_ARCHS[mtype].impl if mtype in ALIBI_ARCHS else "sdpa"
+    if is_adapter(path):  # a LoRA adapter saved beside its base: merged here
+        model = load_adapter(path)
+    else:
+        try:
+            model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                            attn_implementation=impl,
+                                                            trust_remote_code=trust_remote_code)
+        except Exception as exc:  # a broken checkpoint: one line
+            text = str(exc).strip().splitlines()
+            raise ConfigError(f"{path}: cannot load the checkpoint ({text[0] if text else type(exc).__name__})") \
+                from None
+    heads = model.config.num_attention_heads
+    saved = cfg.get("poslsh")
+    if saved:
+        state = PositionState.from_json(saved)
+    elif mtype in ALIBI_ARCHS:
+        state = PositionState(Position.ALIBI, alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads),
+                              native=True)
+    else:
+        state = PositionState.standard(Position.ROPE, heads)
+    install(model, state)
+    return model.to(device).eval(), state

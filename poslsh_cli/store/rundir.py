@@ -1,0 +1,354 @@
+"""Run directories: resolved config, provenance, one owner, per-cell atomic results, resume.
+
+Layout of ``runs/<command>/<timestamp>/`` (or ``out=DIR``)::
+
+    .lock           held by the owning process for the life of the run (:mod:`poslsh_cli.store.ownership`)
+    config.yaml     resolved configuration (the same command + config resumes)
+    meta.json       argv, root seed, git commit, package versions, device, wall time, status, and
+                    the history of earlier sessions (one that died is recorded as such)
+    cells/          one JSON file per finished cell (its key, rows, grid index), written atomically:
+                    the source of truth for every table
+    results.csv     every finished cell's rows, in grid order; rewritten atomically by the owner as
+                    cells finish and at the end; a reader that finds it disagreeing with cells/
+                    reads the cells instead and writes nothing (:func:`results`)
+    <aux>.csv       extra tables some experiments keep (e.g. block_lengths.csv), also from cells/
+    work/<cell>/    a long cell's own directory (:mod:`poslsh_cli.store.cellwork`)
+    figures/        written by ``poslsh plot``
+
+A cell is one parameter combination and trial. A run killed at any point leaves only whole
+cells behind (and, inside a long cell, whole checkpoints); started again with the same ``out=``
+it computes only the missing cells and continues a started one from its checkpoint.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from poslsh_cli.store import ownership
+from poslsh_cli.store.cellwork import CellWork
+from poslsh_cli.store.readers import frames_of, read_cells, read_config_text, read_json
+from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.files import TMP_PREFIX, atomic_write_text, fault_point, remove_stale_temporaries
+
+#: Keys that do not change any result: a run resumes when only these differ.
+RESUME_IGNORED = ("out", "memory_check")
+
+
+def timestamp() -> str:
+    return _dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def reserve_default(root: Path, stamp: Optional[str] = None) -> tuple[Path, Path]:
+    """A new, empty run directory ``root/<timestamp>`` (``-2``, ``-3``, ... after it when another
+    launch took that second): ``mkdir`` is atomic, so launches in the same second never share one.
+    Returns (the directory, the highest directory this call created, for
+    :func:`remove_created`)."""
+    root = Path(root).resolve()
+    top = missing_top(root)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = stamp or timestamp()
+    k = 1
+    while True:
+        path = root / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            k += 1
+            continue
+        return path, top or path
+
+
+def check_writable(out: Path) -> None:
+    """Refuse an ``out=`` that cannot be created or written, before anything is written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out} exists and is not a directory")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"out={out}: {probe} is not a directory")
+    try:
+        tmp = tempfile.mkdtemp(prefix=".poslsh-probe-", dir=probe)
+        os.rmdir(tmp)
+    except OSError as exc:
+        raise ConfigError(f"out={out} is not writable ({exc.strerror})") from None
+
+
+def missing_top(path: Path) -> Optional[Path]:
+    """The highest ancestor of ``path`` (or ``path`` itself) that does not exist yet: what creating
+    ``path`` creates, and what to remove again when nothing was made there."""
+    path = Path(path).resolve()
+    top = None
+    while not path.exists():
+        top, path = path, path.parent
+    return top
+
+
+def remove_created(path: Path, top: Optional[Path]) -> None:
+    """Remove the now empty directories from ``path`` up to ``top`` (see :func:`missing_top`)."""
+    if top is None:
+        return
+    p = Path(path).resolve()
+    top = Path(top).resolve()
+    while True:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top or top not in p.parents:
+            return
+        p = p.parent
+
+
+def git_commit() -> dict[str, Any]:
+    """Commit of the poslsh source tree, when it is a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        return {"commit": commit, "dirty": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def package_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("poslsh", "numpy", "scipy", "torch", "pandas", "hydra-core", "omegaconf",
+                 "transformers", "matplotlib", "typer"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
+                            "cpu_count": os.cpu_count()}
+    import sys
+
+    torch = sys.modules.get("torch")  # only when the experiment used it: importing it costs seconds
+    if torch is not None:
+        try:
+            info["torch_threads"] = torch.get_num_threads()
+            if torch.cuda.is_available():
+                info["cuda"] = torch.cuda.get_device_name(0)
+        except Exception:
+            pass
+    return info
+
+
+def _jsonable(x: Any) -> Any:
+    if is_dataclass(x):
+        return asdict(x)
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, tuple):
+        return list(x)
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def cell_id(key: dict[str, Any]) -> str:
+    text = json.dumps(key, sort_keys=True, default=_jsonable)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _config_body(yaml_text: str) -> str:
+    return "\n".join(line for line in yaml_text.splitlines() if not line.split(":", 1)[0] in RESUME_IGNORED)
+
+
+class RunDir:
+    """One run directory. :meth:`open` checks it without writing; :meth:`own` makes this process
+    its owner (creating it) for the run; only the owner writes."""
+
+    def __init__(self, path: Path, command: str, config_yaml: str):
+        self.path = Path(path)
+        self.command = command
+        self.config_yaml = config_yaml
+        self.fresh = True
+        self.cells_dir = self.path / "cells"
+        self.meta: dict[str, Any] = {}
+        self._created: Optional[Path] = None
+        self._done: Optional[dict[str, dict]] = None  # the owner's finished cells, read from disk once
+
+    @classmethod
+    def open(cls, path: Path, command: str, config_yaml: str) -> "RunDir":
+        """Check that ``path`` can hold this run (new, or the same configuration to resume) and
+        that no live process owns it; nothing is written."""
+        run = cls(path, command, config_yaml)
+        run._check()
+        ownership.check_free(run.path)
+        return run
+
+    def _check(self) -> None:
+        cfg_file = self.path / "config.yaml"
+        if cfg_file.exists():
+            if _config_body(read_config_text(cfg_file)) != _config_body(self.config_yaml):
+                raise ConfigError(f"out={self.path} holds a run with a different configuration; "
+                                  "use another out= (or the same keys to resume)")
+            self.fresh = False
+            return
+        # a reproduce marker (skipped.json) and the lock do not count: the run replaces them
+        if self.path.exists() and any(p for p in self.path.iterdir() if not p.name.startswith(".")
+                                      and p.name != "skipped.json"):
+            raise ConfigError(f"out={self.path} exists, is not empty and holds no poslsh run")
+        self.fresh = True
+
+    @contextmanager
+    def own(self, argv: str) -> Iterator["RunDir"]:
+        """Own the directory for the block: create it, take its lock (:class:`ownership.RunBusy`
+        if another process got there first), check it again under the lock, and remove what a
+        killed session left half-written."""
+        top = missing_top(self.path)
+        ownership.acquire(self.path, argv)
+        try:
+            self._created = top
+            self._check()
+            remove_stale_temporaries(self.path)
+            yield self
+        finally:
+            ownership.release(self.path)
+
+    def start(self, argv: str, seed: int, cells_total: int, notice: Callable[[str], None] = print) -> None:
+        """Write config.yaml (new runs) and a meta.json for this session. A previous session whose
+        meta.json still says ``running`` died (its lock is free now): it is recorded as such."""
+        self.cells_dir.mkdir(parents=True, exist_ok=True)
+        if self.fresh:
+            atomic_write_text(self.path / "config.yaml", self.config_yaml)
+        old, why = read_json(self.path / "meta.json")
+        if not isinstance(old, dict):
+            if not self.fresh:
+                notice(f"{self.path / 'meta.json'} was unreadable ({why}); started a new one")
+            old = {}
+        history = list(old.get("history", []))
+        if old:
+            prev = {k: old.get(k) for k in ("sessions", "status", "cells_done", "error", "pid", "host")}
+            if old.get("status") == "running":
+                prev["status"] = "died"
+                prev["error"] = "the process ended without finishing (killed, or out of memory)"
+                notice(f"the previous session of {self.path} (pid {old.get('pid')}) died without finishing; "
+                       "resuming")
+            history.append(prev)
+        self.meta = {
+            "command": self.command,
+            "argv": argv,
+            "seed": seed,
+            "git": git_commit(),
+            "versions": package_versions(),
+            "device": device_info(),
+            "pid": os.getpid(),
+            "host": platform.node(),
+            "started": old.get("started", _dt.datetime.now().isoformat(timespec="seconds")),
+            "wall_seconds": float(old.get("wall_seconds", 0.0)),
+            "sessions": int(old.get("sessions", 0)) + 1,
+            "status": "running",
+            "cells_total": cells_total,
+            "cells_done": len(self.done_ids()),
+            "history": history,
+        }
+        self._t0 = _dt.datetime.now()
+        self._wall0 = self.meta["wall_seconds"]
+        self.write_meta()
+
+    def write_meta(self, **updates: Any) -> None:
+        self.meta.update(updates)
+        if hasattr(self, "_t0"):
+            self.meta["wall_seconds"] = round(self._wall0 + (_dt.datetime.now() - self._t0).total_seconds(), 3)
+        atomic_write_text(self.path / "meta.json", json.dumps(self.meta, indent=2, default=_jsonable) + "\n")
+
+    def work(self, key: dict[str, Any], progress: Callable[[int, int, str], None] | None = None,
+             notice: Callable[[str], None] | None = None) -> CellWork:
+        """The working directory of one cell (see :class:`~poslsh_cli.store.cellwork.CellWork`)."""
+        extra = {k: v for k, v in (("progress", progress), ("notice", notice)) if v is not None}
+        return CellWork(self.path / "work" / work_name(key), **extra)
+
+    def cells(self) -> tuple[dict[str, dict], list[tuple[Path, str]]]:
+        """Finished cells by id, and the cell files that cannot be read (path, why)."""
+        return read_cells(self.cells_dir)
+
+    def finished(self) -> dict[str, dict]:
+        """Finished cells by id. The owner reads cells/ once and then adds each cell it writes
+        (only the owner writes cells), so a run of N cells reads N files, not N^2/2."""
+        if self._done is None:
+            self._done = self.cells()[0]
+        return self._done
+
+    def done_ids(self) -> set[str]:
+        return set(self.finished())
+
+    def drop_unreadable_cells(self, notice: Callable[[str], None]) -> None:
+        """(Owner only) a cell file that cannot be read is not finished: remove it, say so."""
+        self._done = None
+        for path, why in self.cells()[1]:
+            notice(f"{path} is unreadable ({why}); the cell will be computed again")
+            path.unlink(missing_ok=True)
+
+    def write_cell(self, key: dict[str, Any], rows: list[dict[str, Any]], aux: dict[str, list[dict]] | None = None,
+                   index: int | None = None) -> None:
+        payload = {"key": key, "rows": rows, "aux": aux or {}, "index": index}
+        text = json.dumps(payload, default=_jsonable)
+        atomic_write_text(self.cells_dir / f"{cell_id(key)}.json", text + "\n")
+        self.finished()[cell_id(key)] = json.loads(text)  # as a reader of the file would see it
+        fault_point("cell")
+
+    def write_tables(self, keys: list[dict[str, Any]], columns: list[str]) -> int:
+        """Rewrite results.csv (and aux tables) from the finished cells, in grid order."""
+        done = self.finished()
+        cells = [done[cell_id(k)] for k in keys if cell_id(k) in done]
+        _write_tables(self.path, cells, columns)
+        return len(cells)
+
+    def holds_work(self) -> bool:
+        """Whether the directory holds anything a later session needs: a finished cell, or any file
+        below ``work/`` (a checkpoint, a metrics log, a shared stage), temporaries aside."""
+        if self.done_ids():
+            return True
+        work = self.path / "work"
+        return work.is_dir() and any(p.is_file() and not any(part.startswith(TMP_PREFIX) for part in p.parts)
+                                     for p in work.rglob("*"))
+
+    def discard_if_empty(self) -> bool:
+        """(Owner only) after a failure or an interrupt: remove a run this session created when it
+        holds no work yet (:meth:`holds_work`), and the directories created above it, so nothing
+        half-written stays behind. A directory with any work in it is never removed. True when
+        removed."""
+        if not self.fresh or not ownership.owns(self.path) or self.holds_work():
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        remove_created(self.path.parent, self._created)
+        return True
+
+
+def _write_tables(path: Path, cells: list[dict], columns: list[str]) -> None:
+    text, aux = frames_of(cells, columns)
+    atomic_write_text(path / "results.csv", text)
+    for name, t in aux.items():
+        atomic_write_text(path / f"{name}.csv", t)
+
+
+def work_name(key: dict[str, Any]) -> str:
+    """A readable directory name for a cell: ``position-poslsh_s-10_seed-0-<id>`` (no ``=``, so the
+    path can be passed as an override value)."""
+    import re
+
+    text = "_".join(f"{k}-{v}" for k, v in key.items())
+    return re.sub(r"[^A-Za-z0-9.,+-]+", "_", text)[:120] + "-" + cell_id(key)[:6]
+
+
+__all__ = ["RunDir", "atomic_write_text", "check_writable", "reserve_default", "timestamp", "cell_id", "work_name",
+           "missing_top", "remove_created"]

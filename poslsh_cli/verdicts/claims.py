@@ -1,0 +1,170 @@
+"""Verdicts: a claim of the paper, the rule that judges it, and what the measurements say.
+
+Every verdict is computed from the numbers it quotes; a claim without measurements is
+NOT MEASURED, and a measurement that cannot decide (too noisy, too few points, dominated by
+fixed costs) is INCONCLUSIVE, never SUPPORTED. The rules are written next to the verdict in the
+report, and the console summaries use the same fits.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from poslsh_cli.numerics.metrics import SlopeFit, fit_loglog_slope
+
+
+class Status(enum.Enum):
+    SUPPORTED = "SUPPORTED"
+    NOT_SUPPORTED = "NOT SUPPORTED"
+    INCONCLUSIVE = "INCONCLUSIVE"
+    NOT_MEASURED = "NOT MEASURED"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    claim: str
+    status: Status
+    evidence: str  # the numbers the status was computed from
+    rule: str  # how the status follows from them
+
+
+@dataclass
+class Section:
+    """One experiment run's part of the report: verdicts, computed sentences, tables, figures."""
+
+    command: str
+    run: Path
+    title: str
+    verdicts: list[Verdict] = field(default_factory=list)
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[Any] = field(default_factory=list)  # DataFrames
+    details: list[tuple[str, Any]] = field(default_factory=list)  # (caption, full DataFrame), collapsed
+    figures: list[Path] = field(default_factory=list)
+
+
+def combine(statuses: Iterable[Status]) -> Status:
+    """One status for several groups: any failure fails; else any support supports; else
+    inconclusive if anything was measured; else not measured."""
+    st = list(statuses)
+    if Status.NOT_SUPPORTED in st:
+        return Status.NOT_SUPPORTED
+    if Status.SUPPORTED in st:
+        return Status.SUPPORTED
+    if Status.INCONCLUSIVE in st:
+        return Status.INCONCLUSIVE
+    return Status.NOT_MEASURED
+
+
+def tally(statuses: Iterable[Status]) -> str:
+    st = list(statuses)
+    parts = [f"{sum(s is k for s in st)} {k.value.lower()}" for k in Status if any(s is k for s in st)]
+    return ", ".join(parts) if parts else "no groups"
+
+
+# ---------------------------------------------------------------------------------------------
+# decay like s^(-1/2) (Theorem 2.1)
+
+#: Fits of the decay exponent use s >= this (when three or more such s were run): at small s
+#: the entries of M~ are coarse multiples of 1/s and the max norm saturates near 1, so the
+#: log-log slope there says nothing about the O(1/sqrt(s)) regime of Theorem 2.1.
+ASYMPTOTIC_S = 8
+#: "Decays like s^(-1/2)" is an equivalence claim: the slope's 95% interval must lie inside
+#: -1/2 ± this (a wide interval, or a tight one that excludes -1/2, cannot support it).
+DECAY_MARGIN = 0.1
+
+DECAY_RULE = (f"log-log slope of the error against s, fitted over s >= {ASYMPTOTIC_S} (all trials; at least three "
+              f"such s), with its 95% t-interval: SUPPORTED when the interval lies inside "
+              f"[{-0.5 - DECAY_MARGIN:.1f}, {-0.5 + DECAY_MARGIN:.1f}], NOT SUPPORTED when it lies wholly outside, "
+              "else INCONCLUSIVE")
+
+
+def asymptotic_fit(s: np.ndarray, err: np.ndarray) -> SlopeFit | None:
+    """Slope fit over s >= ASYMPTOTIC_S, or None with fewer than three such s."""
+    s, err = np.asarray(s, dtype=np.float64), np.asarray(err, dtype=np.float64)
+    big = s >= ASYMPTOTIC_S
+    if np.unique(s[big]).size < 3:
+        return None
+    return fit_loglog_slope(s[big], err[big])
+
+
+def decay_status(fit: SlopeFit | None) -> Status:
+    """The equivalence rule of :data:`DECAY_RULE` on a slope fit."""
+    if fit is None or not math.isfinite(fit.slope):
+        return Status.NOT_MEASURED
+    if not (math.isfinite(fit.ci_low) and math.isfinite(fit.ci_high)):
+        return Status.INCONCLUSIVE
+    lo, hi = -0.5 - DECAY_MARGIN, -0.5 + DECAY_MARGIN
+    if lo <= fit.ci_low and fit.ci_high <= hi:
+        return Status.SUPPORTED
+    if fit.ci_high < lo or fit.ci_low > hi:
+        return Status.NOT_SUPPORTED
+    return Status.INCONCLUSIVE
+
+
+def slope_text(fit: SlopeFit | None) -> str:
+    if fit is None or not math.isfinite(fit.slope):
+        return "–"
+    if not math.isfinite(fit.ci_low):
+        return f"{fit.slope:.3f}"
+    return f"{fit.slope:.3f} [{fit.ci_low:.3f}, {fit.ci_high:.3f}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# time against n (Theorem 2.2)
+
+#: Below this slope the time is still dominated by fixed costs over the fitted range.
+OVERHEAD_SLOPE = 0.8
+#: Above this slope the growth is clearly super-linear (exact attention: 2).
+LINEAR_SLOPE_MAX = 1.3
+
+TIME_RULE = (f"log-log slope of end-to-end time against n over the larger half of the n grid (at least three n, "
+             f"where fixed costs weigh least); SUPPORTED when {OVERHEAD_SLOPE} <= slope <= {LINEAR_SLOPE_MAX}, "
+             f"NOT SUPPORTED above {LINEAR_SLOPE_MAX}, INCONCLUSIVE below {OVERHEAD_SLOPE} (time still dominated "
+             "by fixed costs, so the fit says nothing about growth) or with fewer than three n")
+
+
+def crossover(ratio: dict[int, float]) -> int | None:
+    """The smallest length from which a time ratio (new over reference) stays below 1 at every
+    larger measured length; None when it is not below 1 at the largest."""
+    best = None
+    for n in sorted(ratio, reverse=True):
+        if ratio[n] >= 1:
+            break
+        best = n
+    return best
+
+
+def upper_half(ns: Iterable[int]) -> list[int]:
+    """The larger half of the distinct n (at least three when three exist)."""
+    u = sorted(set(int(x) for x in ns))
+    if len(u) < 3:
+        return []
+    return u[min(len(u) // 2, len(u) - 3):]
+
+
+def time_status(fit: SlopeFit | None) -> Status:
+    if fit is None or not math.isfinite(fit.slope):
+        return Status.INCONCLUSIVE
+    if fit.slope > LINEAR_SLOPE_MAX:
+        return Status.NOT_SUPPORTED
+    if fit.slope < OVERHEAD_SLOPE:
+        return Status.INCONCLUSIVE
+    return Status.SUPPORTED
+
+
+def fmt(x: object, digits: int = 3) -> str:
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(float(x)):
+            return "–"
+        return f"{float(x):.{digits}g}"
+    return str(x)
+
+
+def few(items: list[str], k: int = 6) -> str:
+    """At most k items, then how many more."""
+    return "; ".join(items[:k]) + (f"; … ({len(items) - k} more in the table)" if len(items) > k else "")

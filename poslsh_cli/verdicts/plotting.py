@@ -1,0 +1,58 @@
+"""Shared drawing helpers for the experiments' own ``plot`` functions (results -> matplotlib, PNG
++ PDF into ``figures/``); :func:`poslsh_cli.app.report.plot_run` dispatches a run to its experiment.
+
+Plotting reads what the runs wrote and draws it; the only arithmetic is aggregation over
+trials, least-squares slopes for legends, and theory curves.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from poslsh_cli.numerics.metrics import fit_loglog_slope
+
+#: Sizes chosen for figures shown at about 1000 px wide (the HTML report): no text under 8 pt.
+STYLE = {"font.size": 9, "legend.fontsize": 8, "axes.titlesize": 10, "axes.labelsize": 9, "xtick.labelsize": 8,
+         "ytick.labelsize": 8, "figure.titlesize": 11}
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend with the house style (imported on first use)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams.update(STYLE)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, run: Path, name: str) -> list[Path]:
+    out = Path(run) / "figures"
+    out.mkdir(exist_ok=True)
+    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    fig.savefig(paths[0], dpi=110, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    pyplot().close(fig)
+    return paths
+
+
+def decay_panel(ax: Any, df: Any, x: str, y: str, group: list[str], label: Callable[[tuple], str]) -> None:
+    """Mean over trials with min-max band, fitted log-log slope in the legend, c/sqrt(x) guide."""
+    import numpy as np
+
+    for i, (gkey, g) in enumerate(df.groupby(group, sort=True)):
+        gkey = gkey if isinstance(gkey, tuple) else (gkey,)
+        agg = g.groupby(x)[y].agg(["mean", "min", "max"]).reset_index()
+        fit = fit_loglog_slope(g[x], g[y])
+        color = f"C{i % 10}"
+        ax.plot(agg[x], agg["mean"], "o-", color=color, ms=3.5, lw=1.4,
+                label=f"{label(gkey)}  slope {fit.slope:.2f}")
+        ax.fill_between(agg[x], agg["min"], agg["max"], color=color, alpha=0.18, lw=0)
+        if len(agg) > 1:
+            c = float(np.exp(np.mean(np.log(agg["mean"]) + 0.5 * np.log(agg[x]))))
+            xs = np.asarray(agg[x], dtype=float)
+            ax.plot(xs, c / np.sqrt(xs), "--", color=color, lw=0.8, alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.25)
