@@ -281,7 +281,7 @@ def test_ddp_with_attention_dropout_replays_itself_not_one_process(tmp_path):
     """The stated exception (docs/THEORY.md): dropout masks are drawn per rank, so two processes
     with attention dropout replay each other exactly and differ from one process."""
     args = [a for a in TINY if not a.startswith(("position=", "s=", "steps=", "checkpoint_every=", "eval_every="))] + [
-        "position=[alibi]", "attn_dropout=[0.1]", "steps=3", "checkpoint_every=3", "eval_every=3"]
+        "position=[alibi]", "attn_dropout=[0.1]", "steps=2", "checkpoint_every=2", "eval_every=2"]
     for name in ("a", "b"):
         r = two("train", *args, f"out={tmp_path / name}")
         assert r.returncode == 0, r.stderr[-3000:]

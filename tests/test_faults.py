@@ -245,12 +245,12 @@ def test_cut_results_csv_is_read_from_the_cells_and_rewritten_by_its_owner(refer
     (run / "results.csv").write_text(cut)  # cut mid-line
     r = poslsh("plot", run)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "results.csv is cut mid-line; read from its 1 cells" in r.stderr
+    assert "results.csv is cut mid-line; read from its 1 cell in" in r.stderr
     assert (run / "results.csv").read_text() == cut  # the reader wrote nothing
     (run / "results.csv").write_text(good.splitlines()[0] + "\n")  # rows lost
     r = poslsh("report", run)
-    assert r.returncode == 0 and "read from its 1 cells" in r.stderr, r.stderr
-    assert "read from its 1 cells" in (run / "report.md").read_text()
+    assert r.returncode == 0 and "read from its 1 cell in" in r.stderr, r.stderr
+    assert "read from its 1 cell in" in (run / "report.md").read_text()
     assert "0.0" in (run / "report.md").read_text()  # the report has the cell's numbers
     r = poslsh("train", *TINY, f"out={run}")  # the owner: every cell done, the tables rewritten
     assert r.returncode == 0, r.stderr
