@@ -117,6 +117,24 @@ def test_every_folder_is_one_layer_and_imports_only_layers_above_it():
     assert ("app", "core") in edges and ("attention", "numerics") in edges  # the graph is read at all
 
 
+def test_the_layer_table_names_every_module_of_its_folders():
+    """The modules column of docs/ARCHITECTURE.md lists each folder's modules (the experiments row
+    its shared ones; the commands are found by the registry)."""
+    text = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Layers"):text.index("## From argv")]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or cells[0] in ("layer", "---") or "/`" not in cells[1]:
+            continue
+        folders = re.findall(r"`([a-z_]+)/`", cells[1])
+        listed = set(re.findall(r"`([a-z_]+)`", cells[2]))
+        present = {p.stem for f in folders for p in (PKG / f).glob("*.py") if p.stem != "__init__"}
+        if "experiments" in folders:
+            present = {m for m in present if not (PKG / "experiments" / f"{m}.py").read_text().count("EXPERIMENT = ")
+                       and not m.endswith(("_report", "_claims"))}
+        assert listed == present, (cells[0], sorted(present - listed), sorted(listed - present))
+
+
 def test_each_command_is_named_in_its_own_module_only():
     """A command's name appears as a string literal only in the module that defines it (and its
     ``<module>_report`` companion, which holds its tables, figures and claims). One name is also an
