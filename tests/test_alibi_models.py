@@ -11,7 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from poslsh_cli.attention import laplacian_weight, reference_attention
-from poslsh_cli.lm.capture import builtin_text, capture_qkv, load, tokenize
+from poslsh_cli.lm.capture import capture_qkv
+from poslsh_cli.lm.documents import builtin_text, tokenize
+from poslsh_cli.lm.pretrained import load
 from poslsh_cli.app.cli import app
 from poslsh_cli.core.config import ConfigError
 from poslsh_cli.lm.models import minilm_path

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from poslsh_cli.attention import reference_attention
-from poslsh_cli.lm.capture import builtin_text, capture_qkv, load, read_text, tokenize
+from poslsh_cli.lm.capture import capture_qkv
+from poslsh_cli.lm.documents import builtin_text, read_text, tokenize
+from poslsh_cli.lm.pretrained import load
 from poslsh_cli.lm.checkpoint import check_checkpoint
 from poslsh_cli.core.config import ConfigError
 from poslsh_cli.lm.models import minilm_path

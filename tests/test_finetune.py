@@ -186,7 +186,7 @@ def test_alibi_checkpoint_keeps_its_own_slopes(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_alibi_models import save_alibi
 
-    from poslsh_cli.lm.capture import load
+    from poslsh_cli.lm.pretrained import load
     from poslsh_cli.lm.loading import load_model
 
     monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))

@@ -100,12 +100,12 @@ def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
     import numpy as np
     import torch
 
-    from poslsh_cli.lm import capture
+    from poslsh_cli.lm import capture, documents, pretrained
     from poslsh_cli.numerics.sampling import alibi_sigmas
 
     device = resolve_device(spec.device)
     path = models.resolve(spec.model)
-    loaded = capture.load(path, trust_remote_code=spec.model.trust_remote_code, device=str(device))
+    loaded = pretrained.load(path, trust_remote_code=spec.model.trust_remote_code, device=str(device))
     if loaded.max_positions is not None and spec.n > loaded.max_positions:
         raise ConfigError(f"n={spec.n} exceeds the model's {loaded.max_positions} positions")
     layers = list(range(loaded.num_layers)) if spec.layers == "all" else sorted(set(spec.layers))
@@ -114,7 +114,7 @@ def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
         raise ConfigError(f"layer {max(layers)} out of range: the model has {loaded.num_layers} layers")
     if max(heads) >= loaded.num_heads:
         raise ConfigError(f"head {max(heads)} out of range: the model has {loaded.num_heads} heads")
-    ids = capture.tokenize(loaded.tokenizer, capture.read_text(spec.text), spec.n)
+    ids = documents.tokenize(loaded.tokenizer, documents.read_text(spec.text), spec.n)
     captured = capture.capture_qkv(loaded, ids, layers)
     own_slopes = loaded.alibi_sigmas is not None and spec.sigma is None and spec.alibi != "standard"
     if spec.alibi == "model" and loaded.alibi_sigmas is None:

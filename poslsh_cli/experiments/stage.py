@@ -106,7 +106,7 @@ class Stage:
 def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[Any, Any]:
     """The stage's model with its scheme installed (not yet on the device or wrapped): from the
     resume checkpoint, from ``stage.init``, or fresh weights from the seed."""
-    from poslsh_cli.lm import convert
+    from poslsh_cli.lm import convert, lora
     from poslsh_cli.lm.install import install, set_attention_dropout
 
     if resume is not None and not stage.lora:
@@ -119,14 +119,14 @@ def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[A
     install(model, state)
     set_attention_dropout(model, stage.dropout)
     if stage.lora:
-        model = convert.with_lora(model, spec.lora_rank, spec.lora_alpha, spec.lora_targets)
+        model = lora.with_lora(model, spec.lora_rank, spec.lora_alpha, spec.lora_targets)
         if resume is not None:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(str(resume / "adapter_model.safetensors")))
     if spec.gradient_checkpointing:
-        convert.base_of(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora.base_of(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, state
 
 

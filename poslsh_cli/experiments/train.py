@@ -152,7 +152,8 @@ def prepare(spec: TrainSpec) -> TrainContext:
     import torch
 
     from poslsh_cli.core import distributed as dist
-    from poslsh_cli.lm.convert import open_source, peft_module, tokenizer_of
+    from poslsh_cli.lm.checkpoint import peft_module
+    from poslsh_cli.lm.convert import open_source, tokenizer_of
     from poslsh_cli.lm.data import load_corpus
     from poslsh_cli.lm.evaluate import fast_cpu_math
 

@@ -14,8 +14,8 @@ rotary embedding becomes the identity and the scheme's attention is installed th
 transformers' attention registry; ``rope`` keeps the model as it is. An ALiBi model keeps its own
 slopes (``alibi=auto`` or ``model``; its own attention for ``alibi``, the project's attention
 with its sigmas for the other schemes); ``alibi=standard`` uses the standard slopes of its head
-count. Optional LoRA (peft) trains low-rank adapters on named projections; the result is saved
-merged into full weights or as the adapter beside its base (:func:`save`). Every saved
+count. Optional LoRA (:mod:`poslsh_cli.lm.lora`) is saved merged into full weights or as the
+adapter beside its base (:func:`save`). Every saved
 directory holds the tokenizer and records the scheme (``config.json`` ``poslsh`` and
 ``poslsh_train.json``), so ``AutoModelForCausalLM.from_pretrained`` loads it and
 :func:`poslsh_cli.lm.loading.load_model` restores the scheme.
@@ -28,15 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.lm.checkpoint import peft_module
 from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.lora import is_lora
 
 #: files a tokenizer saved by ``save_pretrained`` leaves in a checkpoint directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
                    "spiece.model")
 #: what ``alibi=`` may ask for
 ALIBI_CHOICES = ("auto", "model", "standard")
-LORA_SAVES = ("merged", "adapter")
 
 
 class Kind(str, enum.Enum):
@@ -73,7 +72,7 @@ class Source:
     @property
     def alibi_model(self) -> bool:
         """An ALiBi checkpoint (BLOOM, MPT, Falcon-RW): its own slopes, its own inline attention."""
-        from poslsh_cli.lm.capture import ALIBI_ARCHS
+        from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
         return self.model_type in ALIBI_ARCHS and (self.model_type != "falcon" or bool(self.config.get("alibi")))
 
@@ -99,7 +98,7 @@ class Source:
         """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: its own
         slopes (an ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the
         standard ones."""
-        from poslsh_cli.lm.capture import alibi_sigmas_of
+        from poslsh_cli.lm.pretrained import alibi_sigmas_of
         from poslsh_cli.lm.positions import Position, PositionState
         from poslsh_cli.numerics.sampling import alibi_sigmas
 
@@ -146,7 +145,7 @@ def _read_config(path: Path, key_name: str) -> dict:
 def _check_architecture(path: Path, cfg: dict, key_name: str, alibi: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from poslsh_cli.lm.capture import ALIBI_ARCHS
+    from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
     mtype = cfg.get("model_type")
     if "auto_map" in cfg:
@@ -231,7 +230,7 @@ def _quiet() -> None:
 
 
 def _impl(mtype: str) -> str:
-    from poslsh_cli.lm.capture import ALIBI_ARCHS
+    from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
     return ALIBI_ARCHS[mtype].impl if mtype in ALIBI_ARCHS else "sdpa"
 
@@ -267,45 +266,6 @@ def new_model(source: Source, seed: int) -> Any:
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=_impl(source.model_type))
     return model.float()
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA
-
-
-def default_targets(model: Any) -> list[str]:
-    """The attention projections of the model (q/k/v/o, or an ALiBi model's fused q/k/v and output)."""
-    from poslsh_cli.lm.capture import ALIBI_ARCHS
-
-    mtype = getattr(model.config, "model_type", "")
-    if mtype in ALIBI_ARCHS:
-        a = ALIBI_ARCHS[mtype]
-        return [a.qkv, a.out]
-    return ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-def with_lora(model: Any, rank: int, alpha: float, targets: Optional[list[str]]) -> Any:
-    """Low-rank adapters of rank ``rank`` on the ``targets`` modules (default: the attention
-    projections); the rest of the model is frozen."""
-    peft = peft_module()
-    targets = list(targets) if targets else default_targets(model)
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ConfigError(f"lora_targets: the model has no module named {', '.join(missing)} "
-                          f"(it has e.g. {', '.join(sorted(default_targets(model)))})")
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0,
-                          bias="none", task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, cfg)
-
-
-def is_lora(model: Any) -> bool:
-    return hasattr(model, "peft_config")
-
-
-def base_of(model: Any) -> Any:
-    """The transformers model inside a peft wrapper (the model itself otherwise)."""
-    return model.get_base_model() if is_lora(model) else model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import torch
 
 from poslsh_cli.core.config import ConfigError
 
@@ -240,3 +241,33 @@ BUILTIN_SHA256 = "1528ea8aee8ccf0bc4808753e2e03186f7f810d43cccc0f780aba25cad8932
 
 
 SEPARATOR = "\n\n"
+
+
+def read_text(text: str) -> str:
+    """The ``text=`` of output-error: ``builtin`` (the shipped corpus), ``pydoc-topics`` (this
+    Python's own topics text) or a file."""
+    if text == "builtin":
+        return builtin_text()
+    if text == PYDOC_TOPICS:
+        return pydoc_topics_text()
+    p = Path(os.path.expanduser(text))
+    if not p.is_file():
+        raise ConfigError(f"text={text}: no such file (use text=builtin or a path)")
+    try:
+        return p.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ConfigError(f"text={text}: cannot read ({exc.strerror})") from None
+
+
+def tokenize(tokenizer: Any, text: str, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of ``text`` (with the tokenizer's special tokens), shape (1, n)."""
+    chars = max(4096, 12 * n)
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        if len(ids) >= n or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise ConfigError(f"the text has only {len(ids)} tokens, fewer than n={n}")
+    ids = ids[:n]
+    return torch.tensor([ids], dtype=torch.long)

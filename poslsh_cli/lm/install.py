@@ -59,7 +59,8 @@ def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
     import torch
 
     from poslsh_cli.attention import attend
-    from poslsh_cli.lm.capture import ALIBI_ARCHS, alibi_scaling, split_qkv
+    from poslsh_cli.lm.capture import alibi_scaling, split_qkv
+    from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
     arch = ALIBI_ARCHS[mtype]
     heads = getattr(module, "num_heads", None) or module.n_heads
@@ -88,7 +89,8 @@ def install(model: Any, state: PositionState) -> Any:
     """
     from transformers import AttentionInterface
 
-    from poslsh_cli.lm.capture import ALIBI_ARCHS, attention_modules
+    from poslsh_cli.lm.capture import attention_modules
+    from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
     config = model.config
     mtype = getattr(config, "model_type", None)

@@ -56,7 +56,7 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
     recorded as ``rope``)."""
     import transformers as tf
 
-    from poslsh_cli.lm.capture import ALIBI_ARCHS, alibi_sigmas_of, load_adapter
+    from poslsh_cli.lm.pretrained import ALIBI_ARCHS, alibi_sigmas_of, load_adapter
     from poslsh_cli.lm.checkpoint import check_checkpoint, is_adapter, read_config, refuse_rotary_falcon
 
     tf.logging.set_verbosity_error()
