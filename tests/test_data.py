@@ -153,3 +153,21 @@ def test_train_batch_draws_every_window_the_last_one_included():
     assert len(counts) == 6 and counts.min() > 1000 - 5 * 30  # each 1000 +- 5 binomial SE (~29)
     with pytest.raises(ValueError, match="hold no window"):
         train_batch(np.arange(L), L, 1, np.random.default_rng(0))
+
+
+def test_sliding_protocol_scores_the_last_stride_tokens_of_every_window_the_first_too():
+    tokens = np.arange(1000)
+    L, E = 100, 250  # trained length, evaluation length
+    ws = list(eval_windows(tokens, E, stride=L, tail=True))
+    starts = [int(w.tokens[0]) for w in ws]
+    assert starts == list(range(0, 1000 - E + 1, L))
+    # every window scores its last L positions (the first one too), each with E - L tokens before it
+    assert all(w.score_from == E - L for w in ws)
+    scored = np.concatenate([w.tokens[w.score_from:] for w in ws])
+    assert len(scored) == len(ws) * L and len(np.unique(scored)) == len(scored)
+    assert scored.min() == E - L  # nothing before the first full context is scored
+    assert count_predicted(tokens, E, L, tail=True) == len(ws) * L
+    # without tail the first window scores all of its own
+    assert next(eval_windows(tokens, E, stride=L)).score_from == 1
+    # at the training length the sliding protocol is the non-overlapping one
+    assert [w.score_from for w in eval_windows(tokens, L, stride=L, tail=True)] == [1] * 10

@@ -148,3 +148,109 @@ def test_threaded_mean_mask_product_equals_dense_and_works_in_a_forked_child():
     os.close(w)
     _, status = os.waitpid(pid, 0)
     assert os.read(r, 1) == b"1" and status == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Theorem 2.1's explicit constants
+
+
+def test_theorem_constants_match_their_formulas_and_limits():
+    import math
+
+    from poslsh_cli.numerics import theorem
+
+    for sigma in (0.5, 2.0, 16.0, 256.0, 1e6):
+        e = math.exp(1 / sigma)
+        direct = 1 + sigma + (e + 1) / (e - 1)  # the formula as written: cancels for large sigma
+        assert theorem.psi_sigma(sigma) == pytest.approx(direct, rel=1e-9 if sigma < 1e5 else 1e-6)
+        # coth(y) = 1/y + y/3 - y^3/45 + ... at y = 1/(2 sigma): Psi = 1 + 3 sigma + 1/(6 sigma) - 1/(360 sigma^3) ...
+        assert theorem.psi_sigma(sigma) == pytest.approx(1 + 3 * sigma + 1 / (6 * sigma), abs=1 / (300 * sigma ** 3) + 1e-9 * sigma)
+    n, s, sigma = 4096, 64, 16.0
+    r = math.log(n) / s
+    assert theorem.expectation_bound(sigma, n, s) == pytest.approx(theorem.psi_sigma(sigma) * (math.sqrt(r) + r),
+                                                                   rel=1e-15)
+    # the bound falls with s and grows with n and sigma
+    assert theorem.expectation_bound(sigma, n, 2 * s) < theorem.expectation_bound(sigma, n, s)
+    assert theorem.expectation_bound(sigma, 2 * n, s) > theorem.expectation_bound(sigma, n, s)
+    assert theorem.expectation_bound(2 * sigma, n, s) > theorem.expectation_bound(sigma, n, s)
+    psi = theorem.psi_sigma(sigma)
+    eps = 30.0
+    assert theorem.tail_bound(sigma, n, s, eps) == pytest.approx(n * math.exp(-s * eps ** 2 / (4 * psi * (4 * psi + eps))))
+    assert theorem.tail_bound(sigma, n, 10 ** 6, eps) < 1 < theorem.tail_bound(sigma, n, 1, eps)
+    # s needed for eps, and it is the smallest s with sigma^2 ln n / s <= eps^2
+    k = theorem.s_needed(sigma, n, 0.5)
+    assert sigma ** 2 * math.log(n) / k <= 0.25 < sigma ** 2 * math.log(n) / (k - 1)
+    with pytest.raises(ValueError):
+        theorem.psi_sigma(0.0)
+    with pytest.raises(ValueError):
+        theorem.s_needed(sigma, n, 0.0)
+
+
+@pytest.mark.parametrize("n,sigma", [(256, 2.0), (512, 8.0), (300, 0.5)])
+def test_expectation_bound_holds_for_the_dense_error_over_many_draws(n, sigma):
+    """The theorem, checked where it can be: the mean of the dense float64 error over 40 independent
+    draws is below Psi_sigma (sqrt(ln n / s) + ln n / s) at every s. The bound is an upper bound on the
+    expectation, so only a sampling fluctuation could break it; the measured mean stays well under
+    (about 0.05 .. 0.3 of the bound at these sizes), far beyond 40-draw noise."""
+    from poslsh_cli.numerics import theorem
+
+    K = LaplacianKernel(n, sigma)
+    for s in (1, 4, 16, 64):
+        g = np.random.default_rng([n, s])
+        errs = [spectral_error_dense(K, MeanMask(sample_partitions(n, sigma, s, g)))[0] for _ in range(40)]
+        assert np.mean(errs) <= 0.5 * theorem.expectation_bound(sigma, n, s)
+
+
+def test_evaluation_accuracy_metrics_equal_an_independent_count():
+    """top-k accuracy, reciprocal rank and entropy of evaluate() against a plain NumPy recount from
+    the same logits (a fixed random 'model'), per window and in total."""
+    import types
+
+    import torch
+
+    from poslsh_cli.lm.evaluate import TOP_K, WINDOW_SUMS, evaluate
+
+    V, L = 300, 40
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g, dtype=torch.float64) * 3
+
+    class Fixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.config = types.SimpleNamespace(vocab_size=V)
+
+        def forward(self, input_ids):
+            return types.SimpleNamespace(logits=table[input_ids].float() + 0 * self.w)
+
+    rng = np.random.default_rng(1)  # a chain that follows the table's favourite often enough for top-1 hits
+    best = table.argmax(1).numpy()
+    tokens = [int(rng.integers(V))]
+    for _ in range(5 * L - 1):
+        tokens.append(int(best[tokens[-1]]) if rng.random() < 0.3 else int(rng.integers(V)))
+    tokens = np.asarray(tokens)
+    state = types.SimpleNamespace(eval_key=None)
+    ev = evaluate(Fixed(), state, tokens, L, batch=2)
+    hits, rr, ent, nll, k = np.zeros(len(TOP_K)), 0.0, 0.0, 0.0, 0
+    per_window = []
+    for w in range(5):
+        x = tokens[w * L:(w + 1) * L]
+        logits = table[torch.as_tensor(x[:-1])].float().double().numpy()
+        logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+            - logits.max(1, keepdims=True)
+        true = logp[np.arange(L - 1), x[1:]]
+        rank = np.array([(row > t).sum() + 1 for row, t in zip(logp, true)])
+        h = [(rank <= t).sum() for t in TOP_K]
+        per_window.append([-true.sum(), L - 1, L - 1, *h, (1 / rank).sum(), -(np.exp(logp) * logp).sum()])
+        hits += h
+        rr += (1 / rank).sum()
+        ent += -(np.exp(logp) * logp).sum()
+        nll += -true.sum()
+        k += L - 1
+    assert ev.predicted == k and ev.hits == tuple(int(x) for x in hits)
+    acc = ev.accuracy()
+    assert acc["top1"] == hits[0] / k and acc["top100"] == hits[2] / k
+    np.testing.assert_allclose([acc["mrr"], acc["entropy"], ev.nll], [rr / k, ent / k, nll], rtol=1e-12)
+    assert ev.windows.shape == (5, len(WINDOW_SUMS))
+    np.testing.assert_allclose(ev.windows, np.asarray(per_window), rtol=1e-12)
+    assert 0 < acc["top1"] < acc["top10"] < acc["top100"] < 1

@@ -562,3 +562,24 @@ def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monk
     lines = [ln for ln in figs["learning_curves"].axes[1].get_lines()]
     assert [ln.get_label() for ln in lines] == ["alibi seed=0", "alibi +dropout 0.1 seed=0"]
     assert lines[0].get_color() != lines[1].get_color()
+
+
+def test_theorem_bound_verdict_holds_fails_and_reads_old_runs():
+    from poslsh_cli.numerics.theorem import expectation_bound
+
+    df = matrix_table(-0.5, 0.03)
+    sec = registry.get('matrix-error').report(RUN, df)
+    assert status_of(sec, "expectation bound holds") is Status.SUPPORTED
+    v = [v for v in sec.verdicts if "expectation bound" in v.claim][0]
+    assert "20 of 20 (n, σ, s) cells" in v.evidence and "mean over 3 trials" in v.evidence
+    # one cell whose mean exceeds the bound (only the certified upper end counts)
+    bad = df.copy()
+    bad["spectral_err_bound"] = bad["spectral_err"]
+    cell = (bad.n == 1024) & (bad.sigma == 4.0) & (bad.s == 128)
+    bad.loc[cell, "spectral_err_bound"] = 1.01 * expectation_bound(4.0, 1024, 128)
+    sec = registry.get('matrix-error').report(RUN, bad)
+    assert status_of(sec, "expectation bound holds") is Status.NOT_SUPPORTED
+    v = [v for v in sec.verdicts if "expectation bound" in v.claim][0]
+    assert "19 of 20" in v.evidence and "n=1024 σ=4 s=128" in v.evidence
+    # the lower end alone would have passed: the check reads the upper end
+    assert (bad.loc[cell, "spectral_err"] < expectation_bound(4.0, 1024, 128)).all()

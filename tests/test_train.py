@@ -495,3 +495,43 @@ def test_attention_dropout_runs_replay(tmp_path):
     a, b, plain = losses("a", 0.5), losses("b", 0.5), losses("plain", 0.0)
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a[1:], plain[1:])
+
+
+def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
+    """sigma= gives every head of every scheme one bandwidth (recorded, and used again by
+    perplexity); train and perplexity report the accuracy metrics; protocol=[nonoverlapping,sliding]
+    evaluates the same models both ways beyond L (sliding: windows stepped by L, their last L tokens
+    scored) and once at L, and the report puts both side by side."""
+    import json
+
+    out = tmp_path / "run"
+    r = invoke("train", *TINY, "position=[alibi,poslsh]", "s=[3]", "steps=4", "sigma=2", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    assert set(res.sigmas) == {"sigma=2 every head"}
+    assert ((res.val_top1 > 0) & (res.val_top1 <= res.val_top10) & (res.val_top10 <= res.val_top100)).all()
+    assert ((res.val_mrr >= res.val_top1) & (res.val_mrr <= 1) & (res.val_entropy > 0)).all()
+    for ck in res.checkpoint:
+        info = json.loads((out / ck / "poslsh_train.json").read_text())
+        assert info["scheme"]["sigmas"] == [2.0] * 4
+    ppl = tmp_path / "ppl"
+    r = invoke("perplexity", out, "lengths=[32,64]", "protocol=[nonoverlapping,sliding]", "trials=1",
+               "max_tokens=1024", f"out={ppl}")
+    assert r.exit_code == 0, r.output
+    p = pd.read_csv(ppl / "results.csv")
+    assert set(p.sigmas) == {"sigma=2 every head"}
+    # at L one row (the protocols score the same windows), beyond it one per protocol
+    assert set(p[p.length == 32].protocol) == {"nonoverlapping"}
+    long = p[p.length == 64].set_index(["position", "protocol"])
+    assert len(long) == 4
+    windows = 1024 // 32 - 1  # windows of 64 stepped by 32 over 1024 tokens
+    assert (long.xs("sliding", level="protocol").tokens == windows * 32).all()
+    assert (long.xs("nonoverlapping", level="protocol").tokens == (1024 // 64) * 63).all()
+    assert ((p[["top1", "top10", "top100", "mrr"]] > 0) & (p[["top1", "top10", "top100", "mrr"]] <= 1)).all(axis=None)
+    r = invoke("report", ppl)
+    md = (ppl / "report.md").read_text()
+    assert r.exit_code == 0 and "sliding bpb" in md and "top-1 %" in md
+    assert "reaches the top-1 accuracy of exact ALiBi" in md
+    # stride and protocol=sliding both choose windows
+    r = invoke("perplexity", out, "stride=16", "protocol=[sliding]", f"out={tmp_path / 'bad'}")
+    assert r.exit_code == 2 and "give one" in r.stderr and not (tmp_path / "bad").exists()

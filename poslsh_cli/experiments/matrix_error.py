@@ -2,7 +2,10 @@
 
 For each (n, sigma, s, trial): sample s partitions with the cell's seed, then measure
 ``||L* - M~||_2`` (absolute and relative to ``||L*||_2``) and ``max_ij |L* - M~|``, by the fast
-O(n) path (matvecs, Lanczos, the band argument), the dense float64 reference, or both.
+O(n) path (matvecs, Lanczos, the band argument), the dense float64 reference, or both. Every
+row also carries the theorem's explicit constants for its cell (:mod:`poslsh_cli.numerics.theorem`):
+``Psi_sigma``, the expectation bound, the tail bound at the measured error and the ``s`` the
+theorem asks for that error.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from poslsh_cli.numerics.metrics import fit_loglog_slope
 NAME = "matrix-error"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err",
            "b_max", "seconds", "peak_mem_mb", "kernel_norm", "lanczos_tol", "converged", "matvecs",
-           "spectral_err_bound", "lanczos_delta")
+           "spectral_err_bound", "lanczos_delta", "psi_sigma", "expectation_bound", "tail_bound", "s_needed")
 
 
 class Computation(str, enum.Enum):
@@ -78,6 +81,10 @@ class MatrixErrorRow:
     matvecs: int
     spectral_err_bound: float  # certified upper bound of ||L* - M~||_2 (probability >= 1 - lanczos_delta)
     lanczos_delta: float
+    psi_sigma: float  # Theorem 2.1's Psi_sigma
+    expectation_bound: float  # its bound on E ||L* - M~||_2 for this (n, sigma, s)
+    tail_bound: float  # its bound on P(||L* - M~||_2 >= spectral_err) (above 1: no information)
+    s_needed: int  # ceil(sigma^2 ln n / spectral_err^2): the s the theorem asks for this error
 
 
 def memory(spec: MatrixErrorSpec) -> MemoryNeed:
@@ -105,6 +112,7 @@ def cells(spec: MatrixErrorSpec, ctx: Any = None) -> list[dict[str, Any]]:
 def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
+    from poslsh_cli.numerics import theorem
     from poslsh_cli.numerics.metrics import max_error_dense, max_error_fast, spectral_error_dense, spectral_error_fast
     from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
     from poslsh_cli.numerics.sampling import sample_partitions
@@ -113,7 +121,12 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
     seed = cell_seed(spec.seed, NAME, key)
     parts = sample_partitions(n, sigma, s, np.random.default_rng(seed))
     kernel, mask = LaplacianKernel(n, sigma), MeanMask(parts)
-    common = dict(n=n, sigma=sigma, s=s, trial=trial, seed=seed, b_max=parts.b_max)
+    common = dict(n=n, sigma=sigma, s=s, trial=trial, seed=seed, b_max=parts.b_max, psi_sigma=theorem.psi_sigma(sigma),
+                  expectation_bound=theorem.expectation_bound(sigma, n, s))
+
+    def at(err: float) -> dict:
+        return dict(tail_bound=theorem.tail_bound(sigma, n, s, err),
+                    s_needed=theorem.s_needed(sigma, n, err) if err > 0 else 0)
     rows = []
     if spec.method in (Computation.FAST, Computation.BOTH):
         def fast() -> tuple:
@@ -134,7 +147,7 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
         rows.append(MatrixErrorRow(**common, method="fast", spectral_err=res.value, spectral_rel=res.value / norm,
                                    max_err=mx, seconds=seconds, peak_mem_mb=peak, kernel_norm=norm,
                                    lanczos_tol=res.tol, converged=res.converged, matvecs=res.matvecs,
-                                   spectral_err_bound=res.bound, lanczos_delta=res.delta))
+                                   spectral_err_bound=res.bound, lanczos_delta=res.delta, **at(res.value)))
     if spec.method in (Computation.DENSE, Computation.BOTH):
         tracemalloc.start()  # few, large allocations: negligible overhead here
         t0 = time.perf_counter()
@@ -145,7 +158,7 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
         rows.append(MatrixErrorRow(**common, method="dense", spectral_err=err, spectral_rel=err / norm,
                                    max_err=mx, seconds=seconds, peak_mem_mb=peak, kernel_norm=norm,
                                    lanczos_tol=0.0, converged=True, matvecs=0, spectral_err_bound=err,
-                                   lanczos_delta=0.0))
+                                   lanczos_delta=0.0, **at(err)))
     return [asdict(r) for r in rows], {}
 
 
@@ -186,7 +199,8 @@ def plot(run: Path, df: Any) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     lab = lambda k: f"n={k[0]}, σ={k[1]:g}"  # noqa: E731
     decay_panel(axes[0], main, "s", "spectral_rel", ["n", "sigma"], lab)
-    axes[0].set_title("spectral error  ‖L* − M̃‖₂ / ‖L*‖₂")
+    _draw_bound(axes[0], main)
+    axes[0].set_title("spectral error  ‖L* − M̃‖₂ / ‖L*‖₂  (dotted: Theorem 2.1's bound)")
     decay_panel(axes[1], main, "s", "max_err", ["n", "sigma"], lab)
     axes[1].set_title("max-norm error  max |L* − M̃|")
     for ax in axes:
@@ -197,6 +211,20 @@ def plot(run: Path, df: Any) -> list[Path]:
     if set(df["method"]) >= {"fast", "dense"}:
         paths += _plot_fast_vs_dense(run, df)
     return paths
+
+
+def _draw_bound(ax: Any, df: Any) -> None:
+    """Theorem 2.1's expectation bound over ‖L*‖₂, dotted, in each (n, σ) group's colour (the
+    order decay_panel draws them in)."""
+    import numpy as np
+
+    from poslsh_cli.numerics.theorem import expectation_bound
+
+    for i, ((n, sigma), g) in enumerate(df.groupby(["n", "sigma"], sort=True)):
+        xs = np.unique(np.asarray(g["s"], dtype=int))
+        norm = float(g["kernel_norm"].iloc[0])
+        ax.plot(xs, [expectation_bound(float(sigma), int(n), int(k)) / norm for k in xs], ":", color=f"C{i % 10}",
+                lw=1.2)
 
 
 def _plot_fast_vs_dense(run: Path, df: Any) -> list[Path]:
@@ -295,11 +323,70 @@ def report(run: Path, df: Any) -> Section:
     elif not dense_check:
         sec.verdicts.append(Verdict("spectral error decays like s^-1/2", Status.NOT_MEASURED,
                                     f"fewer than three s ≥ {ASYMPTOTIC_S} in every (n, σ)", DECAY_RULE))
+    _report_theorem(sec, main)
     if dense_check:
         if not st_spec:  # a run made to check the fast path, not to measure the decay
             sec.title = "Fast O(n) path against the dense float64 reference"
         _report_dense_check(sec, df)
     return sec
+
+
+THEOREM_RULE = ("holds: in every (n, σ, s) cell the mean over trials of the certified upper end of ‖L* − M̃‖₂ "
+                "(spectral_err_bound; dense: the exact value) is at most Ψσ (√(ln n / s) + ln n / s); "
+                "tightness = that mean / the bound")
+
+
+def theorem_cells(df: Any) -> Any:
+    """Per (n, sigma, s): trials, the mean certified error, Theorem 2.1's expectation bound (recomputed
+    from n, sigma, s, so runs without the column are checked too), their ratio, the tail bound at the
+    mean error and the s the theorem asks for it."""
+    import numpy as np
+    import pandas as pd
+
+    from poslsh_cli.numerics import theorem
+
+    upper = df["spectral_err_bound"] if "spectral_err_bound" in df.columns else df["spectral_err"]
+    g = df.assign(upper=upper.fillna(df["spectral_err"])).groupby(["n", "sigma", "s"], sort=True)
+    out = g.agg(trials=("trial", "nunique"), mean_err=("upper", "mean")).reset_index()
+    out["bound"] = [theorem.expectation_bound(sg, int(n), int(k)) for n, sg, k in zip(out.n, out.sigma, out.s)]
+    out["tightness"] = out.mean_err / out.bound
+    out["tail_bound"] = [theorem.tail_bound(sg, int(n), int(k), e) for n, sg, k, e in zip(out.n, out.sigma, out.s, out.mean_err)]
+    out["s_needed"] = [theorem.s_needed(sg, int(n), e) if e > 0 else np.nan
+                       for n, sg, e in zip(out.n, out.sigma, out.mean_err)]
+    return pd.DataFrame(out)
+
+
+def _report_theorem(sec: Section, df: Any) -> None:
+    """Theorem 2.1's expectation bound against the measured mean in every cell, and how tight it is."""
+    import pandas as pd
+
+    from poslsh_cli.numerics import theorem
+
+    if df.empty:
+        return
+    cells = theorem_cells(df)
+    holds = cells.mean_err <= cells.bound
+    rows = []
+    for sigma, g in cells.groupby("sigma"):
+        rows.append({"σ": sigma, "Ψσ": fmt(theorem.psi_sigma(float(sigma))),
+                     "cells": len(g), "bound holds": f"{int((g.mean_err <= g.bound).sum())}/{len(g)}",
+                     "tightness min / median / max": f"{g.tightness.min():.3g} / {g.tightness.median():.3g} / "
+                                                     f"{g.tightness.max():.3g}",
+                     "tail bound < 1 (cells)": f"{int((g['tail_bound'] < 1).sum())}/{len(g)}",
+                     "s needed at the measured error (median)": f"{g.s_needed.median():.3g}"})
+    sec.tables.append(pd.DataFrame(rows))
+    bad = cells[~holds]
+    trials = sorted(set(int(t) for t in cells.trials))
+    evidence = (f"{int(holds.sum())} of {len(cells)} (n, σ, s) cells, mean over {'/'.join(map(str, trials))} "
+                f"trials; measured / bound {cells.tightness.min():.3g} .. {cells.tightness.max():.3g}")
+    if len(bad):
+        worst = bad.loc[bad.tightness.idxmax()]
+        evidence += (f"; exceeded at e.g. n={int(worst.n)} σ={worst.sigma:g} s={int(worst.s)}: "
+                     f"{worst.mean_err:.4g} > {worst.bound:.4g}")
+    sec.verdicts.append(Verdict("Theorem 2.1's expectation bound holds in every cell",
+                                Status.SUPPORTED if holds.all() else Status.NOT_SUPPORTED, evidence, THEOREM_RULE))
+    sec.details.append(("Theorem 2.1 per cell: mean certified error, expectation bound, tail bound at the mean error, "
+                        "s needed", cells))
 
 
 def _report_dense_check(sec: Section, df: Any) -> None:

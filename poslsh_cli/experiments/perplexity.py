@@ -14,6 +14,7 @@ shape of the ALiBi paper's Figure 1). A swapped-in attention is evaluated at the
 """
 from __future__ import annotations
 
+import enum
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,8 +29,19 @@ from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
-           "attn_dropout", "sigmas")
+           "attn_dropout", "sigmas", "protocol", "top1", "top10", "top100", "mrr", "entropy")
 LN2 = math.log(2.0)
+
+
+class Protocol(str, enum.Enum):
+    """How windows longer than the training length are scored."""
+
+    #: windows of the evaluation length side by side, every position but the first scored
+    NONOVERLAPPING = "nonoverlapping"
+    #: the ALiBi paper's and the Positional-LSH paper's code: windows of the evaluation length
+    #: stepped by the training length L, only the last L positions of each scored (each with
+    #: length - L tokens of context); at lengths up to L the same as nonoverlapping
+    SLIDING = "sliding"
 
 
 #: Attention swapped in at inference: ``own`` (the model's forward as trained) or any position
@@ -54,6 +66,11 @@ class PerplexitySpec(Spec):
         "shortest of lengths= when that is not among them) or every (each evaluation length)", "trained")
     stride: Optional[int] = key("sliding windows advancing by stride tokens (each scores its last stride tokens); "
                                 "null: non-overlapping windows", None, ge=1)
+    protocol: tuple[Protocol, ...] = key("scoring of lengths beyond training (list sweeps, each a row): "
+                                         "nonoverlapping (every token of side-by-side windows) or sliding (windows "
+                                         "stepped by the training length L, only their last L tokens scored: the "
+                                         "ALiBi and Positional-LSH papers' protocol)", [Protocol.NONOVERLAPPING],
+                                         noun="protocol")
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
     max_tokens: int = key("evaluation text used per length (at least one window of that length)", 65536, ge=2)
     batch: int = key("windows per forward pass", 4, ge=1)
@@ -138,6 +155,8 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
+    check(spec.stride is None or Protocol.SLIDING not in spec.protocol,
+          "stride= and protocol=sliding both choose the windows: give one (sliding steps by the training length)")
     device = resolve_device(spec.device)
     fast_cpu_math()
     cks: dict[str, Checkpoint] = {}
@@ -154,6 +173,8 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
                 raise ConfigError(f"{path}: no training length recorded; give lengths=[...]")
+            if Protocol.SLIDING in spec.protocol and not trained:
+                raise ConfigError(f"{path}: no training length recorded, which protocol=sliding steps by")
             corpus = _corpus_for(spec, path, info, cfg, corpora)
             tokens = corpus.val
             need = max(spec.lengths or [trained])
@@ -225,10 +246,21 @@ def cells(spec: PerplexitySpec, ctx: PerplexityContext | None = None) -> list[di
                 if same_as_own(att, s, ck):
                     continue
                 for length in (lengths_of(spec, ck) if att is Attention.OWN else swapped_lengths(spec, ck)):
-                    for trial in range(spec.trials if stochastic(att, ck) else 1):
-                        out.append({"checkpoint": name, "attention": att.value, "s": s, "length": length,
-                                    "trial": trial})
+                    for protocol in protocols_at(spec, ck, length):
+                        for trial in range(spec.trials if stochastic(att, ck) else 1):
+                            out.append({"checkpoint": name, "attention": att.value, "s": s, "length": length,
+                                        "trial": trial, **({"protocol": protocol.value}
+                                                           if protocol is not Protocol.NONOVERLAPPING else {})})
     return out
+
+
+def protocols_at(spec: PerplexitySpec, ck: Checkpoint, length: int) -> list[Protocol]:
+    """The protocols evaluated at ``length``: at lengths up to the training length sliding scores
+    the same windows as nonoverlapping, so it runs there only when nonoverlapping is not asked
+    (the report reads the nonoverlapping row for both)."""
+    if length <= ck.trained_len and Protocol.NONOVERLAPPING in spec.protocol:
+        return [Protocol.NONOVERLAPPING]
+    return list(spec.protocol)
 
 
 def _model(ctx: PerplexityContext, ck: Checkpoint) -> tuple[Any, Any]:
@@ -262,7 +294,7 @@ def _random(state: Any) -> bool:
 
 
 def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, work: Any = None) -> tuple[list[dict], dict]:
-    from poslsh_cli.lm.evaluate import evaluate
+    from poslsh_cli.lm.evaluate import WINDOW_SUMS, evaluate
 
     ck = ctx.checkpoints[key["checkpoint"]]
     att, s, length, trial = Attention(key["attention"]), key["s"], key["length"], key["trial"]
@@ -270,8 +302,11 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
     seed = derive_seed(spec.seed, "perplexity", ck.name, att.value, s, trial)
     state = scheme_for(spec, att, s, own, seed)
     t0 = time.perf_counter()
-    ev = evaluate(model, state, ck.tokens, length, spec.stride, max(spec.max_tokens, length), spec.batch,
-                  key="perplexity", own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes)
+    protocol = Protocol(key.get("protocol", Protocol.NONOVERLAPPING.value))
+    sliding = protocol is Protocol.SLIDING and length > ck.trained_len
+    ev = evaluate(model, state, ck.tokens, length, ck.trained_len if sliding else spec.stride,
+                  max(spec.max_tokens, length), spec.batch, key="perplexity",
+                  own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding)
     loss = ev.loss
     used_s = s if att is Attention.POSLSH else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
     row = {"checkpoint": ck.name, "position": ck.position, "attention": att.value, "s": used_s, "length": length,
@@ -282,9 +317,13 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
            "bits_per_token": loss / LN2, "kl": ev.kl / ev.predicted if att is not Attention.OWN else 0.0,
            "bytes": ev.nbytes, "attn_dropout": float(ck.info.get("attn_dropout", 0.0)),
            "sigmas": (sigma_label((ck.info.get("scheme") or {}).get("sigmas"))
-                      if ck.position not in (Position.ROPE.value, Position.NONE.value) else "")}
+                      if ck.position not in (Position.ROPE.value, Position.NONE.value) else ""),
+           "protocol": protocol.value, **ev.accuracy()}
+    col = {c: i for i, c in enumerate(WINDOW_SUMS)}
     windows = [{"checkpoint": ck.name, "attention": att.value, "s": used_s, "length": length, "trial": trial,
-                "window": i, "bits": float(nll) / LN2, "bytes": int(nb)} for i, (nll, nb) in enumerate(ev.windows)]
+                "protocol": protocol.value, "window": i, "bits": float(w[col["nll"]]) / LN2,
+                "bytes": int(w[col["bytes"]]), "tokens": int(w[col["predicted"]]), "top1": int(w[col["top1"]])}
+               for i, w in enumerate(ev.windows)]
     return [row], {"windows": windows}
 
 

@@ -16,8 +16,9 @@ import numpy as np
 
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.lm.positions import Position
-from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval, count, difference, equivalence,
-                              paired, paired_windows, ratio_interval, slope)
+from poslsh_cli.verdicts.stats import (ACCURACY_MARGIN, DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval,
+                                      count, difference, equivalence, equivalence_rule, paired, paired_windows,
+                                      ratio_interval, slope)
 
 OWN = "own"
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
@@ -39,14 +40,38 @@ class Scheme:
         return self.position + (f" s={self.s}" if self.s else "") + (f" +dropout {self.dropout:g}" if self.dropout else "")
 
 
+#: The metric a claim is judged on (smaller is better): the rows' column, the windows' columns
+#: (value, weight) whose pooled ratio is the metric over windows, and a scale for that ratio.
+@dataclass(frozen=True)
+class Metric:
+    column: str
+    unit: str
+    margin: float
+    window_value: str
+    window_weight: str
+    scale: float = 1.0
+
+
+BPB = Metric("bits_per_byte", "bits per byte", MARGIN, "bits", "bytes")
+#: top-1 next-token error in percentage points (100 x (1 - top-1 accuracy)): smaller is better
+TOP1_MISS = Metric("top1_miss", "% top-1 error", ACCURACY_MARGIN, "misses", "tokens", 100.0)
+
+
+def with_top1_miss(rows: Any) -> Any:
+    """``rows`` with the ``top1_miss`` column (percentage points of wrong top-1 predictions)."""
+    return rows.assign(top1_miss=100.0 * (1.0 - rows.top1))
+
+
 @dataclass
 class Data:
     """The own-attention rows of one group of models (from scratch or fine-tuned, one training
-    length) and the evaluation windows of the run (``windows.csv``; may be empty)."""
+    length) and the evaluation windows of the run (``windows.csv``; may be empty), judged on
+    ``metric`` (bits per byte unless said)."""
 
     rows: Any
     windows: Any
     L: int
+    metric: Metric = BPB
 
     def select(self, sc: Scheme, length: int) -> Any:
         r = self.rows[(self.rows.position == sc.position) & (self.rows.length == length)]
@@ -57,8 +82,8 @@ class Data:
         return r
 
     def per_seed(self, sc: Scheme, length: int) -> dict:
-        """Bits per byte per training seed: the mean over that seed's mask draws."""
-        return self.select(sc, length).groupby("run_seed").bits_per_byte.mean().to_dict()
+        """The metric (bits per byte) per training seed: the mean over that seed's mask draws."""
+        return self.select(sc, length).groupby("run_seed")[self.metric.column].mean().to_dict()
 
     def present(self, sc: Scheme, length: int) -> bool:
         return len(self.select(sc, length)) > 0
@@ -78,7 +103,12 @@ class Data:
                              & (self.windows.length == length)]
             if w.empty:
                 return None
-            g = w.groupby("window").agg(bits=("bits", "mean"), nbytes=("bytes", "first")).sort_index()
+            if self.metric.window_value == "misses":
+                if "top1" not in w.columns or w.top1.isna().any():
+                    return None
+                w = w.assign(misses=self.metric.scale * (w.tokens - w.top1))
+            g = w.groupby("window").agg(bits=(self.metric.window_value, "mean"),
+                                        nbytes=(self.metric.window_weight, "first")).sort_index()
             bits.append(g.bits.to_numpy())
             nbytes.append(g.nbytes.to_numpy())
         return np.concatenate(bits), np.concatenate(nbytes)
@@ -109,18 +139,19 @@ def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: s
              f"{count(_draws(d, a, length), 'draws')}), "
              f"{b.label} {np.mean(list(sb.values())):.4f} ({count(len(sb), 'seeds')} x "
              f"{count(_draws(d, b, length), 'draws')})")
-    return f"L={length}: {means}; difference {iv.text()}; {basis}"
+    unit = "" if d.metric is BPB else f" ({d.metric.unit}, 100 minus the top-1 accuracy in %)"
+    return f"L={length}{unit}: {means}; difference {iv.text()}; {basis}"
 
 
 def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) -> Verdict:
+    rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.margin, d.metric.unit)
     if not (d.present(a, length) and d.present(b, length)):
-        return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}",
-                       EQUIVALENCE_RULE)
+        return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}", rule)
     iv, basis = d.compare(a, b, length, 0.90)
     if iv is None:
-        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", EQUIVALENCE_RULE)
-    status, why = equivalence(iv)
-    return Verdict(claim, status, _evidence(d, a, b, length, iv, basis) + f" ({why})", EQUIVALENCE_RULE)
+        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule)
+    status, why = equivalence(iv, d.metric.margin)
+    return Verdict(claim, status, _evidence(d, a, b, length, iv, basis) + f" ({why})", rule)
 
 
 def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int) -> Verdict:
@@ -150,6 +181,13 @@ def reference_s(d: Data) -> Optional[int]:
 def claim_reaches_alibi(d: Data) -> list[Verdict]:
     """From scratch, Positional LSH (each s) reaches the bits per byte of exact ALiBi."""
     return [judged_equivalent(d, f"from scratch, Positional LSH s={s} reaches the bits per byte of exact ALiBi",
+                              Scheme(POSLSH, s), Scheme(ALIBI), d.L) for s in poslsh_s(d)]
+
+
+def claim_reaches_alibi_accuracy(d: Data) -> list[Verdict]:
+    """From scratch, Positional LSH (each s) reaches the top-1 next-token accuracy of exact ALiBi
+    (``d`` judged on :data:`TOP1_MISS`; the paper's "comparable perplexity and accuracy")."""
+    return [judged_equivalent(d, f"from scratch, Positional LSH s={s} reaches the top-1 accuracy of exact ALiBi",
                               Scheme(POSLSH, s), Scheme(ALIBI), d.L) for s in poslsh_s(d)]
 
 

@@ -31,7 +31,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Bits per byte per trained model (scheme, s, dropout, bandwidths), attention and s at each
     evaluation length, mean over trials and the training seeds counted in ``seeds``, in scheme
     order."""
-    df = with_model_columns(df)
+    df = with_model_columns(main_protocol(df))
     lengths = sorted(df.length.unique())
     head = ["trained", "finetuned", "seeds", "attention", "s"] + [f"L={n}" for n in lengths]
     keys = MODEL_KEYS + ["finetuned", "attention", "s"]
@@ -73,7 +73,8 @@ def _groups(df: Any) -> list[tuple[str, Any]]:
 def plot(run: Path, df: Any) -> list[Path]:
     """bits per byte against evaluation length under each model's own attention, the same models
     with another attention swapped in, and bits per byte against inference-time s."""
-    df = with_model_columns(df).assign(multi_length=df.trained_len.nunique() > 1)
+    df = with_model_columns(main_protocol(df))
+    df = df.assign(multi_length=df.trained_len.nunique() > 1)
     schemes = _schemes(df)
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
     paths = plot_length(run, df, schemes, color)
@@ -256,6 +257,95 @@ def swapped_table(df: Any) -> Any:
     return pd.DataFrame(rows)
 
 
+NONOVERLAPPING, SLIDING = "nonoverlapping", "sliding"
+PROTOCOL_TEXT = ("Two scoring protocols on the same models: nonoverlapping scores every token of side-by-side windows "
+                 "of the evaluation length; sliding (the ALiBi paper's and the Positional-LSH paper's code) steps "
+                 "windows of the evaluation length by the training length L and scores only their last L tokens, so "
+                 "every scored token has at least (length − L) tokens of context. Up to L they are the same windows "
+                 "(one row serves both), so the claims at L are judged once; the extrapolation verdicts name their "
+                 "protocol in brackets.")
+ACCURACY_TEXT = ("The paper's accuracy metrics of the same predictions (own attention, at each model's training length "
+                 "and the longest length evaluated, mean over training seeds and mask draws): top-1 / top-10 / top-100 "
+                 "next-token accuracy (%), the mean reciprocal rank of the true token and the mean predictive entropy "
+                 "(nats). The rank counts the tokens with a strictly higher probability.")
+
+
+def protocol_of(df: Any) -> Any:
+    """The ``protocol`` column (runs written before it: nonoverlapping)."""
+    if "protocol" not in df.columns:
+        return df.assign(protocol=NONOVERLAPPING)
+    return df.assign(protocol=df.protocol.fillna(NONOVERLAPPING))
+
+
+def main_protocol(df: Any) -> Any:
+    """The rows of the run's main protocol (nonoverlapping when it was run): what the tables and
+    figures of one protocol show; the protocol table puts both side by side."""
+    df = protocol_of(df)
+    name = NONOVERLAPPING if (df.protocol == NONOVERLAPPING).any() or df.empty else df.protocol.iloc[0]
+    return df[df.protocol == name]
+
+
+def by_protocol(own: Any, windows: Any) -> list[tuple[str, Any, Any]]:
+    """(tag, rows, windows) per scoring protocol. The sliding frame takes the nonoverlapping rows
+    (and windows) at lengths up to the training length, where both protocols score the same
+    windows and only nonoverlapping was run. One untagged frame when the run used one protocol."""
+    own = protocol_of(own)
+    windows = protocol_of(windows) if windows is not None else None
+    names = sorted(set(own.protocol), key=lambda p: p != NONOVERLAPPING)
+    if names == [NONOVERLAPPING]:
+        return [("", own, windows)]
+    out = []
+    for name in names:
+        short = own.length <= own.trained_len
+        rows = own[(own.protocol == name) | ((own.protocol == NONOVERLAPPING) & short)] if name == SLIDING \
+            else own[own.protocol == name]
+        w = None
+        if windows is not None:
+            trained = dict(zip(own.checkpoint, own.trained_len))
+            short_w = windows.length <= windows.checkpoint.map(trained).fillna(0)
+            w = windows[(windows.protocol == name) | ((windows.protocol == NONOVERLAPPING) & short_w)] \
+                if name == SLIDING else windows[windows.protocol == name]
+        out.append((name, rows, w))
+    return out
+
+
+def protocol_table(own: Any) -> Any:
+    """Bits per byte of each trained model beyond its training length under each protocol (mean over
+    seeds and draws), side by side."""
+    import pandas as pd
+
+    own = protocol_of(own)
+    long = own[own.length > own.trained_len]
+    rows = []
+    for k, g in _by_scheme(long):
+        for length, h in g.groupby("length"):
+            row = {"model": _scheme_label(k), "length": int(length)}
+            for name, hh in h.groupby("protocol"):
+                row[f"{name} bpb"] = f"{hh.bits_per_byte.mean():.4f}"
+                row[f"{name} tokens"] = int(hh.tokens.iloc[0])
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def accuracy_table(own: Any) -> Any:
+    """The paper's accuracy metrics per trained model at its training length and at the longest
+    length evaluated (the default protocol's rows)."""
+    import pandas as pd
+
+    own = main_protocol(own)
+    rows = []
+    for k, g in _by_scheme(own):
+        for length in sorted({int(g.trained_len.iloc[0]), int(g.length.max())}):
+            h = g[g.length == length]
+            if h.empty or h.top1.isna().all():
+                continue
+            rows.append({"model": _scheme_label(k), "length": length, "seeds": h.run_seed.nunique(),
+                         "top-1 %": f"{100 * h.top1.mean():.2f}", "top-10 %": f"{100 * h.top10.mean():.2f}",
+                         "top-100 %": f"{100 * h.top100.mean():.2f}", "MRR": f"{h.mrr.mean():.4f}",
+                         "entropy (nats)": f"{h.entropy.mean():.4f}", "bpb": f"{h.bits_per_byte.mean():.4f}"})
+    return pd.DataFrame(rows)
+
+
 def _windows(run: Path) -> Any:
     import pandas as pd
 
@@ -285,26 +375,45 @@ def report(run: Path, df: Any) -> Section:
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
     df = with_model_columns(df)
     own = df[df.attention == OWN]
-    sec.tables.append(interval_table(own))
+    sec.tables.append(interval_table(main_protocol(own)))
     sec.paragraphs.append(
         "Bits per byte of each model under its own attention, mean over training seeds with a 95% t-interval; "
         "each seed's value is the mean over its Positional-LSH mask draws, so the interval covers training seeds "
         "and mask draws. Every model is evaluated on the same windows of the same validation documents, so "
         "comparisons are paired (by seed); with fewer than three seeds a comparison uses the per-window "
         "differences on those windows (evaluation noise only) and says so.")
-    windows = _windows(run)
-    for L, g in own[own.finetuned != "yes"].groupby("trained_len"):
-        for tag, h in _by_bandwidths(g):
-            d = pc.Data(h, windows, int(L))
-            for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_alibi, pc.claim_extrapolation):
-                sec.verdicts += _tagged(claim(d), tag)
-    tuned = own[own.finetuned == "yes"]
-    for tag, h in _by_bandwidths(tuned) if len(tuned) else [("", None)]:
-        d = pc.Data(h, windows, int(h.trained_len.max())) if h is not None else None
-        sec.verdicts += _tagged(pc.claim_finetune_approaches_alibi(d) + pc.claim_finetune_beats_fixed_blocks(d), tag)
+    all_windows = _windows(run)
+    protocols = by_protocol(own, all_windows)
+    if len(protocols) > 1:
+        sec.tables.append(protocol_table(own))
+        sec.paragraphs.append(PROTOCOL_TEXT)
+    for i, (ptag, pown, windows) in enumerate(protocols):
+        # claims at the training length read the same windows under every protocol: judged once,
+        # with the first (main) protocol; extrapolation is judged under each
+        at_L = i == 0
+        accuracy = "top1" in pown.columns and pown.top1.notna().all() and len(pown)
+        for L, g in pown[pown.finetuned != "yes"].groupby("trained_len"):
+            for tag, h in _by_bandwidths(g):
+                d = pc.Data(h, windows, int(L))
+                if at_L:
+                    for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_alibi):
+                        sec.verdicts += _tagged(claim(d), tag)
+                    if accuracy:
+                        acc = pc.Data(pc.with_top1_miss(h), windows, int(L), pc.TOP1_MISS)
+                        sec.verdicts += _tagged(pc.claim_reaches_alibi_accuracy(acc), tag)
+                sec.verdicts += _tagged(pc.claim_extrapolation(d), ", ".join(t for t in (tag, ptag) if t))
+        if not at_L:
+            continue
+        tuned = pown[pown.finetuned == "yes"]
+        for tag, h in _by_bandwidths(tuned) if len(tuned) else [("", None)]:
+            d = pc.Data(h, windows, int(h.trained_len.max())) if h is not None else None
+            sec.verdicts += _tagged(pc.claim_finetune_approaches_alibi(d) + pc.claim_finetune_beats_fixed_blocks(d), tag)
+    if "top1" in own.columns and own.top1.notna().any():
+        sec.tables.append(accuracy_table(own))
+        sec.paragraphs.append(ACCURACY_TEXT)
     swapped = df[df.attention != OWN]
     if len(swapped):
-        sec.tables.append(swapped_table(df))
+        sec.tables.append(swapped_table(main_protocol(df)))
         sec.paragraphs.append(f"{len(swapped)} rows evaluate a model with another attention than its own (the table "
                               "above, at the training length; the figure 'attention swapped at inference'; the "
                               "'attention' column of results.csv): bits per byte over training seeds with a 95% "

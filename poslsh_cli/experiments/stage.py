@@ -40,7 +40,8 @@ SCALER = "scaler.pt"
 TRAIN_SAMPLE = "spread"
 
 
-METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s"]
+METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s",
+           "val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy"]
 
 
 class Precision(str, enum.Enum):
@@ -115,7 +116,7 @@ def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[A
         model = convert.load_weights(stage.init)
     else:
         model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
-    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed)
+    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed, sigma=spec.sigma)
     install(model, state)
     set_attention_dropout(model, stage.dropout)
     if stage.lora:
@@ -378,6 +379,7 @@ class StageRun:
         ev = evaluate(self.trained, self.state, corpus.val, stage.seq_len, max_tokens=spec.eval_tokens,
                       token_bytes=corpus.val_bytes, shard=shard)
         row["val_loss"], row["val_bpb"] = ev.loss, ev.bits_per_byte
+        row.update({f"val_{k}": v for k, v in ev.accuracy().items()})
         if step == stage.steps:  # as many training tokens, spread over the whole training split as the
             # validation documents are over the corpus: the overfitting gap compares like with like
             tr = evaluate(self.trained, self.state, spread_sample(corpus.train, stage.seq_len, spec.eval_tokens),

@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Optional, Iterator
 
 from poslsh_cli.attention.plan import BACKENDS, Backend
 from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crossover
@@ -62,6 +62,8 @@ class StepBenchSpec(Spec):
     hidden: int = key("model width", 128, ge=1)
     layers: int = key("decoder layers", 4, ge=1)
     heads: int = key("attention heads", 8, ge=1)
+    sigma: Optional[float] = key("one sigma for every head (the paper's code: 256); null: one per head from the "
+                                 "standard ALiBi slopes", None, gt=0)
     kv_heads: int = key("key/value heads", 8, ge=1)
     head_dim: int = key("head dimension", 16, ge=1)
     intermediate: int = key("MLP width", 384, ge=1)
@@ -139,7 +141,9 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
     from poslsh_cli.lm.loading import build_model
 
     n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
-    state = PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
+    state = (PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
+             if spec.sigma is None else PositionState(position, [spec.sigma] * spec.heads, num_samples=s,
+                                                      seed=spec.seed, backend=backend))
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))

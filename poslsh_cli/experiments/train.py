@@ -42,7 +42,7 @@ from poslsh_cli.lm.positions import Position, method_of
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
            "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss",
-           "train_eval_sample", "sigmas")
+           "train_eval_sample", "sigmas", "val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy")
 
 
 class LoraSave(str, enum.Enum):
@@ -104,6 +104,9 @@ class TrainSpec(Spec):
                               "Qwen2/3, BLOOM, MPT, Falcon-RW), a model preset, or a byte-level checkpoint", None)
     arch: Optional[str] = key("train from scratch at a checkpoint's sizes and with its tokenizer (its config.json; "
                               "a directory or model preset); the byte-model size keys are then unused", None)
+    sigma: Optional[float] = key("one sigma for every head and layer, every scheme of the run (the paper's code: "
+                                 "256, i.e. L/32 at L=8192); null: one per head from the ALiBi slopes (alibi=)",
+                                 None, gt=0)
     alibi: Slopes = key("ALiBi slopes of every scheme: auto (an ALiBi checkpoint's own, else the standard slopes "
                         "of the head count), model (the checkpoint's own; ALiBi checkpoints only) or standard",
                         Slopes.AUTO)
@@ -128,6 +131,8 @@ class TrainSpec(Spec):
         if self.pretrain is not None:
             check(self.pretrain_steps >= 1, "pretrain= needs pretrain_steps >= 1")
         check(self.lora_rank == 0 or self.init is not None, "lora_rank= fine-tunes pretrained weights: give init=")
+        check(self.sigma is None or self.alibi is not Slopes.MODEL, "sigma= sets the bandwidths and alibi=model keeps "
+                                                                     "the checkpoint's own: give one")
         check(self.lora_rank == 0 or self.parallel is Parallel.DDP, "LoRA runs with parallel=ddp (the adapters are "
                                                                    "small; the frozen base is replicated)")
 
@@ -257,7 +262,9 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
            "bits_per_token": float(last.val_loss) / math.log(2.0),
            "train_eval_loss": float(train_eval["loss"]) if isinstance(train_eval, dict) else math.nan,
            "train_eval_sample": train_eval.get("sampling", "first") if isinstance(train_eval, dict) else "",
-           "sigmas": _sigmas(final, position)}
+           "sigmas": _sigmas(final, position),
+           **{c: float(last[c]) if c in last.index else math.nan
+              for c in ("val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy")}}
     return [row], {}
 
 

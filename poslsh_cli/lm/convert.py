@@ -94,23 +94,26 @@ class Source:
                               "rotary model")
 
     def state(self, position: Any, model: Any, num_samples: int = 0, window_sigmas: float = 4.0,
-              seed: int = 0) -> Any:
-        """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: its own
-        slopes (an ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the
-        standard ones."""
+              seed: int = 0, sigma: Optional[float] = None) -> Any:
+        """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: one
+        ``sigma`` for every head when given (the paper's constant sigma), else its own slopes (an
+        ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the standard ones."""
         from poslsh_cli.lm.pretrained import alibi_sigmas_of
         from poslsh_cli.lm.positions import Position, PositionState
         from poslsh_cli.numerics.sampling import alibi_sigmas
 
         position = Position(position)
         self.check_position(position)
-        if self.own_slopes:
+        own = self.own_slopes and sigma is None
+        if sigma is not None:
+            sigmas = [float(sigma)] * self.heads
+        elif own:
             inner = getattr(model, "transformer", model)
             sigmas = alibi_sigmas_of(inner, self.model_type, self.heads)
         else:
             sigmas = alibi_sigmas(self.heads)
         return PositionState(position, sigmas, num_samples=num_samples, window_sigmas=window_sigmas, seed=seed,
-                             native=self.own_slopes and position is Position.ALIBI)
+                             native=own and position is Position.ALIBI)
 
 
 def resolve_ref(ref: str, key_name: str) -> Path:

@@ -1,12 +1,17 @@
 """Language-model evaluation shared by ``train`` and ``perplexity``: the negative log-likelihood of
-every predicted position of the evaluation windows, under a position scheme, and optionally the
-KL divergence from the model's own next-token distributions when another attention is swapped in.
+every predicted position of the evaluation windows, under a position scheme, the paper's accuracy
+metrics of the same predictions (top-1/10/100 next-token accuracy, the mean reciprocal rank of the
+true token, the mean predictive entropy), and optionally the KL divergence from the model's own
+next-token distributions when another attention is swapped in.
 
 Windows come from :func:`poslsh_cli.lm.windows.eval_windows` (non-overlapping by default: every position
 but the first of a window is predicted). Log-probabilities are taken in float64. Bits per byte is
 the summed NLL over ln 2 over the UTF-8 bytes the predicted tokens cover (one byte per token for
 byte models), so models with different tokenizers compare on one scale. Positional-LSH
 masks are fixed by the evaluation ``key`` (not by a training step), so an evaluation replays.
+
+The rank of the true token is one plus the number of tokens with a strictly higher probability
+(ties count in its favour); top-k accuracy is the share of predictions whose rank is at most k.
 """
 from __future__ import annotations
 
@@ -15,18 +20,29 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 
+#: top-k next-token accuracies every evaluation reports
+TOP_K = (1, 10, 100)
+#: the columns of :attr:`Evaluation.windows`, one row per window: sums over its predicted positions
+WINDOW_SUMS = ("nll", "bytes", "predicted", "top1", "top10", "top100", "rr", "entropy")
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Sums over the predicted positions: ``nll`` (natural log), ``predicted`` (how many), ``nbytes``
     (UTF-8 bytes of text the predicted tokens cover), ``kl`` (nats; KL(own || evaluated), 0 when
-    the model runs under its own scheme); and per window the NLL and bytes (``windows``: (W, 2)),
-    for intervals over the evaluation text."""
+    the model runs under its own scheme), ``hits`` (predictions whose rank is within each of
+    :data:`TOP_K`), ``rr`` (reciprocal ranks of the true token), ``entropy`` (nats of the predictive
+    distributions); and per window the same sums (``windows``: (W, len(WINDOW_SUMS)) in the order
+    of :data:`WINDOW_SUMS`), for intervals over the evaluation text."""
 
     nll: float
     predicted: int
     nbytes: int
     kl: float = 0.0
     windows: Any = None
+    hits: tuple = (0, 0, 0)
+    rr: float = 0.0
+    entropy: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -37,6 +53,13 @@ class Evaluation:
     def bits_per_byte(self) -> float:
         """``sum NLL / ln 2 / bytes covered``: one scale for every tokenizer."""
         return self.nll / math.log(2.0) / self.nbytes
+
+    def accuracy(self) -> dict:
+        """The paper's metrics as shares of the predicted positions: ``top1``, ``top10``, ``top100``
+        (fractions), ``mrr`` (mean reciprocal rank) and ``entropy`` (mean nats)."""
+        k = max(self.predicted, 1)
+        out = {f"top{t}": h / k for t, h in zip(TOP_K, self.hits)}
+        return {**out, "mrr": self.rr / k, "entropy": self.entropy / k}
 
 
 def fast_cpu_math() -> None:
@@ -72,7 +95,7 @@ def eval_batch(model: Any, length: int, batch: int) -> int:
 
 def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[int] = None,
              max_tokens: Optional[int] = None, batch: int = 8, key: str = "eval", own: Any = None,
-             token_bytes: Any = None, shard: tuple[int, int] = (0, 1)) -> Evaluation:
+             token_bytes: Any = None, shard: tuple[int, int] = (0, 1), tail: bool = False) -> Evaluation:
     """The model under position scheme ``state`` on the evaluation windows of ``tokens``.
 
     ``own``: the model's own scheme when ``state`` is another one swapped in: the model runs under
@@ -91,7 +114,7 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     from poslsh_cli.lm.windows import eval_windows
     from poslsh_cli.lm.install import install
 
-    windows = list(eval_windows(tokens, length, stride, max_tokens, token_bytes))
+    windows = list(eval_windows(tokens, length, stride, max_tokens, token_bytes, tail=tail))
     rank, world = shard
     mine = list(range(rank, len(windows), world))
     device = next(model.parameters()).device
@@ -103,7 +126,7 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     model.eval()
     for st in states:
         st.eval_key = key
-    scored: list[tuple[int, float, int, float, int]] = []  # (window, nll, predicted, kl, bytes)
+    scored: list[tuple] = []  # (window, kl, *WINDOW_SUMS)
 
     def logits(x: Any, st: Any) -> Any:
         if own is not None:
@@ -121,12 +144,15 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
                 for j, i in enumerate(group):  # target position p >= score_from is predicted at p - 1
                     w = windows[i]
                     logp = torch.log_softmax(out[j, w.score_from - 1:].double(), dim=-1)
-                    nll = -logp.gather(-1, x[j, w.score_from:, None])[..., 0]
+                    true = logp.gather(-1, x[j, w.score_from:, None])  # (T, 1)
+                    rank = (logp > true).sum(-1) + 1  # (T,)
                     kl = 0.0
                     if ref is not None:
                         r = torch.log_softmax(ref[j, w.score_from - 1:].double(), dim=-1)
                         kl = float((r.exp() * (r - logp)).sum())
-                    scored.append((i, float(nll.sum()), length - w.score_from, kl, int(w.nbytes)))
+                    scored.append((i, kl, -float(true.sum()), int(w.nbytes), length - w.score_from,
+                                   *(int((rank <= t).sum()) for t in TOP_K), float((1.0 / rank.double()).sum()),
+                                   float(-(logp.exp() * logp).sum())))
     finally:
         if own is not None:
             install(model, own)
@@ -135,7 +161,8 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
         model.train(was_training)
     if world > 1:
         scored = sorted(x for part in dist.gather(scored) for x in part)
-    nll_sum = float(sum(x[1] for x in scored))
-    return Evaluation(nll_sum, int(sum(x[2] for x in scored)), int(sum(x[4] for x in scored)),
-                      float(sum(x[3] for x in scored)),
-                      np.asarray([(x[1], x[4]) for x in scored], dtype=np.float64).reshape(-1, 2))
+    per_window = np.asarray([x[2:] for x in scored], dtype=np.float64).reshape(-1, len(WINDOW_SUMS))
+    tot = dict(zip(WINDOW_SUMS, (float(sum(x[2 + c] for x in scored)) for c in range(len(WINDOW_SUMS)))))
+    return Evaluation(tot["nll"], int(tot["predicted"]), int(tot["bytes"]), float(sum(x[1] for x in scored)),
+                      per_window, hits=tuple(int(tot[f"top{t}"]) for t in TOP_K), rr=tot["rr"],
+                      entropy=tot["entropy"])

@@ -43,24 +43,27 @@ class Window:
 
 
 def eval_windows(tokens: np.ndarray, length: int, stride: int | None = None, max_tokens: int | None = None,
-                 token_bytes: np.ndarray | None = None) -> Iterator[Window]:
+                 token_bytes: np.ndarray | None = None, tail: bool = False) -> Iterator[Window]:
     """Windows of ``length`` tokens for bits per byte.
 
     ``stride=None`` (or ``length``): non-overlapping windows, every position but the first of
     each is predicted. ``stride < length``: sliding windows that advance by ``stride``; each
-    scores only its last ``stride`` positions (the first window scores all of its own), so every
-    token after the first is predicted exactly once, with up to ``length - stride`` tokens of
-    context before it. ``max_tokens`` caps how many tokens the windows cover. ``token_bytes``:
-    bytes each token covers (default one).
+    scores only its last ``stride`` positions (the first window scores all of its own, unless
+    ``tail``), so every token after the first is predicted exactly once, with up to
+    ``length - stride`` tokens of context before it. ``tail=True`` is the sliding protocol of the
+    ALiBi paper and of the Positional-LSH paper's code: every window, the first too, scores only
+    its last ``stride`` positions (each scored token has ``length - stride`` tokens of context).
+    ``max_tokens`` caps how many tokens the windows cover. ``token_bytes``: bytes each token
+    covers (default one).
     """
     n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
     stride = length if stride is None else stride
     if n < length:
         return
     start = 0
-    first = True
+    first = not tail or stride >= length
     while start + length <= n:
-        score_from = 1 if first else length - stride
+        score_from = 1 if first else max(1, length - stride)
         nb = (length - score_from) if token_bytes is None else int(np.asarray(
             token_bytes[start + score_from:start + length], dtype=np.int64).sum())
         yield Window(np.asarray(tokens[start:start + length]).astype(np.int64), score_from, nb)
@@ -68,5 +71,6 @@ def eval_windows(tokens: np.ndarray, length: int, stride: int | None = None, max
         start += stride
 
 
-def count_predicted(tokens: np.ndarray, length: int, stride: int | None = None, max_tokens: int | None = None) -> int:
-    return sum(length - w.score_from for w in eval_windows(tokens, length, stride, max_tokens))
+def count_predicted(tokens: np.ndarray, length: int, stride: int | None = None, max_tokens: int | None = None,
+                    tail: bool = False) -> int:
+    return sum(length - w.score_from for w in eval_windows(tokens, length, stride, max_tokens, tail=tail))

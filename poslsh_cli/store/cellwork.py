@@ -42,6 +42,19 @@ class MetricsLog:
         self.path = Path(path)
         self.columns = list(columns)
         self._drop_partial_line()
+        self._widen_header()
+
+    def _widen_header(self) -> None:
+        """A log written with fewer columns (an older version) gets the new ones, empty in its rows,
+        so appended rows stay aligned with the header."""
+        if not self.path.exists() or not self.path.stat().st_size:
+            return
+        with open(self.path, encoding="utf-8") as fh:
+            header = fh.readline().rstrip("\n").split(",")
+        if header == self.columns or not set(header) <= set(self.columns):
+            return
+        df = self.frame()
+        atomic_write_text(self.path, df.reindex(columns=self.columns).to_csv(index=False))
 
     def _drop_partial_line(self) -> None:
         if not self.path.exists():

@@ -139,10 +139,19 @@ def difference(iv: Interval, claimed: str = "positive") -> Status:
     return Status.INCONCLUSIVE
 
 
-EQUIVALENCE_RULE = (f"non-inferiority, paired by training seed: the 90% t-interval of the difference ends below "
-                    f"+{MARGIN} bits per byte (SUPPORTED: at most {MARGIN} worse, or better); it starts at or above "
-                    f"+{MARGIN}: NOT SUPPORTED; otherwise INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds the interval is over the "
-                    "evaluation windows (evaluation noise only)")
+#: Top-1 next-token accuracy, in percentage points, within which two schemes count as equivalent.
+ACCURACY_MARGIN = 1.0
+
+
+def equivalence_rule(margin: float = MARGIN, unit: str = "bits per byte") -> str:
+    """The text of the non-inferiority rule for a margin in ``unit`` (smaller is better)."""
+    return (f"non-inferiority, paired by training seed: the 90% t-interval of the difference ends below "
+            f"+{margin:g} {unit} (SUPPORTED: at most {margin:g} worse, or better); it starts at or above "
+            f"+{margin:g}: NOT SUPPORTED; otherwise INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds the interval is "
+            "over the evaluation windows (evaluation noise only)")
+
+
+EQUIVALENCE_RULE = equivalence_rule()
 DIFFERENCE_RULE = (f"paired by training seed, the 95% t-interval of the difference excludes 0 on the claimed side "
                    f"(SUPPORTED) or on the other side (NOT SUPPORTED), else INCONCLUSIVE. With fewer than {MIN_SEEDS} "
                    "seeds the interval is over the evaluation windows (evaluation noise only)")
