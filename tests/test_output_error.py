@@ -134,3 +134,61 @@ def test_preset_reads_poslsh_models(tmp_path, monkeypatch):
     assert (df.model == "mistral-7b").all() and df.causal.all()
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["status"] == "complete"
+
+
+def test_paper_output_metrics_equal_a_numpy_recount():
+    from poslsh_cli.numerics.metrics import paper_output_metrics
+
+    g = np.random.default_rng(0)
+    e = g.standard_normal((3, 50, 8))
+    a = e + 0.1 * g.standard_normal((3, 50, 8))
+    m = paper_output_metrics(torch.as_tensor(e), torch.as_tensor(a))
+    for h in range(3):
+        d = np.linalg.norm(e[h] - a[h])
+        assert m["rel_sym"][h] == pytest.approx(d / (0.5 * (np.linalg.norm(e[h]) + np.linalg.norm(a[h]))), rel=1e-12)
+        row = np.linalg.norm(e[h] - a[h], axis=1) / (0.5 * (np.linalg.norm(e[h], axis=1) + np.linalg.norm(a[h], axis=1)))
+        np.testing.assert_allclose([m["row_rel_median"][h], m["row_rel_p90"][h], m["row_rel_p99"][h]],
+                                   np.quantile(row, [0.5, 0.9, 0.99]), rtol=1e-12)
+        cos = (e[h] * a[h]).sum() / (np.linalg.norm(e[h]) * np.linalg.norm(a[h]))
+        assert m["cosine"][h] == pytest.approx(cos, rel=1e-12)
+    same = paper_output_metrics(torch.as_tensor(e), torch.as_tensor(e))
+    assert (same["rel_sym"] == 0).all() and np.allclose(same["cosine"], 1)
+
+
+def test_official_convention_is_the_papers_script_computation(tmp_path):
+    """convention=official: softmax(K Q^T / sqrt(d) + log M~) V, bidirectional, recomputed here
+    densely in float64 from the saved q, k, v and the row's masks (the script's formula, with the
+    log clamped at 1e-20); exact ALiBi likewise with log L*. backend=dense gives the same rows as
+    the block path."""
+    out = tmp_path / "run"
+    r = invoke("output-error", "n=64", "layers=[1]", "heads=[0,11]", "s=[3]", "trials=1", "convention=official",
+               "causal=true", "baselines=[]", "save_qkv=true", f"out={out}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv")
+    assert (df.convention == "official").all() and not df.causal.any() and not df.exp_overflow.any()
+    data = np.load(out / df.qkv_file.iloc[0])
+    for _, row in df.iterrows():
+        i = list(data["heads"]).index(int(row["head"]))
+        # the saved tensors are what the official computation used: keys in the queries' place
+        Kq, Qk, V = (torch.as_tensor(data[x][i]).double() for x in ("q", "k", "v"))
+        assert float(data["scaling"]) == pytest.approx(1 / np.sqrt(Kq.shape[-1]))
+        r2 = invoke("sample", "n=64", f"sigma={row.sigma}", "s=3", f"seed={row.seed}",
+                    f"out={tmp_path / ('m%d' % i)}")
+        assert r2.exit_code == 0
+        m = np.load(tmp_path / ("m%d" % i) / "masks.npz")
+        bins = torch.as_tensor(m["bins"])  # (s, n)
+        Mt = (bins[:, :, None] == bins[:, None, :]).double().mean(0)
+        idx = torch.arange(64, dtype=torch.float64)
+        Ls = torch.exp(-(idx[:, None] - idx[None, :]).abs() / row.sigma)
+        S = Kq @ Qk.T / np.sqrt(Kq.shape[-1])
+        o1 = torch.softmax(S + Ls.clamp_min(1e-20).log(), -1) @ V
+        o2 = torch.softmax(S + Mt.clamp_min(1e-20).log(), -1) @ V
+        rel = (o1 - o2).norm() / (0.5 * (o1.norm() + o2.norm()))
+        assert row.rel_sym == pytest.approx(float(rel), rel=1e-5)
+        cos = (o1 * o2).sum() / (o1.norm() * o2.norm())
+        assert row.cosine == pytest.approx(float(cos), rel=1e-6)
+    dense = tmp_path / "dense"
+    r = invoke("output-error", "n=64", "layers=[1]", "heads=[0,11]", "s=[3]", "trials=1", "convention=official",
+               "baselines=[]", "backend=dense", f"out={dense}")
+    assert r.exit_code == 0, r.output
+    np.testing.assert_allclose(pd.read_csv(dense / "results.csv").rel_sym, df.rel_sym, rtol=1e-4)

@@ -9,6 +9,7 @@ replays its masks. Errors are against exact ALiBi in float64.
 from __future__ import annotations
 
 import io
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -22,7 +23,8 @@ from poslsh_cli.numerics.methods import INFO, Method, baselines
 from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
-           "max_row_rel", "seconds", "window", "qkv_file")
+           "max_row_rel", "seconds", "window", "qkv_file", "convention", "rel_sym", "row_rel_median", "row_rel_p90",
+           "row_rel_p99", "cosine", "exp_overflow")
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
@@ -55,6 +57,13 @@ class OutputErrorSpec(Spec):
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
     dtype: Dtype = key("compute dtype of the approximations (the exact reference is float64)", Dtype.FLOAT32)
     save_qkv: bool = key("write the captured q, k, v of each layer to qkv/layer<L>.npz", False)
+    convention: Literal["model", "official"] = key(
+        "model: the model's attention, softmax(q k^T * scaling + log M) v, causal for decoders; official: as the "
+        "paper's validation script computes it, keys as rows (softmax(k q^T / sqrt(d) + log M) v) and "
+        "bidirectional (causal= is then ignored)", "model")
+    backend: Literal["auto", "dense"] = key("attention path of the approximations: auto (the plan) or dense (one "
+                                           "biased SDPA call with log M~ built from the band in O(s n): for "
+                                           "s in the thousands)", "auto")
 
 
 
@@ -75,6 +84,13 @@ class OutputErrorRow:
     seconds: float  # wall time of the method for the whole layer (all heads at once)
     window: int  # windowed: w (for the head); else -1
     qkv_file: str
+    convention: str = "model"  # model | official (keys as rows, bidirectional: the paper's script)
+    rel_sym: float = float("nan")  # ||T* - T~|| / (0.5 (||T*|| + ||T~||)), the paper's relative difference
+    row_rel_median: float = float("nan")  # row-wise relative differences (symmetric denominator): median
+    row_rel_p90: float = float("nan")
+    row_rel_p99: float = float("nan")
+    cosine: float = float("nan")  # cosine similarity of the flattened outputs
+    exp_overflow: bool = False  # official: exp of the largest logit overflows float32 (the script takes exp(S) raw)
 
 
 @dataclass
@@ -93,6 +109,7 @@ class OutputErrorContext:
     own: dict[int, Any] = field(default_factory=dict)  # ALiBi models: their own attention output per layer
     exact: dict[int, Any] = field(default_factory=dict)
     files: dict[str, Any] = field(default_factory=dict)  # relative path -> bytes producer
+    convention: str = "model"
 
 
 def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
@@ -124,16 +141,21 @@ def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
     else:
         all_sigmas = np.asarray(loaded.alibi_sigmas) if own_slopes else alibi_sigmas(loaded.num_heads)
     causal = loaded.causal if spec.causal == "auto" else bool(spec.causal)
+    official = spec.convention == "official"
+    causal = causal and not official
     qkv, own = {}, {}
     for layer in layers:
         c = captured[layer]
         sel = torch.as_tensor(heads, device=c.q.device)
-        qkv[layer] = (c.q[sel], c.k[sel], c.v[sel], c.scaling)  # (H', n, d) each
-        if own_slopes and causal:
+        if official:  # scores K Q^T / sqrt(d): the keys take the queries' place
+            qkv[layer] = (c.k[sel], c.q[sel], c.v[sel], 1.0 / math.sqrt(c.q.shape[-1]))
+        else:
+            qkv[layer] = (c.q[sel], c.k[sel], c.v[sel], c.scaling)  # (H', n, d) each
+        if own_slopes and causal and not official:
             own[layer] = c.output[sel]
     ctx = OutputErrorContext(model_name=models.display_name(spec.model, path), layers=layers, heads=heads,
                   sigmas=all_sigmas[heads], causal=causal, device=device, dtype=torch_dtype(spec.dtype.value),
-                  qkv=qkv, input_ids=ids[0].numpy(), own=own)
+                  qkv=qkv, input_ids=ids[0].numpy(), own=own, convention=spec.convention)
     if spec.save_qkv:
         for layer in layers:
             ctx.files[_qkv_file(layer)] = (lambda layer=layer: _npz(ctx, layer))
@@ -213,8 +235,6 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext
     import numpy as np
 
     from poslsh_cli.attention import AttentionSpec, attend
-    from poslsh_cli.numerics.metrics import output_errors
-
     if key["method"] == MODEL_OWN:
         return _model_own(spec, key, ctx)
     layer, method = key["layer"], Method(key["method"])
@@ -232,33 +252,59 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext
     window = att.window
     synchronize(ctx.device)
     t0 = time.perf_counter()
-    out = attend(q, k, v, att)
+    dense = spec.backend == "dense" and method is Method.POSLSH
+    out = attend(q, k, v, att, **({"backend": "dense"} if dense else {}))
     synchronize(ctx.device)
     seconds = time.perf_counter() - t0
-    rel_fro, max_row = output_errors(exact, out[0])
     qkv_file = _qkv_file(layer) if spec.save_qkv else ""
     rows = [OutputErrorRow(model=ctx.model_name, layer=layer, head=h, sigma=float(sg), causal=ctx.causal, n=n, s=s,
-                           trial=trial, seed=sd, method=method.value, rel_fro=float(rf), max_row_rel=float(mr),
-                           seconds=seconds, window=w, qkv_file=qkv_file)
-            for h, sg, sd, rf, mr, w in zip(ctx.heads, ctx.sigmas, seeds, rel_fro, max_row,
-                                            window or [-1] * len(ctx.heads))]
+                           trial=trial, seed=sd, method=method.value, seconds=seconds, window=w, qkv_file=qkv_file,
+                           **m)
+            for h, sg, sd, w, m in zip(ctx.heads, ctx.sigmas, seeds, window or [-1] * len(ctx.heads),
+                                       _metrics(ctx, layer, exact, out[0]))]
     return [asdict(r) for r in rows], {}
+
+
+def _metrics(ctx: OutputErrorContext, layer: int, exact: Any, approx: Any) -> list[dict]:
+    """Per head: our errors against exact ALiBi, the paper's validation metrics, and whether the
+    official script's raw exp(S) overflows float32 on this layer's scores."""
+    from poslsh_cli.numerics.metrics import output_errors, paper_output_metrics
+
+    rel_fro, max_row = output_errors(exact, approx)
+    paper = paper_output_metrics(exact, approx)
+    over = _overflows(ctx, layer)
+    return [{"rel_fro": float(rel_fro[i]), "max_row_rel": float(max_row[i]), "convention": ctx.convention,
+             "exp_overflow": bool(over[i]), **{k: float(v[i]) for k, v in paper.items()}}
+            for i in range(len(rel_fro))]
+
+
+def _overflows(ctx: OutputErrorContext, layer: int) -> list[bool]:
+    """Per head: the largest score exceeds log(float32 max) (exp(S) is inf in float32), computed
+    by query chunks without an n x n tensor; only for the official convention."""
+    import numpy as np
+    import torch
+
+    q, k, _, scaling = ctx.qkv[layer]
+    if ctx.convention != "official":
+        return [False] * q.shape[0]
+    top = torch.full((q.shape[0],), -torch.inf, dtype=torch.float64)
+    for a in range(0, q.shape[1], 1024):
+        top = torch.maximum(top, (q[:, a:a + 1024].double() @ k.double().transpose(-1, -2)).amax(dim=(-1, -2)).cpu()
+                            * scaling)
+    return [bool(x) for x in (top > np.log(np.finfo(np.float32).max)).tolist()]
 
 
 def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext) -> tuple[list[dict], dict]:
     """``||own - T*|| / ||T*||``: how far the model's own attention output is from exact ALiBi
     recomputed from its captured q, k, v with its own slopes (float rounding, or its own
     approximations, such as Falcon's bfloat16 bias)."""
-    from poslsh_cli.numerics.metrics import output_errors
-
     layer = key["layer"]
     own = ctx.own[layer].to(ctx.device)
-    rel_fro, max_row = output_errors(_exact(ctx, layer), own)
     n = own.shape[-2]
     rows = [OutputErrorRow(model=ctx.model_name, layer=layer, head=h, sigma=float(sg), causal=ctx.causal, n=n, s=0,
-                           trial=0, seed=-1, method=MODEL_OWN, rel_fro=float(rf), max_row_rel=float(mr), seconds=0.0,
-                           window=-1, qkv_file=_qkv_file(layer) if spec.save_qkv else "")
-            for h, sg, rf, mr in zip(ctx.heads, ctx.sigmas, rel_fro, max_row)]
+                           trial=0, seed=-1, method=MODEL_OWN, seconds=0.0, window=-1,
+                           qkv_file=_qkv_file(layer) if spec.save_qkv else "", **m)
+            for h, sg, m in zip(ctx.heads, ctx.sigmas, _metrics(ctx, layer, _exact(ctx, layer), own))]
     return [asdict(r) for r in rows], {}
 
 
@@ -281,7 +327,8 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("output_error_minilm", "output_error_qwen3_0_6b", "output_error_mistral_7b", "output_error_llama_4_scout",
+    presets=("output_error_minilm", "output_error_official_minilm", "output_error_official_mistral_7b",
+             "output_error_official_llama_4_scout", "output_error_qwen3_0_6b", "output_error_mistral_7b", "output_error_llama_4_scout",
              "output_error_bloom_560m", "output_error_falcon_rw_1b", "output_error_mpt_7b", "output_error_baichuan_13b"),
     order=30,
     groups=("model",),

@@ -174,4 +174,33 @@ def report(run: Path, df: Any) -> Section:
         word = "more" if w < top else "less" if w > top else "as"
         sec.paragraphs.append(f"{_label(m)} (w = {cs}; median error {w:.3g}) is {word} accurate than Positional "
                               f"LSH at s={smax} (median {top:.3g}) on this model: a ratio of {top / w:.3g}.")
+    paper = paper_metrics_table(df)
+    if paper is not None:
+        official = "convention" in df.columns and (df.convention == "official").all()
+        sec.paragraphs.append(
+            "In the paper's validation metrics (" + ("its convention: scores K Q^T / √d, keys as rows, bidirectional"
+                                                     if official else "on the model's own attention")
+            + "): the relative difference with a symmetric denominator ‖o1 − o2‖ / (½(‖o1‖ + ‖o2‖)), the row-wise "
+            "relative differences (median, 90th, 99th percentile over rows) and the cosine similarity of the "
+            "flattened outputs, each the median over layers, heads and trials."
+            + (f" exp(S) of the raw scores overflows float32 on {int(df.exp_overflow.astype(bool).sum())} rows; "
+               "the paper's script takes it without subtracting a maximum (poslsh always does)."
+               if official and df.exp_overflow.astype(bool).any() else ""))
+        sec.tables.append(paper)
     return sec
+
+
+def paper_metrics_table(df: Any) -> Any:
+    """Per method and s: medians of the paper's metrics (None for runs without them)."""
+    import pandas as pd
+
+    cols = ["rel_sym", "row_rel_median", "row_rel_p90", "row_rel_p99", "cosine"]
+    if not set(cols) <= set(df.columns) or df[cols].isna().all(axis=None):
+        return None
+    rows = []
+    for (method, s), g in df.groupby(["method", "s"], sort=True):
+        rows.append({"method": method, "s": int(s) if s else "–", "rows": len(g),
+                     "rel. diff (sym.)": fmt(g.rel_sym.median()), "row median": fmt(g.row_rel_median.median()),
+                     "row p90": fmt(g.row_rel_p90.median()), "row p99": fmt(g.row_rel_p99.median()),
+                     "cosine": f"{g.cosine.median():.6f}"})
+    return pd.DataFrame(rows)
