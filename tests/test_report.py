@@ -583,3 +583,39 @@ def test_theorem_bound_verdict_holds_fails_and_reads_old_runs():
     assert "19 of 20" in v.evidence and "n=1024 σ=4 s=128" in v.evidence
     # the lower end alone would have passed: the check reads the upper end
     assert (bad.loc[cell, "spectral_err"] < expectation_bound(4.0, 1024, 128)).all()
+
+
+def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002):
+    """A train run on disk with only what the gap claim reads: results rows and each cell's metrics."""
+    g = np.random.default_rng(0)
+    rows = []
+    for seed in seeds:
+        for pos, s in (("alibi", 0), ("poslsh", 10)):
+            cell = tmp_path / "work" / f"{pos}-{seed}"
+            (cell / "final").mkdir(parents=True)
+            steps = np.arange(100, 1100, 100)
+            base = 3.0 - 0.5 * np.log(steps / 100)
+            bpb = base + (gap_of_step(steps) + noise * g.standard_normal(len(steps)) if pos == "poslsh" else 0)
+            pd.DataFrame({"step": steps, "tokens": steps * 4096, "loss": bpb, "val_loss": bpb, "val_bpb": bpb}
+                         ).to_csv(cell / "metrics.csv", index=False)
+            rows.append(dict(position=pos, s=s, seed=seed, seq_len=256, steps=1000, tokens=4096000, params=1,
+                             train_loss=1.0, val_loss=1.0, val_bpb=float(bpb[-1]), val_ppl=2.7, seconds=1.0,
+                             tokens_per_s=1.0, pretrain="", init="", checkpoint=f"work/{pos}-{seed}/final",
+                             step_seconds=0.1, attn_dropout=0.0, passes=1.0, sigmas="standard"))
+    return pd.DataFrame(rows)
+
+
+def test_gap_to_alibi_against_tokens_shrinks_grows_or_says_it_cannot_tell(tmp_path):
+    from poslsh_cli.experiments import train_report as tr
+
+    shrinking = _train_run(tmp_path / "a", lambda st: 0.3 / np.sqrt(st / 100))
+    sec = registry.get("train").report(tmp_path / "a", shrinking)
+    v = [v for v in sec.verdicts if "shrinks" in v.claim]
+    assert len(v) == 1 and v[0].status is Status.SUPPORTED and "3 seeds, one slope each" in v[0].evidence
+    assert "poslsh s=10" in v[0].claim and "first evaluation +0.2996" in v[0].evidence
+    growing = _train_run(tmp_path / "b", lambda st: 0.01 * np.log(st))
+    assert status_of(registry.get("train").report(tmp_path / "b", growing), "shrinks") is Status.NOT_SUPPORTED
+    flat = _train_run(tmp_path / "c", lambda st: 0.1 + 0 * st, noise=0.05)
+    assert status_of(registry.get("train").report(tmp_path / "c", flat), "shrinks") is Status.INCONCLUSIVE
+    paths = tr.plot_gap(tmp_path / "a", shrinking)
+    assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]

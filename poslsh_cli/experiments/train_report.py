@@ -46,9 +46,115 @@ def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
     return out
 
 
+GAP_RULE = ("gap = validation bits per byte of the scheme minus exact ALiBi's (the same seed, length, bandwidths "
+            "and pretraining) at every evaluation step; per seed the least-squares slope of the gap against ln "
+            "(training tokens), and the 95% t-interval of the slopes over the seeds (at least 3; with fewer, the "
+            "slope of the mean gap with the interval of its fit's residuals, which knows no seed spread): below 0 "
+            "SUPPORTED (the gap shrinks), above 0 NOT SUPPORTED, else INCONCLUSIVE")
+
+
+def gap_curves(run: Path, df: Any) -> list[dict]:
+    """Per scheme other than exact ALiBi, at each training length: the seed-paired gap to exact
+    ALiBi at every evaluation step (``gaps``: seed -> DataFrame of tokens, gap). Pairs share the
+    seed, length, bandwidths and pretraining; exact ALiBi without attention dropout is the reference."""
+    import pandas as pd
+
+    df = with_model_columns(df)
+    if "pretrain" not in df.columns:
+        df = df.assign(pretrain="")
+    curves = metrics_of(run, df)
+    ref = {(r["seq_len"], r["seed"], r["sigmas"], str(r["pretrain"] or "")): m for r, m in curves
+           if r["position"] == ALIBI and not r["attn_dropout"]}
+    groups: dict[tuple, dict] = {}
+    for r, m in curves:
+        if r["position"] == ALIBI and not r["attn_dropout"]:
+            continue
+        a = ref.get((r["seq_len"], r["seed"], r["sigmas"], str(r["pretrain"] or "")))
+        if a is None:
+            continue
+        x = m.dropna(subset=["val_bpb"])[["step", "tokens", "val_bpb"]]
+        y = a.dropna(subset=["val_bpb"])[["step", "val_bpb"]]
+        j = x.merge(y, on="step", suffixes=("", "_alibi"))
+        if len(j) == 0:
+            continue
+        key = (int(r["seq_len"]), _model(r), _rank(r["position"], r["s"]), float(r["attn_dropout"]))
+        groups.setdefault(key, {})[int(r["seed"])] = pd.DataFrame({"tokens": j.tokens, "gap": j.val_bpb - j.val_bpb_alibi})
+    return [{"L": k[0], "model": k[1], "gaps": v} for k, v in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2],
+                                                                                                       kv[0][3]))]
+
+
+def gap_trend(gaps: dict) -> tuple[Any, str]:
+    """The slope of the gap against ln tokens with its 95% interval, and what it rests on."""
+    import numpy as np
+    import pandas as pd
+
+    from poslsh_cli.verdicts.stats import MIN_SEEDS, slope, t_interval
+
+    fits = {k: slope(np.log(g.tokens), g.gap) for k, g in gaps.items() if len(g) >= 2}
+    if len(fits) >= MIN_SEEDS:
+        return t_interval([f.estimate for f in fits.values()]), f"{len(fits)} seeds, one slope each"
+    mean = pd.concat(gaps.values()).groupby("tokens").gap.mean()
+    return slope(np.log(mean.index.to_numpy(dtype=float)), mean.to_numpy()), \
+        f"{len(gaps)} seed{'s' if len(gaps) != 1 else ''}: slope of the mean gap, interval of its fit"
+
+
+def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
+    from poslsh_cli.verdicts.stats import difference
+
+    out = []
+    for c in gap_curves(run, df):
+        iv, basis = gap_trend(c["gaps"])
+        last = {k: float(g.gap.iloc[-1]) for k, g in c["gaps"].items()}
+        first = {k: float(g.gap.iloc[0]) for k, g in c["gaps"].items()}
+        status = difference(iv, "negative") if iv.n >= 2 else Status.INCONCLUSIVE
+        ev = (f"L={c['L']}: gap at the first evaluation {sum(first.values()) / len(first):+.4f}, at the last "
+              f"{sum(last.values()) / len(last):+.4f} bits per byte (mean over seeds); slope per ln token "
+              f"{iv.text()}; {basis}")
+        out.append(Verdict(f"the gap of {c['model']} to exact ALiBi shrinks with training", status, ev, GAP_RULE))
+    return out
+
+
+def plot_gap(run: Path, df: Any) -> list[Path]:
+    """The seed-paired gap to exact ALiBi against training tokens, mean over seeds with its 95%
+    t-interval where there are several seeds."""
+    import numpy as np
+    import pandas as pd
+
+    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.stats import t_interval
+
+    curves = gap_curves(run, df)
+    if not curves:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    many_L = len({c["L"] for c in curves}) > 1
+    for i, c in enumerate(curves):
+        per_tok = pd.concat(c["gaps"].values()).groupby("tokens").gap
+        ivs = {t: t_interval(g.values) for t, g in per_tok}
+        xs = np.asarray(sorted(ivs), dtype=float)
+        mean = np.asarray([ivs[t].estimate for t in sorted(ivs)])
+        color = f"C{i % 10}"
+        ax.plot(xs, mean, "o-", ms=3, color=color, label=c["model"] + (f" L={c['L']}" if many_L else "")
+                + f" ({len(c['gaps'])} seed{'s' if len(c['gaps']) != 1 else ''})")
+        lo = np.asarray([ivs[t].low for t in sorted(ivs)])
+        hi = np.asarray([ivs[t].high for t in sorted(ivs)])
+        if np.isfinite(lo).any():
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.18, lw=0)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation bits per byte minus exact ALiBi's")
+    ax.set_title("Gap to exact ALiBi during training (seed-paired; band: 95% interval over seeds)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.25)
+    return save(fig, run, "gap_vs_tokens")
+
+
 def plot(run: Path, df: Any) -> list[Path]:
-    """Learning curves per cell; with several training lengths, the step time against L."""
-    paths = plot_learning_curves(run, df)
+    """Learning curves per cell, the gap to exact ALiBi against training tokens; with several
+    training lengths, the step time against L."""
+    paths = plot_learning_curves(run, df) + plot_gap(run, df)
     if df.seq_len.nunique() > 1:
         paths += plot_step_time(run, df)
     return paths
@@ -159,6 +265,7 @@ def report(run: Path, df: Any) -> Section:
                           "Per-step random masks act like a structured attention dropout, which the attention-dropout "
                           "control of exact ALiBi isolates.")
     sec.verdicts += claim_schemes_compared(df)
+    sec.verdicts += claim_gap_shrinks(run, df)
     if df.seq_len.nunique() > 1:
         sec.verdicts += claim_crossover(df)
     return sec
