@@ -120,7 +120,7 @@ def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[A
     install(model, state)
     set_attention_dropout(model, stage.dropout)
     if stage.lora:
-        model = lora.with_lora(model, spec.lora_rank, spec.lora_alpha, spec.lora_targets)
+        model = lora.with_lora(model, spec.lora_rank, spec.lora_alpha, spec.lora_targets, spec.lora_dropout)
         if resume is not None:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file

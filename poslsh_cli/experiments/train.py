@@ -113,6 +113,7 @@ class TrainSpec(Spec):
     lora_rank: int = key("LoRA adapters of this rank on lora_targets, the rest frozen (0: full fine-tuning; needs "
                          "init= and peft)", 0, ge=0)
     lora_alpha: float = key("LoRA scale numerator (0: twice the rank)", 0.0, ge=0)
+    lora_dropout: float = key("dropout on the LoRA adapters' input (the paper's fine-tune: 0.05)", 0.0, ge=0)
     lora_targets: Optional[tuple[str, ...]] = key("module names that get adapters (null: the attention "
                                                   "projections)", None)
     lora_save: LoraSave = key("final LoRA model: merged (full weights) or adapter (beside its base)", LoraSave.MERGED)
@@ -340,9 +341,9 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("train", "train_finetune", "train_long", "train_gpu", "train_long_gpu", "finetune_mistral_7b_gpu",
-             "train_qwen3_0_6b_gpu"),
-    opt_in=("train_long",),
+    presets=("train", "train_finetune", "train_official", "train_long", "train_gpu", "train_long_gpu", "finetune_mistral_7b_gpu",
+             "train_qwen3_0_6b_gpu", "train_official_qwen3_0_6b_gpu", "finetune_official_mistral_7b_gpu"),
+    opt_in=("train_long", "train_official"),
     order=50,
     skip_reason=skip_reason,
     distributed=True,

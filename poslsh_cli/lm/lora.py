@@ -21,9 +21,9 @@ def default_targets(model: Any) -> list[str]:
     return ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def with_lora(model: Any, rank: int, alpha: float, targets: Optional[list[str]]) -> Any:
+def with_lora(model: Any, rank: int, alpha: float, targets: Optional[list[str]], dropout: float = 0.0) -> Any:
     """Low-rank adapters of rank ``rank`` on the ``targets`` modules (default: the attention
-    projections); the rest of the model is frozen."""
+    projections), with dropout ``dropout`` on their input; the rest of the model is frozen."""
     peft = peft_module()
     targets = list(targets) if targets else default_targets(model)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -31,7 +31,7 @@ def with_lora(model: Any, rank: int, alpha: float, targets: Optional[list[str]])
     if missing:
         raise ConfigError(f"lora_targets: the model has no module named {', '.join(missing)} "
                           f"(it has e.g. {', '.join(sorted(default_targets(model)))})")
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0,
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=dropout,
                           bias="none", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, cfg)
 
