@@ -277,7 +277,7 @@ def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
 
 
 def ppl_run(tmp_path, scratch=None, tuned=None, seeds=(0, 1, 2), seed_sd=0.002, window_sd=0.01, W=64, draws=3,
-            degrade=None, name="run"):
+            degrade=None, name="run", far=1024):
     """A perplexity run directory with results.csv rows and windows.csv (per-window bits) drawn from
     stated effects: ``scratch`` / ``tuned`` map (position, s, dropout) -> bits per byte at L; each
     training seed shifts a scheme by N(0, seed_sd), each mask draw by N(0, seed_sd / 4), each window
@@ -306,7 +306,7 @@ def ppl_run(tmp_path, scratch=None, tuned=None, seeds=(0, 1, 2), seed_sd=0.002, 
                                      bits=float(b) * 256, bytes=256) for i, b in enumerate(bpb_w))
 
     for scheme, value in (scratch or {}).items():
-        add(scheme, value, "no", (256, 1024))
+        add(scheme, value, "no", (256, far))
     for scheme, value in (tuned or {}).items():
         add(scheme, value, "yes", (256,))
     run = tmp_path / name
@@ -619,3 +619,28 @@ def test_gap_to_alibi_against_tokens_shrinks_grows_or_says_it_cannot_tell(tmp_pa
     assert status_of(registry.get("train").report(tmp_path / "c", flat), "shrinks") is Status.INCONCLUSIVE
     paths = tr.plot_gap(tmp_path / "a", shrinking)
     assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]
+
+
+def test_papers_baselines_the_2L_multiple_and_the_side_by_side_table(tmp_path):
+    from poslsh_cli.app.report import side_by_side
+
+    FB = ("fixed_block", 0, 0.0)
+    scheme = {A: 1.8, P10: 1.8, ROPE: 1.9, FB: 1.95, NONE: 2.8}
+    run_a, df_a = ppl_run(tmp_path, scratch=scheme, degrade={P10: -0.02, ROPE: 0.4}, name="perplexity")
+    sec_a = registry.get("perplexity").report(run_a, df_a)
+    assert status_of(sec_a, "better than the original RoPE model") is Status.SUPPORTED
+    assert status_of(sec_a, "s=10 is better than fixed blocks") is Status.SUPPORTED
+    assert status_of(sec_a, "robust at 4x") is Status.SUPPORTED
+    # evaluated at L and 2L only (the paper's longest multiple here): the claims say 2x / 2L
+    run_b, df_b = ppl_run(tmp_path, scratch={**scheme, ROPE: 1.7}, degrade={P10: 0.3, ROPE: 0.4},
+                          name="perplexity_official", far=512)
+    sec_b = registry.get("perplexity").report(run_b, df_b)
+    assert status_of(sec_b, "robust at 2x") is Status.NOT_SUPPORTED
+    assert any("rope degrades more at 2L" in v.claim for v in sec_b.verdicts)
+    assert status_of(sec_b, "better than the original RoPE model") is Status.NOT_SUPPORTED
+    table = side_by_side([(sec_a, df_a), (sec_b, df_b)]).tables[0]
+    assert list(table.columns) == ["claim", "perplexity", "perplexity_official"]
+    row = table[table.claim == "Positional LSH stays robust at kx the training length"].iloc[0]
+    assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
+    row = table[table.claim.str.contains("better than the original RoPE")].iloc[0]
+    assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")

@@ -13,6 +13,7 @@ import datetime as _dt
 import html
 import json
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -112,7 +113,7 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
     notes = list(notes or []) + [n for n in notes_of([Path(p) for p in run_dirs]) if n not in (notes or [])]
     experiments = registry.experiments()
     order = {name: i for i, name in enumerate(experiments)}
-    sections, provenance = [], []
+    sections, provenance, lm_runs = [], [], []
     for run in runs:
         said: list[str] = []
 
@@ -134,6 +135,8 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
         except Exception as exc:  # a figure that cannot be drawn must not lose the numbers
             sec.paragraphs.append(f"(figures unavailable: {exc})")
         sections.append(sec)
+        if exp.name == "perplexity":
+            lm_runs.append((sec, df))
         git = meta.get("git") or {}
         provenance.append({"run": run.name, "command": exp.name, "status": status(run, meta),
                            "commit": ((git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else "")) or None,
@@ -141,12 +144,56 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
                            "device": (meta.get("device") or {}).get("cuda") or (meta.get("device") or {}).get("machine"),
                            "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
     sections.sort(key=lambda s: order[s.command])
+    if len(lm_runs) > 1:
+        last = max(i for i, sec in enumerate(sections) if sec.command == "perplexity")
+        sections.insert(last + 1, side_by_side(lm_runs))
     out_dir.mkdir(parents=True, exist_ok=True)
     md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
     atomic_write_text(md_path, md)
     atomic_write_text(html_path, body)
     return md_path, html_path
+
+
+def _claim_key(claim: str) -> str:
+    """A claim with what differs between protocols taken out: the extrapolation multiple."""
+    import re
+
+    claim = re.sub(r"at \d+x the training length", "at kx the training length", claim)
+    return re.sub(r"at \d+L\b", "at kL", claim)
+
+
+def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
+    """One table of every language-model claim with each perplexity run's verdict beside it (this
+    project's protocol and the paper's), and what each run's protocol was, from its rows."""
+    from poslsh_cli.experiments.perplexity_report import protocol_of
+    from poslsh_cli.lm.positions import with_model_columns
+
+    sec = Section("perplexity", lm_runs[0][0].run.parent, "Language-model claims under each protocol, side by side")
+    names = [s.run.name for s, _ in lm_runs]
+    keys: list[str] = []
+    cells: dict[tuple[str, str], str] = {}
+    for s, _ in lm_runs:
+        for v in s.verdicts:
+            k = _claim_key(v.claim)
+            if k not in keys:
+                keys.append(k)
+            cells[(k, s.run.name)] = f"{v.status.value}: {v.evidence}"
+    sec.tables.append(pd.DataFrame([{"claim": k, **{n: cells.get((k, n), "not judged in this run") for n in names}}
+                                    for k in keys]))
+    for s, df in lm_runs:
+        d = with_model_columns(protocol_of(df))
+        own = d[d.attention == "own"]
+        seeds = own.groupby(["position", "trained_s"]).run_seed.nunique()
+        sec.paragraphs.append(
+            f"{s.run.name}: bandwidths {', '.join(sorted(set(own.sigmas) - {''})) or 'none'}; trained s "
+            f"{', '.join(str(int(x)) for x in sorted(set(own[own.position == 'poslsh'].trained_s))) or 'none'}; schemes "
+            f"{', '.join(sorted(set(own.position)))}; {int(seeds.min()) if len(seeds) else 0}-"
+            f"{int(seeds.max()) if len(seeds) else 0} training seeds per scheme; lengths "
+            f"{', '.join(str(int(x)) for x in sorted(set(own.length)))}; protocols {', '.join(sorted(set(own.protocol)))}.")
+    sec.paragraphs.append("Each cell is the verdict of that run's rule on its own rows (the rule is in its section); "
+                          "\"kx\" is the longest extrapolation multiple that run evaluated (4L or 2L).")
+    return sec
 
 
 def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, notes: list[str]) -> str:

@@ -396,7 +396,8 @@ def report(run: Path, df: Any) -> Section:
             for tag, h in _by_bandwidths(g):
                 d = pc.Data(h, windows, int(L))
                 if at_L:
-                    for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_alibi):
+                    for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_original_and_fixed_blocks,
+                                  pc.claim_beats_alibi):
                         sec.verdicts += _tagged(claim(d), tag)
                     if accuracy:
                         acc = pc.Data(pc.with_top1_miss(h), windows, int(L), pc.TOP1_MISS)
