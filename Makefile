@@ -8,7 +8,7 @@ RUNS   ?= runs
 # where make reproduce-* runs its presets: local (one after another), joblib (in parallel on this
 # machine) or slurm (each preset a SLURM job; needs the launchers extra and sbatch)
 LAUNCHER ?= local
-# opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long perplexity_long, or all
+# opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long train_official perplexity_long perplexity_official, or all
 WITH ?=
 
 .PHONY: install test test-fast reproduce-all reproduce-quick bench bench-matrix bench-attention \

@@ -478,6 +478,12 @@ def test_step_bench_compares_paths_in_one_run(tmp_path):
     assert len(df[df.position == "poslsh"]) == 2  # s=10 and s=20; auto and dense are one path here
     assert len(df[df.position == "alibi"]) == 2  # auto and dense are one path; rank1 the other
     assert (df.step_seconds > 0).all()
+    assert set(df[df.position != "rope"].sigmas) == {"standard"}
+    r = invoke("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
+               "intermediate=64", "batch=2", "steps=1", "warmup=0", "position=[alibi,poslsh]", "s=[4]",
+               "backend=[auto]", "sigma=16", f"out={tmp_path / 'constant'}")
+    assert r.exit_code == 0, r.output
+    assert set(pd.read_csv(tmp_path / "constant" / "results.csv").sigmas) == {"sigma=16 every head"}
 
 
 def test_attention_dropout_runs_replay(tmp_path):

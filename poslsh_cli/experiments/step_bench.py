@@ -24,12 +24,12 @@ from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crosso
 from poslsh_cli.core.config import ConfigError, Spec, key
 from poslsh_cli.experiments.base import Device, Experiment, choices, resolve_device, synchronize
 from poslsh_cli.numerics.methods import INFO
-from poslsh_cli.lm.positions import Position, PositionState, method_of
+from poslsh_cli.lm.positions import Position, PositionState, method_of, sigma_label
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
-           "peak_mem_mb", "params", "device", "steps")
+           "peak_mem_mb", "params", "device", "steps", "sigmas")
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
 
@@ -170,7 +170,8 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
     sec = statistics.median(times)
     row = {"seq_len": n, "position": position.value, "s": s, "backend": backend, "attention_path": path,
            "batch": spec.batch, "step_seconds": sec, "tokens_per_s": spec.batch * n / sec, "peak_mem_mb": peak,
-           "params": int(sum(p.numel() for p in model.parameters())), "device": str(ctx.device), "steps": spec.steps}
+           "params": int(sum(p.numel() for p in model.parameters())), "device": str(ctx.device), "steps": spec.steps,
+           "sigmas": sigma_label(state.sigmas) if position is not Position.ROPE else ""}
     return [row], {}
 
 
