@@ -376,8 +376,12 @@ def report(run: Path, df: Any) -> Section:
     df = with_model_columns(df)
     own = df[df.attention == OWN]
     sec.tables.append(interval_table(main_protocol(own)))
+    main = main_protocol(own)
+    scoring = ("non-overlapping windows, every token scored" if main.empty or main.protocol.iloc[0] == NONOVERLAPPING
+               else "the sliding protocol (windows stepped by L, their last L tokens scored)")
     sec.paragraphs.append(
-        "Bits per byte of each model under its own attention, mean over training seeds with a 95% t-interval; "
+        f"Bits per byte of each model under its own attention ({scoring}), mean over training seeds with a 95% "
+        "t-interval; "
         "each seed's value is the mean over its Positional-LSH mask draws, so the interval covers training seeds "
         "and mask draws. Every model is evaluated on the same windows of the same validation documents, so "
         "comparisons are paired (by seed); with fewer than three seeds a comparison uses the per-window "
