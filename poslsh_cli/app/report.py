@@ -135,7 +135,7 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
         except Exception as exc:  # a figure that cannot be drawn must not lose the numbers
             sec.paragraphs.append(f"(figures unavailable: {exc})")
         sections.append(sec)
-        if exp.name == "perplexity":
+        if exp.name == _lm_command():
             lm_runs.append((sec, df))
         git = meta.get("git") or {}
         provenance.append({"run": run.name, "command": exp.name, "status": status(run, meta),
@@ -145,7 +145,7 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
                            "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
     sections.sort(key=lambda s: order[s.command])
     if len(lm_runs) > 1:
-        last = max(i for i, sec in enumerate(sections) if sec.command == "perplexity")
+        last = max(i for i, sec in enumerate(sections) if sec.command == _lm_command())
         sections.insert(last + 1, side_by_side(lm_runs))
     out_dir.mkdir(parents=True, exist_ok=True)
     md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
@@ -153,6 +153,13 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
     atomic_write_text(md_path, md)
     atomic_write_text(html_path, body)
     return md_path, html_path
+
+
+def _lm_command() -> str:
+    """The command whose runs hold the language-model claims (perplexity)."""
+    from poslsh_cli.experiments.perplexity import EXPERIMENT
+
+    return EXPERIMENT.name
 
 
 def _claim_key(claim: str) -> str:
@@ -169,7 +176,7 @@ def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
     from poslsh_cli.experiments.perplexity_report import protocol_of
     from poslsh_cli.lm.positions import with_model_columns
 
-    sec = Section("perplexity", lm_runs[0][0].run.parent, "Language-model claims under each protocol, side by side")
+    sec = Section(_lm_command(), lm_runs[0][0].run.parent, "Language-model claims under each protocol, side by side")
     names = [s.run.name for s, _ in lm_runs]
     keys: list[str] = []
     cells: dict[tuple[str, str], str] = {}
