@@ -287,11 +287,14 @@ def _overflows(ctx: OutputErrorContext, layer: int) -> list[bool]:
     q, k, _, scaling = ctx.qkv[layer]
     if ctx.convention != "official":
         return [False] * q.shape[0]
+    if ("overflow", layer) in ctx.exact:  # once per layer, not once per cell
+        return ctx.exact[("overflow", layer)]
     top = torch.full((q.shape[0],), -torch.inf, dtype=torch.float64)
     for a in range(0, q.shape[1], 1024):
         top = torch.maximum(top, (q[:, a:a + 1024].double() @ k.double().transpose(-1, -2)).amax(dim=(-1, -2)).cpu()
                             * scaling)
-    return [bool(x) for x in (top > np.log(np.finfo(np.float32).max)).tolist()]
+    ctx.exact[("overflow", layer)] = [bool(x) for x in (top > np.log(np.finfo(np.float32).max)).tolist()]
+    return ctx.exact[("overflow", layer)]
 
 
 def _model_own(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext) -> tuple[list[dict], dict]:

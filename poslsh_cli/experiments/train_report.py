@@ -65,11 +65,14 @@ def gap_curves(run: Path, df: Any) -> list[dict]:
     curves = metrics_of(run, df)
     ref = {(r["seq_len"], r["seed"], r["sigmas"], str(r["pretrain"] or "")): m for r, m in curves
            if r["position"] == ALIBI and not r["attn_dropout"]}
+    # schemes without bandwidths (rope, none) pair with the run's exact ALiBi whatever its sigmas
+    by_run = {(k[0], k[1], k[3]): m for k, m in ref.items()}
     groups: dict[tuple, dict] = {}
     for r, m in curves:
         if r["position"] == ALIBI and not r["attn_dropout"]:
             continue
-        a = ref.get((r["seq_len"], r["seed"], r["sigmas"], str(r["pretrain"] or "")))
+        a = ref.get((r["seq_len"], r["seed"], r["sigmas"], str(r["pretrain"] or ""))) if r["sigmas"] else \
+            by_run.get((r["seq_len"], r["seed"], str(r["pretrain"] or "")))
         if a is None:
             continue
         x = m.dropna(subset=["val_bpb"])[["step", "tokens", "val_bpb"]]
