@@ -212,6 +212,33 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
     raise SystemExit(reproduce_main(scale, runs, launcher, jobs, include))
 
 
+@app.command("generate")
+@_helped
+def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint directory (poslsh train's final/, or "
+                                                   "any causal LM)", show_default=False),
+                 settings: List[str] = typer.Argument(None, help="key=value: prompt (text to continue), "
+                                                      "max_new_tokens (64), attention (own, or a scheme swapped "
+                                                      "in: alibi, poslsh, windowed, fixed_block, none), s (masks "
+                                                      "per head for poslsh; 0: the checkpoint's own, else 8), seed, "
+                                                      "sample (false: greedy), temperature, top_k, cache (true: "
+                                                      "decode through the key/value cache)",
+                                                      show_default=False)) -> None:
+    """Continue a prompt with a checkpoint under its own position scheme or another one (transformers'
+    generate; the text on stdout, tokens and speed on stderr)."""
+    from poslsh_cli.lm.generate import generate, parse
+
+    try:
+        opts = parse(list(settings or []))
+        out = generate(checkpoint, **opts)
+    except ConfigError as exc:
+        fail("generate", str(exc))
+        return
+    typer.echo(out.text)
+    sys.stderr.write(f"poslsh generate: {out.new_tokens} new tokens in {out.seconds:.2f} s "
+                     f"({out.tokens_per_s:.1f} tokens/s), {out.scheme}, attention path "
+                     f"{', '.join(out.paths) or 'the model own'}, cache {'on' if opts['cache'] else 'off'}\n")
+
+
 @app.command("plot")
 @_helped
 def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",

@@ -360,7 +360,7 @@ class StageRun:
             else self.trained.no_sync()
         with sync:
             with _autocast(spec, self.ctx.device):
-                logits = self.trained(input_ids=x[:, :-1]).logits
+                logits = self.trained(input_ids=x[:, :-1], use_cache=False).logits
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                      x[:, 1:].reshape(-1)) / spec.accumulate
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -71,7 +71,7 @@ def capture_qkv(loaded: LoadedModel, input_ids: torch.Tensor, layers: Sequence[i
     store: list[dict] = []
     device = next(loaded.model.parameters()).device
     with _capturing(store):
-        loaded.model(input_ids=input_ids.to(device))
+        loaded.model(input_ids=input_ids.to(device), use_cache=False)
     if len(store) != loaded.num_layers:
         raise ConfigError(f"captured {len(store)} attention calls for {loaded.num_layers} layers; "
                           f"this {loaded.model_type} model does not route attention through sdpa")
@@ -136,7 +136,7 @@ def _capture_alibi(loaded: LoadedModel, input_ids: torch.Tensor, layers: Sequenc
             lambda mod, inp, i=i: context.__setitem__(i, inp[0].detach())))
     device = next(loaded.model.parameters()).device
     try:
-        loaded.model(input_ids=input_ids.to(device))
+        loaded.model(input_ids=input_ids.to(device), use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -85,18 +85,90 @@ def peft_module() -> Any:
     return peft
 
 
+#: ``model_type`` of a checkpoint poslsh writes with a position scheme other than the architecture's
+#: own: transformers does not know it, so plain ``from_pretrained`` refuses it (saying to pass
+#: ``trust_remote_code=True``, which runs the two-line modeling files saved beside it) unless
+#: poslsh's classes are registered (``import poslsh_cli.lm.hf``); either way it loads through
+#: :func:`poslsh_cli.lm.loading.load_model`, never as the base architecture with its own attention
+POSLSH_MODEL_TYPE = "poslsh"
+#: where such a config.json keeps the architecture's own model_type and architectures
+BASE_TYPE_KEY, BASE_ARCHS_KEY = "poslsh_base_model_type", "poslsh_base_architectures"
+#: the files beside such a config.json that transformers runs with trust_remote_code=True
+REMOTE_CODE = {
+    "configuration_poslsh.py": '"""A poslsh checkpoint\'s configuration: needs the poslsh package (pip install poslsh)."""\n'
+                               "from poslsh_cli.lm.hf import PoslshConfig  # noqa: F401\n",
+    "modeling_poslsh.py": '"""A poslsh checkpoint: loaded by poslsh_cli.load_model (needs pip install poslsh)."""\n'
+                          "from poslsh_cli.lm.hf import PoslshForCausalLM  # noqa: F401\n",
+}
+
+
 def read_config(path: Path) -> dict:
-    """A checkpoint's config.json as a dict; for a LoRA adapter, its base's, with the scheme the
-    adapter was trained with (``poslsh`` from its poslsh_train.json)."""
+    """A checkpoint's config.json as a dict, as its architecture's own (:func:`base_view`); for a
+    LoRA adapter, its base's, with the scheme the adapter was trained with (``poslsh`` from its
+    poslsh_train.json)."""
     path = Path(path)
     if is_adapter(path):
-        cfg = json_file(adapter_base(path) / "config.json")
+        cfg = base_view(json_file(adapter_base(path) / "config.json"))
         info_file = path / "poslsh_train.json"
         info = json_file(info_file) if info_file.is_file() else {}
         if info.get("scheme"):
             cfg["poslsh"] = info["scheme"]
         return cfg
-    return json_file(path / "config.json")
+    return base_view(json_file(path / "config.json"))
+
+
+def base_view(cfg: dict) -> dict:
+    """The config of a poslsh-marked checkpoint (``model_type: poslsh``) as its architecture's own
+    config.json (model_type, architectures, no auto_map); any other config unchanged."""
+    if cfg.get("model_type") != POSLSH_MODEL_TYPE:
+        return cfg
+    d = {k: v for k, v in cfg.items() if k not in ("auto_map", BASE_TYPE_KEY, BASE_ARCHS_KEY)}
+    d["model_type"] = cfg.get(BASE_TYPE_KEY)
+    if cfg.get(BASE_ARCHS_KEY):
+        d["architectures"] = cfg[BASE_ARCHS_KEY]
+    return d
+
+
+def is_marked(path: Path) -> bool:
+    """A checkpoint written by poslsh with a scheme of its own (``model_type: poslsh``)."""
+    return (Path(path) / "config.json").is_file() and \
+        json_file(Path(path) / "config.json").get("model_type") == POSLSH_MODEL_TYPE
+
+
+def hf_config(path: Path) -> Any:
+    """The transformers config a marked checkpoint's weights load with (its architecture's class);
+    None for any other checkpoint (transformers reads its config.json itself)."""
+    if not is_marked(path):
+        return None
+    from transformers import CONFIG_MAPPING
+
+    cfg = read_config(path)
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        raise ConfigError(f"{path}: a poslsh checkpoint of model_type {cfg.get('model_type')!r}, which this "
+                          "transformers does not know")
+    return CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
+
+
+def mark(path: Path) -> None:
+    """Make the checkpoint just saved in ``path`` one plain loading cannot mistake for its base
+    architecture: ``model_type: poslsh`` (the architecture's own kept beside it), ``auto_map`` to
+    the two modeling files written here (:data:`REMOTE_CODE`)."""
+    import json
+
+    from poslsh_cli.core.files import atomic_write_text
+
+    path = Path(path)
+    cfg = json_file(path / "config.json")
+    if cfg.get("model_type") == POSLSH_MODEL_TYPE:
+        return
+    cfg[BASE_TYPE_KEY], cfg["model_type"] = cfg.get("model_type"), POSLSH_MODEL_TYPE
+    cfg[BASE_ARCHS_KEY] = cfg.get("architectures")
+    cfg["architectures"] = ["PoslshForCausalLM"]
+    cfg["auto_map"] = {"AutoConfig": "configuration_poslsh.PoslshConfig",
+                       "AutoModelForCausalLM": "modeling_poslsh.PoslshForCausalLM"}
+    for name, text in REMOTE_CODE.items():
+        atomic_write_text(path / name, text)
+    atomic_write_text(path / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def json_file(path: Path) -> Any:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError
+from poslsh_cli.lm.checkpoint import base_view, hf_config, mark
 from poslsh_cli.lm.lora import is_lora
 
 #: files a tokenizer saved by ``save_pretrained`` leaves in a checkpoint directory
@@ -140,7 +141,7 @@ def _read_config(path: Path, key_name: str) -> dict:
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key_name}={path}: not a Hugging Face checkpoint directory (no config.json)")
     try:
-        return json.loads((path / "config.json").read_text())
+        return base_view(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key_name}={path}: config.json cannot be read ({exc})") from None
 
@@ -246,8 +247,8 @@ def load_weights(path: Path, dtype: Any = None) -> Any:
     _quiet()
     cfg = _read_config(Path(path), "checkpoint")
     try:
-        return tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                       dtype=dtype or torch.float32,
+        return tf.AutoModelForCausalLM.from_pretrained(path, config=hf_config(path), local_files_only=True,
+                                                       use_safetensors=True, dtype=dtype or torch.float32,
                                                        attn_implementation=_impl(cfg.get("model_type")))
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -263,8 +264,7 @@ def new_model(source: Source, seed: int) -> Any:
     if source.kind is Kind.BYTES:
         config = tf.Qwen3Config(**source.byte_config)
     else:
-        config = tf.AutoConfig.from_pretrained(source.path, local_files_only=True)
-        config.use_cache = False
+        config = hf_config(source.path) or tf.AutoConfig.from_pretrained(source.path, local_files_only=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=_impl(source.model_type))
@@ -299,6 +299,9 @@ def save(model: Any, path: Path, info: dict, tokenizer: Optional[Path], lora_sav
                     state_dict.pop(name, None)
                 seen.add(id(p))
         model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
+    state = getattr(model, "poslsh_position", None)
+    if (path / "config.json").is_file() and state is not None and state.position.value != "rope" and not state.native:
+        mark(path)  # plain from_pretrained must not load it as the architecture with its own attention
     if tokenizer is not None:
         from transformers import AutoTokenizer
 

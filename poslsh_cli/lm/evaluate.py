@@ -131,7 +131,7 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     def logits(x: Any, st: Any) -> Any:
         if own is not None:
             install(model, st)
-        return model(input_ids=x).logits[:, :-1]  # (b, L-1, V)
+        return model(input_ids=x, use_cache=False).logits[:, :-1]  # (b, L-1, V)
 
     try:
         with torch.no_grad():

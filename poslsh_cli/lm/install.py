@@ -18,21 +18,46 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
                       dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
     """The ``poslsh`` entry of transformers' attention registry.
 
-    query (B, H, n, d), key/value (B, H_kv, n, d) as the model's attention module passes them
-    (grouped key/value heads are expanded here); causal always (decoder). Returns the output
-    as (B, n, H, d), the layout transformers expects, and no attention weights.
+    query (B, H, m, d), key/value (B, H_kv, n, d) as the model's attention module passes them
+    (grouped key/value heads are expanded here); causal always (decoder). ``attention_mask`` is
+    what transformers builds for this entry (:func:`register`: SDPA's boolean mask, or None when
+    there is no padding and every query sees the keys up to itself). Without padding and with as
+    many queries as keys (training, evaluation windows) the method runs on its own fast path;
+    otherwise (a padded batch, a step decoded through a key/value cache) at each sequence's
+    positions, counted from its first real token
+    (:func:`~poslsh_cli.attention.positioned.positioned_attention`). Returns the output as
+    (B, m, H, d), the layout transformers expects, and no attention weights.
     """
     from poslsh_cli.attention import attend
+    from poslsh_cli.attention.positioned import positioned_attention, positions_from_mask
 
     state: PositionState = module.poslsh_position
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    spec = state.attention_spec(module.layer_idx, query.shape[-2], scaling)
-    out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label),
-                 dropout=dropout if module.training else 0.0)  # (B, H, n, d)
+    (B, _, m, _), n = query.shape, key.shape[-2]
+    spec = state.attention_spec(module.layer_idx, n, scaling)
+    if attention_mask is None and m == n:
+        out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label),
+                     dropout=dropout if module.training else 0.0)  # (B, H, n, d)
+    else:
+        if dropout and module.training:
+            raise ConfigError("attention dropout is not available with padding or a key/value cache")
+        q_pos, k_pos, allowed = positions_from_mask(attention_mask, B, m, n, query.device)
+        state.plans.add("positioned")
+        out = positioned_attention(query, key, value, spec, q_pos, k_pos, allowed, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """The ``poslsh`` attention function and its mask function (SDPA's: a boolean mask from the
+    padding and the cache, None where causal alone says it all) in transformers' registries."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def _no_rotary() -> Any:
@@ -67,6 +92,10 @@ def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         state: PositionState = module.poslsh_position
+        past = kwargs.get("layer_past", kwargs.get("past_key_values", kwargs.get("cache")))
+        if kwargs.get("use_cache") or (past is not None and past.get_seq_length() > 0):
+            raise ConfigError(f"{mtype} under a swapped attention scheme runs without a key/value cache "
+                              "(use_cache=False); its own attention (attention=own) decodes with one")
         B, T, _ = hidden_states.shape
         q, k, v = split_qkv(module, mtype, getattr(module, arch.qkv)(hidden_states), heads)  # (B, H, T, d)
         spec = state.attention_spec(layer, T, alibi_scaling(module, mtype, q.shape[-1]))
@@ -87,8 +116,6 @@ def install(model: Any, state: PositionState) -> Any:
     ALiBi checkpoints (BLOOM, MPT, Falcon-RW) keep their own inline attention for a ``native``
     state and get an adapter around the project's attention otherwise.
     """
-    from transformers import AttentionInterface
-
     from poslsh_cli.lm.capture import attention_modules
     from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
@@ -103,7 +130,7 @@ def install(model: Any, state: PositionState) -> Any:
         config.poslsh = state.to_json()
         model.poslsh_position = state
         return model
-    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    register()
     heads = config.num_attention_heads
     if len(state.sigmas) != heads:
         raise ConfigError(f"the position scheme has {len(state.sigmas)} sigmas for a model with {heads} heads")

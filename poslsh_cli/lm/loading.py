@@ -33,7 +33,7 @@ class Arch:
         return dict(vocab_size=VOCAB, hidden_size=self.hidden, intermediate_size=self.intermediate,
                     num_hidden_layers=self.layers, num_attention_heads=self.heads,
                     num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                    max_position_embeddings=self.max_positions, tie_word_embeddings=True, use_cache=False,
+                    max_position_embeddings=self.max_positions, tie_word_embeddings=True, use_cache=True,
                     attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -57,9 +57,10 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
     import transformers as tf
 
     from poslsh_cli.lm.pretrained import ALIBI_ARCHS, alibi_sigmas_of, load_adapter
-    from poslsh_cli.lm.checkpoint import check_checkpoint, is_adapter, read_config, refuse_rotary_falcon
+    from poslsh_cli.lm.checkpoint import check_checkpoint, hf_config, is_adapter, read_config, refuse_rotary_falcon
 
     tf.logging.set_verbosity_error()
+    tf.utils.logging.disable_progress_bar()
     path = Path(path)
     check_checkpoint(path)
     cfg = read_config(path)
@@ -70,8 +71,8 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
         model = load_adapter(path)
     else:
         try:
-            model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                            attn_implementation=impl,
+            model = tf.AutoModelForCausalLM.from_pretrained(path, config=hf_config(path), local_files_only=True,
+                                                            use_safetensors=True, attn_implementation=impl,
                                                             trust_remote_code=trust_remote_code)
         except Exception as exc:  # a broken checkpoint: one line
             text = str(exc).strip().splitlines()

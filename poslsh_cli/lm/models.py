@@ -97,7 +97,13 @@ def unavailable(model: ModelSpec) -> str | None:
         return f"{MODELS_ENV} is not set (no checkpoint directory)" if not model.path else "no path"
     if not (path / "config.json").exists():
         return f"no checkpoint at {path}"
-    if not model.trust_remote_code and "auto_map" in (path / "config.json").read_text():
+    from poslsh_cli.lm.checkpoint import read_config
+
+    try:
+        cfg = read_config(path)
+    except ConfigError:
+        cfg = {}
+    if not model.trust_remote_code and "auto_map" in cfg:
         return f"{path} runs its own modeling code: pass model.trust_remote_code=true to allow it"
     if model.gpu:
         import torch

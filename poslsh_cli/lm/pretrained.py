@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from poslsh_cli.core.config import ConfigError
-from poslsh_cli.lm.checkpoint import adapter_base, check_checkpoint, peft_module, read_config, refuse_rotary_falcon
+from poslsh_cli.lm.checkpoint import (adapter_base, check_checkpoint, hf_config, peft_module, read_config,
+                                      refuse_rotary_falcon)
 
 
 #: model_type values whose attention goes through ALL_ATTENTION_FUNCTIONS (checked by tests)
@@ -95,11 +96,12 @@ def load(path: Path, trust_remote_code: bool = False, device: str = "cpu",
     check_checkpoint(path)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if not trust_remote_code and '"auto_map"' in (path / "config.json").read_text():
+    if not trust_remote_code and "auto_map" in read_config(path):
         raise ConfigError(f"{path} ships its own modeling code (auto_map in config.json): pass "
                           "model.trust_remote_code=true to run it")
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        config = hf_config(path) or AutoConfig.from_pretrained(path, local_files_only=True,
+                                                               trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ConfigError(f"{path}: cannot read config.json ({_first_line(exc)})") from None
     mtype = getattr(config, "model_type", None)
@@ -123,7 +125,7 @@ def load(path: Path, trust_remote_code: bool = False, device: str = "cpu",
                                                       dtype=dtype, attn_implementation="sdpa")
         else:
             impl = ALIBI_ARCHS[mtype].impl if mtype in ALIBI_ARCHS else "sdpa"
-            model = AutoModel.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=dtype,
+            model = AutoModel.from_pretrained(path, config=config, local_files_only=True, use_safetensors=True, dtype=dtype,
                                               attn_implementation=impl, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ConfigError(f"{path}: cannot load the weights ({_first_line(exc)})") from None

@@ -1,0 +1,121 @@
+"""Text from a checkpoint (``poslsh generate CKPT prompt=... max_new_tokens=... attention=...``):
+transformers' ``generate`` on the model :func:`~poslsh_cli.lm.loading.load_model` gives, under its
+own position scheme or another one swapped in, decoding through the key/value cache (each step
+at its own position: :mod:`poslsh_cli.attention.positioned`) or, with ``cache=false``, by full
+forwards (the same tokens; a check, and the slow way).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poslsh_cli.core.config import ConfigError
+
+#: the keys ``poslsh generate`` takes after the checkpoint, with their defaults
+DEFAULTS: dict[str, Any] = {"prompt": "The ", "max_new_tokens": 64, "attention": "own", "s": 0, "seed": 0,
+                            "sample": False, "temperature": 1.0, "top_k": 0, "cache": True}
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str  # the prompt and what was generated
+    new_tokens: int
+    seconds: float
+    scheme: str  # the position scheme that ran (e.g. "poslsh s=8")
+    paths: tuple[str, ...]  # the attention paths that ran
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def parse(args: list[str]) -> dict[str, Any]:
+    """``key=value`` arguments into typed settings (:data:`DEFAULTS`); an unknown key, a missing
+    ``=`` or a value of the wrong type is one ConfigError."""
+    out = dict(DEFAULTS)
+    for a in args:
+        key, eq, value = a.partition("=")
+        if not eq:
+            raise ConfigError(f"expected key=value, got {a!r} (keys: {', '.join(DEFAULTS)})")
+        if key not in DEFAULTS:
+            raise ConfigError(f"unknown key {key!r} (keys: {', '.join(DEFAULTS)})")
+        default = DEFAULTS[key]
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                out[key] = value.lower() in ("true", "1")
+            else:
+                out[key] = type(default)(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: expected {type(default).__name__}") from None
+    if out["max_new_tokens"] < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {out['max_new_tokens']}")
+    if out["temperature"] <= 0:
+        raise ConfigError(f"temperature must be > 0, got {out['temperature']}")
+    if out["s"] < 0:
+        raise ConfigError(f"s must be >= 0 (0: the checkpoint's own), got {out['s']}")
+    return out
+
+
+def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own", s: int = 0, seed: int = 0,
+             sample: bool = False, temperature: float = 1.0, top_k: int = 0, cache: bool = True) -> Generated:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``sample``)."""
+    import torch
+
+    from poslsh_cli.lm.install import install
+    from poslsh_cli.lm.loading import load_model
+    from poslsh_cli.lm.positions import Position, PositionState
+
+    if not prompt:
+        raise ConfigError("prompt= is empty: give the text to continue")
+    model, own = load_model(Path(path))
+    state = own
+    if attention != "own":
+        try:
+            position = Position(attention)
+        except ValueError:
+            raise ConfigError(f"attention={attention!r}: one of own, {', '.join(p.value for p in Position)}") from None
+        if position is Position.ROPE and own.position is not Position.ROPE:
+            raise ConfigError("attention=rope: only a RoPE checkpoint has the rotary embedding it needs")
+        if own.native:
+            raise ConfigError(f"{path}: an ALiBi checkpoint's own attention computes inline; under a swapped "
+                              "scheme it runs without a key/value cache (poslsh perplexity measures it)")
+        samples = s or own.num_samples or 8
+        state = PositionState(position, own.sigmas, num_samples=samples if position is Position.POSLSH else 0,
+                              window_sigmas=own.window_sigmas, seed=seed)
+        install(model, state)
+    elif s and own.position is Position.POSLSH:
+        state = PositionState(own.position, own.sigmas, num_samples=s, window_sigmas=own.window_sigmas, seed=own.seed)
+        install(model, state)
+    encode, decode = _codec(Path(path))
+    ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=sample,
+                                  pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+    if sample:
+        kwargs.update(temperature=temperature, top_k=top_k or None)
+    state.plans.clear()
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    seconds = time.perf_counter() - t0
+    label = state.position.value + (f" s={state.num_samples}" if state.position is Position.POSLSH else "")
+    return Generated(decode(out[0].tolist()), int(out.shape[1] - ids.shape[1]), seconds, label,
+                     tuple(sorted(state.plans)))
+
+
+def _codec(path: Path) -> tuple[Any, Any]:
+    """Text to token ids and back: the checkpoint's tokenizer, or UTF-8 bytes for a byte model."""
+    from poslsh_cli.lm.convert import has_tokenizer
+
+    if not has_tokenizer(path):
+        return (lambda text: list(text.encode("utf-8")),
+                lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace"))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"],
+            lambda ids: tok.decode(ids, skip_special_tokens=True))

@@ -1,0 +1,198 @@
+"""A converted model used as a model: padded batches, decoding through a key/value cache, and
+loading that never computes another function.
+
+Sizes: sequences of 300 and 220 tokens (three 128-token tiles), bandwidths 2 .. 16 so that
+Positional LSH has many blocks; every check is against the same model's own unpadded full
+forward (float32, within 1e-5) or the float64 reference.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from poslsh_cli.attention import AttentionSpec, reference_weight
+from poslsh_cli.attention.positioned import positioned_attention, positions_from_mask
+from poslsh_cli.attention.reference import reference_attention
+from poslsh_cli.lm.checkpoint import POSLSH_MODEL_TYPE
+from poslsh_cli.lm.convert import save
+from poslsh_cli.lm.loading import Arch, build_model, load_model
+from poslsh_cli.lm.positions import PositionState
+from poslsh_cli.numerics.methods import Method
+
+SCHEMES = ["none", "alibi", "poslsh", "fixed_block", "windowed", "rope"]
+SIGMAS = np.array([2.0, 4.0, 8.0, 16.0])
+ARCH = Arch(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, head_dim=16, max_positions=4096)
+TOL = 1e-5
+
+
+def _model(position: str):
+    state = PositionState(position, SIGMAS, num_samples=8 if position == "poslsh" else 0, seed=3)
+    return build_model(ARCH, state, seed=1).eval()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (1, 300), generator=g), torch.randint(0, 256, (1, 220), generator=g)
+
+
+@pytest.mark.parametrize("method", list(Method))
+def test_positioned_attention_equals_the_float64_reference(method):
+    """At positions 0..n-1 with the causal mask, the positioned path is the method itself."""
+    n, H = 300, 4
+    rng = [np.random.default_rng(h) for h in range(H)]
+    spec = AttentionSpec.build(method, SIGMAS, n, True, num_samples=6, rng=rng, window_sigmas=2.0)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, H, n, 16, generator=g) for _ in range(3))
+    q_pos, k_pos, allowed = positions_from_mask(None, 2, n, n, "cpu")
+    out = positioned_attention(q, k, v, spec, q_pos, k_pos, allowed)
+    ref, _ = reference_attention(q, k, v, reference_weight(spec, n), True)
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+def test_positions_from_a_padded_mask():
+    """Left and right padding: real tokens numbered from 0, queries at their own position."""
+    real = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    causal = torch.ones(5, 5).tril().bool()
+    mask = (causal[None] & real[:, None, :])[:, None]
+    q_pos, k_pos, allowed = positions_from_mask(mask, 2, 5, 5, "cpu")
+    assert k_pos[0, 2:].tolist() == [0, 1, 2] and k_pos[1, :3].tolist() == [0, 1, 2]
+    assert q_pos[0, 2:].tolist() == [0, 1, 2] and q_pos[1, :3].tolist() == [0, 1, 2]
+    assert torch.equal(allowed, mask[:, 0])
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_padded_batches_and_cached_decoding_give_the_unpadded_logits(position, tokens):
+    a, b = tokens
+    model = _model(position)
+    with torch.no_grad():
+        la, lb = model(a, use_cache=False).logits[0], model(b, use_cache=False).logits[0]
+        n, m = a.shape[1], b.shape[1]
+        for side in ("left", "right"):
+            x = torch.zeros(2, n, dtype=torch.long)
+            mask = torch.zeros(2, n, dtype=torch.long)
+            x[0], mask[0] = a[0], 1
+            span = slice(n - m, n) if side == "left" else slice(0, m)
+            x[1, span], mask[1, span] = b[0], 1
+            out = model(x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=False).logits
+            assert (out[0] - la).abs().max().item() < TOL, side
+            assert (out[1, span] - lb).abs().max().item() < TOL, side
+        # a prompt, then one token at a time through the cache: the same logits as one forward
+        out = model(a[:, :200], use_cache=True)
+        steps, cache = [out.logits[0]], out.past_key_values
+        for t in range(200, n):
+            out = model(a[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits[0])
+            cache = out.past_key_values
+        assert (torch.cat(steps) - la).abs().max().item() < TOL
+        greedy = [model.generate(a[:, :40], max_new_tokens=24, do_sample=False, use_cache=c) for c in (True, False)]
+    assert torch.equal(greedy[0], greedy[1])
+    if position != "rope":
+        assert "positioned" in model.poslsh_position.plans
+
+
+def test_a_swapped_inline_alibi_attention_refuses_a_cache():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.lm.install import install
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=4)).eval()
+    install(model, PositionState("poslsh", SIGMAS, num_samples=4))
+    x = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        model(x, use_cache=False)
+        with pytest.raises(ConfigError, match="without a key/value cache"):
+            model(x, use_cache=True)
+
+
+PLAIN = """
+import json, sys, torch
+import transformers as tf
+ck, ref = sys.argv[1], torch.load(sys.argv[2])
+out = {}
+try:
+    m = tf.AutoModelForCausalLM.from_pretrained(ck)
+    out["plain"] = (m(ref["x"], use_cache=False).logits - ref["logits"]).abs().max().item()
+except Exception as exc:
+    out["plain"] = "refused: " + str(exc).splitlines()[0]
+out["imported_before_remote"] = "poslsh_cli" in sys.modules
+m = tf.AutoModelForCausalLM.from_pretrained(ck, trust_remote_code=True)
+out["remote"] = (m(ref["x"], use_cache=False).logits - ref["logits"]).abs().max().item()
+open(sys.argv[3], "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("position", ["alibi", "poslsh", "rope"])
+def test_plain_loading_is_the_same_function_or_refuses(position, tmp_path, tokens):
+    """In a process that has not imported poslsh_cli: plain from_pretrained of a converted
+    checkpoint refuses (it needs trust_remote_code, whose modeling files load it through poslsh);
+    a RoPE checkpoint is the architecture itself and loads plainly as the same function."""
+    model = _model(position)
+    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["use_cache"] is True
+    loaded, state = load_model(tmp_path / "ck")
+    assert state.position.value == position
+    x = tokens[0][:, :150]
+    with torch.no_grad():
+        logits = loaded(x, use_cache=False).logits
+    torch.save({"x": x, "logits": logits}, tmp_path / "ref.pt")
+    run = subprocess.run([sys.executable, "-c", PLAIN, str(tmp_path / "ck"), str(tmp_path / "ref.pt"),
+                          str(tmp_path / "out.json")],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["imported_before_remote"] is False
+    assert out["remote"] < TOL
+    if position == "rope":
+        assert cfg["model_type"] == "qwen3" and out["plain"] < TOL
+    else:
+        assert cfg["model_type"] == POSLSH_MODEL_TYPE
+        assert out["plain"].startswith("refused:") and "custom code" in out["plain"]
+
+
+def test_registered_on_import_plain_loading_is_the_same_function(tmp_path, tokens):
+    import transformers as tf
+
+    import poslsh_cli.lm.hf  # noqa: F401  registers the poslsh model type
+
+    model = _model("poslsh")
+    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
+    x = tokens[0][:, :150]
+    with torch.no_grad():
+        ref = load_model(tmp_path / "ck")[0](x, use_cache=False).logits
+        plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ck")(x, use_cache=False).logits
+    assert (plain - ref).abs().max().item() < TOL
+
+
+def test_generate_command(tmp_path):
+    """poslsh generate: the prompt continued, the same text with and without the cache (greedy),
+    a swapped scheme, and one error line for a wrong key or a missing checkpoint."""
+    from typer.testing import CliRunner
+
+    from poslsh_cli.app.cli import app
+
+    model = _model("poslsh")
+    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
+    runner = CliRunner()
+    texts = []
+    for cache in ("true", "false"):
+        res = runner.invoke(app, ["generate", str(tmp_path / "ck"), "prompt=Once upon a time", "max_new_tokens=12",
+                                  f"cache={cache}"])
+        assert res.exit_code == 0, res.output
+        texts.append(res.stdout)
+        assert "12 new tokens" in res.stderr and "poslsh s=8" in res.stderr
+    assert texts[0] == texts[1] and texts[0].startswith("Once upon a time")
+    res = runner.invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=4", "attention=alibi"])
+    assert res.exit_code == 0 and "alibi" in res.stderr and "positioned" in res.stderr
+    for args, why in ((["max_tokens=3"], "unknown key 'max_tokens'"), (["attention=bogus"], "attention='bogus'")):
+        res = runner.invoke(app, ["generate", str(tmp_path / "ck"), *args])
+        assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = runner.invoke(app, ["generate", str(tmp_path / "missing")])
+    assert res.exit_code != 0 and "does not exist" in res.stderr
