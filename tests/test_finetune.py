@@ -1,6 +1,7 @@
 """Pretrained causal LMs in ``poslsh train``: a tiny random Llama (RoPE) with a real tokenizer (the
-shipped MiniLM's), converted to every scheme and fine-tuned a few steps: it loads with plain
-``AutoModelForCausalLM.from_pretrained`` (with its tokenizer), ``perplexity`` restores its scheme,
+shipped MiniLM's), converted to every scheme and fine-tuned a few steps: it loads with
+``AutoModelForCausalLM.from_pretrained(trust_remote_code=True)`` as the architecture with its scheme
+(with its tokenizer; plain loading refuses: tests/test_serving.py), ``perplexity`` restores its scheme,
 and the bits per byte ``perplexity`` reports equal an independent computation: transformers' own
 forward for rope, a float64 dense reference attention for the others. LoRA (merged and as an
 adapter), ALiBi checkpoints with their own slopes, a configuration trained from scratch, and
@@ -84,9 +85,10 @@ def test_every_scheme_is_saved_loadable_with_its_tokenizer_and_scheme(finetuned,
     assert (df.tokenizer == str(llama)).all() and (df.steps == 3).all()
     base = tf.AutoModelForCausalLM.from_pretrained(llama)
     for position, path in finals(finetuned).items():
-        model = tf.AutoModelForCausalLM.from_pretrained(path)
+        model = tf.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
         assert type(model).__name__ == "LlamaForCausalLM"
         assert model.config.poslsh["position"] == position
+        assert model.config.model_type == "llama"  # the architecture itself, with the scheme installed
         assert len(tf.AutoTokenizer.from_pretrained(path)) == 30522
         changed = any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
         assert changed, position  # fine-tuned, not a copy
@@ -170,14 +172,16 @@ def test_lora_merged_and_adapter(llama, tmp_path, monkeypatch):
         row = pd.read_csv(out / "results.csv").iloc[0]
         assert row.trainable == 2 * 4 * (2 * (32 + 32) + 2 * (32 + 16))  # rank 4; q, o: 32->32; k, v: 32->16; 2 layers
         path = out / row.checkpoint
-        model = tf.AutoModelForCausalLM.from_pretrained(path)  # an adapter loads through transformers' peft
+        # merged: the checkpoint's modeling files (trust_remote_code); an adapter through transformers' peft
+        model = tf.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=save == "merged")
         assert hasattr(model, "peft_config") == (save == "adapter")
         code, text = cli("perplexity", str(path), "lengths=[32]", "trials=1", "max_tokens=512", f"out={tmp_path / ('p' + save)}")
         assert code == 0, text
         p = pd.read_csv(tmp_path / ("p" + save) / "results.csv").iloc[0]
         assert p.position == "poslsh" and np.isfinite(p.bits_per_byte)
     base = tf.AutoModelForCausalLM.from_pretrained(llama).state_dict()
-    merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / row.checkpoint).state_dict()
+    merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / row.checkpoint,
+                                                     trust_remote_code=True).state_dict()
     assert torch.equal(base["model.layers.0.mlp.up_proj.weight"], merged["model.layers.0.mlp.up_proj.weight"])
     assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"])
 

@@ -220,7 +220,7 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
                                                       "max_new_tokens (64), attention (own, or a scheme swapped "
                                                       "in: alibi, poslsh, windowed, fixed_block, none), s (masks "
                                                       "per head for poslsh; 0: the checkpoint's own, else 8), seed, "
-                                                      "sample (false: greedy), temperature, top_k, cache (true: "
+                                                      "do_sample (false: greedy), temperature, top_k, cache (true: "
                                                       "decode through the key/value cache)",
                                                       show_default=False)) -> None:
     """Continue a prompt with a checkpoint under its own position scheme or another one (transformers'

@@ -15,7 +15,7 @@ from poslsh_cli.core.config import ConfigError
 
 #: the keys ``poslsh generate`` takes after the checkpoint, with their defaults
 DEFAULTS: dict[str, Any] = {"prompt": "The ", "max_new_tokens": 64, "attention": "own", "s": 0, "seed": 0,
-                            "sample": False, "temperature": 1.0, "top_k": 0, "cache": True}
+                            "do_sample": False, "temperature": 1.0, "top_k": 0, "cache": True}
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ def parse(args: list[str]) -> dict[str, Any]:
 
 
 def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own", s: int = 0, seed: int = 0,
-             sample: bool = False, temperature: float = 1.0, top_k: int = 0, cache: bool = True) -> Generated:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``sample``)."""
+             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, cache: bool = True) -> Generated:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``do_sample``)."""
     import torch
 
     from poslsh_cli.lm.install import install
@@ -92,9 +92,9 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
         install(model, state)
     encode, decode = _codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
-    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=sample,
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
-    if sample:
+    if do_sample:
         kwargs.update(temperature=temperature, top_k=top_k or None)
     state.plans.clear()
     torch.manual_seed(seed)
