@@ -196,3 +196,69 @@ def test_generate_command(tmp_path):
         assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = runner.invoke(app, ["generate", str(tmp_path / "missing")])
     assert res.exit_code != 0 and "does not exist" in res.stderr
+
+
+@pytest.mark.parametrize("position", ["poslsh", "fixed_block", "windowed", "alibi"])
+def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position, tokens):
+    """Decoding through ForgettingCache equals the full forward (1e-5), greedy generation with it
+    equals generation without a cache (also for a left-padded batch), and it holds no more keys
+    than the scheme can still attend to: exact ALiBi every key, windowed ALiBi its window plus one,
+    Positional LSH at most its largest block."""
+    from poslsh_cli.lm.kvcache import ForgettingCache
+
+    a = tokens[0]
+    model = _model(position)
+    specs = [model.poslsh_position.attention_spec(layer, a.shape[1], None) for layer in range(ARCH.layers)]
+    with torch.no_grad():
+        full = model(a, use_cache=False).logits[0]
+        cache = ForgettingCache(model)
+        out = model(a[:, :100], cache=cache, use_cache=True)
+        steps, kept = [out.logits[0]], []
+        for t in range(100, a.shape[1]):
+            out = model(a[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits[0])
+            kept.append(cache.kept())
+        assert (torch.cat(steps) - full).abs().max().item() < TOL
+        x = torch.zeros(2, 60, dtype=torch.long)
+        mask = torch.zeros(2, 60, dtype=torch.long)
+        x[0], mask[0] = a[0, :60], 1
+        x[1, 15:], mask[1, 15:] = a[0, :45], 1
+        batch = model.generate(x, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                               past_key_values=ForgettingCache(model))
+        alone = [model.generate(p, max_new_tokens=20, do_sample=False, use_cache=False) for p in (a[:, :60], a[:, :45])]
+    assert torch.equal(batch[0], alone[0][0]) and torch.equal(batch[1, 15:], alone[1][0])
+    if position == "alibi":
+        assert kept[-1] == a.shape[1]
+    elif position == "windowed":
+        assert max(kept) <= max(specs[0].window) + 2
+    else:  # one offset for every layer: the largest block of any layer
+        assert max(kept) <= max(p.b_max for spec in specs for p in spec.partitions) + 2
+        assert max(kept) < a.shape[1] // 2
+
+
+def test_decode_bench_runs_and_judges_its_goals(tmp_path):
+    import pandas as pd
+
+    from poslsh_cli.experiments import decode_bench
+    from poslsh_cli.verdicts.claims import Status
+    from typer.testing import CliRunner
+
+    from poslsh_cli.app.cli import app
+
+    res = CliRunner().invoke(app, ["decode-bench", "context=[64,512]", "new_tokens=3", "hidden=32", "heads=4",
+                                   "kv_heads=4", "head_dim=8", "intermediate=64", "sigma=4", f"out={tmp_path / 'd'}"])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "d" / "results.csv")
+    assert len(df) == 6 and set(df.position) == {"alibi", "windowed", "poslsh"}
+    long = df[df.context == 512].set_index("position")
+    assert long.kv_tokens["alibi"] == 512 + 3 and long.kv_tokens["poslsh"] < 128  # sigma=4: blocks of tens
+    assert long.kv_bytes["alibi"] == long.full_kv_bytes["alibi"] > 4 * long.kv_bytes["poslsh"]
+    assert all(v.status is Status.NOT_MEASURED for v in decode_bench.claims(df))  # no 64k context here
+
+    def table(speed: float, kv: float) -> pd.DataFrame:
+        return pd.DataFrame([dict(context=65536, position="alibi", s=0, tokens_per_s=10.0, kv_bytes=800.0),
+                             dict(context=65536, position="poslsh", s=8, tokens_per_s=10.0 * speed, kv_bytes=800.0 * kv)])
+
+    good, slow = decode_bench.claims(table(5.0, 0.1)), decode_bench.claims(table(3.0, 0.2))
+    assert [v.status for v in good] == [Status.SUPPORTED] * 2
+    assert [v.status for v in slow] == [Status.NOT_SUPPORTED] * 2

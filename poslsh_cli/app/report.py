@@ -162,12 +162,17 @@ def _lm_command() -> str:
     return EXPERIMENT.name
 
 
-def _claim_key(claim: str) -> str:
-    """A claim with what differs between protocols taken out: the extrapolation multiple."""
+def _claim_key(claim: str, protocols: set[str] = frozenset()) -> str:
+    """A claim with what differs between protocols taken out: the extrapolation multiple; an
+    extrapolation claim of a run that scored one protocol gets that protocol's tag, as a run that
+    scored several tags each of its claims."""
     import re
 
-    claim = re.sub(r"at \d+x the training length", "at kx the training length", claim)
-    return re.sub(r"at \d+L\b", "at kL", claim)
+    key = re.sub(r"at \d+x the training length", "at kx the training length", claim)
+    key = re.sub(r"at \d+L\b", "at kL", key)
+    if key != claim and "[" not in key and len(protocols) == 1:
+        key += f" [{next(iter(protocols))}]"
+    return key
 
 
 def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
@@ -180,9 +185,10 @@ def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
     names = [s.run.name for s, _ in lm_runs]
     keys: list[str] = []
     cells: dict[tuple[str, str], str] = {}
-    for s, _ in lm_runs:
+    for s, df in lm_runs:
+        protocols = set(protocol_of(df).protocol)
         for v in s.verdicts:
-            k = _claim_key(v.claim)
+            k = _claim_key(v.claim, protocols)
             if k not in keys:
                 keys.append(k)
             cells[(k, s.run.name)] = f"{v.status.value}: {v.evidence}"

@@ -1,7 +1,8 @@
 """Text from a checkpoint (``poslsh generate CKPT prompt=... max_new_tokens=... attention=...``):
 transformers' ``generate`` on the model :func:`~poslsh_cli.lm.loading.load_model` gives, under its
-own position scheme or another one swapped in, decoding through the key/value cache (each step
-at its own position: :mod:`poslsh_cli.attention.positioned`) or, with ``cache=false``, by full
+own position scheme or another one swapped in, decoding through a key/value cache that forgets
+what the scheme can no longer see (:class:`~poslsh_cli.lm.kvcache.ForgettingCache`; each step at
+its own position: :mod:`poslsh_cli.attention.positioned`) or, with ``cache=false``, by full
 forwards (the same tokens; a check, and the slow way).
 """
 from __future__ import annotations
@@ -94,6 +95,10 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+    if cache and state.position is not Position.ROPE and not state.native:
+        from poslsh_cli.lm.kvcache import ForgettingCache
+
+        kwargs["past_key_values"] = ForgettingCache(model)  # keeps only the keys the scheme can still see
     if do_sample:
         kwargs.update(temperature=temperature, top_k=top_k or None)
     state.plans.clear()

@@ -31,22 +31,40 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     from poslsh_cli.attention import attend
     from poslsh_cli.attention.positioned import positioned_attention, positions_from_mask
 
+    import torch
+
     state: PositionState = module.poslsh_position
+    forgetting = state._forgetting
+    layer = forgetting.layers[module.layer_idx] if forgetting is not None else None
+    if layer is not None and key is not layer.keys:
+        layer = None  # another cache (or none) holds these keys
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     (B, _, m, _), n = query.shape, key.shape[-2]
-    spec = state.attention_spec(module.layer_idx, n, scaling)
-    if attention_mask is None and m == n:
+    # the fast paths take the spec at length n; at explicit positions only its widths, shifts or windows
+    # matter, which do not depend on n: one spec per layer serves every decoding step
+    positioned = attention_mask is not None or m != n or (layer is not None and layer.positions is not None)
+    spec = state.attention_spec(module.layer_idx, 1 if positioned else n, scaling)
+    if dropout and module.training and (attention_mask is not None or m != n):
+        raise ConfigError("attention dropout is not available with padding or a key/value cache")
+    if layer is not None and layer.positions is not None:  # a step through a forgetting cache: it kept positions
+        q_pos = layer.positions[:, -1:] + torch.arange(1, m + 1, device=query.device)
+        k_pos = torch.cat([layer.positions, q_pos], 1)
+        allowed = positions_from_mask(attention_mask, B, m, n, query.device)[2]
+        state.plans.add("positioned")
+        out = positioned_attention(query, key, value, spec, q_pos, k_pos, allowed, scaling)
+    elif attention_mask is None and m == n:
         out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label),
                      dropout=dropout if module.training else 0.0)  # (B, H, n, d)
+        q_pos = k_pos = torch.arange(n, device=query.device).expand(B, n)
     else:
-        if dropout and module.training:
-            raise ConfigError("attention dropout is not available with padding or a key/value cache")
         q_pos, k_pos, allowed = positions_from_mask(attention_mask, B, m, n, query.device)
         state.plans.add("positioned")
         out = positioned_attention(query, key, value, spec, q_pos, k_pos, allowed, scaling)
+    if layer is not None:
+        forgetting.after_layer(module.layer_idx, spec, k_pos, q_pos)
     return out.transpose(1, 2).contiguous(), None
 
 

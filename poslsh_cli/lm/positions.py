@@ -100,6 +100,8 @@ class PositionState:
     #: labels of the attention plans that ran (poslsh_cli.attention.Plan.label), as recorded by attend
     plans: set = field(default_factory=set, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
+    #: the poslsh_cli.lm.kvcache.ForgettingCache decoding with this scheme, if any
+    _forgetting: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.position = Position(self.position)

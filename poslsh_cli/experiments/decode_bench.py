@@ -1,0 +1,227 @@
+"""``poslsh decode-bench``: decoding speed and key/value memory against context length, for exact
+ALiBi, windowed ALiBi and Positional LSH on the same model, side by side in one run.
+
+Cells: (context, position, s). A cell prefills ``context`` random tokens through a
+:class:`~poslsh_cli.lm.kvcache.ForgettingCache` (exact ALiBi keeps every key; windowed ALiBi the
+window; Positional LSH the blocks its samples still hold open), then decodes ``new_tokens`` tokens
+one at a time (greedy). Reported: the prefill time, the median seconds per decoded token, the
+keys and values held (bytes, and tokens per layer) at the end, and what a cache that keeps every
+key would hold. Ratios within one run are what to compare; absolute times depend on the machine.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from poslsh_cli.core.config import Spec, key
+from poslsh_cli.experiments.base import Device, Experiment, resolve_device, synchronize
+from poslsh_cli.lm.loading import Arch
+from poslsh_cli.lm.positions import Position, PositionState, sigma_label
+from poslsh_cli.numerics.methods import INFO
+from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.verdicts.claims import Section, Status, Verdict
+
+COLUMNS = ("context", "position", "s", "batch", "prefill_seconds", "token_seconds", "tokens_per_s", "kv_bytes",
+           "kv_tokens", "full_kv_bytes", "attention_path", "params", "device", "new_tokens", "sigmas")
+
+ALIBI, WINDOWED, POSLSH = Position.ALIBI.value, Position.WINDOWED.value, Position.POSLSH.value
+#: Goals at the longest context measured (at least GOAL_CONTEXT): Positional LSH holds at most
+#: 1/KV_GOAL of exact ALiBi's keys and values and decodes at least SPEED_GOAL times as fast.
+GOAL_CONTEXT, KV_GOAL, SPEED_GOAL = 65536, 8.0, 4.0
+
+
+@dataclass(frozen=True)
+class DecodeBenchSpec(Spec):
+    context: tuple[int, ...] = key("context lengths (tokens before decoding)", [1024, 4096, 16384, 65536], ge=1)
+    position: tuple[Position, ...] = key("position schemes (not rope)", [Position.ALIBI, Position.WINDOWED,
+                                                                        Position.POSLSH], noun="position")
+    s: tuple[int, ...] = key("Positional-LSH masks per head (poslsh only)", [8], ge=1)
+    new_tokens: int = key("tokens decoded after the context (median time reported)", 32, ge=1)
+    batch: int = key("sequences decoded together", 1, ge=1)
+    hidden: int = key("model width", 64, ge=1)
+    layers: int = key("decoder layers", 2, ge=1)
+    heads: int = key("attention heads", 8, ge=1)
+    kv_heads: int = key("key/value heads", 8, ge=1)
+    head_dim: int = key("head dimension", 16, ge=1)
+    intermediate: int = key("MLP width", 192, ge=1)
+    sigma: Optional[float] = key("one sigma for every head; null: one per head from the standard ALiBi slopes",
+                                 None, gt=0)
+    window_sigmas: float = key("windowed ALiBi: keys within ceil(c sigma_h) of the query", 4.0, gt=0)
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
+
+    def check(self) -> None:
+        from poslsh_cli.core.config import ConfigError
+
+        if Position.ROPE in self.position:
+            raise ConfigError("position=rope decodes with transformers' own attention; decode-bench compares the "
+                              "project's schemes (alibi, windowed, poslsh, fixed_block, none)")
+
+
+@dataclass
+class DecodeBenchContext:
+    device: Any
+    arch: Arch
+
+
+def prepare(spec: DecodeBenchSpec) -> DecodeBenchContext:
+    from poslsh_cli.lm.evaluate import fast_cpu_math
+
+    fast_cpu_math()
+    longest = max(spec.context) + spec.new_tokens
+    return DecodeBenchContext(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
+                                                                spec.intermediate, spec.head_dim, longest))
+
+
+def cells(spec: DecodeBenchSpec, ctx: DecodeBenchContext | None = None) -> list[dict[str, Any]]:
+    return [{"context": n, "position": p.value, "s": s} for n in spec.context for p in spec.position
+            for s in (spec.s if INFO[_method(p)].randomized else (0,))]
+
+
+def _method(p: Position) -> Any:
+    from poslsh_cli.lm.positions import method_of
+
+    return method_of(p)
+
+
+def run_cell(spec: DecodeBenchSpec, key: dict[str, Any], ctx: DecodeBenchContext,
+             work: Any = None) -> tuple[list[dict], dict]:
+    import numpy as np
+    import torch
+
+    from poslsh_cli.lm.data import VOCAB
+    from poslsh_cli.lm.kvcache import ForgettingCache, kv_bytes_per_token
+    from poslsh_cli.lm.loading import build_model
+
+    n, position, s = int(key["context"]), Position(key["position"]), int(key["s"])
+    sigmas = [spec.sigma] * spec.heads if spec.sigma is not None else None
+    state = (PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed,
+                                    window_sigmas=spec.window_sigmas) if sigmas is None
+             else PositionState(position, sigmas, num_samples=s, seed=spec.seed, window_sigmas=spec.window_sigmas))
+    model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).eval()
+    rng = np.random.default_rng(derive_seed(spec.seed, "decode-bench", n))
+    x = torch.as_tensor(rng.integers(0, VOCAB, size=(spec.batch, n)), device=ctx.device)
+    cache = ForgettingCache(model)
+    times = []
+    with torch.no_grad():
+        synchronize(ctx.device)
+        t0 = time.perf_counter()
+        out = model(input_ids=x, cache=cache, use_cache=True)
+        synchronize(ctx.device)
+        prefill = time.perf_counter() - t0
+        state.plans.clear()
+        token = out.logits[:, -1:].argmax(-1)
+        kv = 0
+        for _ in range(spec.new_tokens):
+            t0 = time.perf_counter()
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            synchronize(ctx.device)
+            times.append(time.perf_counter() - t0)
+            kv = max(kv, cache.kv_bytes())
+    sec = statistics.median(times)
+    row = {"context": n, "position": position.value, "s": s, "batch": spec.batch, "prefill_seconds": prefill,
+           "token_seconds": sec, "tokens_per_s": spec.batch / sec, "kv_bytes": kv, "kv_tokens": cache.kept(),
+           "full_kv_bytes": kv_bytes_per_token(model) * spec.batch * (n + spec.new_tokens),
+           "attention_path": "+".join(sorted(state.plans)), "params": int(sum(p.numel() for p in model.parameters())),
+           "device": str(ctx.device), "new_tokens": spec.new_tokens, "sigmas": sigma_label(state.sigmas)}
+    return [row], {}
+
+
+def _label(r: Any) -> str:
+    return f"{r.position}{f' s={int(r.s)}' if r.s else ''}"
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    head = ["context", "scheme", "tokens/s", "vs alibi", "KV MiB", "vs alibi", "KV tokens/layer", "prefill s"]
+    rows = []
+    for n, g in df.groupby("context"):
+        a = g[g.position == ALIBI]
+        a_tps = float(a.tokens_per_s.median()) if len(a) else float("nan")
+        a_kv = float(a.kv_bytes.median()) if len(a) else float("nan")
+        for r in g.itertuples():
+            rows.append([str(n), _label(r), f"{r.tokens_per_s:.1f}",
+                         f"{r.tokens_per_s / a_tps:.2f}x" if a_tps == a_tps else "-", f"{r.kv_bytes / 2**20:.2f}",
+                         f"{r.kv_bytes / a_kv:.4f}x" if a_kv == a_kv and a_kv > 0 else "-", str(int(r.kv_tokens)),
+                         f"{r.prefill_seconds:.2f}"])
+    return head, rows
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    from poslsh_cli.verdicts.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for i, ((pos, s), g) in enumerate(df.groupby(["position", "s"], sort=False)):
+        g = g.sort_values("context")
+        label = f"{pos}{f' s={int(s)}' if s else ''}"
+        axes[0].plot(g.context, g.tokens_per_s, "o-", color=f"C{i}", label=label)
+        axes[1].plot(g.context, g.kv_bytes / 2**20, "o-", color=f"C{i}", label=label)
+    for ax, ylabel in zip(axes, ("decoded tokens per second (median)", "keys and values held (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[1].legend()
+    fig.suptitle(f"Decoding through the key/value cache, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")
+    return save(fig, run, "decode")
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("decode-bench", run, "Decoding speed and key/value memory against context length")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.verdicts += claims(df)
+    return sec
+
+
+def claims(df: Any) -> list[Verdict]:
+    """Positional LSH against exact ALiBi at the longest context measured (from GOAL_CONTEXT on)."""
+    both = [n for n, g in df.groupby("context") if {ALIBI, POSLSH} <= set(g.position)]
+    rule_kv = f"keys and values held while decoding, poslsh over alibi, at the longest context >= {GOAL_CONTEXT}"
+    rule_speed = f"median seconds per decoded token, alibi over poslsh, at the longest context >= {GOAL_CONTEXT}"
+    kv_claim = f"Positional-LSH decoding holds at most 1/{KV_GOAL:g} of exact ALiBi's keys and values"
+    speed_claim = f"Positional LSH decodes at least {SPEED_GOAL:g}x as fast as exact ALiBi"
+    if not both or max(both) < GOAL_CONTEXT:
+        why = f"needs alibi and poslsh rows at a context of at least {GOAL_CONTEXT}"
+        return [Verdict(kv_claim, Status.NOT_MEASURED, why, rule_kv),
+                Verdict(speed_claim, Status.NOT_MEASURED, why, rule_speed)]
+    n = max(both)
+    g = df[df.context == n]
+    a = g[g.position == ALIBI].iloc[0]
+    out_kv, out_speed = [], []
+    for r in g[g.position == POSLSH].itertuples():
+        kv, speed = r.kv_bytes / a.kv_bytes, r.tokens_per_s / a.tokens_per_s
+        out_kv.append((kv <= 1 / KV_GOAL, f"context {n}, s={int(r.s)}: {r.kv_bytes / 2**20:.2f} / "
+                                          f"{a.kv_bytes / 2**20:.2f} MiB = 1/{1 / kv:.0f}"))
+        out_speed.append((speed >= SPEED_GOAL, f"context {n}, s={int(r.s)}: {r.tokens_per_s:.1f} / "
+                                               f"{a.tokens_per_s:.1f} tokens/s = {speed:.2f}x"))
+
+    def verdict(claim: str, parts: list, rule: str) -> Verdict:
+        status = Status.SUPPORTED if all(ok for ok, _ in parts) else Status.NOT_SUPPORTED
+        return Verdict(claim, status, "; ".join(e for _, e in parts), rule)
+
+    return [verdict(kv_claim, out_kv, rule_kv), verdict(speed_claim, out_speed, rule_speed)]
+
+
+EXPERIMENT = Experiment(
+    name="decode-bench",
+    spec=DecodeBenchSpec,
+    help="""Decode through the key/value cache at several context lengths under exact ALiBi,
+    windowed ALiBi and Positional LSH (a cache that forgets keys no future query can see):
+    tokens per second and the keys and values held, side by side in one run.""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    prepare=prepare,
+    plot=plot,
+    report=report,
+    presets=("decode_bench",),
+    order=46,
+)
