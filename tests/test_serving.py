@@ -262,3 +262,33 @@ def test_decode_bench_runs_and_judges_its_goals(tmp_path):
     good, slow = decode_bench.claims(table(5.0, 0.1)), decode_bench.claims(table(3.0, 0.2))
     assert [v.status for v in good] == [Status.SUPPORTED] * 2
     assert [v.status for v in slow] == [Status.NOT_SUPPORTED] * 2
+
+
+def test_passkey_prompts_and_run(tmp_path):
+    """The prompt is exactly `length` tokens with the needle at its depth and the answer last; the
+    command scores every (length, depth, key) of a checkpoint and refuses a length too short."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from poslsh_cli.app.cli import app
+    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.experiments.passkey import NEEDLE, prompt
+
+    encode = lambda text: list(text.encode())  # noqa: E731
+    for depth in (0.0, 0.5, 1.0):
+        ids, m = prompt(encode, 300, depth, "12345")
+        text = bytes(ids).decode()
+        assert len(ids) == 300 and m == 6 and text.endswith("The pass key is 12345")
+        at = text.index(NEEDLE.format(key="12345"))
+        room = 300 - len(NEEDLE.format(key="12345")) - len("What is the pass key? The pass key is 12345")
+        assert at == round(depth * room)
+    with pytest.raises(ConfigError, match="too short"):
+        prompt(encode, 40, 0.5, "12345")
+    model = _model("poslsh")
+    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json(), "seq_len": 128}, None)
+    res = CliRunner().invoke(app, ["passkey", str(tmp_path / "ck"), "depths=[0,1]", "trials=2", f"out={tmp_path / 'p'}"])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "p" / "results.csv")
+    assert sorted(set(df.length)) == [128, 256, 512] and len(df) == 3 * 2 * 2
+    assert ((df.correct == 1) == (df.answer_top1 == 1.0)).all() and (df.answer_nll > 0).all()
+    assert df.groupby("length").key.nunique().min() >= 2  # a new key per trial

@@ -10,12 +10,12 @@ one attention whatever the number of samples s is; the memory is O(H n^2).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
 
 from poslsh_cli.numerics import masks
-from poslsh_cli.attention.blocks import device_bins
 from poslsh_cli.attention.dropout import FlashDropout, keep_mask
 from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, alibi_slopes, scale_of
@@ -81,18 +81,24 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
     besides filling the (H, n, n) output.
     """
     H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
-    bins = device_bins(partitions, device).reshape(H * s, n)
-    blocks = masks.SameBlock.of(bins)
     pos = torch.arange(n, device=device)
+    posf = pos.to(torch.float64)
     out = torch.full((H, n, n), NEG_INF, dtype=dtype, device=device)
-    sides = [(pos - blocks.start, -1)] + ([] if causal else [(blocks.end - pos, 1)])
-    for reach_all, sign in sides:
-        reach_all = reach_all.reshape(H, s, n).transpose(1, 2)  # (H, n, s): how far i's block extends
-        for h in range(H):  # each head's own band width: narrow heads cost little
-            reach = reach_all[h]
-            R = int(reach.max()) + 1
-            hist = torch.zeros(n, R, dtype=dtype, device=device)
-            hist.scatter_add_(-1, reach, torch.ones_like(reach, dtype=dtype))
+    chunk = max(1, (1 << 24) // n)  # samples at a time: O(chunk n) memory whatever s is (s = 1e5 at n = 512)
+    for h, part in enumerate(partitions):  # each head's own band width: narrow heads cost little
+        # a block of width delta holds at most ceil(delta) positions: reach <= ceil(delta) - 1
+        R = min(n, int(math.ceil(float(part.widths.max()))) + 1)
+        hists = [torch.zeros(n, R, dtype=dtype, device=device) for _ in range(1 if causal else 2)]
+        for c in range(0, s, chunk):
+            widths = torch.as_tensor(part.widths[c:c + chunk], dtype=torch.float64, device=device)
+            shifts = torch.as_tensor(part.shifts[c:c + chunk], dtype=torch.float64, device=device)
+            bins = torch.floor((posf + shifts[:, None]) / widths[:, None]).to(torch.int64)  # as device_bins
+            blocks = masks.SameBlock.of(bins)
+            reaches = [pos - blocks.start] + ([] if causal else [blocks.end - pos])
+            for hist, reach in zip(hists, reaches):  # (c, n): how far i's block extends, each side
+                reach = reach.transpose(0, 1)
+                hist.scatter_add_(-1, reach, torch.ones_like(reach, dtype=dtype))
+        for hist, sign in zip(hists, (-1, 1)):
             band = torch.log(hist.flip(-1).cumsum(-1).flip(-1) / s)  # (n, R): log M~_{i, i + sign r}
             j = pos[:, None] + sign * torch.arange(R, device=device)[None, :]  # (n, R)
             outside = (j < 0) | (j >= n)

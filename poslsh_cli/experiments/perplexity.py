@@ -25,6 +25,7 @@ from poslsh_cli.experiments.perplexity_report import plot, report, summary
 from poslsh_cli.core.config import ConfigError, Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, Device, choices, resolve_device
 from poslsh_cli.lm.positions import Position, method_of, sigma_label
+from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
@@ -96,30 +97,6 @@ class PerplexityContext:
     meta: dict = field(default_factory=dict)
 
 
-def _expand(entry: str) -> list[tuple[Path, str]]:
-    """A checkpoint directory, or a train run directory -> its cells' final checkpoints."""
-    from poslsh_cli.store.readers import results
-
-    p = Path(entry).expanduser().resolve()
-    if not p.exists():
-        raise ConfigError(f"{entry} does not exist")
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
-        return [(p, str(p))]
-    if (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file()):
-        df = results(p)
-        if len(df) and "checkpoint" not in df.columns:
-            raise ConfigError(f"{entry}: not a train run (its results have no checkpoint column)")
-        if not len(df):
-            raise ConfigError(f"{entry}: the train run has no finished cell yet")
-        return [(p / c, f"{p.name}/{c}") for c in df.checkpoint]
-    if p.is_dir():
-        found = sorted({q.parent for pattern in ("final/config.json", "final/adapter_config.json")
-                        for q in p.rglob(pattern)})
-        if found:
-            return [(q, str(q.relative_to(p.parent))) for q in found]
-    raise ConfigError(f"{entry}: neither a checkpoint directory (config.json, or a LoRA adapter) nor a train run")
-
-
 def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     """Peak bytes at the longest evaluation length: the weights (float32), the float64 logits and
     log-probabilities of a batch (twice when another attention is compared with the model's own),
@@ -130,7 +107,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
     need, what = 0.0, ""
     try:
-        entries = [x for e in spec.checkpoints for x in _expand(e)]
+        entries = [x for e in spec.checkpoints for x in expand_checkpoints(e)]
     except ConfigError:
         return None
     for path, name in entries:
@@ -162,7 +139,7 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
     cks: dict[str, Checkpoint] = {}
     corpora: dict[tuple, Any] = {}
     for entry in spec.checkpoints:
-        for path, name in _expand(entry):
+        for path, name in expand_checkpoints(entry):
             check_checkpoint(path)
             info_file = path / "poslsh_train.json"
             info = json_file(info_file) if info_file.exists() else {}

@@ -237,3 +237,28 @@ def refuse_rotary_falcon(path: Path, model_type: str | None, alibi: bool) -> Non
     if model_type == "falcon" and not alibi:
         raise ConfigError(f"{path}: a Falcon with alibi=false uses rotary embeddings, not ALiBi, and computes "
                           "attention inline; only ALiBi Falcons (alibi=true, e.g. Falcon-RW) are supported")
+
+
+def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
+    """A checkpoint directory, or a train run directory -> its cells' final checkpoints, each
+    (path, name to show)."""
+    from poslsh_cli.store.readers import results
+
+    p = Path(entry).expanduser().resolve()
+    if not p.exists():
+        raise ConfigError(f"{entry} does not exist")
+    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+        return [(p, str(p))]
+    if (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file()):
+        df = results(p)
+        if len(df) and "checkpoint" not in df.columns:
+            raise ConfigError(f"{entry}: not a train run (its results have no checkpoint column)")
+        if not len(df):
+            raise ConfigError(f"{entry}: the train run has no finished cell yet")
+        return [(p / c, f"{p.name}/{c}") for c in df.checkpoint]
+    if p.is_dir():
+        found = sorted({q.parent for pattern in ("final/config.json", "final/adapter_config.json")
+                        for q in p.rglob(pattern)})
+        if found:
+            return [(q, str(q.relative_to(p.parent))) for q in found]
+    raise ConfigError(f"{entry}: neither a checkpoint directory (config.json, or a LoRA adapter) nor a train run")

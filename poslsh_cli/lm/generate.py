@@ -91,7 +91,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     elif s and own.position is Position.POSLSH:
         state = PositionState(own.position, own.sigmas, num_samples=s, window_sigmas=own.window_sigmas, seed=own.seed)
         install(model, state)
-    encode, decode = _codec(Path(path))
+    encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
@@ -112,7 +112,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
                      tuple(sorted(state.plans)))
 
 
-def _codec(path: Path) -> tuple[Any, Any]:
+def codec(path: Path) -> tuple[Any, Any]:
     """Text to token ids and back: the checkpoint's tokenizer, or UTF-8 bytes for a byte model."""
     from poslsh_cli.lm.convert import has_tokenizer
 

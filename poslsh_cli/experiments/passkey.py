@@ -1,0 +1,199 @@
+"""``poslsh passkey CKPT... lengths=[...] depths=[...]``: synthetic passkey retrieval (Mohtashami &
+Jaggi 2023): a random number hidden at a depth of a long filler text, asked for at its end.
+
+Each prompt is ``length`` tokens: repeated filler sentences, at ``depth`` (0: the start, 1: just
+before the question) the needle "The pass key is K. Remember it. K is the pass key.", then "What
+is the pass key? The pass key is" and the answer " K". The answer is scored teacher-forced in one
+forward pass, under the checkpoint's own scheme: ``correct`` when every answer token is the
+model's top-1 prediction (what greedy decoding would write), with the answer's NLL and the share
+of its tokens predicted. ``trials`` keys per (length, depth); Positional-LSH masks are drawn per
+trial (``seed`` replays them).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.experiments.base import Device, Experiment, resolve_device
+from poslsh_cli.lm.checkpoint import expand_checkpoints
+from poslsh_cli.lm.positions import sigma_label
+from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.verdicts.claims import Section
+
+COLUMNS = ("checkpoint", "position", "s", "trained_len", "length", "depth", "trial", "seed", "key", "correct",
+           "answer_tokens", "answer_top1", "answer_nll", "sigmas")
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeySpec(Spec):
+    checkpoints: tuple[str, ...] = key("train run directories or checkpoint directories (or give them as plain "
+                                       "arguments: poslsh passkey RUN...)", [], empty=True)
+    lengths: Optional[tuple[int, ...]] = key("prompt lengths in tokens; null: L, 2L, 4L of each checkpoint's "
+                                             "training length", None, ge=16)
+    depths: tuple[float, ...] = key("where the needle sits: 0 the start of the filler, 1 its end", [0.0, 0.25, 0.5,
+                                                                                                   0.75, 1.0])
+    trials: int = key("keys per (length, depth)", 5, ge=1)
+    digits: int = key("digits of the pass key", 5, ge=1)
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
+
+    def check(self) -> None:
+        for d in self.depths:
+            check(0.0 <= d <= 1.0, f"depths must lie in [0, 1], got {d}")
+
+
+@dataclass
+class PasskeyContext:
+    checkpoints: dict[str, tuple[Path, int]]  # name -> (path, training length)
+    device: Any
+    loaded: dict = field(default_factory=dict)
+
+
+def prepare(spec: PasskeySpec) -> PasskeyContext:
+    from poslsh_cli.lm.checkpoint import check_checkpoint, json_file
+
+    check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh passkey RUN...)")
+    cks = {}
+    for entry in spec.checkpoints:
+        for path, name in expand_checkpoints(entry):
+            check_checkpoint(path)
+            info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
+            trained = int(info.get("seq_len", 0))
+            if spec.lengths is None and not trained:
+                raise ConfigError(f"{path}: no training length recorded; give lengths=[...]")
+            cks[name] = (path, trained)
+    return PasskeyContext(cks, resolve_device(spec.device))
+
+
+def lengths_of(spec: PasskeySpec, trained: int) -> tuple[int, ...]:
+    return spec.lengths if spec.lengths is not None else tuple(trained * m for m in (1, 2, 4))
+
+
+def cells(spec: PasskeySpec, ctx: PasskeyContext | None = None) -> list[dict[str, Any]]:
+    if ctx is None:
+        return []
+    return [{"checkpoint": name, "length": n, "depth": d} for name, (_, trained) in ctx.checkpoints.items()
+            for n in lengths_of(spec, trained) for d in spec.depths]
+
+
+def prompt(encode: Any, length: int, depth: float, passkey: str) -> tuple[list[int], int]:
+    """Token ids of one prompt of exactly ``length`` tokens and the number of answer tokens at its
+    end; one clear error when the length cannot hold the needle and the question."""
+    needle, question, answer = encode(NEEDLE.format(key=passkey)), encode(QUESTION), encode(" " + passkey)
+    room = length - len(needle) - len(question) - len(answer)
+    if room < 0:
+        raise ConfigError(f"length={length} is too short for the pass-key prompt "
+                          f"({len(needle) + len(question) + len(answer)} tokens without filler)")
+    unit = encode(FILLER)
+    filler = (unit * (room // max(1, len(unit)) + 1))[:room]
+    at = int(round(depth * room))
+    return filler[:at] + needle + filler[at:] + question + answer, len(answer)
+
+
+def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: Any = None) -> tuple[list[dict], dict]:
+    import numpy as np
+    import torch
+
+    from poslsh_cli.lm.generate import codec
+    from poslsh_cli.lm.loading import load_model
+
+    name, n, depth = key["checkpoint"], int(key["length"]), float(key["depth"])
+    path, trained = ctx.checkpoints[name]
+    if name not in ctx.loaded:
+        ctx.loaded.clear()
+        model, own = load_model(path, str(ctx.device))
+        ctx.loaded[name] = (model, own, codec(path)[0])
+    model, own, encode = ctx.loaded[name]
+    rows = []
+    for trial in range(spec.trials):
+        seed = derive_seed(spec.seed, "passkey", name, n, depth, trial)
+        rng = np.random.default_rng(seed)
+        passkey = str(int(rng.integers(10 ** (spec.digits - 1), 10 ** spec.digits)))
+        ids, m = prompt(encode, n, depth, passkey)
+        state = dataclasses.replace(own, seed=seed, plans=set(), _cache={}, _forgetting=None)
+        state.eval_key = "passkey"
+        from poslsh_cli.lm.install import install
+
+        install(model, state)
+        x = torch.as_tensor(ids, device=ctx.device)[None]
+        with torch.no_grad():
+            logits = model(input_ids=x, use_cache=False).logits[0, -m - 1:-1].double()  # predicts the answer
+        target = x[0, -m:]
+        top1 = (logits.argmax(-1) == target).double()
+        nll = float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+        rows.append({"checkpoint": name, "position": own.position.value, "s": int(own.num_samples),
+                     "trained_len": trained, "length": n, "depth": depth, "trial": trial, "seed": seed,
+                     "key": passkey, "correct": int(bool(top1.all())), "answer_tokens": m,
+                     "answer_top1": float(top1.mean()), "answer_nll": nll,
+                     "sigmas": sigma_label(own.sigmas) if own.position.value != "rope" else ""})
+    install(model, own)
+    return rows, {}
+
+
+def _scheme(df: Any) -> Any:
+    return df.position + df.s.map(lambda s: f" s={int(s)}" if s else "")
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    d = df.assign(scheme=_scheme(df))
+    head = ["scheme", "L", "length", "accuracy", "keys", "answer tokens top-1", "answer NLL"]
+    rows = []
+    for (scheme, L, n), g in d.groupby(["scheme", "trained_len", "length"]):
+        rows.append([scheme, str(int(L)), str(int(n)), f"{g.correct.mean():.2f}", str(len(g)),
+                     f"{g.answer_top1.mean():.2f}", f"{g.answer_nll.mean():.2f}"])
+    return head, rows
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    from poslsh_cli.verdicts.plotting import pyplot, save
+
+    plt = pyplot()
+    d = df.assign(scheme=_scheme(df))
+    schemes = list(dict.fromkeys(d.scheme))
+    fig, axes = plt.subplots(1, len(schemes), figsize=(3.2 * len(schemes) + 1, 3.2), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes):
+        g = d[d.scheme == scheme].pivot_table(index="depth", columns="length", values="correct", aggfunc="mean")
+        im = ax.imshow(g.values, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set_xticks(range(g.shape[1]), [str(c) for c in g.columns], fontsize=8)
+        ax.set_yticks(range(g.shape[0]), [f"{r:g}" for r in g.index], fontsize=8)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_title(scheme, fontsize=9)
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes[0].tolist(), label="pass-key accuracy")
+    return save(fig, run, "passkey")
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("passkey", run, "Pass-key retrieval against prompt length and needle depth")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.paragraphs.append(f"Accuracy: the share of keys whose every answer token is the model's top-1 prediction "
+                          f"(teacher-forced), over {df.depth.nunique()} depths and "
+                          f"{int(df.groupby(['checkpoint', 'length', 'depth']).size().max())} keys each; "
+                          "chance is about 0 for a key of several digits.")
+    return sec
+
+
+EXPERIMENT = Experiment(
+    name="passkey",
+    spec=PasskeySpec,
+    help="""Synthetic pass-key retrieval: a random number hidden at a depth of a filler text, asked
+    for at its end; accuracy against prompt length and depth under each checkpoint's scheme.""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    prepare=prepare,
+    plot=plot,
+    report=report,
+    positional="checkpoints",
+    order=75,
+)
