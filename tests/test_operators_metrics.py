@@ -220,7 +220,7 @@ def test_evaluation_accuracy_metrics_equal_an_independent_count():
             self.w = torch.nn.Parameter(torch.zeros(1))
             self.config = types.SimpleNamespace(vocab_size=V)
 
-        def forward(self, input_ids):
+        def forward(self, input_ids, use_cache=False):
             return types.SimpleNamespace(logits=table[input_ids].float() + 0 * self.w)
 
     rng = np.random.default_rng(1)  # a chain that follows the table's favourite often enough for top-1 hits
