@@ -224,7 +224,7 @@ def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position,
         x[0], mask[0] = a[0, :60], 1
         x[1, 15:], mask[1, 15:] = a[0, :45], 1
         batch = model.generate(x, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                               past_key_values=ForgettingCache(model))
+                               cache=ForgettingCache(model))
         alone = [model.generate(p, max_new_tokens=20, do_sample=False, use_cache=False) for p in (a[:, :60], a[:, :45])]
     assert torch.equal(batch[0], alone[0][0]) and torch.equal(batch[1, 15:], alone[1][0])
     if position == "alibi":

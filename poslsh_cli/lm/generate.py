@@ -98,7 +98,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     if cache and state.position is not Position.ROPE and not state.native:
         from poslsh_cli.lm.kvcache import ForgettingCache
 
-        kwargs["past_key_values"] = ForgettingCache(model)  # keeps only the keys the scheme can still see
+        kwargs["cache"] = ForgettingCache(model)  # keeps only the keys the scheme can still see
     if do_sample:
         kwargs.update(temperature=temperature, top_k=top_k or None)
     state.plans.clear()

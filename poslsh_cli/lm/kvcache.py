@@ -71,7 +71,7 @@ class ForgettingLayer(DynamicLayer):
 
 class ForgettingCache(Cache):
     """A transformers ``Cache`` for a model with a poslsh scheme installed: pass it to
-    ``generate(..., past_key_values=cache)`` (or a forward's cache argument). Exact ALiBi keeps every
+    ``generate(..., cache=cache)`` (or a forward's ``cache=``). Exact ALiBi keeps every
     key; the other schemes keep only what their future queries can see (module docstring)."""
 
     def __init__(self, model: Any) -> None:
