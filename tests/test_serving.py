@@ -219,6 +219,20 @@ def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position,
             steps.append(out.logits[0])
             kept.append(cache.kept())
         assert (torch.cat(steps) - full).abs().max().item() < TOL
+        # taking tokens back (assisted decoding's rejected drafts): the last one decodes again as before; more than
+        # the forgotten keys allow is refused (exact ALiBi forgets nothing)
+        cache.crop(-1)
+        again = model(a[:, -1:], cache=cache, use_cache=True).logits[0]
+        assert (again - full[-1:]).abs().max().item() < TOL
+        back = cache.kept() - 1  # nearly everything held: allowed only if no forgotten key is needed again
+        try:
+            cache.crop(-back)
+        except ValueError as exc:
+            assert "forgotten" in str(exc) and position != "alibi"
+        else:  # allowed: decoding those tokens again gives the full forward's logits
+            again = torch.cat([model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0]
+                               for t in range(a.shape[1] - back, a.shape[1])])
+            assert (again - full[-back:]).abs().max().item() < TOL
         x = torch.zeros(2, 60, dtype=torch.long)
         mask = torch.zeros(2, 60, dtype=torch.long)
         x[0], mask[0] = a[0, :60], 1

@@ -243,7 +243,8 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
         # eval_every=3, but at least five evaluations in a stage: every step of six
         assert list(m.step) == [1, 2, 3, 4, 5, 6] and m.val_bpb.notna().sum() == 6
         assert (final.parent / "checkpoints" / "step-00000004" / "optimizer.pt").exists()
-        model = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)  # plain transformers loads it
+        # transformers loads it through the modeling files saved beside it (plain loading refuses: test_serving.py)
+        model = AutoModelForCausalLM.from_pretrained(final, local_files_only=True, trust_remote_code=True)
         assert model.config.poslsh["position"] == r.position
         model2, state = load_model(final)
         assert state.position.value == r.position

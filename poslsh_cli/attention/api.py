@@ -9,6 +9,7 @@ one kernel bandwidth per head, ``sigma_h = 1 / slope_h``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -54,6 +55,14 @@ class AttentionSpec:
             raise ValueError(f"{self.method.value} attention needs window= (one half-width per head)")
         if params.endswith("partitions") and not self.partitions:
             raise ValueError(f"{self.method.value} attention needs partitions= (one per head)")
+
+    @cached_property
+    def bin_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Partition methods: the widths and shifts of every head's samples, (H, s) float64 each,
+        stacked once per spec (position i of sample k, head h is in block floor((i + u) / delta))."""
+        if self.partitions is None:
+            raise ValueError(f"{self.method.value} attention has no partitions")
+        return (np.stack([p.widths for p in self.partitions]), np.stack([p.shifts for p in self.partitions]))
 
     @classmethod
     def build(cls, method: Method | str, sigmas: Sequence[float] | np.ndarray, seq_len: int, causal: bool, *,

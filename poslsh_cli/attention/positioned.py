@@ -18,7 +18,6 @@ queries at a time, so memory is O(B H chunk n_keys).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from poslsh_cli.attention.dense import bias_dtype
@@ -46,8 +45,7 @@ def position_bias(spec: "object", q_pos: torch.Tensor, k_pos: torch.Tensor, dtyp
             bias = bias.masked_fill(dist[:, None] > w, NEG_INF)
         return bias
     if spec.partitions is not None:
-        widths = torch.as_tensor(np.stack([p.widths for p in spec.partitions]), dtype=torch.float64, device=device)
-        shifts = torch.as_tensor(np.stack([p.shifts for p in spec.partitions]), dtype=torch.float64, device=device)
+        widths, shifts = (torch.as_tensor(a, dtype=torch.float64, device=device) for a in spec.bin_table)
         s = widths.shape[1]
 
         def bins(pos: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, H, s, L): the same float64 expression as

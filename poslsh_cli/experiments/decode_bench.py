@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.core.config import Spec, key
+from poslsh_cli.core.config import ConfigError, Spec, key
 from poslsh_cli.experiments.base import Device, Experiment, resolve_device, synchronize
 from poslsh_cli.lm.loading import Arch
-from poslsh_cli.lm.positions import Position, PositionState, sigma_label
+from poslsh_cli.lm.positions import Position, PositionState, method_of, model_label, sigma_label
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section, Status, Verdict
@@ -53,8 +53,6 @@ class DecodeBenchSpec(Spec):
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:
-        from poslsh_cli.core.config import ConfigError
-
         if Position.ROPE in self.position:
             raise ConfigError("position=rope decodes with transformers' own attention; decode-bench compares the "
                               "project's schemes (alibi, windowed, poslsh, fixed_block, none)")
@@ -77,13 +75,7 @@ def prepare(spec: DecodeBenchSpec) -> DecodeBenchContext:
 
 def cells(spec: DecodeBenchSpec, ctx: DecodeBenchContext | None = None) -> list[dict[str, Any]]:
     return [{"context": n, "position": p.value, "s": s} for n in spec.context for p in spec.position
-            for s in (spec.s if INFO[_method(p)].randomized else (0,))]
-
-
-def _method(p: Position) -> Any:
-    from poslsh_cli.lm.positions import method_of
-
-    return method_of(p)
+            for s in (spec.s if INFO[method_of(p)].randomized else (0,))]
 
 
 def run_cell(spec: DecodeBenchSpec, key: dict[str, Any], ctx: DecodeBenchContext,
@@ -130,10 +122,6 @@ def run_cell(spec: DecodeBenchSpec, key: dict[str, Any], ctx: DecodeBenchContext
     return [row], {}
 
 
-def _label(r: Any) -> str:
-    return f"{r.position}{f' s={int(r.s)}' if r.s else ''}"
-
-
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     head = ["context", "scheme", "tokens/s", "vs alibi", "KV MiB", "vs alibi", "KV tokens/layer", "prefill s"]
     rows = []
@@ -142,7 +130,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
         a_tps = float(a.tokens_per_s.median()) if len(a) else float("nan")
         a_kv = float(a.kv_bytes.median()) if len(a) else float("nan")
         for r in g.itertuples():
-            rows.append([str(n), _label(r), f"{r.tokens_per_s:.1f}",
+            rows.append([str(n), model_label(r.position, r.s, 0.0, r.sigmas), f"{r.tokens_per_s:.1f}",
                          f"{r.tokens_per_s / a_tps:.2f}x" if a_tps == a_tps else "-", f"{r.kv_bytes / 2**20:.2f}",
                          f"{r.kv_bytes / a_kv:.4f}x" if a_kv == a_kv and a_kv > 0 else "-", str(int(r.kv_tokens)),
                          f"{r.prefill_seconds:.2f}"])
@@ -154,9 +142,9 @@ def plot(run: Path, df: Any) -> list[Path]:
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for i, ((pos, s), g) in enumerate(df.groupby(["position", "s"], sort=False)):
+    for i, ((pos, s, sigmas), g) in enumerate(df.groupby(["position", "s", "sigmas"], sort=False)):
         g = g.sort_values("context")
-        label = f"{pos}{f' s={int(s)}' if s else ''}"
+        label = model_label(pos, s, 0.0, sigmas)
         axes[0].plot(g.context, g.tokens_per_s, "o-", color=f"C{i}", label=label)
         axes[1].plot(g.context, g.kv_bytes / 2**20, "o-", color=f"C{i}", label=label)
     for ax, ylabel in zip(axes, ("decoded tokens per second (median)", "keys and values held (MiB)")):

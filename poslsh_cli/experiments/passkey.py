@@ -19,7 +19,7 @@ from typing import Any, Optional
 from poslsh_cli.core.config import ConfigError, Spec, check, key
 from poslsh_cli.experiments.base import Device, Experiment, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
-from poslsh_cli.lm.positions import sigma_label
+from poslsh_cli.lm.positions import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section
 
@@ -101,6 +101,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
     import torch
 
     from poslsh_cli.lm.generate import codec
+    from poslsh_cli.lm.install import install
     from poslsh_cli.lm.loading import load_model
 
     name, n, depth = key["checkpoint"], int(key["length"]), float(key["depth"])
@@ -118,8 +119,6 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
         ids, m = prompt(encode, n, depth, passkey)
         state = dataclasses.replace(own, seed=seed, plans=set(), _cache={}, _forgetting=None)
         state.eval_key = "passkey"
-        from poslsh_cli.lm.install import install
-
         install(model, state)
         x = torch.as_tensor(ids, device=ctx.device)[None]
         with torch.no_grad():
@@ -137,7 +136,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
 
 
 def _scheme(df: Any) -> Any:
-    return df.position + df.s.map(lambda s: f" s={int(s)}" if s else "")
+    return [model_label(r.position, r.s, 0.0, r.sigmas) for r in df.itertuples()]
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:

@@ -58,7 +58,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     elif attention_mask is None and m == n:
         out = attend(query, key, value, spec, backend=state.backend, on_plan=lambda p: state.plans.add(p.label),
                      dropout=dropout if module.training else 0.0)  # (B, H, n, d)
-        q_pos = k_pos = torch.arange(n, device=query.device).expand(B, n)
+        if layer is not None:  # a prompt into a forgetting cache: it keeps these positions
+            q_pos = k_pos = torch.arange(n, device=query.device).expand(B, n)
     else:
         q_pos, k_pos, allowed = positions_from_mask(attention_mask, B, m, n, query.device)
         state.plans.add("positioned")

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from poslsh_cli.numerics.methods import Method
 
 
 class ForgettingLayer(DynamicLayer):
@@ -38,6 +37,7 @@ class ForgettingLayer(DynamicLayer):
         self.offset = 0
         self.positions: torch.Tensor | None = None
         self.keep_from: int | None = None  # the first slot this layer's queries may still need
+        self.spec: Any = None  # the attention spec of the last forward (what its queries may see)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         self.seen += key_states.shape[-2]
@@ -61,7 +61,26 @@ class ForgettingLayer(DynamicLayer):
         self.offset = slot
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a forgetting cache cannot be cropped (its early keys are gone)")
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count),
+        as assisted decoding does after rejected draft tokens; only tokens still held can go."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        drop = -tokens_to_remove
+        if drop == 0 or not self.is_initialized:
+            return
+        if drop > self.keys.shape[-2]:
+            raise ValueError(f"cannot remove {drop} tokens: the forgetting cache holds {self.keys.shape[-2]} "
+                             "(the earlier ones are forgotten)")
+        if self.positions is not None:
+            kept = self.positions[:, :-drop]
+            earliest = None if self.spec is None or self.offset == 0 else earliest_needed(self.spec, kept[:, -1] + 1)
+            if earliest is not None and bool((kept[:, 0] > earliest).any()):
+                raise ValueError(f"cannot remove {drop} tokens: decoding them again needs keys the forgetting cache "
+                                 "has forgotten (use a DynamicCache where many tokens are taken back)")
+            self.positions = kept
+        self.keys, self.values = self.keys[..., :-drop, :], self.values[..., :-drop, :]
+        self.seen -= drop
+        self.keep_from = None  # recomputed by the next forward
 
     def kv_bytes(self) -> int:
         if not self.is_initialized or self.keys.numel() == 0:
@@ -97,7 +116,7 @@ class ForgettingCache(Cache):
         """Called by the attention function of layer ``layer_idx`` with the positions it used:
         records them, and after the last layer drops what no layer needs any more."""
         layer = self.layers[layer_idx]
-        layer.positions = k_pos
+        layer.positions, layer.spec = k_pos, spec
         layer.keep_from = layer.offset + first_needed(spec, k_pos, q_pos[:, -1])
         if layer_idx == self.num_layers - 1:
             slot = min(lay.keep_from for lay in self.layers if lay.keep_from is not None)
@@ -105,22 +124,26 @@ class ForgettingCache(Cache):
                 lay.drop_before(slot)
 
 
+def earliest_needed(spec: Any, t: torch.Tensor) -> torch.Tensor | None:
+    """The earliest key position (B,) a query at a position >= ``t`` (B,) may attend to under
+    ``spec``, over every head (and sample); None when every key stays needed (exact, no bias)."""
+    if spec.window is not None:
+        return t - int(max(spec.window))
+    if spec.partitions is None:
+        return None
+    widths, shifts = (a.reshape(-1) for a in spec.bin_table)  # (H s,)
+    tt = t.detach().cpu().numpy().astype(np.float64)[:, None]  # (B, 1)
+    block = np.floor((tt + shifts[None]) / widths[None])  # the block of t in every sample and head
+    # its first position is ceil(block * width - shift); one less keeps the rounding on the safe side
+    start = np.floor(block * widths[None] - shifts[None]) - 1
+    return torch.as_tensor(start.min(axis=1).astype(np.int64), device=t.device)
+
+
 def first_needed(spec: Any, k_pos: torch.Tensor, t: torch.Tensor) -> int:
     """The first key index (of the n keys at positions ``k_pos`` (B, n)) that a query at a position
     >= ``t`` (B,) may still attend to under ``spec``, over every sequence and head; 0 keeps all."""
-    if spec.method in (Method.EXACT, Method.NO_BIAS):
-        return 0
-    if spec.window is not None:
-        earliest = t - int(max(spec.window))
-    elif spec.partitions is not None:
-        widths = np.stack([p.widths for p in spec.partitions]).reshape(-1)  # (H s,)
-        shifts = np.stack([p.shifts for p in spec.partitions]).reshape(-1)
-        tt = t.detach().cpu().numpy().astype(np.float64)[:, None]  # (B, 1)
-        block = np.floor((tt + shifts[None]) / widths[None])  # the block of t in every sample and head
-        # its first position is ceil(block * width - shift); one less keeps the rounding on the safe side
-        start = np.floor(block * widths[None] - shifts[None]) - 1
-        earliest = torch.as_tensor(start.min(axis=1).astype(np.int64), device=k_pos.device)
-    else:
+    earliest = earliest_needed(spec, t)
+    if earliest is None:
         return 0
     needed = k_pos >= earliest[:, None]  # (B, n); keys are in slot order, positions increase
     first = torch.where(needed.any(1), needed.to(torch.int8).argmax(1), torch.full_like(t, k_pos.shape[1]))
@@ -136,4 +159,4 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * int(cfg.num_hidden_layers) * heads * head_dim * size
 
 
-__all__ = ["ForgettingCache", "ForgettingLayer", "first_needed", "kv_bytes_per_token"]
+__all__ = ["ForgettingCache", "ForgettingLayer", "earliest_needed", "first_needed", "kv_bytes_per_token"]
