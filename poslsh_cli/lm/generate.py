@@ -66,31 +66,13 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``do_sample``)."""
     import torch
 
-    from poslsh_cli.lm.install import install
-    from poslsh_cli.lm.loading import load_model
-    from poslsh_cli.lm.positions import Position, PositionState
+    from poslsh_cli.lm.loading import load_model, with_scheme
+    from poslsh_cli.lm.positions import Position
 
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
     model, own = load_model(Path(path))
-    state = own
-    if attention != "own":
-        try:
-            position = Position(attention)
-        except ValueError:
-            raise ConfigError(f"attention={attention!r}: one of own, {', '.join(p.value for p in Position)}") from None
-        if position is Position.ROPE and own.position is not Position.ROPE:
-            raise ConfigError("attention=rope: only a RoPE checkpoint has the rotary embedding it needs")
-        if own.native:
-            raise ConfigError(f"{path}: an ALiBi checkpoint's own attention computes inline; under a swapped "
-                              "scheme it runs without a key/value cache (poslsh perplexity measures it)")
-        samples = s or own.num_samples or 8
-        state = PositionState(position, own.sigmas, num_samples=samples if position is Position.POSLSH else 0,
-                              window_sigmas=own.window_sigmas, seed=seed)
-        install(model, state)
-    elif s and own.position is Position.POSLSH:
-        state = PositionState(own.position, own.sigmas, num_samples=s, window_sigmas=own.window_sigmas, seed=own.seed)
-        install(model, state)
+    state = with_scheme(model, own, attention, s, seed=None if attention == "own" else seed, path=Path(path))
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError
 from poslsh_cli.lm.install import install
@@ -89,3 +89,35 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
         state = PositionState.standard(Position.ROPE, heads)
     install(model, state)
     return model.to(device).eval(), state
+
+
+def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int = 0, seed: Optional[int] = None,
+                path: Optional[Path] = None) -> PositionState:
+    """Install on ``model`` (loaded with its ``own`` state) the scheme ``attention`` (``own``, or
+    one of :class:`Position` swapped in on the checkpoint's bandwidths), with ``s`` masks per head
+    for Positional LSH (0: the checkpoint's own, else 8) and mask seed ``seed`` (None: the
+    checkpoint's own for its own scheme, 0 for a swapped one); the state that now runs. A rotary
+    scheme on a checkpoint without one, or a swap on an ALiBi checkpoint whose attention computes
+    inline, is one ConfigError."""
+    where = f"{path}: " if path is not None else ""
+    if attention == "own":
+        if (s and own.position is Position.POSLSH) or (seed is not None and own.position is Position.POSLSH):
+            state = PositionState(own.position, own.sigmas, num_samples=s or own.num_samples,
+                                  window_sigmas=own.window_sigmas, seed=own.seed if seed is None else seed)
+            install(model, state)
+            return state
+        return own
+    try:
+        position = Position(attention)
+    except ValueError:
+        raise ConfigError(f"attention={attention!r}: one of own, {', '.join(p.value for p in Position)}") from None
+    if position is Position.ROPE and own.position is not Position.ROPE:
+        raise ConfigError("attention=rope: only a RoPE checkpoint has the rotary embedding it needs")
+    if own.native:
+        raise ConfigError(f"{where}an ALiBi checkpoint's own attention computes inline; under a swapped "
+                          "scheme it runs without a key/value cache (poslsh perplexity measures it)")
+    samples = s or own.num_samples or 8
+    state = PositionState(position, own.sigmas, num_samples=samples if position is Position.POSLSH else 0,
+                          window_sigmas=own.window_sigmas, seed=0 if seed is None else seed)
+    install(model, state)
+    return state

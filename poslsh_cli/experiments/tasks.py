@@ -1,0 +1,196 @@
+"""``poslsh eval CKPT... tasks=[...]``: lm-evaluation-harness tasks on checkpoints, each under its
+own position scheme or others swapped in (:class:`~poslsh_cli.lm.harness.PoslshLM`, lm-eval's
+``HFLM`` around the model poslsh loads).
+
+Cells are (checkpoint, attention, draw): one lm-eval run over every task of ``tasks``. A
+Positional-LSH scheme is evaluated under ``trials`` mask draws (each its own seed, replayed by
+``seed``); the other schemes are deterministic and run once. ``include_path`` adds a directory of
+task YAML files (a local task needs no download). Rows: one per (task, metric) with lm-eval's own
+standard error and the number of documents scored.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.experiments.base import Device, Experiment, resolve_device
+from poslsh_cli.lm.checkpoint import expand_checkpoints
+from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.verdicts.claims import Section
+
+COLUMNS = ("checkpoint", "attention", "position", "s", "draw", "seed", "task", "metric", "filter", "value",
+           "stderr", "documents", "num_fewshot")
+ATTENTIONS = ("own", "alibi", "poslsh", "windowed", "fixed_block", "none", "rope")
+INSTALL = "lm-eval is not installed: pip install 'poslsh[eval]' (or make install)"
+
+
+@dataclass(frozen=True)
+class TasksSpec(Spec):
+    checkpoints: tuple[str, ...] = key("train run directories or checkpoint directories (or give them as plain "
+                                       "arguments: poslsh eval CKPT...)", [], empty=True)
+    tasks: tuple[str, ...] = key("lm-eval task (or group) names", [], empty=True, noun="task")
+    include_path: Optional[str] = key("a directory of lm-eval task YAML files (local tasks)", None)
+    attention: tuple[str, ...] = key("own (the checkpoint's scheme) or schemes swapped in: alibi, poslsh, windowed, "
+                                     "fixed_block, none (rope: RoPE checkpoints only)", ["own"], noun="attention")
+    s: int = key("masks per head for Positional LSH (0: the checkpoint's own, else 8)", 0, ge=0)
+    trials: int = key("mask draws per Positional-LSH cell (other schemes are deterministic: one)", 1, ge=1)
+    num_fewshot: Optional[int] = key("few-shot examples (null: each task's default)", None, ge=0)
+    limit: Optional[int] = key("documents per task (null: all)", None, ge=1)
+    batch_size: int = key("sequences per forward pass", 8, ge=1)
+    max_length: Optional[int] = key("longest input in tokens (null: the model's max_position_embeddings)", None, ge=2)
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
+
+    def check(self) -> None:
+        check(len(self.tasks) > 0, "give the tasks to run: tasks=[name,...] (lm-eval names, or local ones with "
+                                   "include_path=DIR)")
+        for a in self.attention:
+            check(a in ATTENTIONS, f"unknown attention {a!r} (one of {', '.join(ATTENTIONS)})")
+        if self.include_path is not None:
+            check(Path(self.include_path).is_dir(), f"include_path={self.include_path}: not a directory")
+
+
+@dataclass
+class TasksContext:
+    checkpoints: dict[str, tuple[Path, str]]  # name -> (path, its own position)
+    device: Any
+    manager: Any  # lm-eval's TaskManager
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise ConfigError(INSTALL) from None
+    return lm_eval
+
+
+def prepare(spec: TasksSpec) -> TasksContext:
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config
+
+    _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
+    cks = {}
+    for entry in spec.checkpoints:
+        for path, name in expand_checkpoints(entry):
+            check_checkpoint(path)
+            cks[name] = (path, str((read_config(path).get("poslsh") or {}).get("position", "rope")))
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    manager, unknown = None, list(spec.tasks)
+    if spec.include_path:  # local tasks alone first: indexing lm-eval's own thousands of tasks takes a while
+        manager = TaskManager(include_path=spec.include_path, include_defaults=False)
+        unknown = [t for t in spec.tasks if t not in set(manager.all_tasks)]
+    if unknown:
+        manager = TaskManager(include_path=spec.include_path) if spec.include_path else TaskManager()
+        unknown = [t for t in spec.tasks if t not in set(manager.all_tasks)]
+    if unknown:
+        where = f" (nor in {spec.include_path})" if spec.include_path else " (a local task: include_path=DIR)"
+        raise ConfigError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}")
+    return TasksContext(cks, resolve_device(spec.device), manager)
+
+
+def _scheme_of(own: str, attention: str) -> str:
+    return own if attention == "own" else attention
+
+
+def cells(spec: TasksSpec, ctx: TasksContext | None = None) -> list[dict[str, Any]]:
+    if ctx is None:
+        return []
+    return [{"checkpoint": name, "attention": a, "draw": d} for name, (_, own) in ctx.checkpoints.items()
+            for a in spec.attention
+            for d in range(spec.trials if _scheme_of(own, a) == "poslsh" else 1)]
+
+
+def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any = None) -> tuple[list[dict], dict]:
+    import lm_eval
+
+    from poslsh_cli.lm.harness import PoslshLM
+
+    name, attention, draw = key["checkpoint"], key["attention"], int(key["draw"])
+    path, own = ctx.checkpoints[name]
+    poslsh = _scheme_of(own, attention) == "poslsh"
+    seed = derive_seed(spec.seed, "eval", name, attention, draw) if poslsh else None
+    quiet = logging.getLogger("lm_eval")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # HFLM notes that a loaded model ignores its loading arguments
+    try:
+        lm = PoslshLM(pretrained=str(path), attention=attention, s=spec.s, seed=seed, device=str(ctx.device),
+                      batch_size=spec.batch_size, max_length=spec.max_length)
+    finally:
+        quiet.setLevel(level)
+    state = lm.poslsh_state
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(spec.tasks), num_fewshot=spec.num_fewshot, limit=spec.limit,
+                                  task_manager=ctx.manager, log_samples=False, bootstrap_iters=1000,
+                                  random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
+                                  fewshot_random_seed=spec.seed, verbosity="WARNING")
+    rows = []
+    for task, metrics in out["results"].items():
+        shots = out.get("n-shot", {}).get(task)
+        docs = out.get("n-samples", {}).get(task, {}).get("effective")
+        for full, value in metrics.items():
+            if "," not in full or "_stderr," in full or not isinstance(value, (int, float)):
+                continue
+            metric, _, filt = full.partition(",")
+            se = metrics.get(f"{metric}_stderr,{filt}")
+            rows.append({"checkpoint": name, "attention": attention, "position": state.position.value,
+                         "s": int(state.num_samples), "draw": draw, "seed": -1 if seed is None else seed,
+                         "task": task, "metric": metric, "filter": filt, "value": float(value),
+                         "stderr": float(se) if isinstance(se, (int, float)) else float("nan"),
+                         "documents": -1 if docs is None else int(docs),
+                         "num_fewshot": -1 if shots is None else int(shots)})
+    if not rows:
+        raise ConfigError(f"lm-eval returned no metrics for tasks {list(spec.tasks)}")
+    return rows, {}
+
+
+def _scheme(df: Any) -> Any:
+    from poslsh_cli.lm.positions import model_label
+
+    return [model_label(r.position, r.s, 0.0, "") for r in df.itertuples()]
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    d = df.assign(scheme=_scheme(df))
+    head = ["checkpoint", "scheme", "task", "metric", "value", "stderr", "draws", "documents"]
+    rows = []
+    for (ck, scheme, task, metric), g in d.groupby(["checkpoint", "scheme", "task", "metric"], sort=False):
+        v = g.value
+        value = f"{v.mean():.4f}" if len(g) == 1 else f"{v.mean():.4f} ({v.min():.4f}..{v.max():.4f})"
+        rows.append([ck, scheme, task, metric, value, f"{g.stderr.mean():.4f}", str(len(g)),
+                     str(int(g.documents.iloc[0]))])
+    return head, rows
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("eval", run, "lm-evaluation-harness tasks")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    draws = int(df.groupby(["checkpoint", "attention"]).draw.nunique().max())
+    sec.paragraphs.append(f"lm-eval's metrics and standard errors (over documents) on {df.task.nunique()} task(s); "
+                          f"Positional-LSH rows are the mean over {draws} mask draw(s) (range in brackets), the "
+                          "other schemes are deterministic.")
+    return sec
+
+
+EXPERIMENT = Experiment(
+    name="eval",
+    spec=TasksSpec,
+    help="""lm-evaluation-harness tasks on checkpoints under their own scheme or others swapped in
+    (lm-eval's HFLM around the model poslsh loads; model name poslsh for lm-eval itself).
+
+    Local tasks: include_path=DIR of task YAML files. Positional-LSH cells run trials mask draws.""",
+    columns=COLUMNS,
+    cells=cells,
+    run_cell=run_cell,
+    summary=summary,
+    prepare=prepare,
+    report=report,
+    positional="checkpoints",
+    order=76,
+)
