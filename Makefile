@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,launchers,finetune,eval]"
+	$(BIN)/python -m pip install -q -e ".[test,launchers,finetune,eval,tracking]"
 	touch $@
 
 test: install

@@ -542,3 +542,91 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     # stride and protocol=sliding both choose windows
     r = invoke("perplexity", out, "stride=16", "protocol=[sliding]", f"out={tmp_path / 'bad'}")
     assert r.exit_code == 2 and "give one" in r.stderr and not (tmp_path / "bad").exists()
+
+
+def _tensorboard_scalars(cell):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(cell / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _wandb_records(path):
+    """The protobuf records of a W&B run file: a 7-byte header, then LevelDB-log chunks (a 7-byte
+    chunk header: CRC, length, kind full/first/middle/last) in blocks of 32 KiB."""
+    import struct
+
+    data, pos, block, part = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 1:
+            yield chunk
+        elif kind in (2, 3):
+            part = (b"" if kind == 2 else part) + chunk
+        elif kind == 4:
+            yield part + chunk
+
+
+def _wandb_history(cell):
+    """The history rows of the offline W&B run files of a cell (step -> logged values)."""
+    from wandb.proto import wandb_internal_pb2
+
+    files = []
+    for f in sorted((cell / "wandb").glob("offline-run-*/run-*.wandb")):
+        rows = {}
+        for data in _wandb_records(f):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                assert int(items["_step"]) not in rows
+                rows[int(items["_step"])] = items
+        files.append(rows)
+    return files
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monkeypatch, logger):
+    """logger=tensorboard|wandb: every logged step of metrics.csv, with its values, in the tracker's
+    own files; a run cut after step 5 and resumed from its step-3 checkpoint logs steps 4.. again:
+    TensorBoard purges the cut attempt's later events (each step once), W&B continues the same run
+    id (the steps it already has are the same numbers: CPU training replays bit for bit)."""
+    pytest.importorskip(logger)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    args = ["train", *TINY, "position=[alibi]", "steps=6", "eval_every=3", "checkpoint_every=3", f"logger={logger}",
+            f"out={out}"]
+    from poslsh_cli.core import files
+
+    monkeypatch.setattr(files, "_FAULT_COUNTS", {})  # the fault fires at its first pass in this process
+    monkeypatch.setenv("POSLSH_FAULT", "step:5")
+    monkeypatch.setenv("POSLSH_FAULT_SIGNAL", "RAISE")
+    assert invoke(*args).exit_code != 0
+    monkeypatch.delenv("POSLSH_FAULT")
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    cell = next((out / "work").glob("*/metrics.csv")).parent
+    m = pd.read_csv(cell / "metrics.csv")
+    assert list(m.step) == list(range(1, 7))
+    if logger == "tensorboard":
+        got = _tensorboard_scalars(cell)
+        assert [s for s, _ in got["loss"]] == list(range(1, 7))
+        assert np.allclose([v for _, v in got["loss"]], m.loss, rtol=1e-6)
+        val = m.dropna(subset=["val_bpb"])
+        assert [s for s, _ in got["val_bpb"]] == list(val.step)
+    else:
+        first, resumed = _wandb_history(cell)  # the cut attempt, then the resumed one (same run id)
+        assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [4, 5, 6]
+        hist = {**first, **resumed}
+        assert np.allclose([hist[s]["loss"] for s in range(1, 7)], m.loss, rtol=1e-6)
+        assert np.allclose([first[s]["loss"] for s in (4, 5)], [resumed[s]["loss"] for s in (4, 5)], rtol=1e-6)
+        assert len({f.parent.name.rsplit("-", 1)[-1] for f in (cell / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
+    res = invoke("train", *TINY, "logger=mlflow", f"out={tmp_path / 'bad'}")
+    assert res.exit_code != 0 and "logger" in res.stderr

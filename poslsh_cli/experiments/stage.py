@@ -224,12 +224,15 @@ def train_stage(spec: Any, ctx: Any, work: Any, stage: Stage) -> Path:
     if how == "final":
         return Path(at)
     run = StageRun.set_up(spec, ctx, work, stage, Path(at) if how == "resume" else None, start)
-    for step in range(start + 1, stage.steps + 1):
-        row = run.train_step(step)
-        run.maybe_evaluate(step, row)
-        run.log(step, row)
-        run.maybe_checkpoint(step)
-    return run.finish()
+    try:
+        for step in range(start + 1, stage.steps + 1):
+            row = run.train_step(step)
+            run.maybe_evaluate(step, row)
+            run.log(step, row)
+            run.maybe_checkpoint(step)
+        return run.finish()
+    finally:
+        run.tracker.close()
 
 
 def _starting_point(work: Any) -> tuple[str, Optional[str], int]:
@@ -265,6 +268,7 @@ class StageRun:
     micro: int = 0  # sequences per forward pass
     every: int = 1  # steps between evaluations
     timer: float = field(default=0.0, repr=False)
+    tracker: Any = None  # TensorBoard / W&B beside metrics.csv (store/tracking.py)
 
     @classmethod
     def set_up(cls, spec: Any, ctx: Any, work: Any, stage: Stage, resume: Optional[Path], start: int) -> "StageRun":
@@ -295,10 +299,13 @@ class StageRun:
                 "scheme": state.to_json(), "trainable": int(sum(p.numel() for _, p in named)),
                 "world_size": ctx.world}
         done = metrics.frame()
+        from poslsh_cli.store.tracking import open_for
+
+        tracker = open_for(spec, work, stage.label, info, start)
         return cls(spec, ctx, work, stage, model, trained, state, opt, scaler, [p for _, p in named], info, metrics,
                    ckpts, elapsed=float(done.seconds.iloc[-1]) if len(done) else 0.0, rank=dist.rank(),
                    share=spec.batch // ctx.world, micro=micro_batch(spec, ctx.world),
-                   every=eval_interval(spec, stage.steps))
+                   every=eval_interval(spec, stage.steps), tracker=tracker)
 
     def _batch(self, stream: int) -> Any:
         """This rank's share of the global batch of global step ``stream`` (drawn as one process
@@ -392,6 +399,8 @@ class StageRun:
         from poslsh_cli.core.files import fault_point
 
         self.metrics.append(row)
+        if self.tracker is not None:
+            self.tracker.log(step, row)
         fault_point(f"step:{step}")
         self.work.progress(step, self.stage.steps, f"{self.stage.label} loss {row['loss']:.3f}"
                            + (f" val_bpb {row['val_bpb']:.3f}" if row["val_bpb"] else ""))

@@ -36,6 +36,7 @@ from poslsh_cli.experiments.train_report import plot, report, summary
 from poslsh_cli.core.config import ConfigError, Spec, check, key
 from poslsh_cli.experiments.base import Experiment, Device, cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Parallel, Precision, Stage, micro_batch, train_stage
+from poslsh_cli.store.tracking import Logger
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.lm.positions import Position, method_of
 
@@ -121,6 +122,10 @@ class TrainSpec(Spec):
     pretrain_steps: int = key("steps of the shared pretraining stage", 0, ge=0)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N (each process takes cuda:LOCAL_RANK)",
                          Device("auto"))
+    logger: Logger = key("also log each step to none, tensorboard (<cell>/tensorboard/) or wandb (<cell>/wandb/; "
+                         "WANDB_MODE=offline to log without a network); metrics.csv is written either way",
+                         Logger.NONE)
+    logger_project: str = key("the W&B project of logger=wandb", "poslsh")
 
     def check(self) -> None:
         check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
