@@ -138,8 +138,10 @@ def test_the_layer_table_names_every_module_of_its_folders():
 def test_each_command_is_named_in_its_own_module_only():
     """A command's name appears as a string literal only in the module that defines it (and its
     ``<module>_report`` companion, which holds its tables, figures and claims). One name is also an
-    ordinary word elsewhere: "train" is the name of a dataset split in the corpus readers."""
-    ordinary = {"train": {"poslsh_cli.lm.data", "poslsh_cli.lm.documents"}}
+    ordinary word elsewhere: "train" is the name of a dataset split in the corpus readers, "eval" the
+    tag of the masks drawn while a model is evaluated."""
+    ordinary = {"train": {"poslsh_cli.lm.data", "poslsh_cli.lm.documents"},
+                "eval": {"poslsh_cli.lm.evaluate", "poslsh_cli.lm.positions"}}
     for exp in registry.experiments().values():
         home = "poslsh_cli.experiments." + exp.config_name
         owners = []

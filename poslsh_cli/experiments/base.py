@@ -224,3 +224,34 @@ def synchronize(device: Any) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def trained_runs_overrides(root: Path, checkpoints: tuple[str, ...]) -> list[str]:
+    """``reproduce``'s override for a preset that evaluates trained models: the names it lists
+    relative to the reproduce root (``checkpoints: [train, train_finetune]``) become the run
+    directories there that hold trained checkpoints (a run, or the one job of a multirun when
+    reproduce used a launcher); runs that trained nothing are left out
+    (:func:`checkpoints_skip_reason` says so when none is left)."""
+    def trained(p: Path) -> Optional[Path]:
+        for cand in (p, p / "0"):
+            if any(cand.glob("work/*/final/config.json")) or any(cand.glob("work/*/final/adapter_config.json")):
+                return cand
+        return None
+
+    runs = [r for r in (trained(Path(root) / c) for c in checkpoints if not Path(c).is_absolute()) if r]
+    runs += [Path(c) for c in checkpoints if Path(c).is_absolute()]
+    return ["checkpoints=[" + ",".join(f"'{p}'" for p in runs) + "]"]
+
+
+def checkpoints_skip_reason(checkpoints: tuple[str, ...], device: str) -> Optional[str]:
+    """Why a preset that evaluates trained models cannot run: no CUDA for a CUDA device, or no
+    trained checkpoints (the training presets did not run)."""
+    why = cuda_skip_reason(device)
+    if why:
+        return why
+    if not checkpoints:
+        return "nothing to evaluate: no trained checkpoints (the training presets did not run)"
+    for c in checkpoints:
+        if not Path(c).exists():
+            return f"nothing to evaluate: no train run at {c}"
+    return None

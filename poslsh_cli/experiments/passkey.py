@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError, Spec, check, key
-from poslsh_cli.experiments.base import Device, Experiment, resolve_device
+from poslsh_cli.experiments.base import (Device, Experiment, checkpoints_skip_reason, resolve_device,
+                                        trained_runs_overrides)
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm.positions import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
@@ -181,6 +182,14 @@ def report(run: Path, df: Any) -> Section:
     return sec
 
 
+def reproduce_overrides(root: Path, spec: PasskeySpec) -> list[str]:
+    return trained_runs_overrides(root, spec.checkpoints)
+
+
+def skip_reason(spec: PasskeySpec) -> Optional[str]:
+    return checkpoints_skip_reason(spec.checkpoints, spec.device)
+
+
 EXPERIMENT = Experiment(
     name="passkey",
     spec=PasskeySpec,
@@ -194,5 +203,8 @@ EXPERIMENT = Experiment(
     plot=plot,
     report=report,
     positional="checkpoints",
+    presets=("passkey", "passkey_qwen3_0_6b_gpu", "passkey_mistral_7b_gpu"),
+    skip_reason=skip_reason,
+    reproduce_overrides=reproduce_overrides,
     order=75,
 )

@@ -23,7 +23,8 @@ from typing import Any, Literal, Optional
 
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
 from poslsh_cli.core.config import ConfigError, Spec, check, key
-from poslsh_cli.experiments.base import Experiment, MemoryNeed, Device, choices, resolve_device
+from poslsh_cli.experiments.base import (Experiment, MemoryNeed, Device, checkpoints_skip_reason, choices,
+                                        resolve_device, trained_runs_overrides)
 from poslsh_cli.lm.positions import Position, method_of, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import derive_seed
@@ -305,33 +306,11 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
 
 
 def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
-    """The preset names the runs it evaluates relative to the reproduce root (``checkpoints:
-    [train, train_finetune]``); each becomes the run directory there that holds trained checkpoints
-    (a run, or the one job of a multirun when reproduce used a launcher). Runs that did not train
-    anything are left out (skip_reason says so when none is left)."""
-    def trained(p: Path) -> Path | None:
-        for cand in (p, p / "0"):
-            if any(cand.glob("work/*/final/config.json")) or any(cand.glob("work/*/final/adapter_config.json")):
-                return cand
-        return None
-
-    runs = [r for r in (trained(Path(root) / c) for c in spec.checkpoints if not Path(c).is_absolute()) if r]
-    runs += [Path(c) for c in spec.checkpoints if Path(c).is_absolute()]
-    return ["checkpoints=[" + ",".join(f"'{p}'" for p in runs) + "]"]
+    return trained_runs_overrides(root, spec.checkpoints)
 
 
 def skip_reason(spec: PerplexitySpec) -> str | None:
-    from poslsh_cli.experiments.base import cuda_skip_reason
-
-    why = cuda_skip_reason(spec.device)
-    if why:
-        return why
-    if not spec.checkpoints:
-        return "nothing to evaluate: no trained checkpoints (the training presets did not run)"
-    for c in spec.checkpoints:
-        if not Path(c).exists():
-            return f"nothing to evaluate: no train run at {c}"
-    return None
+    return checkpoints_skip_reason(spec.checkpoints, spec.device)
 
 
 EXPERIMENT = Experiment(

@@ -6,7 +6,7 @@ swapped in (:func:`~poslsh_cli.lm.loading.with_scheme`).
 Registered as ``poslsh`` in lm-eval's model registry when this module is imported, and declared as
 the ``poslsh`` entry point of the ``lm_eval.models`` group, which lm-eval versions with plugin
 discovery read (``lm_eval run --model poslsh --model_args pretrained=CKPT,attention=poslsh,s=8``).
-``poslsh eval`` (:mod:`poslsh_cli.experiments.tasks`) runs it with any lm-eval version, and so does
+``poslsh eval`` (:mod:`poslsh_cli.experiments.eval`) runs it with any lm-eval version, and so does
 lm-eval's own command line started through this module (``python -m poslsh_cli.lm.harness run
 --model poslsh ...``).
 
@@ -69,10 +69,12 @@ class PoslshLM(HFLM):
         if not isinstance(pretrained, (str, Path)):
             raise ConfigError("pretrained= is a checkpoint directory (poslsh train's final/, or any causal LM)")
         path = Path(pretrained)
-        from poslsh_cli.experiments.base import resolve_device
+        import torch
 
-        where = resolve_device(str(device or "auto"))  # lm-eval's command line asks for cuda unless told
-        model, own = load_model(path, str(where), trust_remote_code=bool(trust_remote_code))
+        where = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if where.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's CLI asks for cuda unless told
+            raise ConfigError(f"device={where} but CUDA is not available (give device=cpu: --device cpu)")
+        model, own = load_model(path, where, trust_remote_code=bool(trust_remote_code))
         self.poslsh_state = with_scheme(model, own, str(attention), int(s or 0),
                                         None if seed in (None, "") else int(seed), path)
         if has_tokenizer(path):

@@ -44,8 +44,6 @@ class TasksSpec(Spec):
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:
-        check(len(self.tasks) > 0, "give the tasks to run: tasks=[name,...] (lm-eval names, or local ones with "
-                                   "include_path=DIR)")
         for a in self.attention:
             check(a in ATTENTIONS, f"unknown attention {a!r} (one of {', '.join(ATTENTIONS)})")
         if self.include_path is not None:
@@ -73,6 +71,8 @@ def prepare(spec: TasksSpec) -> TasksContext:
     _lm_eval()
     from lm_eval.tasks import TaskManager
 
+    check(len(spec.tasks) > 0, "give the tasks to run: tasks=[name,...] (lm-eval names, or local ones with "
+                               "include_path=DIR)")
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
     cks = {}
     for entry in spec.checkpoints:
