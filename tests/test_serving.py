@@ -111,6 +111,53 @@ def test_a_swapped_inline_alibi_attention_refuses_a_cache():
             model(x, use_cache=True)
 
 
+def _alibi_checkpoint(arch: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "bloom":
+        return tf.BloomForCausalLM(tf.BloomConfig(vocab_size=256, hidden_size=32, n_layer=2, n_head=4)).eval()
+    if arch == "mpt":
+        return tf.MptForCausalLM(tf.MptConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4,
+                                              max_seq_len=512)).eval()
+    return tf.FalconForCausalLM(tf.FalconConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, alibi=True, new_decoder_architecture=False,
+                                                multi_query=False, parallel_attn=False, bias=True)).eval()
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon"])
+def test_a_swapped_inline_alibi_attention_honours_padding(arch, tokens):
+    """BLOOM, MPT and Falcon-RW under a swapped scheme (their inline attention replaced): a batch
+    of a 300- and a 220-token sequence, left- or right-padded, gives each the logits it gets alone."""
+    from poslsh_cli.lm.install import install
+
+    model = _alibi_checkpoint(arch)
+    for position in ("poslsh", "alibi"):
+        state = PositionState(position, SIGMAS, num_samples=8 if position == "poslsh" else 0, seed=2)
+        install(model, state)
+        with torch.no_grad():
+            alone = [model(t, use_cache=False).logits[0] for t in tokens]
+            for side in ("left", "right"):
+                ids, mask = _padded(tokens, side)
+                out = model(ids, attention_mask=mask, use_cache=False).logits
+                for b, t in enumerate(tokens):
+                    n = t.shape[1]
+                    got = out[b, -n:] if side == "left" else out[b, :n]
+                    assert (got - alone[b]).abs().max() < TOL, (arch, position, side)
+        assert "positioned" in state.plans
+
+
+def _padded(tokens, side):
+    width = max(t.shape[1] for t in tokens)
+    ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    mask = torch.zeros(len(tokens), width, dtype=torch.long)
+    for b, t in enumerate(tokens):
+        n = t.shape[1]
+        sl = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[b, sl], mask[b, sl] = t[0], 1
+    return ids, mask
+
+
 PLAIN = """
 import json, sys, torch
 import transformers as tf

@@ -160,7 +160,8 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     for (ck, scheme, task, metric), g in d.groupby(["checkpoint", "scheme", "task", "metric"], sort=False):
         v = g.value
         value = f"{v.mean():.4f}" if len(g) == 1 else f"{v.mean():.4f} ({v.min():.4f}..{v.max():.4f})"
-        rows.append([ck, scheme, task, metric, value, f"{g.stderr.mean():.4f}", str(len(g)),
+        se = g.stderr.mean()
+        rows.append([ck, scheme, task, metric, value, f"{se:.4f}" if se == se else "n/a", str(len(g)),
                      str(int(g.documents.iloc[0]))])
     return head, rows
 

@@ -96,13 +96,27 @@ def _no_rotary() -> Any:
     return NoRotary
 
 
-def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
+def _record_padding(inputs: dict) -> Any:
+    """A forward pre-hook of the whole model that keeps its 2-D ``attention_mask`` (1: a real
+    token) in ``inputs`` for the attention adapters: each architecture hands its attention layers
+    a mask of its own format, the model's input is one format for all."""
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        inputs["mask"] = mask if mask is not None and mask.dim() == 2 and not bool(mask.all()) else None
+
+    return hook
+
+
+def _alibi_adapter(module: Any, mtype: str, layer: int, inputs: dict) -> Any:
     """A replacement ``forward`` for the inline attention of an ALiBi checkpoint (BLOOM, MPT,
     Falcon-RW): its own fused projection and output projection around the project's attention
-    (:func:`~poslsh_cli.attention.attend`) with the module's position state."""
+    (:func:`~poslsh_cli.attention.attend`) with the module's position state; a padded batch (the
+    model's ``attention_mask``, recorded in ``inputs``) runs at explicit positions, each sequence
+    counted from its first real token (:mod:`poslsh_cli.attention.positioned`)."""
     import torch
 
     from poslsh_cli.attention import attend
+    from poslsh_cli.attention.positioned import positioned_attention, positions_from_mask
     from poslsh_cli.lm.capture import alibi_scaling, split_qkv
     from poslsh_cli.lm.pretrained import ALIBI_ARCHS
 
@@ -117,9 +131,20 @@ def _alibi_adapter(module: Any, mtype: str, layer: int) -> Any:
                               "(use_cache=False); its own attention (attention=own) decodes with one")
         B, T, _ = hidden_states.shape
         q, k, v = split_qkv(module, mtype, getattr(module, arch.qkv)(hidden_states), heads)  # (B, H, T, d)
-        spec = state.attention_spec(layer, T, alibi_scaling(module, mtype, q.shape[-1]))
-        context = attend(q, k, v, spec, backend=state.backend,
-                         on_plan=lambda p: state.plans.add(p.label)).transpose(1, 2).reshape(B, T, -1)  # (B, T, H d)
+        scaling = alibi_scaling(module, mtype, q.shape[-1])
+        padding = inputs.get("mask")
+        if padding is not None and padding.shape == (B, T):
+            real = padding.to(torch.bool)
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            q_pos, k_pos, allowed = positions_from_mask((real[:, None, None, :] & causal).to(q.device), B, T, T,
+                                                        q.device)
+            state.plans.add("positioned")
+            out = positioned_attention(q, k, v, state.attention_spec(layer, 1, scaling), q_pos, k_pos, allowed,
+                                       scaling)
+        else:
+            out = attend(q, k, v, state.attention_spec(layer, T, scaling), backend=state.backend,
+                         on_plan=lambda p: state.plans.add(p.label))
+        context = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H d)
         out = getattr(module, arch.out)(context)
         if mtype == "bloom":  # BLOOM's attention module adds the residual itself (dropout_add)
             residual = args[0] if args else kwargs["residual"]
@@ -141,11 +166,15 @@ def install(model: Any, state: PositionState) -> Any:
     config = model.config
     mtype = getattr(config, "model_type", None)
     if mtype in ALIBI_ARCHS:
+        inputs = model.__dict__.get("_poslsh_inputs")
+        if inputs is None:  # once per model: the padding mask of each call, for the adapters
+            inputs = model._poslsh_inputs = {}
+            model.register_forward_pre_hook(_record_padding(inputs), with_kwargs=True)
         for layer, m in enumerate(attention_modules(model, mtype)):
             m.poslsh_position = state
             if "_poslsh_native_forward" not in m.__dict__:
                 m._poslsh_native_forward = m.forward
-            m.forward = m._poslsh_native_forward if state.native else _alibi_adapter(m, mtype, layer)
+            m.forward = m._poslsh_native_forward if state.native else _alibi_adapter(m, mtype, layer, inputs)
         config.poslsh = state.to_json()
         model.poslsh_position = state
         return model
