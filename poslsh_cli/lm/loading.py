@@ -101,7 +101,7 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
     inline, is one ConfigError."""
     where = f"{path}: " if path is not None else ""
     if attention == "own":
-        if (s and own.position is Position.POSLSH) or (seed is not None and own.position is Position.POSLSH):
+        if own.position is Position.POSLSH and (s or seed is not None):
             state = PositionState(own.position, own.sigmas, num_samples=s or own.num_samples,
                                   window_sigmas=own.window_sigmas, seed=own.seed if seed is None else seed)
             install(model, state)
