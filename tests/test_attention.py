@@ -143,6 +143,49 @@ def test_chunked_and_flex_alibi_equal_reference(causal, window):
     assert (flex.double() - ref).abs().max().item() <= naive_tolerance(q, k, v, w, causal, torch.float32)
 
 
+def _exact_rows(q, k, v, sigmas, causal, rows):
+    from poslsh_cli.attention.reference import alibi_rows_reference
+
+    return alibi_rows_reference(q, k, v, sigmas, causal, rows)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_rank_one_exact_alibi_keeps_float32_accuracy_to_65536(causal):
+    """The inference path of exact ALiBi (the flash kernel with the bias as an extra coordinate,
+    re-centred per 512-query tile) in float32 against float64, every standard slope of 8 heads
+    (m = 1/2 .. 1/256), at n = 4096 and 65536: rows of the first, middle and last 1024 queries
+    (two tiles each, their edges included) against all keys, within 4e-6 (the float32 chunked
+    path's own error at n = 2048 is about 1e-6; the sums are longer here). A row range computes
+    what the whole call computes for those rows."""
+    from poslsh_cli.attention import alibi_rank1_tiled
+
+    sig = torch.as_tensor(alibi_sigmas(8))
+    q, k, v = (t.float() for t in qkv(B=1, H=8, n=2048, d=8, seed=20))
+    whole = alibi_rank1_tiled(q, k, v, sig, causal)
+    assert torch.equal(alibi_rank1_tiled(q, k, v, sig, causal, rows=(512, 1536)), whole[:, :, 512:1536])
+    for n in (4096, 65536):
+        q, k, v = (t.float() for t in qkv(B=1, H=8, n=n, d=8, seed=21))
+        picked = sorted({*range(0, 1024, 16), 1, 511, 512, 513, 1023})  # tile edges included
+        for a in (0, n // 2 - 512, n - 1024):
+            out = alibi_rank1_tiled(q, k, v, sig, causal, rows=(a, a + 1024))
+            ref = _exact_rows(q, k, v, sig, causal, [a + r for r in picked])
+            err = (out[:, :, picked].double() - ref).abs().max().item()
+            assert err <= 4e-6, (n, causal, a, err)
+
+
+@pytest.mark.slow
+def test_one_coordinate_centred_once_loses_float32_accuracy_at_65536():
+    """Why the inference path re-centres: the training path's single coordinate (centred once on
+    the whole sequence) is off by more than the tiled path's 4e-6 at n = 65536, m = 1/2."""
+    from poslsh_cli.attention import alibi_rank1
+
+    n, sig = 65536, torch.as_tensor(alibi_sigmas(8))
+    q, k, v = (t.float() for t in qkv(B=1, H=8, n=n, d=8, seed=21))
+    rows = list(range(0, 1024, 16)) + list(range(n - 1024, n, 16))
+    err = (alibi_rank1(q, k, v, sig)[:, :, rows].double() - _exact_rows(q, k, v, sig, True, rows)).abs().max().item()
+    assert err > 4e-6, err
+
+
 def test_reference_alibi_is_softmax_with_linear_bias():
     q, k, v = qkv(n=20, H=2)
     sig = torch.tensor([2.0, 7.0], dtype=torch.float64)
@@ -279,7 +322,7 @@ def test_alibi_with_non_power_of_two_slopes_is_float64_exact_on_every_path():
         spec = AttentionSpec(Method.EXACT, sig, causal)
         ref = reference_attention(q, k, v, reference_weight(spec, n), causal)[0]
         plans = [Plan(Method.EXACT, Backend.CHUNKED, kk) for kk in Kernel] + [Plan(Method.EXACT, Backend.DENSE, Kernel.FUSED)]
-        plans += [Plan(Method.EXACT, Backend.RANK1, Kernel.FUSED)] if causal else []
+        plans += [Plan(Method.EXACT, Backend.RANK1, None)]  # inference: the tiled path, both directions
         for plan in plans:
             err = (attend(q, k, v, spec, plan=plan) - ref).abs().max().item()
             assert err <= 1e-12, (causal, plan, err)

@@ -25,6 +25,7 @@ _WHERE = {
     "CHUNK_ELEMENTS": "poslsh_cli.attention.alibi",
     "alibi_chunked": "poslsh_cli.attention.alibi",
     "alibi_rank1": "poslsh_cli.attention.alibi",
+    "alibi_rank1_tiled": "poslsh_cli.attention.alibi",
     "no_bias_attention": "poslsh_cli.attention.alibi",
     "AttentionSpec": "poslsh_cli.attention.api",
     "attend": "poslsh_cli.attention.api",
@@ -77,7 +78,7 @@ def __dir__() -> list[str]:
 
 __all__ = ["AttentionSpec", "attend", "exact_alibi", "poslsh_attention", "poslsh_layout", "layout_for", "reference_weight",
            "Method", "Backend", "Kernel", "Plan", "choose", "plan_for", "needs_grad", "BACKENDS", "DENSE_MAX_N",
-           "RANK1_MIN_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "no_bias_attention",
+           "RANK1_MIN_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "alibi_rank1_tiled", "no_bias_attention",
            "BlockLayout", "per_sample_block_attention", "merged_block_attention", "device_bins", "merge_by_lse", "alibi_bias",
            "dense_bias_attention", "poslsh_bias", "FlexLayout", "alibi_flex", "poslsh_flex", "laplacian_weight",
            "mean_mask_weight", "reference_attention"]

@@ -190,6 +190,89 @@ def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch
     return out[..., :d]
 
 
+#: Queries per tile of the tiled rank-one path (:func:`alibi_rank1_tiled`): the extra coordinate
+#: is centred on each tile, so the offsets the kernel adds to the logits of a tile's own keys stay
+#: within m T / 2 (float32 keeps them to about 1e-5 at m = 1/2) whatever n is.
+RANK1_TILE = 512
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc: float,
+           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel: attention output and its natural-log normaliser (lse)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                           scale=sc)
+    return out, lse
+
+
+def alibi_rank1_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
+                      scale: float | None = None, tile: int = RANK1_TILE, rows: tuple[int, int] | None = None
+                      ) -> torch.Tensor:
+    """Exact ALiBi, causal or bidirectional, on the bias-free flash kernel (inference).
+
+    Queries go in tiles [a, b) of ``tile`` rows. The keys before the tile see the bias
+    ``-m (i - j) = m (j - a) - m (i - a)``: ``m (j - a)`` is one more q/k coordinate (q 1, k
+    ``m (j - a) / scale``) and ``-m (i - a)``, constant along a row, moves only the row's
+    normaliser. The keys after it (bidirectional) see ``-m (j - i) = -m (j - e) - m (e - i)``
+    with e = b - 1: the same coordinate with q -1. The tile's own keys (a T x T block) take the
+    exact bias as a float mask. The two or three parts merge by their normalisers
+    (:func:`merge_by_lse`), so the result is attention over all keys, with O(B H n d) memory and
+    the flash kernel's speed.
+
+    Re-centring at every tile's edges keeps float32 accurate at long n: the offsets the kernel
+    adds are at most 0 and small on the keys next to the tile, and the far keys, with offsets up to
+    m n, carry weights exp(-m |i - j|) too small for their rounding to matter (one coordinate
+    centred once for all n, as the training path :func:`alibi_rank1` does, loses about
+    eps m n / 2 on every logit).
+
+    Args:
+        q, k, v: (B, H, n, d) float32/float64 on the CPU.
+        sigmas: (H,) bandwidths, ``m_h = 1 / sigma_h``.
+        rows: ``(start, stop)``: only the output rows of those queries (against all n keys),
+            e.g. the last rows of a long context; None: every row.
+
+    Returns (B, H, n or stop - start, d) in q's dtype (no gradient: the training path is
+    :func:`alibi_rank1`).
+    """
+    from poslsh_cli.attention.merge import merge_by_lse
+
+    B, H, n, d = q.shape
+    sc = scale_of(d, scale)
+    extra = -(-(d + 1) // 8) * 8 - d
+    slopes = alibi_slopes(sigmas, torch.float64, q.device)  # (H,)
+    k_ext = torch.cat([k, k.new_zeros(B, H, n, extra)], -1)
+    v_ext = torch.cat([v, v.new_zeros(B, H, n, extra)], -1)
+    pos = torch.arange(n, device=q.device, dtype=torch.float64)
+    start, stop = (0, n) if rows is None else (max(0, int(rows[0])), min(n, int(rows[1])))
+    out = q.new_empty(B, H, max(0, stop - start), d)
+    tile = max(1, min(int(tile), n))
+    for a in range(start, stop, tile):
+        b = min(stop, a + tile)
+        qt = q[:, :, a:b]
+        own = alibi_distance_bias(pos[a:b].long(), pos[a:b].long(), slopes.to(q.dtype))  # (H, T, T)
+        if causal:
+            own = own.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), NEG_INF)
+        o, l = _flash(qt, k[:, :, a:b], v[:, :, a:b], False, sc, own[None].expand(B, H, b - a, b - a).to(q.dtype))
+        outs, lses = [o], [l]
+        # keys before the tile: offsets m (j - a) <= 0, the row constant -m (i - a); keys after it:
+        # offsets -m (j - (b-1)) <= 0, the row constant -m ((b-1) - i)
+        sides = [(0, a, a, 1.0)] + ([] if causal else [(b, n, b - 1, -1.0)])
+        for lo, hi, c, sign in sides:
+            if hi <= lo:
+                continue
+            k_ext[:, :, lo:hi, d] = (slopes[:, None] * (pos[lo:hi] - c)[None] / sc).to(q.dtype)[None]
+            q_ext = torch.cat([qt, qt.new_zeros(B, H, b - a, extra)], -1)
+            q_ext[..., d] = sign
+            o, l = _flash(q_ext, k_ext[:, :, lo:hi], v_ext[:, :, lo:hi], False, sc)
+            outs.append(o[..., :d])
+            lses.append((l.double() - slopes[None, :, None] * (sign * (pos[a:b] - c))[None, None]).to(l.dtype))
+        if len(outs) == 1:
+            out[:, :, a - start:b - start] = outs[0]
+        else:
+            merged, _ = merge_by_lse(torch.stack(outs, 2), torch.stack(lses, 2), dim=2)
+            out[:, :, a - start:b - start] = merged
+    return out
+
+
 def no_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) V`` (PyTorch SDPA: flash/memory-efficient kernels where available).

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from poslsh_cli.numerics import masks
-from poslsh_cli.attention.alibi import BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, no_bias_attention
+from poslsh_cli.attention.alibi import (BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, alibi_rank1_tiled,
+                                       no_bias_attention)
 from poslsh_cli.attention.blocks import BlockLayout, merged_block_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
@@ -192,7 +193,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
             bias = alibi_bias(q.shape[-2], sig, spec.causal, spec.window, q.device, bias_dtype(q.dtype))
         return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
     if b is Backend.RANK1:
-        return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
+        if needs_grad(q, k, v) or dropout:
+            return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
+        return alibi_rank1_tiled(q, k, v, sig, spec.causal, spec.scale)
     if b is Backend.CHUNKED:
         if plan.kernel is Kernel.FUSED and q.device.type == "cpu" and needs_grad(q, k, v):
             return alibi_banded(q, k, v, sig, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)
@@ -221,7 +224,8 @@ def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Seque
         window: None, one half-width for every head, or one per head (keys with
             ``|i - j| > w_h`` dropped).
         backend: ``auto`` (the plan), ``flex``, ``chunked``, ``dense`` (one SDPA call with the
-            (H, n, n) bias), ``rank1`` (causal exact only) or ``reference`` (dense float64).
+            (H, n, n) bias), ``rank1`` (the flash kernel with an extra coordinate; training: causal
+            only) or ``reference`` (dense float64).
 
     Returns (B, H, n, d) in q's dtype.
     """

@@ -5,7 +5,10 @@ decided in one place from the method, device, dtype, length and whether gradient
     reference  dense float64, the test oracle                               all
     sdpa       PyTorch SDPA without bias (flash / memory-efficient)         no_bias
     chunked    query chunks against their key range, bias per chunk         exact, windowed
-    rank1      causal exact ALiBi as one extra q/k coordinate on causal SDPA exact (causal)
+    rank1      exact ALiBi as one extra q/k coordinate on the bias-free        exact
+               kernel: training causal SDPA; inference the CPU flash kernel by
+               query tiles, the coordinate re-centred per tile (also
+               bidirectional: the keys before and after a tile, each rank one)
     dense      one SDPA call with an (H, n, n) additive bias                all but no_bias
     blocks     length-bucketed blocks of every sample, merged by lse        poslsh, fixed_block
     flex       FlexAttention (score_mod / block masks), compiled on CUDA    all but no_bias
@@ -132,8 +135,10 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     Backend (``auto``):
     - no_bias: PyTorch SDPA.
     - on CUDA every other method takes FlexAttention (it has its own backward there).
-    - for inference on the CPU: exact and windowed ALiBi by query chunks, the partition methods
-      (poslsh, fixed_block) on the blocks.
+    - for inference on the CPU: exact ALiBi (float32 and wider) on the flash kernel with its bias as
+      an extra q/k coordinate re-centred per query tile (``rank1``, causal and bidirectional; the
+      fastest exact path), windowed ALiBi (and exact in lower precision) by query chunks, the
+      partition methods (poslsh, fixed_block) on the blocks.
     - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
       otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (while
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
@@ -162,8 +167,10 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     if backend not in BACKENDS[method]:
         raise ValueError(f"method {method.value} has no backend {backend.value!r} "
                          f"(choose from {', '.join(b.value for b in BACKENDS[method])})")
-    if backend is Backend.RANK1 and not causal:
-        raise ValueError("the rank-one path computes causal exact ALiBi only")
+    if backend is Backend.RANK1 and not causal and grad:
+        raise ValueError("the rank-one path trains causal exact ALiBi only (bidirectional: inference)")
+    if backend is Backend.RANK1 and not grad and device.type != "cpu":
+        raise ValueError("the tiled rank-one path runs on the CPU flash kernel (on CUDA: flex)")
     chosen = None
     if backend in (Backend.BLOCKS, Backend.CHUNKED):
         wide = dtype == torch.promote_types(dtype, torch.float32)
@@ -181,6 +188,8 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
         return Backend.FLEX
     sparse = Backend.BLOCKS if Backend.BLOCKS in BACKENDS[method] else Backend.CHUNKED
     if not grad:
+        if method is Method.EXACT and dtype in (torch.float32, torch.float64):
+            return Backend.RANK1  # the flash kernel with a re-centred extra coordinate, causal or not
         return sparse
     if method is Method.EXACT and causal and n >= RANK1_MIN_N and dtype in (torch.float32, torch.float64):
         return Backend.RANK1

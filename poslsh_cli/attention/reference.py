@@ -81,6 +81,27 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weigh
     return torch.softmax(scores, dim=-1) @ v, lse
 
 
+def alibi_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
+                         causal: bool, rows: Sequence[int], scale: float | None = None,
+                         chunk: int = 32) -> torch.Tensor:
+    """Float64 exact ALiBi output of the query rows ``rows`` only, against all n keys:
+    (B, H, len(rows), d). Memory O(B H chunk n): a check of a fast path at lengths where the full
+    (n, n) reference does not fit."""
+    sc = scale_of(q.shape[-1], scale)
+    m = alibi_slopes(sigmas, torch.float64, q.device)
+    j = torch.arange(k.shape[-2], device=q.device, dtype=torch.float64)
+    kd, vd = k.double(), v.double()
+    outs = []
+    for a in range(0, len(rows), chunk):
+        idx = torch.as_tensor(list(rows[a:a + chunk]), device=q.device)
+        i = idx.to(torch.float64)
+        s = (q[:, :, idx].double() @ kd.transpose(-1, -2)) * sc - m[:, None, None] * (i[:, None] - j).abs()
+        if causal:
+            s = s.masked_fill(j[None, :] > i[:, None], NEG_INF)
+        outs.append(torch.softmax(s, -1) @ vd)
+    return torch.cat(outs, 2)
+
+
 def laplacian_weight(n: int, sigmas: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
     """Dense ``L*_ij = exp(-|i-j| / sigma_h)`` per head: sigmas (H,) -> (H, n, n) float64
     (tests and small references only)."""

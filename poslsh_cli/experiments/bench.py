@@ -12,6 +12,13 @@ on CPU the peak rise of the process's resident memory during one call, sampled e
 (Linux ``/proc/self/statm``). ``rel_fro`` is against the exact path's output, where it runs.
 ``gflop`` counts the useful floating-point work of the method (4 d per attended pair: q.k and
 p.v), so ``gflops`` says how well the method uses the hardware, not just how it compares.
+``machine_gflops`` is what this machine attains on attention: the bias-free flash kernel (PyTorch
+SDPA) on one dense problem of the same heads and head dimension, causal or not as the row, timed
+once per run; ``fraction`` = ``gflops / machine_gflops``, how close a path comes to it (the
+roofline of attention here). ``max_err_f64`` is the largest difference of the row's output from
+float64 exact ALiBi on 128 query rows spread over the sequence (for exact rows: their rounding
+error; for the others: their approximation error). ``exact_backends`` times exact ALiBi on
+several paths side by side (the ``backend`` column names each).
 """
 from __future__ import annotations
 
@@ -28,7 +35,13 @@ from poslsh_cli.numerics.methods import INFO, Method
 from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
-           "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats")
+           "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats",
+           "max_err_f64", "machine_gflops", "fraction")
+
+#: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
+EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
+#: Query rows whose float64 exact output checks every row's output (``max_err_f64``)
+CHECK_ROWS = 128
 
 
 #: The methods bench can time: every attention method.
@@ -49,12 +62,21 @@ class BenchSpec(Spec):
                                            + " (default: every method with a positional bias)",
                                            [m for m in BenchMethod if m.value != Method.NO_BIAS.value], noun="method")
     exact_max_n: int = key("largest n for which exact ALiBi is timed (and rel_fro computed)", 32768, ge=2)
+    exact_backends: tuple[str, ...] = key("exact-ALiBi paths to time: auto (the plan's: rank1 on the CPU, flex on "
+                                          "CUDA), rank1, chunked, dense, flex; the first is the reference of "
+                                          "rel_fro", ["auto"], noun="exact backend")
     dtype: Dtype = key("input and compute dtype", Dtype.FLOAT32)
     repeats: int = key("timed repeats per point (median reported), after warmup", 3, ge=1)
     warmup: int = key("untimed calls before timing", 1, ge=0)
     backward: bool = key("time forward + backward instead of forward only", False)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
+    def check(self) -> None:
+        from poslsh_cli.core.config import check
+
+        for b in self.exact_backends:
+            check(b in EXACT_BACKENDS, f"unknown exact backend {b!r} (one of {', '.join(EXACT_BACKENDS)})")
+        check(len(set(self.exact_backends)) == len(self.exact_backends), "exact_backends lists a path twice")
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,9 @@ class BenchRow:
     gflops: float
     seed: int
     repeats: int
+    max_err_f64: float  # max |output - float64 exact| over CHECK_ROWS query rows
+    machine_gflops: float  # the bias-free flash kernel's useful GFLOP/s on a dense problem (this run)
+    fraction: float  # gflops / machine_gflops
 
 
 @dataclass
@@ -86,6 +111,8 @@ class BenchContext:
     dtype: Any
     sigmas: Any  # (heads,) float64
     exact: dict[tuple[int, bool], Any] = field(default_factory=dict)
+    exact64: dict[tuple[int, bool], Any] = field(default_factory=dict)  # float64 exact on the check rows
+    machine: dict[bool, float] = field(default_factory=dict)  # causal -> attainable GFLOP/s
 
 
 
@@ -99,7 +126,37 @@ def prepare(spec: BenchSpec) -> BenchContext:
     mmap_threshold(TIMING_THRESHOLD)
     device = resolve_device(spec.device)
     sigmas = alibi_sigmas(spec.heads) if spec.sigma is None else np.full(spec.heads, float(spec.sigma))
-    return BenchContext(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
+    ctx = BenchContext(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
+    for causal in spec.causal:
+        ctx.machine[causal] = machine_gflops(spec, ctx, causal)
+    return ctx
+
+
+#: Sequence length of the dense problem that measures the machine's attainable attention throughput
+MACHINE_N = 4096
+
+
+def machine_gflops(spec: BenchSpec, ctx: BenchContext, causal: bool) -> float:
+    """Useful GFLOP/s of the bias-free flash kernel (PyTorch SDPA) on one dense problem of the
+    bench's heads, head dimension, dtype and direction (n = MACHINE_N, or the largest n when
+    shorter): what attention can attain on this machine, the denominator of ``fraction``."""
+    from poslsh_cli.attention import no_bias_attention
+    from poslsh_cli.experiments.measure import measure
+
+    n = min(MACHINE_N, max(spec.n))
+    q, k, v = _inputs(spec, ctx, n)
+    if spec.backward:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    t = measure(lambda: None, lambda _: no_bias_attention(q, k, v, causal), ctx.device, max(3, spec.repeats),
+                max(1, spec.warmup), spec.backward, (q, k, v))
+    pairs = spec.heads * (n * (n + 1) / 2 if causal else float(n) * n)
+    return 4.0 * spec.head_dim * pairs / 1e9 * (3.0 if spec.backward else 1.0) / t.seconds
+
+
+def check_rows(n: int) -> list[int]:
+    """The query rows the float64 check uses: the first and last, and CHECK_ROWS spread evenly."""
+    return sorted({0, n - 1, *np.linspace(0, n - 1, CHECK_ROWS).round().astype(int).tolist()})
 
 
 def partition_backends(device: Any) -> tuple[str, ...]:
@@ -138,7 +195,9 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
             for m in (m for m in order if m in chosen):
                 info, cell = INFO[m], {**base, "method": m.value}
                 if m is Method.EXACT:
-                    out += [cell] if n <= spec.exact_max_n else []
+                    several = len(spec.exact_backends) > 1
+                    out += [{**cell, **({"backend": b} if several else {})} for b in spec.exact_backends] \
+                        if n <= spec.exact_max_n else []
                 elif info.params == "window":
                     out += [{**cell, "window_sigmas": c} for c in spec.window_sigmas]
                 elif info.params.endswith("partitions"):
@@ -173,9 +232,19 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     d, H = spec.head_dim, spec.heads
     s, window_c = key.get("s", 0), key.get("window_sigmas", math.nan)
     seed = derive_seed(spec.seed, "bench", n, s) if info.randomized else -1
-    plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                  backend=key.get("backend", partition_backends(ctx.device)[0]) if info.params.endswith("partitions")
-                  else "auto")
+    if info.params.endswith("partitions"):
+        backend = key.get("backend", partition_backends(ctx.device)[0])
+    elif method is Method.EXACT:
+        backend = key.get("backend", spec.exact_backends[0])
+    else:
+        backend = "auto"
+    try:
+        plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                      backend=backend)
+    except ValueError as exc:
+        from poslsh_cli.core.config import ConfigError
+
+        raise ConfigError(f"exact_backends: {exc}") from None
 
     def build() -> AttentionSpec:
         rng = np.random.default_rng(seed) if info.randomized else None  # heads draw from it in order
@@ -203,20 +272,32 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v))
     gflop = 4.0 * d * pairs / 1e9 * (3.0 if spec.backward else 1.0)
     rel = math.nan
-    if method is Method.EXACT:
+    first_exact = method is Method.EXACT and key.get("backend", spec.exact_backends[0]) == spec.exact_backends[0]
+    if first_exact:
         ctx.exact[(n, causal)] = t.out[0]
     elif n <= spec.exact_max_n and Method.EXACT.value in {m.value for m in spec.methods}:
         ref = ctx.exact.get((n, causal))
         if ref is None:  # resumed run: recompute the reference, untimed
             with torch.no_grad():
-                ref = ctx.exact[(n, causal)] = attend(q.detach(), k.detach(), v.detach(),
-                                                      AttentionSpec(Method.EXACT, ctx.sigmas, causal))[0]
+                ref = ctx.exact[(n, causal)] = attend(
+                    q.detach(), k.detach(), v.detach(), AttentionSpec(Method.EXACT, ctx.sigmas, causal),
+                    plan=choose(Method.EXACT, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=False,
+                                backend="auto" if spec.exact_backends[0] == "auto" else spec.exact_backends[0]))[0]
         rel = float(np.median(output_errors(ref, t.out[0])[0]))
+    if (n, causal) not in ctx.exact64:
+        from poslsh_cli.attention.reference import alibi_rows_reference
+
+        with torch.no_grad():
+            ctx.exact64[(n, causal)] = alibi_rows_reference(q.detach(), k.detach(), v.detach(), ctx.sigmas, causal,
+                                                            check_rows(n))
+    err64 = float((t.out[:, :, check_rows(n)].double() - ctx.exact64[(n, causal)]).abs().max())
+    machine = ctx.machine.get(causal, math.nan)
     row = BenchRow(method=method.value, n=n, head_dim=d, heads=H, s=s, causal=causal, seconds=t.seconds,
                    peak_mem_mb=t.peak_mem_mb, rel_fro=rel, window_sigmas=window_c, dtype=spec.dtype.value,
                    device=str(ctx.device), backend=plan.label, sample_seconds=t.prepare_seconds,
                    attention_seconds=t.attention_seconds, gflop=gflop, gflops=gflop / t.seconds,
-                   seed=seed, repeats=spec.repeats)
+                   seed=seed, repeats=spec.repeats, max_err_f64=err64, machine_gflops=machine,
+                   fraction=gflop / t.seconds / machine if machine == machine else math.nan)
     return [asdict(row)], {}
 
 

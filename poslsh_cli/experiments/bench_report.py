@@ -16,6 +16,26 @@ from poslsh_cli.numerics.metrics import fit_loglog_slope
 
 EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
                                                           Method.FIXED_BLOCK))
+#: exact-ALiBi rows of the paths other than the reference one (``exact_backends`` of more than one)
+EXACT_ALT = "exact_alt"
+#: the roofline goal: the Positional-LSH block path from this n on reaches this fraction of the
+#: bias-free flash kernel's useful throughput
+ROOFLINE_N, ROOFLINE_FRACTION = 16384, 0.6
+
+
+def split_exact(df: Any) -> Any:
+    """Rows of exact ALiBi on several paths: the reference path's (the first of ``exact_backends``,
+    whose ``rel_fro`` is empty) stay ``exact``, the others become :data:`EXACT_ALT`, so times,
+    crossovers and speed-ups compare against one exact path."""
+    if "backend" not in df.columns:
+        return df.assign(backend="")
+    ex = df.method == EXACT
+    if not ex.any() or df[ex].backend.nunique() < 2:
+        return df
+    ref = set(df[ex & df.rel_fro.isna()].backend)
+    df = df.copy()
+    df.loc[ex & ~df.backend.isin(ref), "method"] = EXACT_ALT
+    return df
 
 
 def crossover(df: Any, method: str, select: Callable[[Any], Any] | None = None) -> float:
@@ -51,8 +71,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     the cheapest window at least as accurate."""
     head = ["n", "causal", "exact s", "poslsh", "e2e s", "of which sampling", "speed-up", "rel_fro", "window@≤err",
             "window s", "win speed-up"]
-    if "backend" not in df.columns:
-        df = df.assign(backend="")
+    df = split_exact(df)
     rows = []
     for (n, causal), g in df.groupby(["n", "causal"], sort=True):
         ex = g[g.method == EXACT]["seconds"]
@@ -92,14 +111,17 @@ def plot(run: Path, df: Any) -> list[Path]:
 def _lines(g: Any, multi: bool, cmap: Any) -> list[tuple[str, dict, Any, str, str]]:
     """(method, row filter, colour, line style, label) per curve: exact, Positional LSH per s (and
     backend), windowed per window, then every other method once, in the method order."""
-    lines = [(EXACT, {}, "k", "-", "exact ALiBi")]
+    ref = g[g.method == EXACT].backend
+    lines = [(EXACT, {}, "k", "-", "exact ALiBi" + (f" ({ref.iloc[0]})" if len(ref) and ref.iloc[0] else ""))]
+    lines += [(EXACT_ALT, {"backend": b}, "0.45", ":", f"exact ALiBi ({b})")
+              for b in sorted(g[g.method == EXACT_ALT].backend.unique())]
     pos = g[g.method == POSLSH][["s", "backend"]].drop_duplicates().sort_values(["s", "backend"])
     lines += [(POSLSH, {"s": s, "backend": b}, f"C{i % 10}", "-" if not str(b).startswith("flex") else "-.",
                f"Positional LSH s={s}" + (f" ({b})" if multi else "")) for i, (s, b) in enumerate(pos.itertuples(index=False))]
     cs = sorted(g[g.method == WINDOWED].window_sigmas.unique())
     lines += [(WINDOWED, {"window_sigmas": c}, cmap(0.35 + 0.6 * i / max(1, len(cs))), "--", f"windowed w={c:g}σ")
               for i, c in enumerate(cs)]
-    others = [m.value for m in Method if m.value not in (EXACT, POSLSH, WINDOWED)]
+    others = [m.value for m in Method if m.value not in (EXACT, POSLSH, WINDOWED)]  # exact_alt: drawn above
     lines += [(m, {}, f"C{7 + i}", ":", m.replace("_", " ")) for i, m in enumerate(others)]
     return lines
 
@@ -122,7 +144,7 @@ def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
         m = sel(g[g.method == method]).sort_values("n")
         if m.empty:
             continue
-        x = crossover(g, method, sel) if method != EXACT else float("nan")
+        x = crossover(g, method, sel) if method not in (EXACT, EXACT_ALT) else float("nan")
         ax.plot(m.n, m.seconds, ls, color=color, marker="o", ms=3, lw=1.2,
                 label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
         if np.isfinite(x):
@@ -145,7 +167,7 @@ def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
     from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
-    pts = g[(g.method != EXACT) & g.rel_fro.notna()]
+    pts = g[~g.method.isin([EXACT, EXACT_ALT]) & g.rel_fro.notna()]
     ns = sorted(pts.n.unique())
     if not ns:
         return []
@@ -192,12 +214,78 @@ def report(run: Path, df: Any) -> Section:
     sec = Section("bench", run, "Speed: Positional-LSH attention against exact and windowed ALiBi")
     head, rows = summary(df)
     sec.tables.append(pd.DataFrame(rows, columns=head))
-    if "backend" not in df.columns:
-        df = df.assign(backend="")
+    raw = df if "backend" in df.columns else df.assign(backend="")
+    df = split_exact(df)
     verdict, paragraphs = claim_near_linear_time(df)
     sec.verdicts.append(verdict)
     sec.paragraphs += paragraphs + pareto_findings(df)
+    ex = raw[raw.method == EXACT]
+    if len(ex):
+        sec.tables.append(exact_paths_table(ex))
+        paths = ", ".join(sorted(set(df[df.method == EXACT].backend)))
+        sec.paragraphs.append(f"Speed-ups and crossovers are against exact ALiBi on {paths}"
+                              + (" (the reference of rel_fro; the other exact paths are in the table of exact "
+                                 "paths)" if (df.method == EXACT_ALT).any() else "") + ".")
+    if "fraction" in raw.columns and raw.fraction.notna().any():
+        sec.tables.append(roofline_table(raw))
+        sec.verdicts.append(claim_roofline(raw))
     return sec
+
+
+def exact_paths_table(ex: Any) -> Any:
+    """Exact ALiBi per (n, causal, path): time, useful GFLOP/s, its fraction of the machine's
+    attainable attention throughput, and its largest difference from float64."""
+    import pandas as pd
+
+    def fmt(r: Any, col: str, spec: str) -> str:
+        x = float(getattr(r, col, math.nan))
+        return format(x, spec) if math.isfinite(x) else "-"
+
+    rows = []
+    for r in ex.sort_values(["causal", "n", "seconds"]).itertuples():
+        rows.append([str(bool(r.causal)), str(int(r.n)), r.backend, f"{r.seconds:.3g}", fmt(r, "gflops", ".1f"),
+                     fmt(r, "fraction", ".0%"), fmt(r, "max_err_f64", ".2g")])
+    return pd.DataFrame(rows, columns=["causal", "n", "exact path", "seconds", "GFLOP/s", "of attainable",
+                                       "max |err| vs float64"])
+
+
+def roofline_table(df: Any) -> Any:
+    """Each method's useful GFLOP/s at its largest n as a fraction of what the bias-free flash
+    kernel attains here on a dense problem (measured once in the run)."""
+    import pandas as pd
+
+    rows = []
+    for causal, g in df.groupby("causal"):
+        machine = float(g.machine_gflops.dropna().iloc[0]) if g.machine_gflops.notna().any() else math.nan
+        top = g[g.n == g.n.max()]
+        for r in top.sort_values(["method", "s", "window_sigmas"]).itertuples():
+            what = r.method + (f" s={r.s}" if r.method == POSLSH else "") + \
+                (f" w={r.window_sigmas:g}σ" if r.method == WINDOWED else "")
+            rows.append([str(bool(causal)), str(int(r.n)), what, r.backend, f"{r.gflops:.1f}", f"{machine:.1f}",
+                         f"{r.fraction:.0%}"])
+    return pd.DataFrame(rows, columns=["causal", "n", "method", "path", "useful GFLOP/s", "flash kernel GFLOP/s",
+                                       "fraction"])
+
+
+def claim_roofline(df: Any) -> Verdict:
+    """The Positional-LSH block path from n = ROOFLINE_N on reaches ROOFLINE_FRACTION of the
+    machine's attainable attention throughput (every s, both directions measured)."""
+    from poslsh_cli.verdicts.claims import Status
+
+    rule = (f"SUPPORTED when every Positional-LSH row on the blocks path with n >= {ROOFLINE_N} has useful "
+            f"GFLOP/s at least {ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the "
+            "same heads, head dimension and direction (measured once in the run); NOT SUPPORTED when one is "
+            "below; NOT MEASURED without such rows")
+    rows = df[(df.method == POSLSH) & df.backend.astype(str).str.startswith("blocks") & (df.n >= ROOFLINE_N)]
+    claim = f"Positional-LSH blocks reach {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at n >= {ROOFLINE_N}"
+    if rows.empty or rows.fraction.isna().all():
+        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH blocks rows with n >= {ROOFLINE_N}", rule)
+    worst = rows.loc[rows.fraction.idxmin()]
+    ev = (f"lowest fraction {worst.fraction:.0%} (s={worst.s}, n={int(worst.n)}, "
+          f"{'causal' if worst.causal else 'bidirectional'}); highest {rows.fraction.max():.0%}; "
+          f"{len(rows)} rows")
+    return Verdict(claim, Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else Status.NOT_SUPPORTED,
+                   ev, rule)
 
 
 def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
@@ -237,7 +325,7 @@ def pareto_findings(df: Any) -> list[str]:
     out = []
     for causal, g in df.groupby("causal"):
         mode = "causal" if causal else "bidirectional"
-        pts = g[g.method != EXACT].dropna(subset=["rel_fro"])
+        pts = g[~g.method.isin([EXACT, EXACT_ALT])].dropna(subset=["rel_fro"])
         fronts, beaten, total = [], 0, 0
         for n, gn in pts.groupby("n"):
             front = pareto_front(gn[["seconds", "rel_fro", "method"]].to_numpy())

@@ -13,6 +13,7 @@ the CPU with a NumPy generator, so a seed gives the same masks on every device.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 from dataclasses import dataclass
@@ -145,13 +146,51 @@ def _block_starts(n: int, width: float, shift: float) -> np.ndarray:
     return np.concatenate(([0], i, [n])).astype(np.int64)
 
 
+class Sampler(str, enum.Enum):
+    """How the s (width, shift) pairs of one head are drawn. Every sampler draws each pair with
+    the same marginal law (width ~ Gamma(2, sigma), shift ~ U[0, width)), so the mean mask is an
+    unbiased estimate of L* whichever is used; they differ in how the s pairs spread jointly.
+
+    - ``iid``: independent pairs.
+    - ``stratified``: a Latin hypercube over (width quantile, shift fraction): each of the s
+      equal slices of either unit coordinate holds exactly one pair (scipy.stats.qmc).
+    - ``sobol``: a scrambled Sobol sequence over the same two coordinates (Owen scrambling:
+      each point uniform on the square, the set of s well spread; scipy.stats.qmc).
+    """
+
+    IID = "iid"
+    STRATIFIED = "stratified"
+    SOBOL = "sobol"
+
+
+def unit_pairs(num_samples: int, generator: np.random.Generator, sampler: "Sampler | str") -> np.ndarray:
+    """(s, 2) points of the unit square, each uniform: (width quantile, shift fraction)."""
+    sampler = Sampler(sampler)
+    if sampler is Sampler.STRATIFIED:
+        from scipy.stats import qmc
+
+        return qmc.LatinHypercube(d=2, rng=generator).random(num_samples)
+    if sampler is Sampler.SOBOL:
+        import warnings
+
+        from scipy.stats import qmc
+
+        with warnings.catch_warnings():  # balance properties hold best at powers of two; any s is unbiased
+            warnings.simplefilter("ignore", UserWarning)
+            return qmc.Sobol(d=2, scramble=True, rng=generator).random(num_samples)
+    raise ValueError(f"unit_pairs draws stratified or sobol points, not {sampler.value}")
+
+
 def sample_partitions(
-    seq_len: int, sigma: float, num_samples: int, generator: np.random.Generator
+    seq_len: int, sigma: float, num_samples: int, generator: np.random.Generator,
+    sampler: "Sampler | str" = "iid",
 ) -> Partitions:
     """Draw ``num_samples`` positional-LSH partitions of ``seq_len`` positions.
 
-    Draw order (fixed, so seeds replay): all widths ``delta ~ Gamma(2, sigma)``, then all
-    ``U[0,1)`` variates, ``u = U * delta``.
+    ``iid`` draw order (fixed, so seeds replay): all widths ``delta ~ Gamma(2, sigma)``, then all
+    ``U[0,1)`` variates, ``u = U * delta``. ``stratified`` and ``sobol`` (:class:`Sampler`) take
+    (s, 2) unit points from ``generator`` and map them through the inverse Gamma(2, sigma) CDF
+    (width) and ``u = U * delta`` (shift): the same marginal law, less variance in the mean mask.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -159,8 +198,16 @@ def sample_partitions(
         raise ValueError(f"sigma must be > 0, got {sigma}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    widths = generator.gamma(shape=2.0, scale=float(sigma), size=num_samples)
-    shifts = generator.random(num_samples) * widths
+    if Sampler(sampler) is Sampler.IID:
+        widths = generator.gamma(shape=2.0, scale=float(sigma), size=num_samples)
+        shifts = generator.random(num_samples) * widths
+    else:
+        from scipy.stats import gamma
+
+        pts = unit_pairs(num_samples, generator, sampler)
+        widths = gamma.ppf(pts[:, 0], a=2.0, scale=float(sigma))
+        widths = np.maximum(widths, np.finfo(np.float64).tiny)  # a quantile of exactly 0 has width 0
+        shifts = pts[:, 1] * widths
     return Partitions(int(seq_len), float(sigma), widths, shifts)
 
 
