@@ -68,12 +68,13 @@ class AttentionSpec:
     @classmethod
     def build(cls, method: Method | str, sigmas: Sequence[float] | np.ndarray, seq_len: int, causal: bool, *,
               num_samples: int = 0, rng: Any = None, window_sigmas: float | None = None,
-              scale: float | None = None) -> "AttentionSpec":
+              scale: float | None = None, sampler: str = "iid") -> "AttentionSpec":
         """The spec of ``method`` at length ``seq_len`` with one sigma per head: the one place
         its parameters are drawn or derived (:data:`poslsh_cli.numerics.methods.INFO`).
 
         - sampled partitions: ``num_samples`` per head; ``rng`` is one NumPy generator per head (a
-          sequence), or one generator the heads draw from in order.
+          sequence), or one generator the heads draw from in order; ``sampler`` how each head's s
+          pairs are drawn (:class:`poslsh_cli.numerics.sampling.Sampler`: iid, stratified, sobol).
         - fixed partitions: width round(2 sigma_h) per head.
         - window: half-widths ``ceil(window_sigmas * sigma_h)``.
         """
@@ -85,7 +86,7 @@ class AttentionSpec:
             if num_samples < 1 or rng is None:
                 raise ValueError(f"{method.value} needs num_samples >= 1 and rng")
             gens = list(rng) if isinstance(rng, (list, tuple)) else [rng] * len(sigmas)
-            extra["partitions"] = tuple(sample_partitions(seq_len, float(sg), num_samples, g)
+            extra["partitions"] = tuple(sample_partitions(seq_len, float(sg), num_samples, g, sampler)
                                         for sg, g in zip(sigmas, gens))
         elif params == "fixed_partitions":
             extra["partitions"] = tuple(fixed_block_partitions(seq_len, sigmas))

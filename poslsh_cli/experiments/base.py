@@ -146,9 +146,12 @@ def check_memory(exp: Experiment, spec: Any) -> None:
 
 
 def grid_cells(spec: Any) -> list[dict[str, Any]]:
-    """The (n, sigma, s, trial) grid of the matrix experiments, in a fixed order."""
-    return [{"n": n, "sigma": sigma, "s": s, "trial": t}
+    """The (n, sigma, s, trial) grid of the matrix experiments, in a fixed order; with a ``sampler``
+    key, every point once per sampler (the same seed: a sampler changes how the seed is used)."""
+    samplers = [getattr(x, "value", x) for x in getattr(spec, "sampler", ())]
+    grid = [{"n": n, "sigma": sigma, "s": s, "trial": t}
             for n, sigma, s, t in product(spec.n, spec.sigma, spec.s, range(spec.trials))]
+    return [{**k, "sampler": sm} for sm in samplers for k in grid] if samplers else grid
 
 
 class Device(str):

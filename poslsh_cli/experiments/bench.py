@@ -32,11 +32,11 @@ from poslsh_cli.experiments.bench_report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Dtype, Experiment, MemoryNeed, Device, choices, cuda_skip_reason, resolve_device, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method
-from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
 
 COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
            "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats",
-           "max_err_f64", "machine_gflops", "fraction")
+           "max_err_f64", "machine_gflops", "fraction", "sampler")
 
 #: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
@@ -56,6 +56,7 @@ class BenchSpec(Spec):
     head_dim: int = key("head dimension d", 64, ge=1)
     causal: tuple[bool, ...] = key("causal attention (bool or list)", [False])
     s: tuple[int, ...] = key("Positional-LSH sample counts (each is one method point)", [1, 2, 4, 8, 16, 32], ge=1)
+    sampler: tuple[Sampler, ...] = key(SAMPLER_HELP + " (a list: side by side)", [Sampler.IID], noun="sampler")
     window_sigmas: tuple[float, ...] = key("windowed exact ALiBi half-widths w = ceil(c*sigma), one point per c",
                                            [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], gt=0)
     methods: tuple[BenchMethod, ...] = key("methods to time: " + ", ".join(m.value for m in BenchMethod)
@@ -103,6 +104,7 @@ class BenchRow:
     max_err_f64: float  # max |output - float64 exact| over CHECK_ROWS query rows
     machine_gflops: float  # the bias-free flash kernel's useful GFLOP/s on a dense problem (this run)
     fraction: float  # gflops / machine_gflops
+    sampler: str = ""  # poslsh: how its masks are drawn (iid, stratified, sobol); else empty
 
 
 @dataclass
@@ -201,7 +203,9 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
                 elif info.params == "window":
                     out += [{**cell, "window_sigmas": c} for c in spec.window_sigmas]
                 elif info.params.endswith("partitions"):
-                    per_s = [{"s": s} for s in spec.s] if info.randomized else [{}]
+                    several = len(spec.sampler) > 1  # the sampler enters the key only where there is more than one
+                    per_s = [{"s": s, **({"sampler": sm.value} if several else {})} for sm in spec.sampler
+                             for s in spec.s] if info.randomized else [{}]
                     out += [{**cell, **x, **tag(b)} for x in per_s for b in backends]
                 else:
                     out.append(cell)
@@ -232,6 +236,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     d, H = spec.head_dim, spec.heads
     s, window_c = key.get("s", 0), key.get("window_sigmas", math.nan)
     seed = derive_seed(spec.seed, "bench", n, s) if info.randomized else -1
+    sampler = key.get("sampler", spec.sampler[0].value) if info.randomized else "iid"
     if info.params.endswith("partitions"):
         backend = key.get("backend", partition_backends(ctx.device)[0])
     elif method is Method.EXACT:
@@ -248,7 +253,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
 
     def build() -> AttentionSpec:
         rng = np.random.default_rng(seed) if info.randomized else None  # heads draw from it in order
-        return AttentionSpec.build(method, ctx.sigmas, n, causal, num_samples=s, rng=rng,
+        return AttentionSpec.build(method, ctx.sigmas, n, causal, num_samples=s, rng=rng, sampler=sampler,
                                    window_sigmas=None if math.isnan(window_c) else window_c)
 
     fixed = build()
@@ -297,7 +302,8 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                    device=str(ctx.device), backend=plan.label, sample_seconds=t.prepare_seconds,
                    attention_seconds=t.attention_seconds, gflop=gflop, gflops=gflop / t.seconds,
                    seed=seed, repeats=spec.repeats, max_err_f64=err64, machine_gflops=machine,
-                   fraction=gflop / t.seconds / machine if machine == machine else math.nan)
+                   fraction=gflop / t.seconds / machine if machine == machine else math.nan,
+                   sampler=sampler if info.randomized else "")
     return [asdict(row)], {}
 
 

@@ -23,6 +23,20 @@ EXACT_ALT = "exact_alt"
 ROOFLINE_N, ROOFLINE_FRACTION = 16384, 0.6
 
 
+def first_sampler(df: Any) -> tuple[Any, Any]:
+    """(the rows the speed tables use: every method, Positional LSH under its first sampler;
+    every Positional-LSH row, with a sampler column). Samplers differ in error, not in time."""
+    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
+
+    if "sampler" not in df.columns:
+        return df, df[df.method == POSLSH].assign(sampler="iid")
+    p = with_sampler(df[df.method == POSLSH])
+    if p.empty:
+        return df, p
+    keep = (df.method != POSLSH) | (df.sampler.fillna("iid").astype(str) == samplers_of(p)[0])
+    return df[keep], p
+
+
 def split_exact(df: Any) -> Any:
     """Rows of exact ALiBi on several paths: the reference path's (the first of ``exact_backends``,
     whose ``rel_fro`` is empty) stay ``exact``, the others become :data:`EXACT_ALT`, so times,
@@ -69,6 +83,7 @@ def pareto_front(points: np.ndarray) -> np.ndarray:
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Per (n, causal): exact time; Positional LSH at each s (end to end, and its sampling part);
     the cheapest window at least as accurate."""
+    df, _ = first_sampler(df)
     head = ["n", "causal", "exact s", "poslsh", "e2e s", "of which sampling", "speed-up", "rel_fro", "window@≤err",
             "window s", "win speed-up"]
     df = split_exact(df)
@@ -100,6 +115,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     and the error-time Pareto front per n, one pair of figures per causal setting."""
     if "backend" not in df.columns:
         df = df.assign(backend="")
+    df, _ = first_sampler(df)
     paths = []
     for causal, g in df.groupby("causal"):
         mode = "causal" if causal else "bidir"
@@ -212,6 +228,7 @@ def report(run: Path, df: Any) -> Section:
     import pandas as pd
 
     sec = Section("bench", run, "Speed: Positional-LSH attention against exact and windowed ALiBi")
+    df, every = first_sampler(df)
     head, rows = summary(df)
     sec.tables.append(pd.DataFrame(rows, columns=head))
     raw = df if "backend" in df.columns else df.assign(backend="")
@@ -229,6 +246,15 @@ def report(run: Path, df: Any) -> Section:
     if "fraction" in raw.columns and raw.fraction.notna().any():
         sec.tables.append(roofline_table(raw))
         sec.verdicts.append(claim_roofline(raw))
+    if every.sampler.nunique() > 1 and every.rel_fro.notna().any():
+        from poslsh_cli.verdicts.samplers import comparison, samplers_of, worth_sentences
+
+        sec.paragraphs.append(f"Mask samplers (the tables above: {samplers_of(every)[0]}): the error against exact "
+                              "ALiBi at equal s, times being the same.")
+        cmp = comparison(every[every.rel_fro.notna()], ["n", "causal"], "rel_fro")
+        sec.paragraphs.extend(worth_sentences(cmp, "output error (rel_fro, median over heads)", ["n", "causal"]))
+        sec.details.append(("Samplers per (n, causal, s): rel_fro against exact ALiBi, ratio to iid, the iid s of "
+                            "the same error", cmp))
     return sec
 
 

@@ -22,9 +22,10 @@ from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Statu
 from poslsh_cli.core.config import ConfigError, Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.numerics.metrics import fit_loglog_slope
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
 
 NAME = "matrix-error"
-COLUMNS = ("n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err",
+COLUMNS = ("n", "sigma", "s", "trial", "seed", "sampler", "method", "spectral_err", "spectral_rel", "max_err",
            "b_max", "seconds", "peak_mem_mb", "kernel_norm", "lanczos_tol", "converged", "matvecs",
            "spectral_err_bound", "lanczos_delta", "psi_sigma", "expectation_bound", "tail_bound", "s_needed")
 
@@ -43,6 +44,8 @@ class MatrixErrorSpec(Spec):
     sigma: tuple[float, ...] = key("bandwidths sigma > 0 (float or list)", [4.0, 16.0], gt=0)
     s: tuple[int, ...] = key("numbers of samples (int or list)", [1, 2, 4, 8, 16, 32, 64, 128], ge=1)
     trials: int = key("independent repetitions per (n, sigma, s)", 3, ge=1)
+    sampler: tuple[Sampler, ...] = key(SAMPLER_HELP + " (list: side by side; the theorem's verdicts use iid)",
+                                       [Sampler.IID], noun="sampler")
     method: Computation = key("fast (O(n) operators + Lanczos), dense (n x n float64 reference) or both", Computation.FAST)
     tol: float = key("relative width of the certified interval for ||L*-M~||_2: spectral_err (a lower bound) and "
                      "spectral_err_bound within tol of each other", 1e-3, gt=0)
@@ -68,6 +71,7 @@ class MatrixErrorRow:
     s: int
     trial: int
     seed: int
+    sampler: str
     method: str
     spectral_err: float
     spectral_rel: float
@@ -119,9 +123,10 @@ def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: 
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
     seed = cell_seed(spec.seed, NAME, key)
-    parts = sample_partitions(n, sigma, s, np.random.default_rng(seed))
+    sampler = key.get("sampler", "iid")
+    parts = sample_partitions(n, sigma, s, np.random.default_rng(seed), sampler)
     kernel, mask = LaplacianKernel(n, sigma), MeanMask(parts)
-    common = dict(n=n, sigma=sigma, s=s, trial=trial, seed=seed, b_max=parts.b_max, psi_sigma=theorem.psi_sigma(sigma),
+    common = dict(n=n, sigma=sigma, s=s, trial=trial, seed=seed, sampler=sampler, b_max=parts.b_max, psi_sigma=theorem.psi_sigma(sigma),
                   expectation_bound=theorem.expectation_bound(sigma, n, s))
 
     def at(err: float) -> dict:
@@ -174,14 +179,17 @@ def no_fit_text(s: Any) -> str:
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Per (n, sigma, method): the decay slopes by the report's rule (fits over s >= 8) and the
     error at the largest s."""
-    head = ["n", "sigma", "method", f"slope spec (s≥{ASYMPTOTIC_S})", f"slope max (s≥{ASYMPTOTIC_S})", "s_max",
+    from poslsh_cli.verdicts.samplers import with_sampler
+
+    df = with_sampler(df)
+    head = ["n", "sigma", "sampler", "method", f"slope spec (s≥{ASYMPTOTIC_S})", f"slope max (s≥{ASYMPTOTIC_S})", "s_max",
             "spec_rel", "max_err", "secs"]
     rows = []
-    for (n, sigma, method), g in df.groupby(["n", "sigma", "method"], sort=False):
+    for (n, sigma, sampler, method), g in df.groupby(["n", "sigma", "sampler", "method"], sort=False):
         fs, fm = asymptotic_fit(g["s"], g["spectral_err"]), asymptotic_fit(g["s"], g["max_err"])
         top = g[g["s"] == g["s"].max()]
         none = no_fit_text(g["s"])
-        rows.append([str(n), f"{sigma:g}", method, f"{fs.slope:.3f}" if fs else none, f"{fm.slope:.3f}" if fm else none,
+        rows.append([str(n), f"{sigma:g}", sampler, method, f"{fs.slope:.3f}" if fs else none, f"{fm.slope:.3f}" if fm else none,
                      str(int(top['s'].iloc[0])), f"{top['spectral_rel'].mean():.4g}", f"{top['max_err'].mean():.4g}",
                      f"{g['seconds'].sum():.2f}"])
     return head, rows
@@ -194,8 +202,12 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 def plot(run: Path, df: Any) -> list[Path]:
     from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
 
+    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
+
     plt = pyplot()
-    main = df[df["method"] == ("fast" if (df["method"] == "fast").any() else "dense")]
+    df = with_sampler(df)
+    every = df[df["method"] == ("fast" if (df["method"] == "fast").any() else "dense")]
+    main = every[every.sampler == samplers_of(every)[0]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     lab = lambda k: f"n={k[0]}, σ={k[1]:g}"  # noqa: E731
     decay_panel(axes[0], main, "s", "spectral_rel", ["n", "sigma"], lab)
@@ -208,9 +220,32 @@ def plot(run: Path, df: Any) -> list[Path]:
         ax.legend(title="mean, min–max band; dashed: c/√s", title_fontsize=8)
     fig.suptitle("Positional LSH: error of the mean mask against s (Theorem 2.1: O(1/√s))")
     paths = save(fig, run, "matrix_error_vs_s")
+    if len(samplers_of(every)) > 1:
+        paths += _plot_samplers(run, every)
     if set(df["method"]) >= {"fast", "dense"}:
         paths += _plot_fast_vs_dense(run, df)
     return paths
+
+
+def _plot_samplers(run: Path, df: Any) -> list[Path]:
+    """Spectral and max-norm error against s, one line per sampler, one row of panels per (n, σ)
+    (at most four)."""
+    from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
+    from poslsh_cli.verdicts.samplers import samplers_of
+
+    plt = pyplot()
+    groups = list(df.groupby(["n", "sigma"], sort=True))[:4]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.6 * len(groups)), squeeze=False)
+    order = {sm: i for i, sm in enumerate(samplers_of(df))}
+    for row, ((n, sigma), g) in zip(axes, groups):
+        g = g.assign(_order=g.sampler.map(order)).sort_values("_order")
+        for ax, col, name in ((row[0], "spectral_rel", "‖L* − M̃‖₂ / ‖L*‖₂"), (row[1], "max_err", "max |L* − M̃|")):
+            decay_panel(ax, g, "s", col, ["_order"], lambda k: samplers_of(df)[int(k[0])])
+            ax.set_title(f"n={n}, σ={sigma:g}: {name}")
+            ax.set_xlabel("number of samples s")
+            ax.legend(title="sampler (mean, min–max band)", title_fontsize=8)
+    fig.suptitle("Mask samplers side by side: every one unbiased, the error at equal s differs")
+    return save(fig, run, "matrix_error_samplers")
 
 
 def _draw_bound(ax: Any, df: Any) -> None:
@@ -280,10 +315,20 @@ def report(run: Path, df: Any) -> Section:
     import numpy as np
     import pandas as pd
 
+    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
+
+    df = with_sampler(df)
     dense_check = set(df.method) == {"fast", "dense"}
     sec = Section("matrix-error", run, "Matrix approximation: ‖L* − M̃‖ decays like 1/√s (Theorem 2.1)")
-    main = df[df.method == ("fast" if (df.method == "fast").any() else "dense")]
-    main, unconverged = _converged(main)
+    every, unconverged = _converged(df[df.method == ("fast" if (df.method == "fast").any() else "dense")])
+    samplers = samplers_of(every) if len(every) else ["iid"]
+    main = every[every.sampler == samplers[0]]
+    if samplers[0] != "iid":
+        sec.paragraphs.append(f"No iid rows: the decay and Theorem 2.1 checks below use sampler={samplers[0]} "
+                              "(the theorem is stated for independent masks).")
+    elif len(samplers) > 1:
+        sec.paragraphs.append("The decay and Theorem 2.1 checks below use the iid rows (the theorem is stated for "
+                              "independent masks); the samplers are compared after them.")
     if unconverged:
         sec.paragraphs.append(f"{unconverged} rows did not certify their interval within lanczos_tol "
                               "(converged=false); they are left out of every fit.")
@@ -324,11 +369,31 @@ def report(run: Path, df: Any) -> Section:
         sec.verdicts.append(Verdict("spectral error decays like s^-1/2", Status.NOT_MEASURED,
                                     f"fewer than three s ≥ {ASYMPTOTIC_S} in every (n, σ)", DECAY_RULE))
     _report_theorem(sec, main)
+    if len(samplers) > 1:
+        _report_samplers(sec, every)
     if dense_check:
         if not st_spec:  # a run made to check the fast path, not to measure the decay
             sec.title = "Fast O(n) path against the dense float64 reference"
         _report_dense_check(sec, df)
     return sec
+
+
+def _report_samplers(sec: Section, df: Any) -> None:
+    """The samplers side by side: decay slopes, error ratios to iid at equal s and the iid s each
+    sampler's s is worth (:mod:`poslsh_cli.verdicts.samplers`)."""
+    from poslsh_cli.verdicts.samplers import comparison, slope_table, worth_sentences
+
+    sec.tables.append(slope_table(df, ["n", "sigma"], {"spectral": "spectral_err", "max": "max_err"}))
+    spec = comparison(df, ["n", "sigma"], "spectral_err")
+    mx = comparison(df, ["n", "sigma"], "max_err")
+    sec.paragraphs.extend(worth_sentences(spec, "spectral error", ["n", "sigma"]))
+    sec.paragraphs.extend(worth_sentences(mx, "max-norm error", ["n", "sigma"]))
+    table = spec.rename(columns={"mean": "spectral_err (mean)", "ratio_to_iid": "spectral ratio to iid",
+                                 "iid_equivalent": "iid s matched (spectral)"})
+    table["max_err (mean)"] = mx["mean"].values
+    table["max ratio to iid"] = mx["ratio_to_iid"].values
+    sec.details.append(("Samplers per (n, σ, s): mean errors over trials, ratio to iid at equal s, the iid s of the "
+                        "same mean spectral error (bound: > beyond the largest iid s run)", table))
 
 
 THEOREM_RULE = ("holds: in every (n, σ, s) cell the mean over trials of the certified upper end of ‖L* − M̃‖₂ "
@@ -428,7 +493,7 @@ EXPERIMENT = Experiment(
     summary=summary,
     plot=plot,
     report=report,
-    presets=("matrix_error", "matrix_dense_check"),
+    presets=("matrix_error", "matrix_dense_check", "matrix_error_samplers"),
     order=10,
     memory=memory,
 )

@@ -20,11 +20,11 @@ from poslsh_cli.core.config import ConfigError, Spec, key
 from poslsh_cli.experiments.base import (Dtype, Experiment, MemoryNeed, Device, choices, resolve_device, synchronize,
                                    torch_dtype)
 from poslsh_cli.numerics.methods import INFO, Method, baselines
-from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
 
 COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
            "max_row_rel", "seconds", "window", "qkv_file", "convention", "rel_sym", "row_rel_median", "row_rel_p90",
-           "row_rel_p99", "cosine", "exp_overflow")
+           "row_rel_p99", "cosine", "exp_overflow", "sampler")
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
@@ -49,6 +49,7 @@ class OutputErrorSpec(Spec):
     causal: Union[Literal["auto"], bool] = key("auto (decoders causal, encoders not), true or false", "auto")
     s: tuple[int, ...] = key("numbers of sampled masks (int or list)", [1, 2, 4, 8, 16, 32, 64], ge=1)
     trials: int = key("independent repetitions per s", 3, ge=1)
+    sampler: tuple[Sampler, ...] = key(SAMPLER_HELP + " (a list: side by side)", [Sampler.IID], noun="sampler")
     baselines: tuple[Baseline, ...] = key("reference methods: " + ", ".join(b.value for b in Baseline)
                                           + " ([] for none)", list(Baseline),
                                           noun="baseline", empty=True)
@@ -91,6 +92,7 @@ class OutputErrorRow:
     row_rel_p99: float = float("nan")
     cosine: float = float("nan")  # cosine similarity of the flattened outputs
     exp_overflow: bool = False  # official: exp of the largest logit overflows float32 (the script takes exp(S) raw)
+    sampler: str = ""  # poslsh: how its masks were drawn (iid, stratified, sobol); else empty
 
 
 @dataclass
@@ -213,8 +215,8 @@ def cells(spec: OutputErrorSpec, ctx: OutputErrorContext | None = None) -> list[
             if INFO[m].params == "window":
                 out += [{"layer": layer, "method": m.value, "window_sigmas": float(c)} for c in spec.window_sigmas]
             elif INFO[m].randomized:
-                out += [{"layer": layer, "method": m.value, "s": s, "trial": t}
-                        for s in spec.s for t in range(spec.trials)]
+                out += [{"layer": layer, "method": m.value, "s": s, "trial": t, "sampler": sm.value}
+                        for sm in spec.sampler for s in spec.s for t in range(spec.trials)]
             else:
                 out.append({"layer": layer, "method": m.value})
     return out
@@ -247,8 +249,8 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext
              for h in ctx.heads]
     att = AttentionSpec.build(method, ctx.sigmas, n, ctx.causal, num_samples=s,
                               rng=[np.random.default_rng(sd) for sd in seeds] if INFO[method].randomized else None,
-                              scale=scaling,
-                              window_sigmas=key.get("window_sigmas"))
+                              scale=scaling, window_sigmas=key.get("window_sigmas"),
+                              sampler=key.get("sampler", "iid"))
     window = att.window
     synchronize(ctx.device)
     t0 = time.perf_counter()
@@ -259,7 +261,7 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext
     qkv_file = _qkv_file(layer) if spec.save_qkv else ""
     rows = [OutputErrorRow(model=ctx.model_name, layer=layer, head=h, sigma=float(sg), causal=ctx.causal, n=n, s=s,
                            trial=trial, seed=sd, method=method.value, seconds=seconds, window=w, qkv_file=qkv_file,
-                           **m)
+                           sampler=key.get("sampler", "iid") if INFO[method].randomized else "", **m)
             for h, sg, sd, w, m in zip(ctx.heads, ctx.sigmas, seeds, window or [-1] * len(ctx.heads),
                                        _metrics(ctx, layer, exact, out[0]))]
     return [asdict(r) for r in rows], {}
@@ -330,7 +332,8 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("output_error_minilm", "output_error_official_minilm", "output_error_official_mistral_7b",
+    presets=("output_error_minilm", "output_error_minilm_samplers", "output_error_official_minilm",
+             "output_error_official_mistral_7b",
              "output_error_official_llama_4_scout", "output_error_qwen3_0_6b", "output_error_mistral_7b", "output_error_llama_4_scout",
              "output_error_bloom_560m", "output_error_falcon_rw_1b", "output_error_mpt_7b", "output_error_baichuan_13b"),
     order=30,

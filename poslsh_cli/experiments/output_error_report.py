@@ -21,6 +21,19 @@ def _present(df: Any) -> list[Method]:
     return [m for m in baselines() if (df.method == m.value).any()]
 
 
+def first_sampler(df: Any) -> tuple[Any, Any]:
+    """(the rows every table but the samplers' uses: baselines and Positional LSH under its first
+    sampler, iid where present; every Positional-LSH row with its sampler)."""
+    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
+
+    df = with_sampler(df)
+    p = df[df.method == POSLSH]
+    if p.empty:
+        return df, p
+    first = samplers_of(p)[0]
+    return df[(df.method != POSLSH) | (df.sampler == first)], p
+
+
 def _label(m: Method) -> str:
     return INFO[m].summary.split(",")[0].split(":")[0]
 
@@ -28,6 +41,7 @@ def _label(m: Method) -> str:
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Per layer: the decay slope by the report's rule (fit over s >= 8 on the median over heads),
     the error at the largest s, and each baseline's median error."""
+    df, _ = first_sampler(df)
     present = _present(df)
     head = ["layer", f"slope (s≥{ASYMPTOTIC_S})", "poslsh@s_max", "s_max"] + [m.value for m in present] + ["secs"]
     rows = []
@@ -60,6 +74,9 @@ def plot(run: Path, df: Any) -> list[Path]:
 
     plt = pyplot()
     paths = []
+    df, every = first_sampler(df)
+    if every.sampler.nunique() > 1:
+        paths += _plot_samplers(run, every)
     layers = sorted(df["layer"].unique())
     cols = min(2 if len(layers) <= 6 else 4, len(layers))  # readable at report width
     rows = int(np.ceil(len(layers) / cols))
@@ -124,6 +141,7 @@ def report(run: Path, df: Any) -> Section:
     import pandas as pd
 
     sec = Section("output-error", run, "Attention outputs on real activations: error against s, with baselines")
+    df, every = first_sampler(df)
     present = _present(df)
     rows, st_decay, ev = [], [], []
     beats: dict[Method, list[bool]] = {m: [] for m in present if INFO[m].params != "window"}
@@ -187,7 +205,47 @@ def report(run: Path, df: Any) -> Section:
                "the paper's script takes it without subtracting a maximum (poslsh always does)."
                if official and df.exp_overflow.astype(bool).any() else ""))
         sec.tables.append(paper)
+    if every.sampler.nunique() > 1:
+        _report_samplers(sec, every)
     return sec
+
+
+def _report_samplers(sec: Section, p: Any) -> None:
+    """Positional LSH under each mask sampler: per layer the decay slope and the error at equal s
+    against iid's, and the iid s each sampler's s is worth (:mod:`poslsh_cli.verdicts.samplers`)."""
+    from poslsh_cli.verdicts.samplers import comparison, slope_table, worth_sentences
+
+    med = p.groupby(["layer", "sampler", "s", "trial"], sort=False)["rel_fro"].median().reset_index()
+    if p.sampler.iloc[0] == "iid" or (p.sampler == "iid").any():
+        sec.paragraphs.append("The tables above use Positional LSH's iid rows; below, every sampler on the same "
+                              "layers (per trial the median over heads of ‖T* − T̃‖_F / ‖T*‖_F, then the mean over "
+                              "trials).")
+    sec.tables.append(slope_table(med, ["layer"], {"output": "rel_fro"}))
+    cmp = comparison(med, ["layer"], "rel_fro")
+    sec.paragraphs.extend(worth_sentences(cmp, "output error", ["layer"]))
+    sec.details.append(("Samplers per (layer, s): mean output error, ratio to iid at equal s, the iid s of the same "
+                        "error", cmp))
+
+
+def _plot_samplers(run: Path, p: Any) -> list[Path]:
+    """Output error against s, one line per sampler, one panel per layer (at most six)."""
+    from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
+    from poslsh_cli.verdicts.samplers import samplers_of
+
+    plt = pyplot()
+    order = samplers_of(p)
+    layers = sorted(p.layer.unique())[:6]
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.6), squeeze=False, sharey=True)
+    med = p.groupby(["layer", "sampler", "s", "trial"])["rel_fro"].median().reset_index()
+    med = med.assign(_order=med.sampler.map({sm: i for i, sm in enumerate(order)}))
+    for ax, layer in zip(axes[0], layers):
+        decay_panel(ax, med[med.layer == layer], "s", "rel_fro", ["_order"], lambda k: order[int(k[0])])
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel("number of samples s")
+        ax.legend(title="sampler", title_fontsize=8)
+    axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads)")
+    fig.suptitle(f"{p.model.iloc[0]}: Positional-LSH output error under each mask sampler")
+    return save(fig, run, "output_error_samplers")
 
 
 def paper_metrics_table(df: Any) -> Any:

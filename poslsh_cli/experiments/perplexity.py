@@ -27,7 +27,7 @@ from poslsh_cli.experiments.base import (Experiment, MemoryNeed, Device, checkpo
                                         resolve_device, trained_runs_overrides)
 from poslsh_cli.lm.positions import Position, method_of, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
-from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
@@ -61,6 +61,8 @@ class PerplexitySpec(Spec):
                                            + ", ".join(a.value for a in Attention if a is not Attention.OWN),
                                            [Attention.OWN], noun="attention")
     s: tuple[int, ...] = key("Positional-LSH masks per head at inference (attention=poslsh)", [10], ge=1)
+    sampler: Optional[Sampler] = key("how swapped-in or re-drawn Positional-LSH masks are drawn: iid, stratified "
+                                     "(Latin hypercube), sobol (scrambled Sobol); null: the checkpoint's own", None)
     window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
     trials: int = key("mask draws per Positional-LSH point (own or swapped in)", 3, ge=1)
     swapped_at: Literal["trained", "every"] = key(
@@ -259,10 +261,11 @@ def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, see
 
     from poslsh_cli.lm.positions import PositionState
 
+    sampler = spec.sampler.value if spec.sampler is not None else own.sampler
     if attention is Attention.OWN:
-        return dataclasses.replace(own, seed=seed, plans=set(), _cache={}) if _random(own) else own
+        return dataclasses.replace(own, seed=seed, sampler=sampler, plans=set(), _cache={}) if _random(own) else own
     return PositionState(Position(attention.value), own.sigmas, num_samples=s, window_sigmas=spec.window_sigmas,
-                         seed=seed)
+                         seed=seed, sampler=sampler)
 
 
 def _random(state: Any) -> bool:

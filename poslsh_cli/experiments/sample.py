@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 from poslsh_cli.verdicts.claims import Section
 from poslsh_cli.core.config import Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed
-from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
 
 COLUMNS = ("head", "sigma", "sample", "seed", "width", "shift", "num_blocks", "max_block", "mean_block")
 
@@ -26,6 +26,7 @@ class SampleSpec(Spec):
     heads: Optional[int] = key("ALiBi head count: one sigma per head from the standard slopes (overrides sigma)",
                                None, ge=1)
     s: int = key("number of sampled partitions (masks), >= 1", 16, ge=1)
+    sampler: Sampler = key(SAMPLER_HELP, Sampler.IID)
 
     def check(self) -> None:
         check(self.heads is not None or self.sigma is not None, "give sigma= or heads=")
@@ -49,7 +50,8 @@ def prepare(spec: SampleSpec) -> SampleContext:
         seeds = [derive_seed(spec.seed, "head", h) for h in range(spec.heads)]
     else:
         sigmas, seeds = np.asarray([float(spec.sigma)]), [spec.seed]
-    parts = [sample_partitions(spec.n, float(sg), spec.s, np.random.default_rng(sd)) for sg, sd in zip(sigmas, seeds)]
+    parts = [sample_partitions(spec.n, float(sg), spec.s, np.random.default_rng(sd), spec.sampler)
+             for sg, sd in zip(sigmas, seeds)]
     ctx = SampleContext(sigmas, seeds, parts)
     ctx.files["masks.npz"] = lambda: _npz(spec, ctx)
     return ctx

@@ -116,7 +116,8 @@ def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[A
         model = convert.load_weights(stage.init)
     else:
         model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
-    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed, sigma=spec.sigma)
+    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed, sigma=spec.sigma,
+                             sampler=spec.sampler.value)
     install(model, state)
     set_attention_dropout(model, stage.dropout)
     if stage.lora:

@@ -38,6 +38,7 @@ from poslsh_cli.experiments.base import Experiment, Device, cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Parallel, Precision, Stage, micro_batch, train_stage
 from poslsh_cli.store.tracking import Logger
 from poslsh_cli.numerics.methods import INFO
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
 from poslsh_cli.lm.positions import Position, method_of
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
@@ -67,6 +68,7 @@ class TrainSpec(Spec):
     s: tuple[int, ...] = key("Positional-LSH masks per head per step (list sweeps; poslsh only)", [10], ge=1)
     all_seeds: Optional[tuple[Position, ...]] = key("schemes trained with every seed; the others with the first "
                                                     "seed only (null: all)", None, noun="position")
+    sampler: Sampler = key(SAMPLER_HELP, Sampler.IID)
     window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
     attn_dropout: tuple[float, ...] = key("attention dropout (list sweeps): a value above 0 trains the schemes in "
                                           "dropout_positions again with it (the regulariser control)", [0.0], ge=0)

@@ -95,7 +95,7 @@ class Source:
                               "rotary model")
 
     def state(self, position: Any, model: Any, num_samples: int = 0, window_sigmas: float = 4.0,
-              seed: int = 0, sigma: Optional[float] = None) -> Any:
+              seed: int = 0, sigma: Optional[float] = None, sampler: str = "iid") -> Any:
         """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: one
         ``sigma`` for every head when given (the paper's constant sigma), else its own slopes (an
         ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the standard ones."""
@@ -114,7 +114,7 @@ class Source:
         else:
             sigmas = alibi_sigmas(self.heads)
         return PositionState(position, sigmas, num_samples=num_samples, window_sigmas=window_sigmas, seed=seed,
-                             native=own and position is Position.ALIBI)
+                             native=own and position is Position.ALIBI, sampler=sampler)
 
 
 def resolve_ref(ref: str, key_name: str) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from poslsh_cli.numerics.methods import INFO, Method, of_scheme
-from poslsh_cli.numerics.sampling import alibi_sigmas, derive_seed
+from poslsh_cli.numerics.sampling import Sampler, alibi_sigmas, derive_seed
 
 ATTENTION_NAME = "poslsh"
 
@@ -94,6 +94,8 @@ class PositionState:
     seed: int = 0
     step: int = 0
     backend: str = "auto"
+    #: how the s masks of a head are drawn (poslsh_cli.numerics.sampling.Sampler)
+    sampler: str = "iid"
     eval_key: str | None = None
     #: the checkpoint's own attention, untouched (an ALiBi checkpoint's inline attention)
     native: bool = False
@@ -106,6 +108,7 @@ class PositionState:
     def __post_init__(self) -> None:
         self.position = Position(self.position)
         self.sigmas = np.asarray(self.sigmas, dtype=np.float64).reshape(-1)
+        self.sampler = Sampler(self.sampler).value
 
     @classmethod
     def standard(cls, position: Position | str, heads: int, **kw: Any) -> "PositionState":
@@ -127,7 +130,7 @@ class PositionState:
         rngs = [np.random.default_rng(derive_seed(self.seed, "masks", *tag, layer, h))
                 for h in range(len(self.sigmas))] if INFO[method].randomized else None
         spec = AttentionSpec.build(method, self.sigmas, n, True, num_samples=self.num_samples, rng=rngs,
-                                   window_sigmas=self.window_sigmas, scale=scale)
+                                   window_sigmas=self.window_sigmas, scale=scale, sampler=self.sampler)
         if len(self._cache) > 64:
             self._cache.clear()
         self._cache[key] = spec
@@ -138,6 +141,8 @@ class PositionState:
              if not k.startswith("_") and k not in ("step", "eval_key", "native", "plans")}
         if self.native:
             d["native"] = True
+        if self.sampler == "iid":
+            d.pop("sampler")  # the default: a checkpoint's position.json reads as before
         d["position"] = self.position.value
         d["sigmas"] = [float(x) for x in self.sigmas]
         return d
@@ -145,6 +150,6 @@ class PositionState:
     @classmethod
     def from_json(cls, d: dict) -> "PositionState":
         return cls(**{k: v for k, v in d.items() if k in ("position", "sigmas", "num_samples", "window_sigmas",
-                                                          "seed", "backend", "native")})
+                                                          "seed", "backend", "native", "sampler")})
 
 

@@ -163,6 +163,11 @@ class Sampler(str, enum.Enum):
     SOBOL = "sobol"
 
 
+#: the ``sampler`` key's help, shared by every command that draws masks
+SAMPLER_HELP = ("how the s masks of each head are drawn: iid (independent), stratified (a Latin hypercube over "
+                "width quantile and shift) or sobol (scrambled Sobol); each unbiased for L*")
+
+
 def unit_pairs(num_samples: int, generator: np.random.Generator, sampler: "Sampler | str") -> np.ndarray:
     """(s, 2) points of the unit square, each uniform: (width quantile, shift fraction)."""
     sampler = Sampler(sampler)
