@@ -38,8 +38,9 @@ def test_matrix_error_run_writes_contract(tmp_path):
     r = invoke("matrix-error", "n=[64,300]", "sigma=[2,5.5]", "s=[1,4]", "trials=2", "method=both", f"out={out}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv")
-    assert list(df.columns[:11]) == ["n", "sigma", "s", "trial", "seed", "method", "spectral_err",
+    assert list(df.columns[:12]) == ["n", "sigma", "s", "trial", "seed", "sampler", "method", "spectral_err",
                                      "spectral_rel", "max_err", "b_max", "seconds"]
+    assert set(df.sampler) == {"iid"}
     assert len(df) == 2 * 2 * 2 * 2 * 2
     fast, dense = df[df.method == "fast"].reset_index(), df[df.method == "dense"].reset_index()
     np.testing.assert_allclose(fast.spectral_err, dense.spectral_err, rtol=1e-6)

@@ -109,7 +109,9 @@ def test_the_plan_picks_the_training_paths_by_length_and_gradient():
     assert backend(Method.WINDOWED, A.RANK1_MIN_N) is Backend.CHUNKED
     assert backend(Method.FIXED_BLOCK, A.RANK1_MIN_N) is Backend.BLOCKS
     assert backend(Method.POSLSH, 64, grad=False) is Backend.BLOCKS  # inference keeps the memory-light paths
-    assert backend(Method.EXACT, 64, grad=False) is Backend.CHUNKED
+    assert backend(Method.EXACT, 64, grad=False) is Backend.RANK1  # the fastest exact path, causal or not
+    assert backend(Method.EXACT, 64, grad=False, causal=False) is Backend.RANK1
+    assert backend(Method.EXACT, 64, grad=False, dtype=torch.bfloat16) is Backend.CHUNKED
     with pytest.raises(ValueError, match="no backend 'rank1'"):
         choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=64, causal=True, grad=True, backend="rank1")
 
