@@ -2,6 +2,7 @@
 SUPPORTED, must be NOT SUPPORTED, and carry no data; real (small) runs end to end; reproduce
 keeps its skipped list in the run directories."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -270,6 +271,35 @@ def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
     wall = json.loads((root / "block_stats" / "meta.json").read_text())["wall_seconds"]
     assert wall > 0 and f"wall time per experiment (meta.json, all sessions): block_stats {wall:.0f} s" in md
     assert f"total {wall:.0f} s" in md
+
+
+def test_reproduce_runs_presets_side_by_side_each_with_its_log_and_core_share(tmp_path):
+    """--jobs 2 with the local launcher: two presets at once, each child with half the cores and
+    its output in logs/<preset>.log; a preset that fails is named with the end of its log, the
+    others finish and the report is written."""
+    import os
+
+    code = (
+        "import sys; import poslsh_cli.app.reproduce as r;"
+        "r.plan = lambda scale: [('output_error_official_minilm','output-error','output_error_official_minilm_quick'),"
+        "('broken','block-stats','no_such_preset_quick')];"
+        "r.skip_reason = lambda *a, **k: None;"
+        f"sys.exit(r.main('quick', {str(tmp_path)!r}, jobs=2))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    root = tmp_path / "quick"
+    assert "== finished output_error_official_minilm" in res.stdout
+    assert re.search(r"== FAILED broken \(exit 2\); the end of \S+broken\.log:", res.stdout)
+    assert "no_such_preset_quick" in res.stdout.split("== FAILED broken", 1)[1]  # the log's error line, shown
+    assert "[22/22] layer=" in (root / "logs" / "output_error_official_minilm.log").read_text()
+    meta = json.loads((root / "output_error_official_minilm" / "meta.json").read_text())
+    assert meta["status"] == "complete"
+    assert meta["device"]["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
+    assert (root / "report.md").exists()
+    r = runner.invoke(app, ["reproduce", "--scale", "quick", "--runs", str(tmp_path), "--jobs", "0"])
+    assert r.exit_code == 2 and "--jobs must be at least 1" in r.stderr
 
 
 # ---------------------------------------------------------------------------------------------

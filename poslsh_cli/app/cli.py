@@ -133,11 +133,38 @@ for _exp in registry.experiments().values():
 def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a multirun root works too)",
                                                      show_default=False),
                out: Path = typer.Option(None, "--out", "-o", help="where report.md and report.html go "
-                                        "(default: the single run directory, or the common parent)")) -> None:
-    """One report.md and a self-contained report.html: each paper claim beside its measurement."""
+                                        "(default: the single run directory, or the common parent)"),
+               publish: Optional[Path] = typer.Option(None, "--publish", help="instead: write DIR/RESULTS.md, "
+                                                      "DIR/figures/ and a snapshot of the runs in DIR/results/, "
+                                                      "each section stamped with its run, commit and machine"),
+               readme: Optional[Path] = typer.Option(None, "--readme", help="with --publish: the file whose "
+                                                     "results block (between its markers) is regenerated")) -> None:
+    """One report.md and a self-contained report.html: each paper claim beside its measurement.
+
+    With --publish DIR the results are published instead, from a snapshot that publishing
+    DIR/results/* again regenerates byte for byte (make publish RUNS=<reproduce root>).
+    """
     from poslsh_cli.app import report
     from poslsh_cli.store.readers import find_runs
 
+    if readme is not None and publish is None:
+        fail("report", "--readme goes with --publish DIR")
+        return
+    if publish is not None:
+        from poslsh_cli.app.publish import publish as publish_runs
+
+        try:
+            written = publish_runs(run_dirs, publish, readme,
+                                   notice=lambda text: sys.stderr.write(f"poslsh report: {text}\n"))
+        except ConfigError as exc:
+            fail("report", str(exc))
+            return
+        except OSError as exc:
+            fail("report", f"cannot publish ({exc.strerror or type(exc).__name__}: {exc.filename or publish})")
+            return
+        for path in written.values():
+            typer.echo(str(path))
+        return
     try:
         runs = find_runs(run_dirs)
         target = out or _common_parent(runs)
@@ -186,9 +213,11 @@ def collect_cmd(sweep_dir: Path = typer.Argument(..., help="the directory of a m
 @_helped
 def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
                   runs: Path = typer.Option(Path("runs/reproduce"), help="root of the run directories"),
-                  launcher: str = typer.Option("local", help="local (one preset after another), joblib (presets in "
-                                               "parallel here) or slurm (each preset a SLURM job)"),
-                  jobs: Optional[int] = typer.Option(None, help="joblib: presets at once (default: the cores)"),
+                  launcher: str = typer.Option("local", help="local (presets here, --jobs at a time), joblib (presets "
+                                               "in parallel here) or slurm (each preset a SLURM job)"),
+                  jobs: Optional[int] = typer.Option(None, help="presets at once (local: default 1, each with its "
+                                                     "share of the cores and its log in <runs>/<scale>/logs/; "
+                                                     "joblib: default the cores)"),
                   with_: list[str] = typer.Option([], "--with", help="opt-in presets to run as well: train_long, "
                                                   "perplexity_long (the long-context CPU runs), or all")) -> None:
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
@@ -203,6 +232,8 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
             check_launcher(launcher, multirun=True)
         except ConfigError as exc:
             fail("reproduce", str(exc))
+    if jobs is not None and jobs < 1:
+        fail("reproduce", f"--jobs must be at least 1, got {jobs}")
     from poslsh_cli.app.reproduce import check_with
 
     try:

@@ -2,7 +2,10 @@
 
 The list is the registry's: for every experiment, each of its presets in order, run as
 ``poslsh <command> experiment=<preset>_<scale> out=<root>/<scale>/<preset>`` in a child process,
-so a fixed run directory resumes after an interruption. With ``launcher=joblib`` or ``slurm`` each
+so a fixed run directory resumes after an interruption. The local launcher runs ``jobs`` presets at
+a time (default 1); with more than one, each child gets an equal share of the cores
+(``OMP_NUM_THREADS``, unless set) and writes its output to ``<root>/<scale>/logs/<preset>.log``, and
+a preset that fails has the end of its log printed. With ``launcher=joblib`` or ``slurm`` each
 preset is a one-job Hydra multirun on that launcher (``out/0``), the presets run at the same
 time (joblib: at most ``jobs`` at once; slurm: as the queue allows), in two waves: experiments
 that evaluate others' results (``reproduce_overrides``, e.g. perplexity) after the rest. A preset that cannot run here (its
@@ -128,7 +131,10 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
     failed, done = [], []
     started = _dt.datetime.now().isoformat(timespec="seconds")
     t0 = time.time()
-    limit = 1 if launcher == "local" else (jobs or (os.cpu_count() or 1) if launcher == "joblib" else 10**6)
+    if launcher == "local":
+        limit = jobs or 1
+    else:
+        limit = (jobs or (os.cpu_count() or 1)) if launcher == "joblib" else 10**6
     entries = plan(scale)
     waves = [[e for e in entries if registry.get(e[1]).reproduce_overrides is None],
              [e for e in entries if registry.get(e[1]).reproduce_overrides is not None]]
@@ -151,7 +157,16 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
 def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list,
               include: tuple[str, ...] = ()) -> None:
     """Run a wave's presets, at most ``limit`` at a time; a child that fails is recorded."""
+    import os
+
     running: list[tuple[str, Path, subprocess.Popen]] = []
+    logs: dict[str, Path] = {}
+    side_by_side = launcher == "local" and limit > 1
+    env = dict(os.environ)
+    if side_by_side:  # each child an equal share of the cores, so two children do not fight over them
+        share = str(max(1, (os.cpu_count() or 1) // limit))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, share)
 
     def reap(block: bool) -> None:
         while running and (block or any(p.poll() is not None for _, _, p in running)):
@@ -164,9 +179,15 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
                     raise KeyboardInterrupt
                 if proc.returncode != 0:
                     failed.append(name)
-                    print(f"== FAILED {name} (exit {proc.returncode})", flush=True)
+                    print(f"== FAILED {name} (exit {proc.returncode})"
+                          + (f"; the end of {logs[name]}:" if name in logs else ""), flush=True)
+                    if name in logs:
+                        tail = logs[name].read_text(errors="replace").splitlines()[-15:]
+                        print("\n".join(f"   {line}" for line in tail), flush=True)
                 else:
                     done.append(out)
+                    if name in logs:
+                        print(f"== finished {name} (log: {logs[name]})", flush=True)
             if block and running:
                 time.sleep(0.2)
 
@@ -185,7 +206,14 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
             extra = [] if launcher == "local" else ["-m", f"hydra/launcher={launcher}"]
             args = [command, *extra, *overrides(command, preset, root), f"out={out}"]
             print(f"== {name}: poslsh {' '.join(args)}", flush=True)
-            running.append((name, out, subprocess.Popen([sys.executable, "-m", "poslsh_cli", *args])))
+            cmd = [sys.executable, "-m", "poslsh_cli", *args]
+            if side_by_side:
+                logs[name] = root / "logs" / f"{name}.log"
+                logs[name].parent.mkdir(parents=True, exist_ok=True)
+                with open(logs[name], "w") as log:
+                    running.append((name, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
+            else:
+                running.append((name, out, subprocess.Popen(cmd)))
         while running:
             reap(block=True)
     except KeyboardInterrupt:

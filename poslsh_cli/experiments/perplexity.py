@@ -332,7 +332,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("perplexity", "perplexity_official", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
+    presets=("perplexity_long", "perplexity", "perplexity_official", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
              "perplexity_official_qwen3_0_6b_gpu", "perplexity_official_mistral_7b_gpu"),
     opt_in=("perplexity_long", "perplexity_official"),
     order=60,
