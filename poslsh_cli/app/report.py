@@ -13,7 +13,7 @@ import datetime as _dt
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -109,11 +109,24 @@ def _wall_times(root: Path) -> dict[str, float]:
 def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, notice=_print) -> tuple[Path, Path]:
     """Write report.md and report.html into ``out_dir``; returns their paths. Repairs of a run's
     tables are said through ``notice`` and listed in the report."""
+    sections, provenance, notes = sections_of(run_dirs, notes, notice)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
+    md_path, html_path = out_dir / "report.md", out_dir / "report.html"
+    atomic_write_text(md_path, md)
+    atomic_write_text(html_path, body)
+    return md_path, html_path
+
+
+def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_print) -> tuple[list, list, list]:
+    """(sections in report order with their figures drawn, provenance rows, notes) of the runs at
+    or below ``run_dirs``."""
     runs = find_runs(run_dirs)
     notes = list(notes or []) + [n for n in notes_of([Path(p) for p in run_dirs]) if n not in (notes or [])]
     experiments = registry.experiments()
     order = {name: i for i, name in enumerate(experiments)}
     sections, provenance, lm_runs = [], [], []
+    tables = {}
     for run in runs:
         said: list[str] = []
 
@@ -130,10 +143,7 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
         if exp.report is None or df.empty:
             continue
         sec = exp.report(run, df)
-        try:
-            sec.figures = [p for p in exp.plot(run, df) if p.suffix == ".png"] if exp.plot else []
-        except Exception as exc:  # a figure that cannot be drawn must not lose the numbers
-            sec.paragraphs.append(f"(figures unavailable: {exc})")
+        tables[run] = (sec, exp, df)
         sections.append(sec)
         if exp.name == _lm_command():
             lm_runs.append((sec, df))
@@ -143,16 +153,57 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
                            "seed": meta.get("seed"), "wall s": meta.get("wall_seconds"),
                            "device": (meta.get("device") or {}).get("cuda") or (meta.get("device") or {}).get("machine"),
                            "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
+    drawn = draw_figures([(run, exp, df) for run, (_, exp, df) in tables.items()])
+    for run, (sec, _, _) in tables.items():
+        if isinstance(drawn[run], str):  # a figure that cannot be drawn must not lose the numbers
+            sec.paragraphs.append(f"(figures unavailable: {drawn[run]})")
+        else:
+            sec.figures = drawn[run]
     sections.sort(key=lambda s: order[s.command])
     if len(lm_runs) > 1:
         last = max(i for i, sec in enumerate(sections) if sec.command == _lm_command())
         sections.insert(last + 1, side_by_side(lm_runs))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
-    md_path, html_path = out_dir / "report.md", out_dir / "report.html"
-    atomic_write_text(md_path, md)
-    atomic_write_text(html_path, body)
-    return md_path, html_path
+    return sections, provenance, notes
+
+
+def _figures_of(item: tuple) -> list[Path] | str:
+    """The PNG figures of one run (its experiment's ``plot``), or why they cannot be drawn."""
+    from poslsh_cli.verdicts import plotting
+
+    run, exp, df = item
+    if exp.plot is None:
+        return []
+    try:
+        with plotting.png_only():
+            return [p for p in exp.plot(run, df) if p.suffix == ".png"]
+    except Exception as exc:
+        return str(exc) or type(exc).__name__
+
+
+def draw_figures(items: list[tuple]) -> dict[Path, list[Path] | str]:
+    """Every run's figures, PNG only, drawn in parallel over the runs (one process per core, forked
+    so nothing is re-imported); each run's result is its files or the reason it has none."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    workers = min(len(items), os.cpu_count() or 1)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return {item[0]: _figures_of(item) for item in items}
+    global _DRAWING
+    _DRAWING = items  # the forked workers find the runs here (an experiment's functions need not pickle)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return dict(zip([item[0] for item in items], pool.map(_figures_at, range(len(items)))))
+    finally:
+        _DRAWING = []
+
+
+_DRAWING: list[tuple] = []
+
+
+def _figures_at(i: int) -> list[Path] | str:
+    return _figures_of(_DRAWING[i])
 
 
 def _lm_command() -> str:
@@ -218,19 +269,29 @@ def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, no
         for v in sec.verdicts:
             lines.append(f"| {sec.command} ({sec.run.name}) | {v.claim} | **{v.status.value}** | {v.evidence} |")
     for sec in sections:
-        lines += ["", f"## {sec.title}", "", f"Run: `{sec.run}`", ""]
-        for v in sec.verdicts:
-            lines.append(f"- **{v.status.value}**: {v.claim}. {v.evidence}. *Rule: {v.rule}.*")
-        lines += [""] + sec.paragraphs
-        for t in sec.tables:
-            lines += ["", t.to_markdown(index=False)]
-        for caption, _ in sec.details:
-            lines += ["", f"({caption}: in report.html and `{_rel(sec.run / 'results.csv', out_dir)}`.)"]
-        for f in sec.figures:
-            lines += ["", f"![{f.stem}]({_rel(f, out_dir)})"]
+        lines += section_markdown(sec, f"Run: `{sec.run}`",
+                                  details_in=lambda sec: f"report.html and `{_rel(sec.run / 'results.csv', out_dir)}`",
+                                  figure_link=lambda f: _rel(f, out_dir))
     lines += ["", "## Provenance", ""]
     lines.append(pd.DataFrame(provenance).to_markdown(index=False))
     return "\n".join(lines) + "\n"
+
+
+def section_markdown(sec: Section, run_line: str, details_in: Callable[[Section], str],
+                     figure_link: Callable[[Path], str], level: str = "##") -> list[str]:
+    """One section as markdown lines: title, where it came from, verdicts with their rules, the
+    computed sentences, tables, where the full tables are, figures."""
+    lines = ["", f"{level} {sec.title}", "", run_line, ""]
+    for v in sec.verdicts:
+        lines.append(f"- **{v.status.value}**: {v.claim}. {v.evidence}. *Rule: {v.rule}.*")
+    lines += [""] + sec.paragraphs
+    for t in sec.tables:
+        lines += ["", t.to_markdown(index=False)]
+    for caption, _ in sec.details:
+        lines += ["", f"({caption}: in {details_in(sec)}.)"]
+    for f in sec.figures:
+        lines += ["", f"![{f.stem}]({figure_link(f)})"]
+    return lines
 
 
 def _rel(path: Path, base: Path) -> str:

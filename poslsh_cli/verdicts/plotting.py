@@ -6,8 +6,9 @@ trials, least-squares slopes for legends, and theory curves.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from poslsh_cli.numerics.metrics import fit_loglog_slope
 
@@ -27,12 +28,33 @@ def pyplot() -> Any:
     return plt
 
 
+#: The formats :func:`save` writes (``poslsh plot``: PNG and PDF; a report, which shows PNGs only,
+#: draws inside :func:`png_only`).
+_FORMATS = ["png", "pdf"]
+
+
+@contextlib.contextmanager
+def png_only() -> Iterator[None]:
+    """Within it, figures are written as PNG only (what the report embeds and publishes)."""
+    saved = list(_FORMATS)
+    _FORMATS[:] = ["png"]
+    try:
+        yield
+    finally:
+        _FORMATS[:] = saved
+
+
 def save(fig: Any, run: Path, name: str) -> list[Path]:
+    """Write ``figures/<name>.png`` (and .pdf) of a run. No date or version is written into the
+    files, so the same data and library versions give the same bytes."""
     out = Path(run) / "figures"
     out.mkdir(exist_ok=True)
-    paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=110, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight")
+    paths = []
+    for fmt in _FORMATS:
+        path = out / f"{name}.{fmt}"
+        meta = {"Software": None} if fmt == "png" else {"Creator": None, "Producer": None, "CreationDate": None}
+        fig.savefig(path, dpi=110 if fmt == "png" else None, bbox_inches="tight", metadata=meta)
+        paths.append(path)
     pyplot().close(fig)
     return paths
 
