@@ -1,0 +1,122 @@
+"""poslsh report --publish: RESULTS.md, figures and the README block come from a snapshot of the
+runs, stamped with where each came from, and publishing the snapshot again gives the same files;
+the committed docs/ are what the generator makes from the committed snapshot."""
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from poslsh_cli.app.cli import app
+from poslsh_cli.app.publish import BEGIN, END, local_paths_cut
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# a project\n\nintro\n\n{BEGIN}\nstale text\n{END}\n\nthe rest\n")
+    return path
+
+
+def _block(text: str) -> str:
+    return text.split(BEGIN, 1)[1].split(END, 1)[0]
+
+
+def _same_figures(a: Path, b: Path) -> None:
+    from matplotlib.image import imread
+
+    names = sorted(p.name for p in a.glob("*.png"))
+    assert names and names == sorted(p.name for p in b.glob("*.png"))
+    for name in names:
+        x, y = imread(a / name), imread(b / name)
+        assert x.shape == y.shape and np.abs(x - y).max() < 1e-6, name
+
+
+def _publish(runs, out: Path, readme: Path) -> None:
+    r = runner.invoke(app, ["report", *map(str, runs), "--publish", str(out), "--readme", str(readme)])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    for args in (["matrix-error", "n=[512]", "sigma=4", "s=[2,8,16,32]", "trials=3", f"out={root / 'm'}"],
+                 ["block-stats", "n=[1024,8192]", "sigma=4", "s=8", "trials=10", f"out={root / 'b'}"],
+                 ["bench", "n=[256,512]", "heads=2", "head_dim=8", "s=[2]", "window_sigmas=[2]", "repeats=1",
+                  "warmup=0", "causal=[false,true]", f"out={root / 'x'}"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, (args, r.output)
+    return root
+
+
+def test_publish_stamps_every_section_and_republishing_the_snapshot_gives_the_same_files(runs, tmp_path):
+    docs, readme = tmp_path / "docs", _readme(tmp_path / "README.md")
+    _publish(sorted(runs.iterdir()), docs, readme)
+    md = (docs / "RESULTS.md").read_text()
+    # one stamp per run: run, commit, machine, torch, start, wall time, and the command without local paths
+    for name in ("m", "b", "x"):
+        stamp = re.search(rf"Source: run `{name}` · commit (\S+) · (.+) CPUs · torch (\S+) · started (\S+) · (\d+) s", md)
+        assert stamp, name
+        assert (docs / "results" / name / "results.csv").exists() and not (docs / "results" / name / "cells").exists()
+    assert md.count("Command: `poslsh ") == 3
+    assert str(tmp_path) not in md and str(runs) not in md
+    for title in ("Matrix approximation", "Block sizes", "Speed"):
+        assert title in md
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", md)
+    assert links and all((docs / link).is_file() for link in links)
+    assert {Path(link).name for link in links} == {p.name for p in (docs / "figures").glob("*.png")}
+    text = readme.read_text()
+    block = _block(text)
+    assert "stale text" not in block and text.startswith("# a project") and text.endswith("the rest\n")
+    assert "**Theory" in block and "**Attention" in block and "| claim | verdict | evidence | run |" in block
+    assert "Not measured in the published runs." in block  # no language-model run was published
+    for link in re.findall(r"\]\(([^)]+)\)", block):
+        assert (tmp_path / link).exists(), link
+
+    # the snapshot alone regenerates the same tables, figures and README block
+    again, readme2 = tmp_path / "again" / "docs", _readme(tmp_path / "again" / "README.md")
+    _publish(sorted((docs / "results").iterdir()), again, readme2)
+    assert (again / "RESULTS.md").read_text() == md
+    assert _block(readme2.read_text()) == block
+    _same_figures(docs / "figures", again / "figures")
+    # and in place: publishing docs/results/* into docs changes nothing
+    _publish(sorted((docs / "results").iterdir()), docs, readme)
+    assert (docs / "RESULTS.md").read_text() == md and _block(readme.read_text()) == block
+    _same_figures(docs / "figures", again / "figures")
+    # a run left out of a later publish leaves the snapshot and its figures
+    _publish([docs / "results" / "b"], docs, readme)
+    assert sorted(p.name for p in (docs / "results").iterdir()) == ["b"]
+    assert all(p.name.startswith("b--") for p in (docs / "figures").iterdir())
+
+
+def test_publish_refuses_a_readme_without_markers_and_readme_without_publish(runs, tmp_path):
+    bare = tmp_path / "README.md"
+    bare.write_text("# no block here\n")
+    r = runner.invoke(app, ["report", str(runs / "b"), "--publish", str(tmp_path / "docs"), "--readme", str(bare)])
+    assert r.exit_code == 2 and "has no results block" in r.stderr
+    assert bare.read_text() == "# no block here\n" and not (tmp_path / "docs").exists()
+    r = runner.invoke(app, ["report", str(runs / "b"), "--readme", str(bare)])
+    assert r.exit_code == 2 and "--readme goes with --publish" in r.stderr
+
+
+def test_local_paths_are_cut_to_their_last_two_components():
+    assert local_paths_cut("poslsh train out=/home/me/runs/reproduce/quick/train seed=0") == \
+        "poslsh train out=quick/train seed=0"
+    assert local_paths_cut("checkpoints=[/a/b/c/final,/x/y/z]") == "checkpoints=[c/final,y/z]"
+    assert local_paths_cut("ratio 1/2 and results/m/results.csv") == "ratio 1/2 and results/m/results.csv"
+
+
+@pytest.mark.skipif(not (ROOT / "docs" / "results").is_dir(), reason="no committed results snapshot")
+def test_the_committed_results_are_what_the_generator_makes_from_the_committed_snapshot(tmp_path):
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "snapshot")
+    docs, readme = tmp_path / "docs", _readme(tmp_path / "README.md")
+    _publish(sorted(p for p in (tmp_path / "snapshot").iterdir() if p.is_dir()), docs, readme)
+    assert (docs / "RESULTS.md").read_text() == (ROOT / "docs" / "RESULTS.md").read_text(), \
+        "docs/RESULTS.md is not what publishing docs/results gives: run make publish-again"
+    assert _block(readme.read_text()) == _block((ROOT / "README.md").read_text()), \
+        "the README's results block is stale: run make publish-again"
+    _same_figures(docs / "figures", ROOT / "docs" / "figures")
