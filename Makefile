@@ -10,8 +10,13 @@ RUNS   ?= runs
 LAUNCHER ?= local
 # opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long train_official perplexity_long perplexity_official, or all
 WITH ?=
+# presets make reproduce-quick runs at once (each with its share of the cores and its own log)
+QUICK_JOBS ?= 2
+# the reproduce root make publish publishes, and where (docs/RESULTS.md, docs/figures, docs/results)
+FROM ?= $(RUNS)/reproduce/paper
+DOCS ?= docs
 
-.PHONY: install test test-fast reproduce-all reproduce-quick bench bench-matrix bench-attention \
+.PHONY: install test test-slow test-all publish publish-again reproduce-all reproduce-quick bench bench-matrix bench-attention \
 	bench-gpu clean-venv
 
 install: $(VENV)/.installed
@@ -23,11 +28,25 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,launchers,finetune,eval,tracking]"
 	touch $@
 
+# The fast tier (what a change is checked with); test-slow is the rest (larger sizes, every fault
+# point, every launcher); test-all both. CI runs test and test-slow.
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=15
+	$(BIN)/python -m pytest -q -m "not slow" -n auto --dist worksteal --durations=10
 
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow -n auto --dist worksteal --durations=10
+
+test-all: install
+	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=10
+
+# docs/RESULTS.md, docs/figures/ and the README's results block from a reproduce root (FROM=...),
+# each section stamped with the run, commit and machine it came from; publish-again regenerates
+# them from the committed snapshot docs/results/ (tests/test_publish.py checks they agree).
+publish: install
+	$(BIN)/poslsh report $(FROM) --publish $(DOCS) --readme README.md
+
+publish-again: install
+	$(BIN)/poslsh report $(DOCS)/results/* --publish $(DOCS) --readme README.md
 
 # Every experiment of the paper (conf/experiment/*_paper.yaml), its figures and the report
 # runs/reproduce/paper/report.{md,html}. Fixed run directories: interrupted and started again,
@@ -36,7 +55,7 @@ reproduce-all: install
 	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce --launcher $(LAUNCHER) $(foreach w,$(WITH),--with $(w))
 
 reproduce-quick: install
-	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER) $(foreach w,$(WITH),--with $(w))
+	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER) --jobs $(QUICK_JOBS) $(foreach w,$(WITH),--with $(w))
 
 # Speed and memory targets, measured side by side in one run each and reported as ratios.
 bench: bench-matrix bench-attention

@@ -143,7 +143,8 @@ def test_bad_alibi_checkpoints(tmp_path):
         assert not (tmp_path / "p").exists()
 
 
-@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
+@pytest.mark.parametrize("family", ["bloom", pytest.param("mpt", marks=pytest.mark.slow),
+                                    pytest.param("falcon", marks=pytest.mark.slow)])
 def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(family, tmp_path):
     """attention=own runs the model's forward untouched; attention=alibi swaps in the project's
     exact ALiBi with the model's own slopes: the same loss (Falcon: up to its bfloat16 bias)."""

@@ -149,7 +149,7 @@ def _exact_rows(q, k, v, sigmas, causal, rows):
     return alibi_rows_reference(q, k, v, sigmas, causal, rows)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_tiled_rank_one_exact_alibi_keeps_float32_accuracy_to_65536(causal):
     """The inference path of exact ALiBi (the flash kernel with the bias as an extra coordinate,
     re-centred per 512-query tile) in float32 against float64, every standard slope of 8 heads
@@ -373,7 +373,7 @@ def test_block_gradients_equal_float64_autograd_of_the_dense_route(causal, kerne
         assert err <= tol, (name, err, tol)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_banded_alibi_gradients_equal_float64_autograd(causal):
     """The banded ALiBi training path (windowed per head, and exact) against float64 autograd."""
     from poslsh_cli.attention import reference_weight

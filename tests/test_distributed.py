@@ -82,6 +82,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(single, tmp_
     assert len(list(tmp_path.iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_accumulation_and_fsdp_equal_one_process(single, tmp_path):
     r = one("train", *TINY, "accumulate=4", f"out={tmp_path / 'acc'}")
     assert r.returncode == 0, r.stderr
@@ -92,6 +93,7 @@ def test_accumulation_and_fsdp_equal_one_process(single, tmp_path):
     assert_same_weights(single, tmp_path / "fsdp")
 
 
+@pytest.mark.slow
 def test_killed_torchrun_job_resumes_to_the_uninterrupted_run(single, tmp_path):
     out = tmp_path / "killed"
     r = two("train", *TINY, f"out={out}", fault="step:5")  # after the step-3 checkpoint
@@ -105,6 +107,7 @@ def test_killed_torchrun_job_resumes_to_the_uninterrupted_run(single, tmp_path):
     assert meta["sessions"] == 2 and meta["history"][0]["status"] == "died"
 
 
+@pytest.mark.slow
 def test_multi_task_submitit_job_runs_data_parallel(single, tmp_path):
     out = tmp_path / "sweep"
     r = one("train", "-m", "seed=0", *TINY, "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
@@ -124,6 +127,7 @@ def test_a_batch_that_does_not_divide_is_one_line_from_rank_zero(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_commands_other_than_train_refuse_torchrun(tmp_path):
     r = two("matrix-error", "n=64", "s=[1]", f"out={tmp_path / 'm'}")
     errors = [x for x in r.stderr.splitlines() if ": error:" in x]
@@ -131,6 +135,7 @@ def test_commands_other_than_train_refuse_torchrun(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_and_bf16(single, tmp_path):
     r = one("train", *TINY, "gradient_checkpointing=true", f"out={tmp_path / 'gc'}")
     assert r.returncode == 0, r.stderr
@@ -156,6 +161,7 @@ def test_cuda_training_with_autocast_follows_the_float32_cpu_run(single, tmp_pat
     np.testing.assert_allclose(metrics_of(out).loss, metrics_of(single).loss, rtol=3e-2)
 
 
+@pytest.mark.slow
 def test_evaluation_batch_sees_the_vocabulary_through_ddp(tmp_path):
     """lm.evaluate caps the batch by the logits' memory: a DDP-wrapped 32k-vocabulary model at
     L=4096 gets 2 windows a pass (2 x 4096 x 32000 float32 logits, 1 GiB), as unwrapped, not the
@@ -178,6 +184,7 @@ def test_evaluation_batch_sees_the_vocabulary_through_ddp(tmp_path):
         td.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_follower_failure_stops_rank_zero_at_once_naming_it(tmp_path):
     """An exception on rank 1 inside a training cell (a multi-task job: no torchrun agent to stop the
     others) is left for rank 0, which fails at once with that error as its one line, keeping the
@@ -192,6 +199,7 @@ def test_a_follower_failure_stops_rank_zero_at_once_naming_it(tmp_path):
     assert list((out / "0" / "work").glob("*/checkpoints/step-00000003"))  # the work before stays
 
 
+@pytest.mark.slow
 def test_fp16_checkpoints_keep_the_loss_scale(tmp_path):
     """An fp16 run's checkpoint holds its GradScaler state (scale, growth tracker), restored on
     resume; a checkpoint without one is refused in one line rather than resumed at the initial
@@ -217,6 +225,7 @@ def test_fp16_checkpoints_keep_the_loss_scale(tmp_path):
         load_scaler(again, tmp_path)
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_recomputes_every_layer_and_autocast_computes_in_bf16(tmp_path, monkeypatch):
     """In process: with gradient_checkpointing=true each decoder layer's forward runs twice per
     training micro-batch (the forward, and its recomputation in the backward), once without; under
@@ -259,6 +268,7 @@ BLOCK_PATH = [a for a in TINY if not a.startswith(("seq_len=", "batch=", "steps=
     "seq_len=512", "batch=4", "steps=3", "checkpoint_every=3", "eval_every=3", "eval_tokens=2048"]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_on_the_block_path(tmp_path):
     """At L=512 causal Positional LSH trains on the recomputing block kernel (the plan's sparse path),
     not the dense bias of L=48: two processes still give one process's losses and weights."""
@@ -277,6 +287,7 @@ def test_two_processes_equal_one_on_the_block_path(tmp_path):
     assert_same_weights(tmp_path / "one", tmp_path / "two")
 
 
+@pytest.mark.slow
 def test_ddp_with_attention_dropout_replays_itself_not_one_process(tmp_path):
     """The stated exception (docs/THEORY.md): dropout masks are drawn per rank, so two processes
     with attention dropout replay each other exactly and differ from one process."""

@@ -91,18 +91,23 @@ def reference(tmp_path_factory):
     return root
 
 
+def SLOW(*values):
+    """A case run by the slow tier only (make test-all, CI): the fast tier keeps one of each kind."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 # ---------------------------------------------------------------------------------------------
 # SIGKILL at chosen points, then the same command
 
 
 @pytest.mark.parametrize("fault", [
     "step:3",                      # before the first checkpoint: the log restarts from scratch
-    "step:6",                      # after the step-4 checkpoint: steps 5, 6 are recomputed once
-    "dir:step-00000008",           # a checkpoint whose files are written but not its manifest
-    "rename:step-00000008",        # a complete checkpoint not yet renamed into place
-    "rename:final",                # the final model complete, not yet renamed
-    "write:results.csv",           # results.csv being rewritten
-    "write:meta.json@3",           # meta.json being rewritten
+    SLOW("step:6"),                # after the step-4 checkpoint: steps 5, 6 are recomputed once
+    SLOW("dir:step-00000008"),     # a checkpoint whose files are written but not its manifest
+    SLOW("rename:step-00000008"),  # a complete checkpoint not yet renamed into place
+    SLOW("rename:final"),          # the final model complete, not yet renamed
+    SLOW("write:results.csv"),     # results.csv being rewritten
+    SLOW("write:meta.json@3"),     # meta.json being rewritten
 ])
 def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_path, fault):
     out = tmp_path / "run"
@@ -117,15 +122,13 @@ def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_pa
     assert history and history[-1]["status"] == "died"
 
 
-@pytest.mark.parametrize("sig", ["TERM", "INT"])
-@pytest.mark.parametrize("fault", [
-    "step:3",                      # before the first checkpoint: only the metrics log is there
-    "step:6",                      # after the step-4 checkpoint
-    "dir:step-00000008",
-    "rename:step-00000008",
-    "rename:final",
-    "write:results.csv",
-    "write:meta.json@3",
+@pytest.mark.parametrize("fault,sig", [
+    ("step:3", "INT"),             # before the first checkpoint: only the metrics log is there
+    SLOW("step:3", "TERM"),
+    ("step:6", "TERM"),            # after the step-4 checkpoint
+    SLOW("step:6", "INT"),
+    *(SLOW(fault, sig) for fault in ("dir:step-00000008", "rename:step-00000008", "rename:final",
+                                     "write:results.csv", "write:meta.json@3") for sig in ("TERM", "INT")),
 ])
 def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, fault, sig):
     """SIGTERM (a cancelled or preempted job) or SIGINT at each kill point of a run's first and only
@@ -158,7 +161,7 @@ def test_an_interrupt_before_any_work_removes_only_what_it_created(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-@pytest.mark.parametrize("sig", ["TERM", "INT"])
+@pytest.mark.parametrize("sig", ["TERM", SLOW("INT")])
 def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
     out = tmp_path / "m"
     r = poslsh(*MATRIX, f"out={out}", fault="cell@2", signal=sig)
@@ -170,7 +173,7 @@ def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
 
 # write:results.csv@2 is the final rewrite: while cells finish the tables are rewritten at most every
 # few seconds (runner._Tables), after the first cell and then at the end of this quick sweep
-@pytest.mark.parametrize("fault", ["cell@2", "write:results.csv@2", "write:meta.json@4"])
+@pytest.mark.parametrize("fault", ["cell@2", SLOW("write:results.csv@2"), SLOW("write:meta.json@4")])
 def test_killed_matrix_sweep_resumes_to_the_uninterrupted_run(reference, tmp_path, fault):
     out = tmp_path / "m"
     r = poslsh(*MATRIX, f"out={out}", fault=fault)
@@ -180,6 +183,7 @@ def test_killed_matrix_sweep_resumes_to_the_uninterrupted_run(reference, tmp_pat
     assert_same_results(out, reference / "matrix")
 
 
+@pytest.mark.slow
 def test_killed_perplexity_run_resumes(reference, tmp_path):
     args = ["perplexity", reference / "train", "lengths=[32,64]", "attention=[own,alibi]", "max_tokens=512"]
     ref = tmp_path / "ref"
@@ -195,6 +199,7 @@ def test_killed_perplexity_run_resumes(reference, tmp_path):
 # two processes on one run directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 1.0])
 def test_two_processes_on_one_run_directory(reference, tmp_path, delay):
     """One runs, the other exits 2 with one line naming the holder and touches nothing; the
@@ -272,6 +277,7 @@ def test_cut_cell_file_is_named_and_computed_again(reference, tmp_path):
     assert_same_results(run, reference / "matrix")
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
     out = tmp_path / "run"
     r = poslsh("train", *TINY, f"out={out}", fault="step:9")
@@ -287,6 +293,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp
     assert_same_training(out, reference / "train")
 
 
+@pytest.mark.slow
 def test_no_usable_checkpoint_is_one_line_naming_the_file(tmp_path):
     out = tmp_path / "run"
     assert poslsh("train", *TINY, f"out={out}", fault="step:9").returncode == -9
@@ -338,6 +345,7 @@ def test_bad_input_leaves_nothing_behind(tmp_path, args, needle):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
 
 
+@pytest.mark.slow
 def test_collect_rebuilds_a_cut_job_table_and_names_a_dead_job(tmp_path):
     out = tmp_path / "sweep"
     r = poslsh("matrix-error", "-m", "n=300,600", "sigma=[4]", "s=[2,8]", "trials=1", f"out={out}")

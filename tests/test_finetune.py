@@ -123,6 +123,7 @@ def reference_attention_forward(module, query, key, value, attention_mask, scali
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+@pytest.mark.slow
 def test_perplexity_restores_each_scheme_and_equals_an_independent_forward(finetuned, tmp_path):
     import transformers as tf
 
@@ -160,6 +161,7 @@ def test_perplexity_restores_each_scheme_and_equals_an_independent_forward(finet
     assert (own.nunique() == 2).all()  # two draws, two different values
 
 
+@pytest.mark.slow
 def test_lora_merged_and_adapter(llama, tmp_path, monkeypatch):
     import transformers as tf
 

@@ -59,6 +59,7 @@ def same_cells(collected, single):
     pd.testing.assert_frame_equal(a, b)
 
 
+@pytest.mark.slow
 def test_joblib_sweep_collects_one_table_equal_to_one_process(tmp_path):
     sweep = tmp_path / "sweep"
     r = poslsh("matrix-error", "-m", "n=64,128", "sigma=2,4", "s=[1,8]", "trials=2", "hydra/launcher=joblib",
@@ -99,6 +100,7 @@ def test_collect_names_cells_run_by_two_jobs(tmp_path):
     assert r.exit_code == 1 and "2 cells were run by more than one job" in r.stderr
 
 
+@pytest.mark.slow
 def test_submitit_local_job_killed_and_rerun_resumes_without_repeating_a_cell(tmp_path):
     """submitit's local executor is SLURM's code path on one machine: each job is its own process
     (its pid is the job id). Kill one with SIGKILL half-way; the same command again finishes it."""
@@ -138,6 +140,7 @@ def test_submitit_local_job_killed_and_rerun_resumes_without_repeating_a_cell(tm
     same_cells(df, one_process(tmp_path, "n=[3000,3500]", *grid))
 
 
+@pytest.mark.slow
 def test_train_and_reproduce_run_under_a_launcher(tmp_path):
     sweep = tmp_path / "train"
     r = poslsh("train", "-m", "position=[alibi],[rope]", "hidden=32", "layers=1", "heads=4", "kv_heads=4",

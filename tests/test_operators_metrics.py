@@ -43,7 +43,7 @@ def test_kernel_norm_closed_form_equals_eigvalsh(n, sigma):
     assert laplacian_norm(n, sigma) == pytest.approx(ref, rel=1e-12)
 
 
-@pytest.mark.parametrize("n,sigma,s", CASES)
+@pytest.mark.parametrize("n,sigma,s", [c if c[0] < 2048 else pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
 def test_fast_errors_equal_dense(n, sigma, s):
     """Spectral: the dense float64 norm lies in the certified interval [value, bound], whose relative
     width is at most the default tolerance (1e-3). Max norm: bit-exact."""
@@ -186,7 +186,8 @@ def test_theorem_constants_match_their_formulas_and_limits():
         theorem.s_needed(sigma, n, 0.0)
 
 
-@pytest.mark.parametrize("n,sigma", [(256, 2.0), (512, 8.0), (300, 0.5)])
+@pytest.mark.parametrize("n,sigma", [(256, 2.0), pytest.param(512, 8.0, marks=pytest.mark.slow),
+                                     pytest.param(300, 0.5, marks=pytest.mark.slow)])
 def test_expectation_bound_holds_for_the_dense_error_over_many_draws(n, sigma):
     """The theorem, checked where it can be: the mean of the dense float64 error over 40 independent
     draws is below Psi_sigma (sqrt(ln n / s) + ln n / s) at every s. The bound is an upper bound on the

@@ -38,7 +38,7 @@ def test_every_sampler_is_unbiased_and_replays(sampler):
     assert np.all((a.shifts >= 0) & (a.shifts < a.widths))
 
 
-@pytest.mark.parametrize("sampler", ["stratified", "sobol"])
+@pytest.mark.parametrize("sampler", [pytest.param("stratified", marks=pytest.mark.slow), "sobol"])
 def test_spread_samplers_keep_the_width_law_and_lower_the_error(sampler):
     """Widths pooled over draws follow Gamma(2, sigma) (Kolmogorov-Smirnov, p > 0.001), and the
     mean spectral error of the mean mask at n=512, sigma=16, s=16 over 12 draws is below iid's."""

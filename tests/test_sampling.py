@@ -91,7 +91,8 @@ def test_largest_width_follows_exact_law(seed):
     assert width_max_cdf(med, sigma, s) == pytest.approx(0.5, abs=1e-9)
 
 
-@pytest.mark.parametrize("n,sigma,s,seed", [(16384, 4.0, 8, 0), (4096, 16.0, 10, 1), (65536, 1.0, 12, 2)])
+@pytest.mark.parametrize("n,sigma,s,seed", [(16384, 4.0, 8, 0), (4096, 16.0, 10, 1),
+                                               pytest.param(65536, 1.0, 12, 2, marks=pytest.mark.slow)])
 def test_largest_block_follows_its_law(n, sigma, s, seed):
     """The realised largest block (positions, the b_max of block-stats) against
     P(b_max <= L) = (1 - e^{-L/s}(1 + L/s))^s at every integer L: the DKW bound at alpha = 0.001."""

@@ -175,7 +175,7 @@ open(sys.argv[3], "w").write(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("position", ["alibi", "poslsh", "rope"])
+@pytest.mark.parametrize("position", ["alibi", "poslsh", pytest.param("rope", marks=pytest.mark.slow)])
 def test_plain_loading_is_the_same_function_or_refuses(position, tmp_path, tokens):
     """In a process that has not imported poslsh_cli: plain from_pretrained of a converted
     checkpoint refuses (it needs trust_remote_code, whose modeling files load it through poslsh);
@@ -245,7 +245,8 @@ def test_generate_command(tmp_path):
     assert res.exit_code != 0 and "does not exist" in res.stderr
 
 
-@pytest.mark.parametrize("position", ["poslsh", "fixed_block", "windowed", "alibi"])
+@pytest.mark.parametrize("position", ["poslsh", pytest.param("fixed_block", marks=pytest.mark.slow),
+                                      pytest.param("windowed", marks=pytest.mark.slow), "alibi"])
 def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position, tokens):
     """Decoding through ForgettingCache equals the full forward (1e-5), greedy generation with it
     equals generation without a cache (also for a left-padded batch), and it holds no more keys

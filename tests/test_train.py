@@ -319,6 +319,7 @@ def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained
         assert row.bits_per_byte == pytest.approx(total / count / math.log(2), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
     out = tmp_path / "ppl"
     r = invoke("perplexity", trained, "attention=[own,alibi,poslsh]", "s=[2,4]", "max_tokens=2048", f"out={out}")
@@ -593,7 +594,7 @@ def _wandb_history(cell):
     return files
 
 
-@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+@pytest.mark.parametrize("logger", ["tensorboard", pytest.param("wandb", marks=pytest.mark.slow)])
 def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monkeypatch, logger):
     """logger=tensorboard|wandb: every logged step of metrics.csv, with its values, in the tracker's
     own files; a run cut after step 5 and resumed from its step-3 checkpoint logs steps 4.. again:
