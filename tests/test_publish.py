@@ -120,3 +120,12 @@ def test_the_committed_results_are_what_the_generator_makes_from_the_committed_s
     assert _block(readme.read_text()) == _block((ROOT / "README.md").read_text()), \
         "the README's results block is stale: run make publish-again"
     _same_figures(docs / "figures", ROOT / "docs" / "figures")
+
+
+def test_readme_evidence_is_cut_at_a_clause_and_says_so():
+    from poslsh_cli.app.publish import short
+
+    assert short("6/6 layers") == "6/6 layers"
+    long = "; ".join(f"slope layer {i}: -0.50 [-0.55, -0.45]" for i in range(6))
+    cut = short(long, 80)
+    assert cut.endswith("; …") and len(cut) <= 83 and long.startswith(cut[:-3])

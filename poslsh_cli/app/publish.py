@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from poslsh_cli.app import registry
+from poslsh_cli.verdicts.claims import Status
 from poslsh_cli.core.config import ConfigError
 from poslsh_cli.core.files import atomic_write_text
 
@@ -177,6 +178,15 @@ def results_markdown(sections: list, notes: list[str], out: Path) -> str:
     return local_paths_cut("\n".join(lines)) + "\n"
 
 
+def short(evidence: str, limit: int = 120) -> str:
+    """Evidence cut for the README at the last ``;`` before ``limit`` characters (the whole of
+    it is in RESULTS.md)."""
+    if len(evidence) <= limit:
+        return evidence
+    cut = evidence.rfind("; ", 0, limit)
+    return (evidence[:cut] if cut > 0 else evidence[:limit].rstrip()) + "; …"
+
+
 def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     """The README block: per part, each verdict in one row, one figure, and the link to the rest."""
     link = os.path.relpath(results_md, base)
@@ -185,12 +195,16 @@ def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     for (title, hi), lo in zip(PARTS, bounds):
         part = [s for s in sections if lo <= registry.get(s.command).order < hi]
         lines += [f"**{title}**", ""]
-        rows = [(s, v) for s in part for v in s.verdicts]
+        rows = [(s, v) for s in part for v in s.verdicts if v.status is not Status.NOT_MEASURED]
+        unmeasured = sum(v.status is Status.NOT_MEASURED for s in part for v in s.verdicts)
         if not rows:
             lines += ["Not measured in the published runs.", ""]
             continue
         lines += ["| claim | verdict | evidence | run |", "|---|---|---|---|"]
-        lines += [f"| {v.claim} | **{v.status.value}** | {v.evidence} | {preset_of(s.run)} |" for s, v in rows]
+        lines += [f"| {v.claim} | **{v.status.value}** | {short(v.evidence)} | {preset_of(s.run)} |" for s, v in rows]
+        if unmeasured:
+            lines += ["", f"{unmeasured} more claim{'s' if unmeasured != 1 else ''} of these runs NOT MEASURED "
+                          f"(the run was not made for it; which and why: [{link}]({link}))."]
         figure = next((f for s in part for f in s.figures), None)
         if figure is not None:
             lines += ["", f"![{figure.stem}]({os.path.relpath(figure, base)})"]
