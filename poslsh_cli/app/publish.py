@@ -126,6 +126,7 @@ def publish(run_dirs: list[Path], out: Path, readme: Path | None = None, notice=
     for old in (out / "results").iterdir():  # a run not published this time leaves the snapshot
         if old.is_dir() and old.resolve() not in keep:
             shutil.rmtree(old)
+    copies = sorted(copies, key=lambda c: c.name)  # the same order however the runs were given
     sections, _, notes = report.sections_of(copies, notice=notice or (lambda text: None))
     figures = out / "figures"
     shutil.rmtree(figures, ignore_errors=True)
