@@ -150,36 +150,29 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
     if readme is not None and publish is None:
         fail("report", "--readme goes with --publish DIR")
         return
-    if publish is not None:
-        from poslsh_cli.app.publish import publish as publish_runs
+    from poslsh_cli.app.publish import publish as publish_runs
 
-        try:
-            written = publish_runs(run_dirs, publish, readme,
-                                   notice=lambda text: sys.stderr.write(f"poslsh report: {text}\n"))
-        except ConfigError as exc:
-            fail("report", str(exc))
-            return
-        except OSError as exc:
-            fail("report", f"cannot publish ({exc.strerror or type(exc).__name__}: {exc.filename or publish})")
-            return
-        for path in written.values():
-            typer.echo(str(path))
-        return
+    def notice(text: str) -> None:
+        sys.stderr.write(f"poslsh report: {text}\n")
+
+    target = publish or out
     try:
-        runs = find_runs(run_dirs)
-        target = out or _common_parent(runs)
-        if target.exists() and not target.is_dir():
-            raise ConfigError(f"-o {target} is a file: -o names the folder that report.md and report.html go to")
-        md, html_path = report.build(run_dirs, target,
-                                     notice=lambda text: sys.stderr.write(f"poslsh report: {text}\n"))
+        if publish is not None:
+            written = list(publish_runs(run_dirs, publish, readme, notice=notice).values())
+        else:
+            target = out or _common_parent(find_runs(run_dirs))
+            if target.exists() and not target.is_dir():
+                raise ConfigError(f"-o {target} is a file: -o names the folder that report.md and report.html go to")
+            written = list(report.build(run_dirs, target, notice=notice))
     except ConfigError as exc:
         fail("report", str(exc))
         return
     except OSError as exc:
-        fail("report", f"cannot write the report ({exc.strerror or type(exc).__name__}: {exc.filename or target})")
+        what = "publish" if publish is not None else "write the report"
+        fail("report", f"cannot {what} ({exc.strerror or type(exc).__name__}: {exc.filename or target})")
         return
-    typer.echo(str(md))
-    typer.echo(str(html_path))
+    for path in written:
+        typer.echo(str(path))
 
 
 def _common_parent(paths: list[Path]) -> Path:
