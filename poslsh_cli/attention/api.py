@@ -24,6 +24,7 @@ from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
 from poslsh_cli.attention.plan import DROPOUT_BACKENDS, Backend, Kernel, Plan, Work, choose, needs_grad, plan_for
 from poslsh_cli.attention.reference import (as_sigmas, laplacian_weight, mean_mask_weight,
                                             reference_attention)
+from poslsh_cli.attention.union import UnionLayout, union_chunked, union_flex
 from poslsh_cli.numerics.methods import INFO, Method
 from poslsh_cli.numerics.sampling import Partitions, fixed_block_partitions, sample_partitions, windows
 
@@ -126,27 +127,36 @@ def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "
     return None
 
 
-def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str) -> BlockLayout | FlexLayout | None:
+Layout = BlockLayout | FlexLayout | UnionLayout
+
+
+def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str) -> Layout | None:
     """The per-call set-up of a method on its plan, apart from q, k, v: for partition methods on
-    the blocks or flex backend the block layout (:func:`poslsh_layout`); nothing otherwise."""
-    if spec.partitions is not None and plan.backend in (Backend.BLOCKS, Backend.FLEX):
+    the blocks, flex or union backend its layout (:func:`poslsh_layout`); nothing otherwise."""
+    if spec.partitions is not None and plan.backend in (Backend.BLOCKS, Backend.FLEX, Backend.UNION):
         return poslsh_layout(spec.partitions, spec.causal, plan.backend, device)
     return None
 
 
 def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: Backend | str,
-                  device: torch.device | str) -> BlockLayout | FlexLayout:
-    """The prepared block structure of ``partitions`` for ``backend`` (``blocks`` or ``flex``)."""
+                  device: torch.device | str) -> Layout:
+    """The prepared structure of ``partitions`` for ``backend`` (``blocks``, ``flex`` or ``union``)."""
     backend = Backend(backend)
     if backend is Backend.FLEX:
         return FlexLayout.build(partitions, causal, device)
     if backend is Backend.BLOCKS:
         return BlockLayout.build(partitions, device)
+    if backend is Backend.UNION:
+        return UnionLayout.build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
+                                 partitions[0].seq_len, causal, device)
     raise ValueError(f"no block layout for backend {backend.value!r}")
 
 
+_LAYOUT_BACKEND = {BlockLayout: Backend.BLOCKS, FlexLayout: Backend.FLEX, UnionLayout: Backend.UNION}
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, backend: Backend | str = "auto",
-           layout: BlockLayout | FlexLayout | None = None, plan: Plan | None = None,
+           layout: Layout | None = None, plan: Plan | None = None,
            on_plan: Callable[[Plan], None] | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Run ``spec.method`` on q, k, v: the one entry point of every method.
 
@@ -168,9 +178,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     """
     if plan is None:
         if backend == "auto" and layout is not None:
-            backend = Backend.FLEX if isinstance(layout, FlexLayout) else Backend.BLOCKS
-        work = work_of(spec, q.shape[-2]) if backend == "auto" and needs_grad(q, k, v) else None
-        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0)
+            backend = _LAYOUT_BACKEND[type(layout)]
+        # the cost model weighs the CPU training paths only (on CUDA the plan does not read it)
+        cpu_training = backend == "auto" and q.device.type == "cpu" and needs_grad(q, k, v)
+        work = work_of(spec, q.shape[-2]) if cpu_training else None
+        s = spec.partitions[0].num_samples if spec.partitions else 0
+        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, num_samples=s)
     if on_plan is not None:
         on_plan(plan)
     if dropout and plan.backend not in DROPOUT_BACKENDS:
@@ -180,7 +193,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, plan: Plan,
-         layout: BlockLayout | FlexLayout | None, dropout: float = 0.0) -> torch.Tensor:
+         layout: Layout | None, dropout: float = 0.0) -> torch.Tensor:
     b, sig = plan.backend, as_sigmas(spec.sigmas, q.shape[1])
     if b is Backend.REFERENCE:
         return reference_attention(q, k, v, reference_weight(spec, q.shape[-2], q.device), spec.causal,
@@ -194,7 +207,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
             bias = alibi_bias(q.shape[-2], sig, spec.causal, spec.window, q.device, bias_dtype(q.dtype))
         return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
     if b is Backend.RANK1:
-        if needs_grad(q, k, v) or dropout:
+        if needs_grad(q, k, v) or dropout:  # the causal kernel (the plan sends bidirectional dropout to dense)
             return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
         return alibi_rank1_tiled(q, k, v, sig, spec.causal, spec.scale)
     if b is Backend.CHUNKED:
@@ -210,6 +223,14 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
         if not isinstance(layout, BlockLayout):
             layout = BlockLayout.build(spec.partitions, q.device)
         return merged_block_attention(q, k, v, layout, spec.causal, spec.scale, plan.kernel)
+    if b is Backend.UNION:
+        if not isinstance(layout, UnionLayout):
+            layout = poslsh_layout(spec.partitions, spec.causal, b, q.device)
+        if layout.causal != spec.causal:
+            raise ValueError("the UnionLayout was built for another causal flag")
+        if plan.kernel is Kernel.FLEX:
+            return union_flex(q, k, v, layout, spec.scale, compiled=plan.compiled)
+        return union_chunked(q, k, v, layout, spec.scale, kernel=plan.kernel)
     raise ValueError(f"no implementation of {spec.method.value} on {b.value}")
 
 
@@ -240,7 +261,7 @@ def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Seque
 
 
 def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions],
-                     causal: bool, scale: float | None = None, layout: BlockLayout | FlexLayout | None = None,
+                     causal: bool, scale: float | None = None, layout: Layout | None = None,
                      backend: Backend | str = "auto") -> torch.Tensor:
     """Positional-LSH attention ``D~^-1 (A o M~) V`` with one :class:`Partitions` per head.
 
@@ -249,11 +270,12 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
         partitions: H sampled partitions of n positions, each with the same s.
         causal: attend only to keys j <= i (inside each block).
         scale: logit scale (default 1/sqrt(d)).
-        layout: a prepared :class:`BlockLayout` or :class:`FlexLayout` (:func:`poslsh_layout`);
-            it fixes the backend. Built from ``partitions`` when omitted.
-        backend: ``blocks`` (length-bucketed blocks, any device, differentiable), ``flex``
-            (FlexAttention with the bins as document ids), ``dense`` (one SDPA call with the bias
-            ``log M~``: training lengths), ``reference`` or ``auto`` (the plan).
+        layout: a prepared :class:`BlockLayout`, :class:`FlexLayout` or :class:`UnionLayout`
+            (:func:`poslsh_layout`); it fixes the backend. Built from ``partitions`` when omitted.
+        backend: ``blocks`` (length-bucketed blocks, any device, differentiable), ``union`` (one
+            attention over the union of each query's blocks weighted by log counts), ``flex``
+            (FlexAttention, one mask at a time with the bins as document ids), ``dense`` (one SDPA
+            call with the bias ``log M~``: training lengths), ``reference`` or ``auto`` (the plan).
 
     Returns (B, H, n, d) in q's dtype.
     """

@@ -1,34 +1,131 @@
-"""FlexAttention paths: exact or windowed ALiBi with a ``score_mod``, Positional LSH with the sampled
-bins as document ids. Block masks come from the key intervals of :mod:`poslsh_cli.numerics.masks`, never
-from an n x n grid. Compiled on CUDA; uncompiled they run anywhere (densely), which is how the
-tests check them on the CPU at sizes with many 128-token tiles.
+"""FlexAttention paths: exact or windowed ALiBi with a ``score_mod``, Positional LSH one mask at a
+time with the sampled bins as document ids (the per-mask route; the union route is
+:mod:`poslsh_cli.attention.union`). Block masks come from the key intervals of
+:mod:`poslsh_cli.numerics.masks`, never from an n x n grid. Compiled on CUDA; uncompiled they run
+anywhere (densely), which is how the tests check them on the CPU at sizes with many 128-token tiles.
+
+Every call goes through :func:`flex_call`, which
+
+- compiles ``flex_attention`` once per process with dynamic shapes (a new length, or a new head
+  count, recompiles at most once per kind of call; the sequence length then stays symbolic), under
+  a recompile limit that fails loudly instead of running the unfused fallback (which materialises
+  every score: 256 GiB at n = 131072), and starts the cache afresh when the limit is reached;
+- refuses an uncompiled call on CUDA at a size where the dense fallback would materialise more
+  than :data:`EAGER_MAX_BYTES` of scores;
+- zero-pads heads narrower than :data:`MIN_HEAD_DIM` (the CUDA kernel's minimum): zero coordinates
+  change no ``q . k`` and give zero output columns, which are cut off, so the result is exact.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-from poslsh_cli.numerics import masks
 from poslsh_cli.attention.blocks import device_bins
 from poslsh_cli.attention.merge import merge_by_lse
+from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import alibi_slopes, scale_of
+from poslsh_cli.numerics import masks
 from poslsh_cli.numerics.sampling import Partitions
 
-_FLEX = None
+#: The CUDA kernel's smallest head dimension: narrower heads are zero-padded to it (exact).
+MIN_HEAD_DIM = 16
+#: Float32 score bytes from which an uncompiled (dense) FlexAttention call on CUDA is refused.
+EAGER_MAX_BYTES = 2**31
+#: Compiled variants of ``flex_attention`` kept at once (each kind of call needs one or two: the
+#: first at static shapes, then one with a symbolic length). Reaching it starts the cache afresh.
+RECOMPILE_LIMIT = 64
+
+_FLEX: Any = None
 
 
 def flex_function(compiled: bool) -> Any:
-    """``flex_attention``, compiled once per process when asked (CUDA), plain otherwise."""
+    """``flex_attention``: compiled once per process (``fullgraph``, dynamic shapes) or plain."""
     global _FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return flex_attention
     if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+        _FLEX = torch.compile(flex_attention, fullgraph=True, dynamic=None)
     return _FLEX
+
+
+class FlexTooLarge(ValueError):
+    """An uncompiled FlexAttention call on CUDA that would materialise its scores."""
+
+
+def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, compiled: bool,
+              score_mod: Any = None, block_mask: Any = None, lse: bool = False,
+              enable_gqa: bool = False) -> Any:
+    """One FlexAttention call (see the module docstring for what it guards).
+
+    Args:
+        q: (B, Hq, n, d); k, v: (B, Hkv, m, d) (``enable_gqa`` when Hq is a multiple of Hkv).
+        scale: the logit scale (explicit: padding must not change it).
+        compiled: the compiled kernel (CUDA) or the dense eager implementation (tests).
+        lse: also return the natural-log normaliser.
+
+    Returns ``out`` (B, Hq, n, d) in q's dtype, or ``(out, lse (B, Hq, n) float32)``.
+    """
+    B, Hq, n, d = q.shape
+    if not compiled and q.is_cuda and 4 * B * Hq * n * k.shape[-2] > EAGER_MAX_BYTES:
+        raise FlexTooLarge(f"uncompiled FlexAttention would materialise {4 * B * Hq * n * k.shape[-2] / 2**30:.1f} GiB "
+                           f"of scores (B={B}, heads={Hq}, n={n}); it runs compiled on CUDA")
+    if d < MIN_HEAD_DIM:
+        pad = (0, MIN_HEAD_DIM - d)
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+    kw: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask, "scale": float(scale),
+                          "enable_gqa": enable_gqa}
+    if lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        kw["return_aux"] = AuxRequest(lse=True)
+    res = _compiled(q, k, v, kw) if compiled else flex_function(False)(q, k, v, **kw)
+    out, aux = res if lse else (res, None)
+    if d < MIN_HEAD_DIM:
+        out = out[..., :d]
+    return (out, aux.lse) if lse else out
+
+
+def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict) -> Any:
+    """The compiled call under a recompile limit that raises instead of falling back unfused; at the
+    limit the compiled variants of ``flex_attention`` are dropped and this call compiles afresh."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_function(True)
+    if torch.compiler.is_compiling():  # inside a caller's own torch.compile: it traces the call
+        return fn(q, k, v, **kw)
+    cfg = {name: value for name, value in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True))
+           if hasattr(torch._dynamo.config, name)}
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", RuntimeError)
+    with torch._dynamo.config.patch(**cfg):
+        try:
+            return fn(q, k, v, **kw)
+        except limit_hit:
+            torch._C._dynamo.eval_frame.reset_code(flex_attention.__code__)
+            return fn(q, k, v, **kw)
+
+
+@functools.lru_cache(maxsize=4)
+def _static_block_mask(causal: bool, window: tuple[int, ...] | None, heads: int, n: int, device: str,
+                       q_blocks: bool) -> Any:
+    """The ``BlockMask`` of exact or windowed ALiBi: it depends only on these arguments, so it is
+    built once (one group for the causal mask alone, one per head with per-head windows)."""
+    win = None if window is None else masks.Window.of(list(window), heads, device)
+    keep = masks.combine(causal, win)
+    if keep is None:
+        return None
+    return masks.block_mask(keep, heads if win is not None else 1, n, device, q_blocks=q_blocks)
+
+
+@functools.lru_cache(maxsize=16)
+def _slopes(sigmas: tuple[float, ...], device: str) -> torch.Tensor:
+    return alibi_slopes(sigmas, torch.float32, device)  # the scores are float32 inside the kernel
 
 
 def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
@@ -48,48 +145,57 @@ def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.
     Returns (B, H, n, d) in q's dtype.
     """
     B, H, n, d = q.shape
-    slopes = alibi_slopes(sigmas, torch.float32, q.device)  # the scores are float32 inside the kernel
+    dev = str(q.device)
+    slopes = _slopes(tuple(float(x) for x in torch.as_tensor(sigmas).reshape(-1).tolist()), dev)
 
     def score_mod(score, b, h, qi, kj):  # noqa: ANN001
         return score - slopes[h] * (qi - kj).abs().to(score.dtype)
 
-    win = None if window is None else masks.Window.of(window, H, q.device)
-    keep = masks.combine(causal, win)
-    bm = None if keep is None else masks.block_mask(keep, H, n, q.device)
-    return flex_function(compiled)(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale_of(d, scale))
+    win = None if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(H).tolist())
+    bm = _static_block_mask(bool(causal), win, H, n, dev, needs_grad(q, k, v))
+    return flex_call(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale_of(d, scale), compiled=compiled)
 
 
 @dataclass(frozen=True)
 class FlexLayout:
-    """Sampled partitions as FlexAttention sees them: query head ``h*s + k`` is (head h, sample
-    k), and its ``BlockMask`` keeps keys in the same bin (and causal, when asked).
+    """Sampled partitions as the per-mask FlexAttention route sees them: sample k is one call over
+    the H heads whose ``BlockMask`` keeps keys in the same bin (and causal, when asked).
 
-    ``block_mask`` covers (1, H*s, n, n); built from the bins' block intervals on ``device``
-    (:func:`masks.block_mask`), never from an n x n grid.
+    ``doc`` (H, s, n) int64 holds the bins, computed on ``device`` from the drawn scalars
+    (:func:`~poslsh_cli.attention.blocks.device_bins`); ``longest[k]`` bounds sample k's blocks (host),
+    so each ``BlockMask`` is sized without reading the device. Block masks are built one sample at a
+    time, when the sample runs: memory O(H tiles^2) for one of them, not s.
     """
 
     heads: int
     num_samples: int
     seq_len: int
     causal: bool
-    block_mask: Any
+    doc: torch.Tensor
+    longest: tuple[int, ...]
 
     @classmethod
     def build(cls, partitions: Sequence[Partitions], causal: bool,
               device: torch.device | str = "cpu") -> "FlexLayout":
         H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
-        doc = device_bins(partitions, device).reshape(H * s, n)  # (H*s, n)
-        keep = masks.combine(causal, block=masks.SameBlock.of(doc))
-        return cls(H, s, n, causal, masks.block_mask(keep, H * s, n, device))
+        widths = np.stack([p.widths for p in partitions])  # (H, s)
+        longest = tuple(int(x) for x in np.minimum(np.ceil(widths.max(0)) + 1, n))
+        return cls(H, s, n, causal, device_bins(partitions, device), longest)
+
+    def block_mask(self, sample: int, q_blocks: bool = True) -> Any:
+        """The ``BlockMask`` of one sample (H groups, the heads)."""
+        keep = masks.combine(self.causal, block=masks.SameBlock.of(self.doc[:, sample], self.longest[sample]))
+        return masks.block_mask(keep, self.heads, self.seq_len, self.doc.device, q_blocks=q_blocks)
 
 
 def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions] | None,
                 causal: bool, scale: float | None = None, compiled: bool | None = None,
                 layout: FlexLayout | None = None) -> torch.Tensor:
-    """Positional-LSH attention with FlexAttention: each (head, sample) is one query head whose
-    mask keeps keys in the same block (the sampled bins are document ids), ``lse`` returned by
-    the kernel, then the merge. Key/value heads are shared across samples through grouped-query
-    attention (query head ``h*s + k`` reads kv head ``h``), so only q is repeated s times.
+    """Positional-LSH attention with FlexAttention, one mask at a time: sample k is one call over the
+    H heads with the sampled bins as document ids, its ``lse`` returned by the kernel, and the
+    samples merged by lse. Without gradients the merge runs as the samples come (a running
+    log-sum-exp), so memory is two outputs whatever s is; with gradients the s outputs are kept for
+    the backward pass (the plan trains on the union route, :mod:`poslsh_cli.attention.union`).
 
     Args:
         q, k, v: (B, H, n, d), float16/bfloat16/float32; queries, keys, values.
@@ -100,17 +206,32 @@ def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: S
 
     Returns (B, H, n, d) in q's dtype.
     """
-    from torch.nn.attention.flex_attention import AuxRequest
-
     B, H, n, d = q.shape
     if layout is None:
         layout = FlexLayout.build(partitions, causal, q.device)
     if layout.causal != causal or layout.heads != H or layout.seq_len != n:
         raise ValueError("the FlexLayout was built for another causal flag, head count or length")
-    s = layout.num_samples
-    qs = q.unsqueeze(2).expand(B, H, s, n, d).reshape(B, H * s, n, d)  # (B, H*s, n, d)
-    fn = flex_function(q.is_cuda if compiled is None else compiled)
-    out, aux = fn(qs, k, v, block_mask=layout.block_mask, scale=scale_of(d, scale), enable_gqa=True,
-                  return_aux=AuxRequest(lse=True))
-    return merge_by_lse(out.reshape(B, H, s, n, d), aux.lse.reshape(B, H, s, n).float(), dim=2,
-                        inplace=True)[0]
+    comp = q.is_cuda if compiled is None else compiled
+    grad = needs_grad(q, k, v)
+    sc = scale_of(d, scale)
+
+    def one(sample: int, lse: bool = True) -> Any:
+        return flex_call(q, k, v, block_mask=layout.block_mask(sample, grad), scale=sc, compiled=comp, lse=lse)
+
+    if layout.num_samples == 1:  # one mask: no merge, no lse
+        return one(0, lse=False)
+    if grad:
+        outs, lses = zip(*(one(j) for j in range(layout.num_samples)))
+        return merge_by_lse(torch.stack(outs, 2), torch.stack(lses, 2).float(), dim=2)[0]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, total = None, None
+    for j in range(layout.num_samples):  # running merge: out = sum_k exp(lse_k - LSE) O_k
+        o, l = one(j)
+        l = l.to(acc)
+        if out is None:
+            out, total = o.to(acc), l
+            continue
+        new = torch.logaddexp(total, l)
+        out.mul_(torch.exp(total - new)[..., None]).add_(o.to(acc) * torch.exp(l - new)[..., None])
+        total = new
+    return out.to(q.dtype)

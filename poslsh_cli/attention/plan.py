@@ -11,11 +11,17 @@ decided in one place from the method, device, dtype, length and whether gradient
                bidirectional: the keys before and after a tile, each rank one)
     dense      one SDPA call with an (H, n, n) additive bias                all but no_bias
     blocks     length-bucketed blocks of every sample, merged by lse        poslsh, fixed_block
-    flex       FlexAttention (score_mod / block masks), compiled on CUDA    all but no_bias
+    union      one attention over the union of each query's s blocks,       poslsh, fixed_block
+               weighted by log of how many masks share the pair (counts
+               per cell of the s partitions): FlexAttention on CUDA, query
+               chunks against their key span on the CPU
+    flex       FlexAttention (score_mod / block masks), compiled on CUDA;   all but no_bias
+               partition methods one mask at a time, merged by lse
 
-Inside ``chunked`` and ``blocks`` a :class:`Kernel` runs: ``fused`` (PyTorch's fused kernels:
-SDPA with a float mask, the CPU flash kernel, which also returns lse) or ``matmul`` (padded
-batched matmuls: any device and dtype, differentiable). A :class:`Plan` names all of it, and its
+Inside ``chunked``, ``blocks`` and ``union`` a :class:`Kernel` runs: ``fused`` (PyTorch's fused
+kernels: SDPA with a float mask, the CPU flash kernel, which also returns lse), ``matmul`` (padded
+batched matmuls: any device and dtype, differentiable) or, for ``union``, ``flex`` (one
+FlexAttention call; compiled on CUDA). A :class:`Plan` names all of it, and its
 :attr:`~Plan.label` is what tables, figures and reports print.
 """
 from __future__ import annotations
@@ -34,23 +40,25 @@ class Backend(str, enum.Enum):
     RANK1 = "rank1"
     DENSE = "dense"
     BLOCKS = "blocks"
+    UNION = "union"
     FLEX = "flex"
 
 
 class Kernel(str, enum.Enum):
-    """What runs inside the chunked and block backends."""
+    """What runs inside the chunked, block and union backends."""
 
     FUSED = "fused"
     MATMUL = "matmul"
+    FLEX = "flex"
 
 
 #: Backends each method can run on (the first is its inference default on the CPU).
 BACKENDS: dict[Method, tuple[Backend, ...]] = {
     Method.NO_BIAS: (Backend.SDPA, Backend.REFERENCE),
-    Method.FIXED_BLOCK: (Backend.BLOCKS, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
+    Method.FIXED_BLOCK: (Backend.BLOCKS, Backend.FLEX, Backend.UNION, Backend.DENSE, Backend.REFERENCE),
     Method.WINDOWED: (Backend.CHUNKED, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
     Method.EXACT: (Backend.CHUNKED, Backend.FLEX, Backend.DENSE, Backend.RANK1, Backend.REFERENCE),
-    Method.POSLSH: (Backend.BLOCKS, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
+    Method.POSLSH: (Backend.BLOCKS, Backend.UNION, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
 }
 
 #: Largest n at which bidirectional training (gradients needed) runs one dense attention with an
@@ -129,12 +137,17 @@ def needs_grad(*ts: Any) -> bool:
 
 def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: bool, grad: bool,
            backend: Backend | str = "auto", kernel: Kernel | str = "auto", work: Work | None = None,
-           dropout: bool = False) -> Plan:
+           dropout: bool = False, num_samples: int = 0) -> Plan:
     """The plan for ``method`` on ``device`` with ``dtype`` inputs of length ``n``.
 
     Backend (``auto``):
     - no_bias: PyTorch SDPA.
-    - on CUDA every other method takes FlexAttention (it has its own backward there).
+    - on CUDA every other method takes FlexAttention (it has its own backward there): exact and
+      windowed ALiBi with a ``score_mod``; the partition methods with ``num_samples`` > 1 masks on
+      the union route (one call over the union of each query's blocks: its work grows with the
+      union, about ``sigma ln s`` keys each side, where one call per mask visits about
+      ``1.5 s sigma``, and its memory is one output and the counts, not s outputs), a single mask
+      as one call with the blocks as documents (``flex``).
     - for inference on the CPU: exact ALiBi (float32 and wider) on the flash kernel with its bias as
       an extra q/k coordinate re-centred per query tile (``rank1``, causal and bidirectional; the
       fastest exact path), windowed ALiBi (and exact in lower precision) by query chunks, the
@@ -146,8 +159,9 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
 
     With ``dropout`` the automatic plan, on the CPU and on CUDA, takes the dense bias where it would
-    take a path that cannot drop attention probabilities (only DROPOUT_BACKENDS can: FlexAttention
-    and the blocks cannot), so a run with attention dropout never fails inside a step.
+    take a path that cannot drop attention probabilities (only DROPOUT_BACKENDS can: FlexAttention,
+    the blocks and the union cannot; the rank-one path drops them only causally, training's kernel),
+    so a run with attention dropout never fails inside a step.
 
     Kernel (``auto``): the fused CPU kernels (the flash kernel, which returns lse, and its own
     backward; SDPA with a float mask) on the CPU for float32 and wider, padded matmuls otherwise.
@@ -160,32 +174,42 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     method = Method(method)
     device = torch.device(device)
     if backend == "auto":
-        backend = _backend(method, device, dtype, n, causal, grad, work)
-        if dropout and backend not in DROPOUT_BACKENDS and Backend.DENSE in BACKENDS[method]:
+        backend = _backend(method, device, dtype, n, causal, grad, work, num_samples)
+        if dropout and (backend not in DROPOUT_BACKENDS or (backend is Backend.RANK1 and not causal)) \
+                and Backend.DENSE in BACKENDS[method]:
             backend = Backend.DENSE  # only the SDPA-based paths drop attention probabilities (CPU and CUDA)
     backend = Backend(backend)
     if backend not in BACKENDS[method]:
         raise ValueError(f"method {method.value} has no backend {backend.value!r} "
                          f"(choose from {', '.join(b.value for b in BACKENDS[method])})")
-    if backend is Backend.RANK1 and not causal and grad:
-        raise ValueError("the rank-one path trains causal exact ALiBi only (bidirectional: inference)")
-    if backend is Backend.RANK1 and not grad and device.type != "cpu":
+    if backend is Backend.RANK1 and not causal and (grad or dropout):
+        raise ValueError("the rank-one path trains (and drops attention) for causal exact ALiBi only "
+                         "(bidirectional: inference without dropout)")
+    if backend is Backend.RANK1 and not grad and not dropout and device.type != "cpu":
         raise ValueError("the tiled rank-one path runs on the CPU flash kernel (on CUDA: flex)")
     chosen = None
-    if backend in (Backend.BLOCKS, Backend.CHUNKED):
+    if backend in (Backend.BLOCKS, Backend.CHUNKED, Backend.UNION):
         wide = dtype == torch.promote_types(dtype, torch.float32)
         fused = wide if backend is Backend.CHUNKED and not grad else wide and device.type == "cpu"
-        chosen = Kernel(kernel) if kernel != "auto" else (Kernel.FUSED if fused else Kernel.MATMUL)
-    return Plan(method, backend, chosen, compiled=backend is Backend.FLEX and device.type == "cuda")
+        if backend is Backend.UNION and device.type == "cuda":
+            default = Kernel.FLEX
+        else:
+            default = Kernel.FUSED if fused or (backend is Backend.UNION and wide) else Kernel.MATMUL
+        chosen = Kernel(kernel) if kernel != "auto" else default
+        if chosen is Kernel.FLEX and backend is not Backend.UNION:
+            raise ValueError(f"kernel flex runs on the union backend, not {backend.value}")
+    flexible = backend is Backend.FLEX or chosen is Kernel.FLEX
+    return Plan(method, backend, chosen, compiled=flexible and device.type == "cuda")
 
 
-def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad: bool, work: Work | None) -> Backend:
+def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad: bool, work: Work | None,
+             num_samples: int = 0) -> Backend:
     import torch
 
     if method is Method.NO_BIAS:
         return Backend.SDPA
     if device.type == "cuda":
-        return Backend.FLEX
+        return Backend.UNION if num_samples > 1 and Backend.UNION in BACKENDS[method] else Backend.FLEX
     sparse = Backend.BLOCKS if Backend.BLOCKS in BACKENDS[method] else Backend.CHUNKED
     if not grad:
         if method is Method.EXACT and dtype in (torch.float32, torch.float64):
@@ -209,7 +233,9 @@ def dense_limit(method: Method, causal: bool) -> int:
 
 
 def plan_for(method: Method | str, q: Any, k: Any, v: Any, causal: bool, backend: Backend | str = "auto",
-             kernel: Kernel | str = "auto", work: Work | None = None, dropout: bool = False) -> Plan:
+             kernel: Kernel | str = "auto", work: Work | None = None, dropout: bool = False,
+             num_samples: int = 0) -> Plan:
     """:func:`choose` for these tensors (device, dtype, length, gradient need)."""
     return choose(method, device=q.device, dtype=q.dtype, n=q.shape[-2], causal=causal,
-                  grad=needs_grad(q, k, v), backend=backend, kernel=kernel, work=work, dropout=dropout)
+                  grad=needs_grad(q, k, v), backend=backend, kernel=kernel, work=work, dropout=dropout,
+                  num_samples=num_samples)

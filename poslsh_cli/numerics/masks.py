@@ -37,10 +37,12 @@ class KeyMask(ABC):
     ``interval(q)`` takes query positions ``q`` (m,) int64 and returns ``(lo, hi)`` of shape
     (G, m) or (1, m) (one row shared by every group); ``__call__(b, h, q_idx, kv_idx)`` returns
     whether key ``kv_idx`` is kept for query ``q_idx`` of group ``h`` (broadcasting tensors; the
-    FlexAttention ``mask_mod`` signature).
+    FlexAttention ``mask_mod`` signature). ``span`` is an upper bound on ``hi - lo + 1`` known on
+    the host (None: unbounded), so a ``BlockMask`` is sized without reading the device.
     """
 
     groups: int = 1  # 1: the same for every group
+    span: int | None = None
 
     @abstractmethod
     def interval(self, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,16 +77,17 @@ class Window(KeyMask):
     """``|i - j| <= w_g``: one half-width per group (``width`` (G,) int64, or one shared)."""
 
     width: Tensor
+    span: int | None = None  # 2 max(w) + 1
 
     @classmethod
     def of(cls, window: int | Sequence[int] | Tensor, groups: int, device: torch.device | str) -> "Window":
         """Accept one int or one value per group (head)."""
-        w = torch.as_tensor(window, device=device).reshape(-1).to(torch.int64)
-        if w.numel() not in (1, groups):
-            raise ValueError(f"window needs one value or one per head ({groups}), got {w.numel()}")
-        if bool((w < 0).any()):
+        host = torch.as_tensor(window, device="cpu").reshape(-1).to(torch.int64)  # checked here: no device read
+        if host.numel() not in (1, groups):
+            raise ValueError(f"window needs one value or one per head ({groups}), got {host.numel()}")
+        if bool((host < 0).any()):
             raise ValueError("window must be >= 0")
-        return cls(w.expand(groups).contiguous())
+        return cls(host.expand(groups).contiguous().to(device), 2 * int(host.max()) + 1)
 
     @property
     def groups(self) -> int:  # type: ignore[override]
@@ -108,9 +111,10 @@ class SameBlock(KeyMask):
     doc: Tensor
     start: Tensor  # (G, n) first position of i's block
     end: Tensor  # (G, n) last position of i's block
+    span: int | None = None  # the longest block, when the caller knows it
 
     @classmethod
-    def of(cls, doc: Tensor) -> "SameBlock":
+    def of(cls, doc: Tensor, span: int | None = None) -> "SameBlock":
         G, n = doc.shape
         pos = torch.arange(n, device=doc.device).expand(G, n)
         first = torch.ones_like(doc, dtype=torch.bool)
@@ -120,7 +124,7 @@ class SameBlock(KeyMask):
         last[:, :-1] = doc[:, :-1] != doc[:, 1:]
         end = torch.where(last, pos, torch.full_like(pos, n))
         end = torch.flip(torch.flip(end, [1]).cummin(dim=1).values, [1])
-        return cls(doc, start, end)
+        return cls(doc, start, end, span)
 
     @property
     def groups(self) -> int:  # type: ignore[override]
@@ -134,6 +138,26 @@ class SameBlock(KeyMask):
 
 
 @dataclass(frozen=True, eq=False)
+class Span(KeyMask):
+    """Explicit key intervals ``[lo_g(i), hi_g(i)]``: ``lo``, ``hi`` (G, n) int64, non-decreasing
+    along n (the union of the blocks holding each query, :mod:`poslsh_cli.attention.union`)."""
+
+    lo: Tensor
+    hi: Tensor
+    span: int | None = None
+
+    @property
+    def groups(self) -> int:  # type: ignore[override]
+        return int(self.lo.shape[0])
+
+    def interval(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        return self.lo[:, q], self.hi[:, q]
+
+    def __call__(self, b, h, q_idx, kv_idx):  # noqa: ANN001
+        return (kv_idx >= self.lo[h, q_idx]) & (kv_idx <= self.hi[h, q_idx])
+
+
+@dataclass(frozen=True, eq=False)
 class Intersection(KeyMask):
     """Keys kept by every part; the interval is ``[max lo, min hi]``."""
 
@@ -141,6 +165,11 @@ class Intersection(KeyMask):
 
     def __and__(self, other: KeyMask) -> KeyMask:
         return Intersection(self.parts + (other,))
+
+    @property
+    def span(self) -> int | None:  # type: ignore[override]
+        known = [p.span for p in self.parts if p.span is not None]
+        return min(known) if known else None
 
     @property
     def groups(self) -> int:  # type: ignore[override]
@@ -169,14 +198,18 @@ def combine(causal: bool, window: KeyMask | None = None, block: KeyMask | None =
 
 
 def block_mask(mask: KeyMask, groups: int, seq_len: int, device: torch.device | str,
-               tile: int = 128):  # noqa: ANN201
+               tile: int = 128, q_blocks: bool = True):  # noqa: ANN201
     """FlexAttention ``BlockMask`` (batch 1, ``groups`` heads) for an interval mask.
 
     For query tile t (positions ``[t T, t T + T)``): key tiles ``lo(first) // T .. hi(last) // T``
     are visited; those with ``lo(last) <= first key`` and ``hi(first) >= last key`` are full (the
     kernel skips ``mask_mod`` there), the rest partial. Index tensors are (1, G, tiles, tiles)
     int32 as ``BlockMask.from_kv_blocks`` requires (one slot per key tile; entries past each
-    row's count are ignored). Work and memory O(G tiles^2) for the index tensors only.
+    row's count are ignored). Work and memory O(G tiles^2) for the index tensors only. The
+    candidate tiles per row are bounded by the mask's host-known ``span`` (a query tile meets at
+    most ``(T - 1 + 2 (span - 1)) // T + 2`` key tiles), so nothing is read back from the device;
+    without a span that bound is read once. ``q_blocks=False`` skips the transposed (query-side)
+    indices, which only the backward pass reads.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -188,7 +221,10 @@ def block_mask(mask: KeyMask, groups: int, seq_len: int, device: torch.device | 
     lo_last, hi_last = (x.expand(groups, tiles) for x in mask.interval(q_last))
     kv_lo = torch.clamp(lo_first, 0, n - 1) // T  # (G, tiles)
     kv_hi = torch.clamp(hi_last, 0, n - 1) // T
-    width = max(1, int((kv_hi - kv_lo + 1).max()))
+    if mask.span is not None:
+        width = max(1, min(tiles, (T - 1 + 2 * (int(mask.span) - 1)) // T + 2))
+    else:
+        width = max(1, int((kv_hi - kv_lo + 1).max()))
     cand = kv_lo[..., None] + torch.arange(width, device=device)  # (G, tiles, width)
     valid = cand <= kv_hi[..., None]
     k_first = cand * T
@@ -209,6 +245,7 @@ def block_mask(mask: KeyMask, groups: int, seq_len: int, device: torch.device | 
 
     kv_num, kv_idx = pack(partial)
     full_num, full_idx = pack(full)
+    extra = {} if q_blocks else {"compute_q_blocks": False}
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=T, mask_mod=mask_mod,
-                                    seq_lengths=(n, n))
+                                    seq_lengths=(n, n), **extra)
 

@@ -1,0 +1,281 @@
+"""Positional LSH as one attention over the union of each query's s blocks, weighted by how many
+masks put the pair in one block (docs/THEORY.md, "One attention over the union of the blocks").
+
+With ``C_ij = #{k : h_k(i) = h_k(j)} = s M~_ij`` (the constant ``log s`` cancels in the softmax):
+
+    T~ = D~^-1 (A o M~) V = softmax(q k^T * scale + log C) V        (log 0 = -inf)
+
+Every block holding position i is an interval, so the keys with ``C_ij > 0`` are one interval
+``[lo(i), hi(i)]``: the union of i's s blocks (about ``sigma ln s`` each side for the Gamma(2, sigma)
+widths), and ``C_ij`` is a step function of j on it. One attention over that span costs work that
+grows with the union, not with s (the per-mask route visits ``sum_k |block_k(i)|`` keys, about
+``1.5 s sigma`` for a causal query), and needs neither the s per-sample outputs nor their merge.
+
+Counts are stored once per *cell*: the positions between consecutive block boundaries of any of
+the s samples lie in the same s blocks, so they share ``lo``, ``hi`` and the whole row of counts
+``c(j) = #{k : start_k <= j <= end_k}`` (causal: ``#{k : start_k <= j}``, since ``j <= i <= end_k``).
+The table is ragged: head h has ``C_h`` rows of ``W_h + 1`` counts, with ``C_h <= min(n, 1 + number
+of boundaries)`` and ``W_h`` bounded by the longest block ``B_h`` (causal ``B_h``, bidirectional
+``2 B_h - 1``), both computed on the host from the ``2 s`` drawn scalars per head; everything of size
+n is built on the device without reading it back. A row is filled by a +1 at each block's start and
+a -1 after its end (causal: in the row's last, never-read column) and one cumulative sum over the
+whole table: each row's changes sum to zero, so every row starts again from 0.
+
+``offset[h, i] + j`` is the table index of the pair (i, j): FlexAttention's ``score_mod`` adds
+``log table[offset[h, i] + j]`` and its ``mask_mod`` keeps ``lo(i) <= j <= hi(i)`` (CUDA); on the CPU
+query chunks attend to their key span with the same counts as a float bias (:func:`union_chunked`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from poslsh_cli.attention.plan import Kernel
+from poslsh_cli.attention.reference import scale_of
+from poslsh_cli.numerics import masks
+
+#: Elements of one (cells or positions) x (samples) intermediate while the table is built: samples
+#: are taken this many elements at a time, so memory stays O(n) beyond the masks' own integers.
+BUILD_ELEMENTS = 2**22
+#: Queries per call of the CPU union path (:func:`union_chunked`).
+UNION_CHUNK = 256
+
+
+def bins_of(pos: torch.Tensor, widths: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """``floor((pos + u) / delta)`` in float64 (broadcasting): the bin formula of
+    :meth:`poslsh_cli.numerics.sampling.Partitions.bins_of` without its offset (which changes no
+    equality). IEEE float64 addition, division and floor are exactly rounded on every device, so
+    the device gives the bins the host gives."""
+    return torch.floor((pos.to(torch.float64) + shifts) / widths)
+
+
+def block_ends(pos: torch.Tensor, widths: torch.Tensor, shifts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last position (int64, clipped to ``[0, n-1]``) of the block holding ``pos`` in the
+    partition ``(widths, shifts)`` (broadcasting, float64).
+
+    The bin ``b`` of ``p`` starts near ``ceil(b delta - u)`` and ends near ``ceil((b+1) delta - u) - 1``;
+    rounding puts either estimate at most one position off, so each is corrected with the exact
+    expression :func:`bins_of` (twice each way, a fixed number of elementwise steps: nothing is
+    read back from the device)."""
+    p = pos.to(torch.float64)
+    b = bins_of(p, widths, shifts)
+    zero, last = torch.zeros((), dtype=torch.float64, device=p.device), torch.full((), float(n - 1),
+                                                                                   dtype=torch.float64, device=p.device)
+    start = torch.minimum(torch.maximum(torch.ceil(b * widths - shifts), zero), p)
+    end = torch.maximum(torch.minimum(torch.ceil((b + 1) * widths - shifts) - 1, last), p)
+    for _ in range(2):
+        start = torch.where(bins_of(start, widths, shifts) < b, start + 1, start)
+        start = torch.where((start > 0) & (bins_of(start - 1, widths, shifts) == b), start - 1, start)
+        end = torch.where(bins_of(end, widths, shifts) > b, end - 1, end)
+        end = torch.where((end < n - 1) & (bins_of(end + 1, widths, shifts) == b), end + 1, end)
+    return start.to(torch.int64), end.to(torch.int64)
+
+
+def count_dtype(num_samples: int) -> torch.dtype:
+    """The narrowest integer type that holds counts 0..s."""
+    return torch.uint8 if num_samples <= 255 else torch.int16 if num_samples <= 32767 else torch.int32
+
+
+@dataclass(frozen=True, eq=False)
+class UnionLayout:
+    """The counts ``C_ij`` of one set of partitions (one per head) over each query's key span.
+
+    Attributes:
+        heads, seq_len, num_samples, causal: H, n, s and the direction it was built for.
+        table: (T,) counts (uint8 for s <= 255), one row per cell of every head.
+        offset: (H, n) int32: the count of pair (i, j) of head h is ``table[offset[h, i] + j]``.
+        lo, hi: (H, n) int64: the key span of query i (causal: ``hi = i``).
+        span: host-known bound on ``hi - lo + 1`` (sizes the ``BlockMask`` without a device read).
+    """
+
+    heads: int
+    seq_len: int
+    num_samples: int
+    causal: bool
+    table: torch.Tensor
+    offset: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    span: int
+    _block_mask: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mask(self) -> masks.Span:
+        """The key spans as a :class:`~poslsh_cli.numerics.masks.KeyMask`."""
+        return masks.Span(self.lo, self.hi, self.span)
+
+    def block_mask(self, q_blocks: bool = True) -> Any:
+        """FlexAttention ``BlockMask`` of the spans (one group per head), built once per layout;
+        ``q_blocks`` (the transposed indices, which the backward pass reads) when asked."""
+        bm = self._block_mask.get("mask")
+        if bm is None or (q_blocks and getattr(bm, "q_indices", None) is None):
+            bm = self._block_mask["mask"] = masks.block_mask(self.mask, self.heads, self.seq_len, self.table.device,
+                                                             q_blocks=q_blocks)
+        return bm
+
+    @classmethod
+    def build(cls, widths: np.ndarray, shifts: np.ndarray, seq_len: int, causal: bool,
+              device: torch.device | str = "cpu") -> "UnionLayout":
+        """The layout of H partitions given by their drawn scalars.
+
+        Args:
+            widths, shifts: (H, s) float64 on the host, ``delta`` and ``u`` of every head and sample
+                (:attr:`AttentionSpec.bin_table <poslsh_cli.attention.api.AttentionSpec.bin_table>`).
+            seq_len: n; causal: the direction.
+
+        Work O(H s n) elementwise and O(T) for the table, on ``device``; no Python loop over heads
+        or samples (samples are taken in groups of :data:`BUILD_ELEMENTS` elements).
+        """
+        widths = np.asarray(widths, dtype=np.float64)
+        shifts = np.asarray(shifts, dtype=np.float64)
+        H, s = widths.shape
+        n = int(seq_len)
+        dev = torch.device(device)
+        # host: the longest block (ceil(delta) positions; one more for rounding), cells and row widths
+        longest = np.minimum(np.ceil(widths.max(1)).astype(np.int64) + 1, n)  # (H,)
+        width = longest if causal else 2 * longest - 1
+        row = width + 1  # a last column that collects the -1s the table never reads
+        bounds = np.floor((n - 1 + shifts) / widths) - np.floor(shifts / widths)  # boundaries per sample
+        cells = np.minimum(n, 1 + bounds.sum(1)).astype(np.int64)  # (H,)
+        cbase = np.concatenate([[0], np.cumsum(cells)[:-1]])
+        tbase = np.concatenate([[0], np.cumsum(cells * row)[:-1]])
+        total_cells, total = int(cells.sum()), int((cells * row).sum())
+        if total >= 2**31:
+            raise ValueError(f"the union layout needs {total} counts (n={n}, s={s}): more than int32 indexes; "
+                             "use the per-mask route (backend=flex or blocks)")
+
+        w = torch.as_tensor(widths, device=dev)
+        u = torch.as_tensor(shifts, device=dev)
+        pos = torch.arange(n, device=dev)
+        step = max(1, BUILD_ELEMENTS // max(1, H * n))
+        new = torch.zeros(H, n, dtype=torch.bool, device=dev)  # a cell starts at i
+        new[:, 0] = True
+        for a in range(0, s, step):
+            b = bins_of(pos, w[:, a:a + step, None], u[:, a:a + step, None])  # (H, c, n)
+            new[:, 1:] |= (b[..., 1:] != b[..., :-1]).any(1)
+            del b
+        cell = torch.cumsum(new, 1) - 1  # (H, n) local cell of each position
+        cell = torch.minimum(cell, torch.as_tensor(cells - 1, device=dev)[:, None])  # never past its rows
+        gcell = cell + torch.as_tensor(cbase, device=dev)[:, None]  # (H, n) global cell
+        first = torch.full((total_cells,), n - 1, dtype=torch.int64, device=dev)
+        first.scatter_reduce_(0, gcell.reshape(-1), pos.expand(H, n).reshape(-1), reduce="amin")
+        head = torch.repeat_interleave(torch.arange(H, device=dev), torch.as_tensor(cells, device=dev),
+                                       output_size=total_cells)  # (cells,) the head of each cell
+        rowbase = (torch.as_tensor(tbase, device=dev)[head]
+                   + (torch.arange(total_cells, device=dev) - torch.as_tensor(cbase, device=dev)[head])
+                   * torch.as_tensor(row, device=dev)[head])
+        cstep = max(1, BUILD_ELEMENTS // max(1, total_cells))
+
+        def ends(a: int) -> tuple[torch.Tensor, torch.Tensor]:  # (cells, c) each: samples a .. a+c
+            return block_ends(first[:, None], w[:, a:a + cstep][head], u[:, a:a + cstep][head], n)
+
+        lo = torch.full((total_cells,), n, dtype=torch.int64, device=dev)
+        hi = torch.zeros(total_cells, dtype=torch.int64, device=dev)
+        kept = []
+        for a in range(0, s, cstep):
+            st, en = ends(a)
+            lo = torch.minimum(lo, st.amin(1))
+            hi = torch.maximum(hi, en.amax(1))
+            if s <= cstep:
+                kept.append((st, en))
+        diff = torch.zeros(total, dtype=torch.int32, device=dev)
+        sink = (rowbase + torch.as_tensor(width, device=dev)[head])[:, None]
+        for a in range(0, s, cstep):
+            st, en = kept[0] if kept else ends(a)
+            plus = rowbase[:, None] + (st - lo[:, None])
+            minus = sink.expand_as(st) if causal else rowbase[:, None] + (en + 1 - lo[:, None])
+            diff.scatter_add_(0, plus.reshape(-1), torch.ones(plus.numel(), dtype=torch.int32, device=dev))
+            diff.scatter_add_(0, minus.reshape(-1), torch.full((minus.numel(),), -1, dtype=torch.int32, device=dev))
+        table = torch.cumsum(diff, 0, dtype=torch.int32).to(count_dtype(s))
+        del diff
+        offset = (rowbase - lo)[gcell].to(torch.int32)  # (H, n)
+        qlo = lo[gcell]
+        qhi = pos.expand(H, n).clone() if causal else hi[gcell]
+        return cls(H, n, s, bool(causal), table, offset, qlo, qhi, int(width.max()))
+
+    def counts(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``C_ij`` for query positions ``q`` (m,) and key positions ``k`` (r,): (H, m, r) int64, 0
+        outside each query's span (and, causal, for keys after the query)."""
+        lo, hi = self.lo[:, q, None], self.hi[:, q, None]  # (H, m, 1)
+        inside = (k[None, None, :] >= lo) & (k[None, None, :] <= hi)
+        idx = (self.offset[:, q, None].to(torch.int64) + k[None, None, :]).clamp(0, self.table.numel() - 1)
+        return torch.where(inside, self.table[idx].to(torch.int64), torch.zeros((), dtype=torch.int64,
+                                                                                device=q.device))
+
+
+def union_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UnionLayout, scale: float | None = None,
+               compiled: bool | None = None) -> torch.Tensor:
+    """Positional-LSH attention in one FlexAttention call over the union of the blocks.
+
+    ``score_mod`` adds ``log C_ij`` (a lookup in the layout's count table), ``mask_mod`` keeps
+    ``lo(i) <= j <= hi(i)``; the ``BlockMask`` visits only the key tiles of the spans.
+
+    Args:
+        q, k, v: (B, H, n, d), float16/bfloat16/float32 (float64 uncompiled); queries, keys, values.
+        layout: :class:`UnionLayout` for the same H, n and direction.
+        compiled: default: compiled on CUDA; uncompiled (dense, slow) elsewhere, which is how the
+            tests check it.
+
+    Returns (B, H, n, d) in q's dtype; differentiable in q, k, v on CUDA (FlexAttention's own backward).
+    """
+    from poslsh_cli.attention.flex import flex_call
+    from poslsh_cli.attention.plan import needs_grad
+
+    B, H, n, d = q.shape
+    if layout.heads != H or layout.seq_len != n:
+        raise ValueError("the UnionLayout was built for another head count or length")
+    table, offset = layout.table, layout.offset
+    top = torch.full((), table.numel() - 1, dtype=offset.dtype, device=offset.device)
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001 - FlexAttention's signature
+        idx = torch.minimum(torch.clamp(offset[h, q_idx] + kv_idx, min=0), top)
+        return score + torch.log(table[idx].to(score.dtype))
+
+    bm = layout.block_mask(q_blocks=needs_grad(q, k, v))
+    return flex_call(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale_of(d, scale),
+                     compiled=q.is_cuda if compiled is None else compiled)
+
+
+def union_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UnionLayout, scale: float | None = None,
+                  kernel: Kernel = Kernel.FUSED, chunk: int = UNION_CHUNK) -> torch.Tensor:
+    """The union route on any device without FlexAttention: query chunks against their key span
+    (the union over the chunk's queries and the heads), with ``log C`` as a float bias (``-inf``
+    outside each query's span). Memory O(B H chunk span); differentiable in q, k, v.
+
+    q, k, v: (B, H, n, d). ``kernel``: ``fused`` (SDPA with the float mask; float32/64) or
+    ``matmul`` (scores and softmax in float32 at least). Returns (B, H, n, d) in q's dtype.
+    """
+    B, H, n, d = q.shape
+    if layout.heads != H or layout.seq_len != n:
+        raise ValueError("the UnionLayout was built for another head count or length")
+    sc = scale_of(d, scale)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if kernel is Kernel.FUSED and q.dtype != acc:
+        kernel = Kernel.MATMUL  # SDPA's float mask would be rounded to the input dtype
+    lo_all, hi_all = layout.lo.amin(0).tolist(), layout.hi.amax(0).tolist()  # (n,) each, over heads
+    pos = torch.arange(n, device=q.device)
+    outs = []
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        lo, hi = int(lo_all[a]), int(max(hi_all[a:b])) + 1  # spans are monotone in i
+        cnt = layout.counts(pos[a:b], pos[lo:hi])  # (H, c, m)
+        bias = torch.log(cnt.to(acc))  # log 0 = -inf outside the span
+        if kernel is Kernel.FUSED:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=bias[None].to(q.dtype), scale=sc))
+            continue
+        scores = (q[:, :, a:b] @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * sc + bias  # (B, H, c, m)
+        p = torch.softmax(scores, dim=-1)
+        outs.append((p.to(v.dtype) @ v[:, :, lo:hi]).to(q.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def union_pairs(layout: UnionLayout) -> float:
+    """Pairs (i, j) inside the spans, summed over heads (the union route's useful work; host read)."""
+    return float((layout.hi - layout.lo + 1).sum())
+
+
+__all__ = ["UnionLayout", "union_flex", "union_chunked", "union_pairs", "bins_of", "block_ends", "count_dtype"]

@@ -1,0 +1,182 @@
+"""The union route of Positional LSH (one attention over the union of each query's blocks, weighted by
+log counts) against float64 references, its exact identity C = s M~, and what it must not do
+(read the device back while it is built, repeat q per mask)."""
+import numpy as np
+import pytest
+import torch
+
+from poslsh_cli.attention import AttentionSpec, Method, attend, choose, mean_mask_weight, reference_attention
+from poslsh_cli.attention.api import poslsh_layout
+from poslsh_cli.attention.union import UnionLayout, block_ends, bins_of
+from poslsh_cli.numerics.sampling import alibi_sigmas, fixed_block_partitions, sample_partitions
+
+from test_attention import naive_tolerance, parts_for, qkv
+
+
+def spec_of(parts, causal, method=Method.POSLSH):
+    return AttentionSpec(method, [p.sigma for p in parts], causal, partitions=tuple(parts))
+
+
+def host_counts(parts):
+    """#{k : bin_k(i) = bin_k(j)} per head from the host's bins, (H, n, n) int64."""
+    return torch.stack([torch.as_tensor(sum((b[:, None] == b[None, :]).astype(np.int64) for b in p.bins()))
+                        for p in parts])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,sigmas,s", [(700, (0.3, 2.0, 9.0, 300.0), 6), (1000, (1.0, 4.0, 16.0, 64.0), 100),
+                                        (257, (2e3, 0.05, 7.0, 7.0), 3), (2, (1.0, 1.0, 1.0, 1.0), 2)])
+def test_union_counts_are_s_times_the_mean_mask(n, sigmas, s, causal):
+    """C_ij = #{k : h_k(i) = h_k(j)} = s M~_ij exactly (M~ from the host's partitions), zero outside
+    each query's span and, causal, after the query; the spans are monotone in i."""
+    parts = parts_for(n, sigmas, s, seed=n + s)
+    lay = poslsh_layout(parts, causal, "union", "cpu")
+    i = torch.arange(n)
+    want = host_counts(parts)
+    if causal:
+        want = want.tril()
+    assert torch.equal(lay.counts(i, i), want)
+    assert bool((lay.lo[:, 1:] >= lay.lo[:, :-1]).all()) and bool((lay.hi[:, 1:] >= lay.hi[:, :-1]).all())
+    assert int((lay.hi - lay.lo + 1).max()) <= lay.span
+
+
+def test_block_ends_are_the_blocks_of_the_bin_formula():
+    """First and last position of each position's block, from the closed form with its rounding
+    corrected, equal the blocks of the bins themselves (widths from 0.05 to beyond n)."""
+    g = np.random.default_rng(3)
+    n = 600
+    for sigma in (0.05, 0.7, 3.0, 40.0, 900.0):
+        part = sample_partitions(n, sigma, 20, g)
+        w = torch.as_tensor(part.widths)[:, None]
+        u = torch.as_tensor(part.shifts)[:, None]
+        pos = torch.arange(n)
+        start, end = block_ends(pos[None, :], w, u, n)
+        bins = bins_of(pos[None, :], w, u)
+        for k in range(part.num_samples):
+            same = bins[k][:, None] == bins[k][None, :]
+            idx = torch.arange(n).expand(n, n)
+            assert torch.equal(start[k], torch.where(same, idx, n).amin(1))
+            assert torch.equal(end[k], torch.where(same, idx, -1).amax(1))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s", [1, 8, 100])
+def test_union_paths_equal_float64_reference(s, causal):
+    """Every kernel of the union route (the CPU chunks fused and by matmuls, FlexAttention uncompiled)
+    at n=1300 (11 key tiles of 128), float32 within twice the naive float32 error against float64,
+    float64 to 1e-10; fixed blocks (one partition) too."""
+    n = 1300
+    q, k, v = qkv(B=1, H=4, n=n, d=16, seed=s)
+    sigmas = [1.0, 6.0, 40.0, 250.0]
+    for method, parts in ((Method.POSLSH, parts_for(n, sigmas, s, seed=s)),
+                          (Method.FIXED_BLOCK, fixed_block_partitions(n, sigmas))):
+        if method is Method.FIXED_BLOCK and s != 1:
+            continue
+        w = mean_mask_weight(parts)
+        ref, _ = reference_attention(q, k, v, w, causal)
+        tol = naive_tolerance(q, k, v, w, causal, torch.float32)
+        spec = spec_of(parts, causal, method)
+        lay = poslsh_layout(parts, causal, "union", "cpu")
+        for kernel in ("fused", "matmul", "flex"):
+            plan = choose(method, device="cpu", dtype=torch.float32, n=n, causal=causal, grad=False, backend="union",
+                          kernel=kernel)
+            got = attend(q.float(), k.float(), v.float(), spec, plan=plan, layout=lay)
+            err = (got.double() - ref).abs().max().item()
+            assert err <= tol, (method, kernel, err, tol)
+            if kernel != "flex":
+                got64 = attend(q, k, v, spec, plan=plan, layout=lay)
+                assert (got64 - ref).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_union_chunks_train_with_the_reference_gradients(causal):
+    """Gradients of the CPU union route (SDPA with the log-count bias, by query chunks) equal the
+    float64 reference's."""
+    n = 400
+    q, k, v = (t.requires_grad_(True) for t in qkv(B=2, H=3, n=n, d=8, seed=4))
+    parts = parts_for(n, [2.0, 9.0, 60.0], 12, seed=5)
+    spec = spec_of(parts, causal)
+    g = torch.randn(2, 3, n, 8, dtype=torch.float64)
+    out = attend(q, k, v, spec, backend="union")
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal)
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_the_union_layout_is_built_without_reading_the_device(monkeypatch):
+    """Nothing of size n comes back to the host while the layout and its BlockMask are built (on
+    CUDA every such read is a synchronisation): every Tensor-to-host conversion raises here."""
+    n = 2000
+    parts = parts_for(n, alibi_sigmas(8), 16, seed=2)
+    widths = np.stack([p.widths for p in parts])
+    shifts = np.stack([p.shifts for p in parts])
+
+    def refuse(*a, **k):
+        raise AssertionError("a tensor was read back to the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for causal in (True, False):
+        lay = UnionLayout.build(widths, shifts, n, causal)
+        lay.block_mask(q_blocks=False)
+    monkeypatch.undo()
+    i = torch.arange(n)
+    assert torch.equal(lay.counts(i, i), host_counts(parts))
+
+
+def test_the_union_route_calls_the_kernel_once_per_head_not_per_mask(monkeypatch):
+    """The union route runs one FlexAttention call over the H heads; the per-mask route one call per
+    mask over the H heads (never q repeated s times: the memory of s outputs at once)."""
+    import poslsh_cli.attention.flex as flex
+
+    calls = []
+    real = flex.flex_function
+
+    def recording(compiled):
+        fn = real(compiled)
+
+        def run(q, k, v, **kw):
+            calls.append(tuple(q.shape))
+            return fn(q, k, v, **kw)
+        return run
+
+    monkeypatch.setattr(flex, "flex_function", recording)
+    n, s = 600, 8
+    q, k, v = (t.float() for t in qkv(B=1, H=4, n=n, d=16))
+    parts = parts_for(n, [1.0, 6.0, 40.0, 250.0], s)
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), mean_mask_weight(parts), True)
+    plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=n, causal=True, grad=False, backend="union",
+                  kernel="flex")
+    out = attend(q, k, v, spec_of(parts, True), plan=plan)
+    assert calls == [(1, 4, n, 16)]
+    calls.clear()
+    out2 = attend(q, k, v, spec_of(parts, True), backend="flex")
+    assert calls == [(1, 4, n, 16)] * s
+    for o in (out, out2):
+        assert (o.double() - ref).abs().max().item() < 1e-5
+
+
+def test_plan_takes_the_union_on_cuda_for_several_masks_and_one_call_for_one():
+    for s, backend in ((100, "union"), (2, "union"), (1, "flex"), (0, "flex")):
+        plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True,
+                      num_samples=s)
+        assert plan.backend.value == backend and plan.compiled
+    plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True, num_samples=8)
+    assert plan.label == "union/flex/compiled"
+    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, num_samples=8)
+    assert cpu.label == "blocks/fused"  # the CPU keeps its measured default
+
+
+def test_union_table_holds_one_row_per_cell():
+    """The table grows with the cells and the longest block (about s n (ln s + 2) / 2 counts per head
+    when sigma >= 1), not with n times the union's width: at n=65536 with the standard slopes of
+    8 heads and s=8 it is a fraction of one bfloat16 q of the same size."""
+    n, H, s = 65536, 8, 8
+    parts = parts_for(n, alibi_sigmas(H), s, seed=9)
+    lay = poslsh_layout(parts, True, "union", "cpu")
+    q_bytes = H * n * 64 * 2
+    assert lay.table.element_size() == 1
+    assert lay.table.numel() < 0.5 * q_bytes, (lay.table.numel(), q_bytes)
+    assert lay.offset.dtype == torch.int32
