@@ -430,6 +430,29 @@ def test_attention_dropout_takes_a_path_that_drops_and_is_unbiased():
     assert exact[0].label == "rank1"
 
 
+def test_bidirectional_exact_alibi_with_dropout_and_no_gradient_stays_bidirectional():
+    """Dropout without gradients (the inference-time plan) on bidirectional exact ALiBi: the mean over
+    dropout draws is the bidirectional output (keys after the query count), never the causal one the
+    rank-one training kernel computes; a forced rank-one plan with dropout is refused."""
+    from poslsh_cli.attention import choose
+
+    n, sig = 300, [2.0, 40.0]
+    q, k, v = qkv(B=1, H=2, n=n, d=8, seed=3)
+    spec = AttentionSpec(Method.EXACT, sig, False)
+    seen = []
+    ref = attend(q, k, v, spec).double()
+    causal_ref = attend(q, k, v, AttentionSpec(Method.EXACT, sig, True)).double()
+    torch.manual_seed(0)
+    draws = torch.stack([attend(q, k, v, spec, on_plan=seen.append, dropout=0.1).double() for _ in range(100)])
+    assert {p.backend for p in seen} == {Backend.DENSE}
+    se = draws.std(dim=0) / math.sqrt(draws.shape[0])
+    assert ((draws.mean(0) - ref).abs() / se.clamp_min(1e-12)).max().item() < 6.0
+    assert (draws.mean(0) - causal_ref).abs().max().item() > 0.1
+    with pytest.raises(ValueError, match="causal exact ALiBi only"):
+        choose(Method.EXACT, device="cpu", dtype=torch.float64, n=n, causal=False, grad=False, backend="rank1",
+               dropout=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_dropout_on_cuda_is_planned_on_a_path_that_drops(dtype):
     """On CUDA the automatic plan would take FlexAttention, which has no dropout: with dropout it
