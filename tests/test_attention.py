@@ -68,8 +68,9 @@ def test_flex_backend_equals_dense_mean_mask(n, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_paths_equal_reference(causal):
-    """Compiled FlexAttention (exact, windowed per head, Positional LSH) and the block path on
-    CUDA at n=1000 (eight key tiles), within twice the naive float32 error against float64."""
+    """Compiled FlexAttention (exact, windowed per head, Positional LSH on the union and per-mask
+    routes) and the block path on CUDA at n=1000 (eight key tiles), within twice the naive float32
+    error against float64."""
     from poslsh_cli.numerics import masks
 
     q64, k64, v64 = qkv(B=1, H=4, n=1000, d=64)
@@ -91,7 +92,7 @@ def test_cuda_paths_equal_reference(causal):
         err = (exact_alibi(q, k, v, sig, causal, window=window).double().cpu() - ref).abs().max().item()
         assert err <= t, (window, err, t)
     ref, t = tol(mean_mask_weight(parts))
-    for backend in ("flex", "blocks"):
+    for backend in ("union", "flex", "blocks"):
         err = (poslsh_attention(q, k, v, parts, causal, backend=backend).double().cpu() - ref).abs().max().item()
         assert err <= t, (backend, err, t)
 

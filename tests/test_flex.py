@@ -142,3 +142,118 @@ def test_compiled_flex_meets_many_shapes_without_an_unfused_call(monkeypatch):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
     flex._FLEX = None
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (skipped without it): what the CPU cannot check of the compiled kernels
+
+
+def _grads(out_fn, q, k, v, g):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = out_fn(q, k, v)
+    return (out.detach(),) + torch.autograd.grad((out * g.to(out.dtype)).sum(), (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,d", [(True, 64), (False, 64), (True, 8)])
+def test_cuda_routes_train_with_the_reference_gradients(causal, d):
+    """Compiled on CUDA at n=1000 (eight key tiles): the union route, the per-mask route and exact
+    ALiBi, forward and the gradients of q, k, v, each within twice the naive float32 implementation's
+    error against float64 (head_dim 8 runs padded to the kernel's 16)."""
+    n, H, s = 1000, 4, 8
+    q64, k64, v64 = qkv(B=1, H=H, n=n, d=d, seed=d)
+    g64 = torch.randn(1, H, n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sig = torch.tensor([1.0, 4.0, 16.0, 64.0], dtype=torch.float64)
+    parts = parts_for(n, sig.tolist(), s)
+    cuda = [t.cuda().float() for t in (q64, k64, v64, g64)]
+    for name, weight, run in (
+            ("exact", laplacian_weight(n, sig), lambda q, k, v: exact_alibi(q, k, v, sig, causal)),
+            ("union", mean_mask_weight(parts), lambda q, k, v: poslsh_attention(q, k, v, parts, causal, backend="union")),
+            ("flex", mean_mask_weight(parts), lambda q, k, v: poslsh_attention(q, k, v, parts, causal, backend="flex"))):
+        def ref_fn(q, k, v, dtype, w=weight):
+            return reference_attention(q, k, v, w.to(q.device), causal, dtype=dtype)[0]
+        want = _grads(lambda q, k, v: ref_fn(q, k, v, torch.float64), q64, k64, v64, g64)
+        naive = _grads(lambda q, k, v: ref_fn(q, k, v, torch.float32), *(t.float() for t in (q64, k64, v64)), g64)
+        got = _grads(run, *cuda)
+        for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, want, naive):
+            tol = 2 * (c.double() - b).abs().max().item() + 1e-6 * b.abs().max().item()
+            err = (a.double().cpu() - b).abs().max().item()
+            assert err <= tol, (name, what, err, tol)
+
+
+@pytest.mark.gpu
+def test_cuda_union_layout_is_built_without_synchronising():
+    """CUDA's sync debug mode raises on every device-to-host read while the union layout and its
+    BlockMask are built (the masks are drawn on the device, from the host's few scalars)."""
+    from poslsh_cli.attention.union import UnionLayout
+    from poslsh_cli.numerics.sampling import alibi_sigmas
+
+    n = 65536
+    parts = parts_for(n, alibi_sigmas(8), 8, seed=3)
+    widths, shifts = np.stack([p.widths for p in parts]), np.stack([p.shifts for p in parts])
+    UnionLayout.build(widths, shifts, n, True, "cuda").block_mask(q_blocks=False)  # warm the allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for causal in (True, False):
+            UnionLayout.build(widths, shifts, n, causal, "cuda").block_mask(q_blocks=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_routes_meet_many_shapes_without_an_unfused_call():
+    """Twelve lengths through the compiled union route (both directions), the per-mask route (its lse
+    merge) and exact ALiBi on CUDA: no unfused fallback (it warns), each equal to float32 math."""
+    from poslsh_cli.numerics.sampling import alibi_sigmas
+
+    sig = alibi_sigmas(4)
+    for i, n in enumerate(range(640, 640 + 12 * 160, 160)):
+        q, k, v = (t.cuda().float() for t in qkv(B=1, H=4, n=n, d=64, seed=i))
+        parts = parts_for(n, sig.tolist(), 4, seed=i)
+        for causal in (True, False):
+            ref = reference_attention(q, k, v, mean_mask_weight(parts).cuda(), causal, dtype=torch.float32)[0]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*called without torch.compile.*")
+                outs = [poslsh_attention(q, k, v, parts, causal, backend=b) for b in ("union", "flex")]
+                exact_alibi(q, k, v, sig, causal)
+            for o in outs:
+                assert (o - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", [False, True])
+def test_cuda_memory_of_positional_lsh_follows_exact_alibi(backward):
+    """Peak allocator memory of one call at n=65536 (bfloat16, 8 heads, d=64, causal, masks drawn in
+    the call): the union route and the per-mask route at s=8 and 32 each at most 1.5x exact ALiBi's
+    plus the masks' integers (4 H s n bytes)."""
+    from poslsh_cli.attention import AttentionSpec, layout_for
+    from poslsh_cli.experiments.measure import peak_memory_mb
+    from poslsh_cli.numerics.sampling import alibi_sigmas
+
+    n, H = 65536, 8
+    dev = torch.device("cuda")
+    sig = alibi_sigmas(H)
+    q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16).requires_grad_(backward) for _ in range(3))
+
+    def call(fn):
+        def run():
+            out = fn()
+            if backward:
+                out.float().sum().backward()
+            return out
+        run()  # compile and warm
+        return peak_memory_mb(run, dev)[0]
+
+    exact = call(lambda: exact_alibi(q, k, v, sig, True))
+    for s in (8, 32):
+        for backend in ("union", "flex"):
+            if backend == "flex" and backward:
+                continue  # the per-mask route keeps s outputs for its backward; training takes the union
+            def draw_and_attend(s=s, backend=backend):
+                spec = AttentionSpec.build(Method.POSLSH, sig, n, True, num_samples=s, rng=np.random.default_rng(s))
+                plan = choose(Method.POSLSH, device=dev, dtype=q.dtype, n=n, causal=True, grad=backward,
+                              backend=backend, num_samples=s)
+                return attend(q, k, v, spec, plan=plan, layout=layout_for(spec, plan, dev))
+            mem = call(draw_and_attend)
+            assert mem <= 1.5 * exact + 4 * H * s * n / 2**20, (s, backend, mem, exact)

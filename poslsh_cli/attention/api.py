@@ -130,11 +130,16 @@ def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "
 Layout = BlockLayout | FlexLayout | UnionLayout
 
 
-def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str) -> Layout | None:
+def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str, grad: bool = False) -> Layout | None:
     """The per-call set-up of a method on its plan, apart from q, k, v: for partition methods on
-    the blocks, flex or union backend its layout (:func:`poslsh_layout`); nothing otherwise."""
+    the blocks, flex or union backend its layout (:func:`poslsh_layout`; on the union route with
+    FlexAttention also its ``BlockMask``, with the query-side indices when ``grad``); nothing
+    otherwise."""
     if spec.partitions is not None and plan.backend in (Backend.BLOCKS, Backend.FLEX, Backend.UNION):
-        return poslsh_layout(spec.partitions, spec.causal, plan.backend, device)
+        layout = poslsh_layout(spec.partitions, spec.causal, plan.backend, device)
+        if isinstance(layout, UnionLayout) and plan.kernel is Kernel.FLEX:
+            layout.block_mask(q_blocks=grad)
+        return layout
     return None
 
 

@@ -6,8 +6,8 @@ anywhere (densely), which is how the tests check them on the CPU at sizes with m
 
 Every call goes through :func:`flex_call`, which
 
-- compiles ``flex_attention`` once per process with dynamic shapes (a new length, or a new head
-  count, recompiles at most once per kind of call; the sequence length then stays symbolic), under
+- compiles ``flex_attention`` once per process with dynamic shapes (lengths and head counts stay
+  symbolic; a new kind of call, or a length of another residue modulo the tile, compiles once), under
   a recompile limit that fails loudly instead of running the unfused fallback (which materialises
   every score: 256 GiB at n = 131072), and starts the cache afresh when the limit is reached;
 - refuses an uncompiled call on CUDA at a size where the dense fallback would materialise more
@@ -43,14 +43,19 @@ _FLEX: Any = None
 
 
 def flex_function(compiled: bool) -> Any:
-    """``flex_attention``: compiled once per process (``fullgraph``, dynamic shapes) or plain."""
+    """``flex_attention``: compiled once per process (``fullgraph``; dynamic shapes from the first
+    call, so lengths and head counts share compiled kernels; ``POSLSH_FLEX_DYNAMIC=0`` compiles the
+    first call at static shapes and only later ones dynamically) or plain."""
     global _FLEX
+    import os
+
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return flex_attention
     if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, fullgraph=True, dynamic=None)
+        dynamic = None if os.environ.get("POSLSH_FLEX_DYNAMIC", "1") == "0" else True
+        _FLEX = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
     return _FLEX
 
 

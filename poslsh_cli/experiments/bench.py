@@ -36,10 +36,12 @@ from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
 
 COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
            "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats",
-           "max_err_f64", "machine_gflops", "fraction", "sampler")
+           "max_err_f64", "machine_gflops", "fraction", "sampler", "backward", "planned")
 
 #: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
+#: Paths of the partition methods (Positional LSH, fixed blocks) bench can time side by side
+PARTITION_BACKENDS = ("auto", "blocks", "union", "flex", "dense")
 #: Query rows whose float64 exact output checks every row's output (``max_err_f64``)
 CHECK_ROWS = 128
 
@@ -66,6 +68,9 @@ class BenchSpec(Spec):
     exact_backends: tuple[str, ...] = key("exact-ALiBi paths to time: auto (the plan's: rank1 on the CPU, flex on "
                                           "CUDA), rank1, chunked, dense, flex; the first is the reference of "
                                           "rel_fro", ["auto"], noun="exact backend")
+    partition_backends: tuple[str, ...] = key("Positional-LSH and fixed-block paths to time: auto (CUDA: the union "
+                                              "route the plan takes and the per-mask flex route; CPU: blocks), "
+                                              "blocks, union, flex, dense", ["auto"], noun="partition backend")
     dtype: Dtype = key("input and compute dtype", Dtype.FLOAT32)
     repeats: int = key("timed repeats per point (median reported), after warmup", 3, ge=1)
     warmup: int = key("untimed calls before timing", 1, ge=0)
@@ -78,6 +83,9 @@ class BenchSpec(Spec):
         for b in self.exact_backends:
             check(b in EXACT_BACKENDS, f"unknown exact backend {b!r} (one of {', '.join(EXACT_BACKENDS)})")
         check(len(set(self.exact_backends)) == len(self.exact_backends), "exact_backends lists a path twice")
+        for b in self.partition_backends:
+            check(b in PARTITION_BACKENDS, f"unknown partition backend {b!r} (one of {', '.join(PARTITION_BACKENDS)})")
+        check(len(set(self.partition_backends)) == len(self.partition_backends), "partition_backends lists a path twice")
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class BenchRow:
     machine_gflops: float  # the bias-free flash kernel's useful GFLOP/s on a dense problem (this run)
     fraction: float  # gflops / machine_gflops
     sampler: str = ""  # poslsh: how its masks are drawn (iid, stratified, sobol); else empty
+    backward: bool = False  # timed forward + backward
+    planned: bool = True  # the path is the one the plan takes by itself (what commands run)
 
 
 @dataclass
@@ -161,11 +171,16 @@ def check_rows(n: int) -> list[int]:
     return sorted({0, n - 1, *np.linspace(0, n - 1, CHECK_ROWS).round().astype(int).tolist()})
 
 
-def partition_backends(device: Any) -> tuple[str, ...]:
+def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",)) -> tuple[str, ...]:
     """Backends timed for the partition methods (Positional LSH, fixed blocks) on ``device``:
-    FlexAttention and blocks on CUDA; on CPU only blocks (uncompiled FlexAttention is a dense
-    fallback, not a fast path)."""
-    return ("flex", "blocks") if device.type == "cuda" else ("blocks",)
+    ``auto`` is the union route and the per-mask FlexAttention route on CUDA, the blocks on the
+    CPU (uncompiled FlexAttention is a dense fallback, not a fast path); others as asked."""
+    out: list[str] = []
+    for b in asked:
+        for x in (("union", "flex") if device.type == "cuda" else ("blocks",)) if b == "auto" else (b,):
+            if x not in out:
+                out.append(x)
+    return tuple(out)
 
 
 def memory(spec: BenchSpec) -> MemoryNeed:
@@ -186,7 +201,7 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     """Grid order per (n, causal): exact first (the reference of every error), then each method
     in display order: one cell, one per window c, or one per s; partition methods once per
     backend on CUDA (the backend enters the key only where there is more than one)."""
-    backends = partition_backends(ctx.device) if ctx is not None else ("blocks",)
+    backends = partition_backends(ctx.device if ctx is not None else _cpu(), spec.partition_backends)
     tag = (lambda b: {"backend": b}) if len(backends) > 1 else (lambda b: {})
     chosen = {Method(m.value) for m in spec.methods}
     order = [Method.EXACT] + [m for m in Method if m is not Method.EXACT]
@@ -210,6 +225,12 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
                 else:
                     out.append(cell)
     return out
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
 
 
 def _inputs(spec: BenchSpec, ctx: BenchContext, n: int) -> tuple[Any, Any, Any]:
@@ -238,18 +259,21 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     seed = derive_seed(spec.seed, "bench", n, s) if info.randomized else -1
     sampler = key.get("sampler", spec.sampler[0].value) if info.randomized else "iid"
     if info.params.endswith("partitions"):
-        backend = key.get("backend", partition_backends(ctx.device)[0])
+        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends)[0])
     elif method is Method.EXACT:
         backend = key.get("backend", spec.exact_backends[0])
     else:
         backend = "auto"
+    samples = s if info.randomized else 1
     try:
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                      backend=backend)
+                      backend=backend, num_samples=samples)
     except ValueError as exc:
         from poslsh_cli.core.config import ConfigError
 
-        raise ConfigError(f"exact_backends: {exc}") from None
+        raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
+    planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                             num_samples=samples)
 
     def build() -> AttentionSpec:
         rng = np.random.default_rng(seed) if info.randomized else None  # heads draw from it in order
@@ -261,7 +285,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
 
     def draw() -> tuple[AttentionSpec, Any]:  # the untimed part of a call: masks and their layout
         att = build() if per_call else fixed
-        return att, layout_for(att, plan, ctx.device)
+        return att, layout_for(att, plan, ctx.device, grad=spec.backward)
 
     def run(ready: tuple[AttentionSpec, Any]) -> Any:
         return attend(q, k, v, ready[0], layout=ready[1], plan=plan)
@@ -303,7 +327,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                    attention_seconds=t.attention_seconds, gflop=gflop, gflops=gflop / t.seconds,
                    seed=seed, repeats=spec.repeats, max_err_f64=err64, machine_gflops=machine,
                    fraction=gflop / t.seconds / machine if machine == machine else math.nan,
-                   sampler=sampler if info.randomized else "")
+                   sampler=sampler if info.randomized else "", backward=spec.backward, planned=planned)
     return [asdict(row)], {}
 
 

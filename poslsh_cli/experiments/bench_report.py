@@ -21,6 +21,14 @@ EXACT_ALT = "exact_alt"
 #: the roofline goal: the Positional-LSH block path from this n on reaches this fraction of the
 #: bias-free flash kernel's useful throughput
 ROOFLINE_N, ROOFLINE_FRACTION = 16384, 0.6
+#: CUDA goals of the path the plan takes: at GPU_GOAL_N, causal, s = GPU_GOAL_S, Positional LSH at
+#: least this many times faster than exact ALiBi (forward; forward + backward); its peak memory at
+#: most GPU_MEMORY_GOAL x exact ALiBi's plus the masks' own integers (4 bytes per head, mask and
+#: position) at every n; drawing the masks and building their layout at most SAMPLE_SHARE_GOAL of
+#: the end-to-end time at the largest n
+GPU_GOAL_N, GPU_GOAL_S = 131072, 8
+GPU_SPEEDUP_GOALS = {False: 8.0, True: 10.0}
+GPU_MEMORY_GOAL, SAMPLE_SHARE_GOAL = 1.5, 0.10
 
 
 def first_sampler(df: Any) -> tuple[Any, Any]:
@@ -246,6 +254,7 @@ def report(run: Path, df: Any) -> Section:
     if "fraction" in raw.columns and raw.fraction.notna().any():
         sec.tables.append(roofline_table(raw))
         sec.verdicts.append(claim_roofline(raw))
+    sec.verdicts += claims_gpu(raw)
     if every.sampler.nunique() > 1 and every.rel_fro.notna().any():
         from poslsh_cli.verdicts.samplers import comparison, samplers_of, worth_sentences
 
@@ -365,4 +374,72 @@ def pareto_findings(df: Any) -> list[str]:
         if total and (pts.method == WINDOWED).any():
             out.append(f"{mode}: {beaten} of {total} Positional-LSH points are matched by a windowed exact "
                        "ALiBi point that is at least as fast and at least as accurate.")
+    return out
+
+
+def _gpu_rows(df: Any) -> Any:
+    """CUDA rows of the paths the plan takes by itself (``planned``; every row in runs without it),
+    with the ``backward`` column (False in runs without it)."""
+    rows = df[df.device.astype(str).str.startswith("cuda")]
+    if "planned" in rows.columns:
+        rows = rows[rows.planned.fillna(True).astype(bool)]
+    return rows.assign(backward=rows.backward.fillna(False).astype(bool) if "backward" in rows.columns else False)
+
+
+def claims_gpu(df: Any) -> list[Verdict]:
+    """The CUDA goals of Positional LSH on the plan's path against exact ALiBi: speed at
+    GPU_GOAL_N (forward, and forward + backward), peak memory at every n, the share of drawing the
+    masks at the largest n. NOT MEASURED without CUDA rows."""
+    from poslsh_cli.verdicts.claims import Status
+
+    g = _gpu_rows(df)
+    out = []
+    for backward, goal in GPU_SPEEDUP_GOALS.items():
+        what = "forward + backward" if backward else "forward"
+        claim = (f"on CUDA, causal Positional LSH s={GPU_GOAL_S} is at least {goal:g}x faster than exact ALiBi at "
+                 f"n={GPU_GOAL_N} ({what}, the plan's paths)")
+        rule = (f"median end-to-end time of exact ALiBi over Positional LSH s={GPU_GOAL_S} (masks drawn in the call) "
+                f"in one run; SUPPORTED when at least {goal:g}, else NOT SUPPORTED; NOT MEASURED without both rows")
+        sel = g[(g.n == GPU_GOAL_N) & g.causal.astype(bool) & (g.backward == backward)]
+        ex, p = sel[sel.method == EXACT], sel[(sel.method == POSLSH) & (sel.s == GPU_GOAL_S)]
+        if ex.empty or p.empty:
+            out.append(Verdict(claim, Status.NOT_MEASURED, f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}", rule))
+            continue
+        r = float(ex.seconds.median()) / float(p.seconds.median())
+        out.append(Verdict(claim, Status.SUPPORTED if r >= goal else Status.NOT_SUPPORTED,
+                           f"exact {ex.seconds.median():.4g} s ({ex.backend.iloc[0]}), Positional LSH "
+                           f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x", rule))
+    claim = (f"on CUDA, Positional LSH's peak memory is at most {GPU_MEMORY_GOAL:g}x exact ALiBi's plus the masks' "
+             "integers, at every n and s")
+    rule = (f"per (n, causal, backward, s): peak allocator memory of the call over {GPU_MEMORY_GOAL:g} x exact's + "
+            "4 H s n bytes; SUPPORTED when every one is at most 1, NOT SUPPORTED when one is above; NOT MEASURED "
+            "without CUDA rows of both")
+    st, ev = [], []
+    for (n, causal, backward), gg in g.groupby(["n", "causal", "backward"]):
+        ex = gg[gg.method == EXACT]
+        if ex.empty:
+            continue
+        exm = float(ex.peak_mem_mb.median())
+        for r in gg[gg.method == POSLSH].itertuples():
+            allow = GPU_MEMORY_GOAL * exm + 4.0 * r.heads * r.s * n / 2**20
+            st.append(r.peak_mem_mb <= allow)
+            ev.append(f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
+                      f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
+    status = Status.NOT_MEASURED if not st else Status.SUPPORTED if all(st) else Status.NOT_SUPPORTED
+    out.append(Verdict(claim, status, "; ".join(ev) or "no CUDA rows of exact ALiBi and Positional LSH", rule))
+    claim = (f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of "
+             "Positional LSH's end-to-end time at the largest n")
+    rule = (f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at "
+            f"most {SAMPLE_SHARE_GOAL:.0%}, else NOT SUPPORTED; NOT MEASURED without CUDA rows")
+    p = g[(g.method == POSLSH)]
+    p = p[p.n == p.n.max()] if len(p) else p
+    if p.empty:
+        out.append(Verdict(claim, Status.NOT_MEASURED, "no CUDA Positional-LSH rows", rule))
+    else:
+        share = p.sample_seconds / p.seconds
+        ev = "; ".join(f"{'causal' if r.causal else 'bidirectional'}{' fwd+bwd' if r.backward else ''} s={r.s}: "
+                       f"{r.sample_seconds * 1e3:.2f} of {r.seconds * 1e3:.2f} ms = {r.sample_seconds / r.seconds:.0%}"
+                       for r in p.itertuples())
+        out.append(Verdict(claim, Status.SUPPORTED if bool((share <= SAMPLE_SHARE_GOAL).all()) else
+                           Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}", rule))
     return out

@@ -209,13 +209,18 @@ def _load_optimizer(spec: Any, ctx: Any, model: Any, opt: Any, path: Path) -> No
 
 
 def _autocast(spec: Any, device: Any) -> Any:
+    return autocast(spec.precision, device)
+
+
+def autocast(precision: Precision, device: Any) -> Any:
+    """The autocast context of ``precision`` on ``device`` (nothing for fp32)."""
     import contextlib
 
     import torch
 
-    if spec.precision is Precision.FP32:
+    if precision is Precision.FP32:
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if spec.precision is Precision.BF16 else torch.float16
+    dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float16
     return torch.autocast(device.type, dtype=dtype)
 
 
