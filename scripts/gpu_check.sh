@@ -30,8 +30,11 @@ fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg HF_HUB_OFFLINE=1
 POSLSH="$PY -m poslsh_cli"
 
+STEPS=${STEPS:-smoke grid step_paper bwd step_long svs pytest_gpu profile}  # the steps to run, by name
+
 step() {  # step NAME LIMIT COMMAND...: run under a time limit, log to $OUT/NAME.log, one line in the summary
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS left=$((BUDGET - (SECONDS - T0)))
   if [ "$left" -lt 30 ]; then
     echo "SKIP $name (the check's $BUDGET s are spent)" | tee -a "$SUMMARY"
@@ -60,6 +63,7 @@ else
   PROFILE="--hidden 64 --layers 2 --heads 8 --head-dim 8 --intermediate 128"
   BUDGET=${BUDGET:-1500}
 fi
+METHODS=${METHODS:-[exact,poslsh,windowed]} PATHS=${PATHS:-[auto]} N=${GRID_N:-$N}
 BENCH="device=$DEVICE dtype=$DT heads=8 head_dim=64 repeats=3 warmup=1 window_sigmas=[4]"
 
 report() {  # the report of every run made here, and the key columns of each results.csv
@@ -82,13 +86,9 @@ PY
 }
 
 step smoke 240 $PY scripts/gpu_smoke.py "$DEVICE"
-if grep -q "^FAIL smoke" "$SUMMARY"; then  # try the compiler at static shapes for the first call
-  export POSLSH_FLEX_DYNAMIC=0
-  step smoke_static 180 $PY scripts/gpu_smoke.py "$DEVICE"
-fi
 # the grid that met more than eight shapes (it fell back to the unfused kernel and asked for 256 GiB)
-step grid 240 $POSLSH bench "n=$N" "causal=[true,false]" "s=[8,32]" "methods=[exact,poslsh,windowed]" \
-  exact_max_n=$NBIG $BENCH out="$OUT/grid"
+step grid 240 $POSLSH bench "n=$N" "causal=[true,false]" "s=[8,32]" "methods=$METHODS" \
+  "partition_backends=$PATHS" exact_max_n=$NBIG $BENCH out="$OUT/grid"
 step step_paper 150 $POSLSH step-bench "seq_len=[$LP]" "position=[rope,alibi,poslsh]" "s=[100]" "backend=[auto]" \
   batch=2 sigma=256 precision=$PREC steps=3 warmup=2 device=$DEVICE $MODEL out="$OUT/step_paper"
 step bwd 90 $POSLSH bench "n=[$NBIG]" "causal=[true]" "s=[8]" "methods=[exact,poslsh]" backward=true \

@@ -115,33 +115,35 @@ def test_the_per_mask_layout_is_built_without_reading_the_device(monkeypatch):
 @pytest.mark.slow
 def test_compiled_flex_meets_many_shapes_without_an_unfused_call(monkeypatch):
     """Twelve shapes (lengths and head counts) through the compiled FlexAttention paths the CPU
-    compiles (exact and windowed ALiBi, one mask as documents), under a recompile limit of 6 so that
+    compiles (exact causal and windowed bidirectional ALiBi, one mask as documents), the first four
+    calls at static shapes and the rest with dynamic ones, under a recompile limit of 4 so that
     reaching it is exercised: no call runs the unfused fallback (it warns "flex_attention called
     without torch.compile"), each equals the eager kernel. The CPU compiler has no lse output (the
     per-mask merge) and miscompiles the union route's table lookups (C++ errors such as
     "cur_kvSplitSize2 was not declared"): those run compiled in the CUDA tests."""
     import torch._dynamo
 
-    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 6, raising=False)
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 4, raising=False)
+    monkeypatch.setattr(flex, "STATIC_CALLS", 4, raising=False)
     torch._dynamo.reset()
-    flex._FLEX = None
-    shapes = [(256, 4), (384, 4), (512, 4), (640, 2), (768, 4), (896, 4), (1024, 2), (1152, 4), (1280, 4),
+    getattr(flex, "reset_compiled", lambda: None)()
+    shapes = [(256, 4), (384, 4), (512, 4), (640, 2), (768, 4), (896, 4), (1024, 4), (1152, 4), (1280, 4),
               (1408, 4), (1536, 2), (1664, 4)]
     for n, H in shapes:
         q, k, v = (t.float() for t in qkv(B=1, H=H, n=n, d=16, seed=n))
         sig = torch.as_tensor(np.geomspace(1.0, 64.0, H))
         fixed = fixed_block_partitions(n, sig.tolist())
-        for causal in (True, False):
-            calls = [lambda c, w=w: flex.alibi_flex(q, k, v, sig, causal, window=w, compiled=c) for w in (None, 7)]
-            calls += [lambda c: flex.poslsh_flex(q, k, v, fixed, causal, compiled=c)]
-            for call in calls:
-                want = call(False)  # the eager kernel (it warns: it is the unfused one)
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("error", message=".*called without torch.compile.*")
-                    got = call(True)
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        calls = [lambda c: flex.alibi_flex(q, k, v, sig, True, compiled=c),
+                 lambda c: flex.alibi_flex(q, k, v, sig, False, window=7, compiled=c),
+                 lambda c: flex.poslsh_flex(q, k, v, fixed, True, compiled=c)]
+        for call in calls:
+            want = call(False)  # the eager kernel (it warns: it is the unfused one)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*called without torch.compile.*")
+                got = call(True)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
-    flex._FLEX = None
+    getattr(flex, "reset_compiled", lambda: None)()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,10 +6,12 @@ anywhere (densely), which is how the tests check them on the CPU at sizes with m
 
 Every call goes through :func:`flex_call`, which
 
-- compiles ``flex_attention`` once per process with dynamic shapes (lengths and head counts stay
-  symbolic; a new kind of call, or a length of another residue modulo the tile, compiles once), under
+- compiles ``flex_attention`` at static shapes for the first :data:`STATIC_CALLS` distinct shapes
+  of each kind of call in a process (kernels specialised to their sizes) and with dynamic shapes
+  beyond them (lengths and head counts symbolic: a workload of many shapes compiles a bounded
+  number of times), each under
   a recompile limit that fails loudly instead of running the unfused fallback (which materialises
-  every score: 256 GiB at n = 131072), and starts the cache afresh when the limit is reached;
+  every score: 256 GiB at n = 131072), and starts that cache afresh when the limit is reached;
 - refuses an uncompiled call on CUDA at a size where the dense fallback would materialise more
   than :data:`EAGER_MAX_BYTES` of scores;
 - zero-pads heads narrower than :data:`MIN_HEAD_DIM` (the CUDA kernel's minimum): zero coordinates
@@ -35,28 +37,50 @@ from poslsh_cli.numerics.sampling import Partitions
 MIN_HEAD_DIM = 16
 #: Float32 score bytes from which an uncompiled (dense) FlexAttention call on CUDA is refused.
 EAGER_MAX_BYTES = 2**31
-#: Compiled variants of ``flex_attention`` kept at once (each kind of call needs one or two: the
-#: first at static shapes, then one with a symbolic length). Reaching it starts the cache afresh.
+#: Compiled variants of each compiled ``flex_attention`` kept at once; reaching it drops that
+#: function's variants and compiles afresh (never the unfused fallback).
 RECOMPILE_LIMIT = 64
+#: Distinct shapes (of q, k and the tables a score_mod reads) compiled at static shapes per kind of
+#: call (path, dtype, lse, autograd): kernels specialised to their sizes (tiles known to divide the
+#: length, no bounds checks; faster than the dynamic-shape kernel at long n). Further shapes of a
+#: kind share one kernel compiled with dynamic shapes, so a workload of many lengths (evaluation at
+#: several lengths, padded batches) compiles a bounded number of times.
+STATIC_CALLS = 8
 
-_FLEX: Any = None
+_COMPILED: dict[bool, Any] = {}
+_STATIC: dict[tuple, set] = {}
 
 
-def flex_function(compiled: bool) -> Any:
-    """``flex_attention``: compiled once per process (``fullgraph``; dynamic shapes from the first
-    call, so lengths and head counts share compiled kernels; ``POSLSH_FLEX_DYNAMIC=0`` compiles the
-    first call at static shapes and only later ones dynamically) or plain."""
-    global _FLEX
-    import os
-
+def flex_function(compiled: bool, dynamic: bool = False) -> Any:
+    """``flex_attention``, plain, or compiled once per process (``fullgraph``) at static shapes or
+    with dynamic shapes (a copy of the function, so the two keep separate compile caches)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return flex_attention
-    if _FLEX is None:
-        dynamic = None if os.environ.get("POSLSH_FLEX_DYNAMIC", "1") == "0" else True
-        _FLEX = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
-    return _FLEX
+    if dynamic not in _COMPILED:
+        _COMPILED[dynamic] = torch.compile(_twin(flex_attention) if dynamic else flex_attention, fullgraph=True,
+                                           dynamic=dynamic)
+    return _COMPILED[dynamic]
+
+
+def _twin(fn: Any) -> Any:
+    """The same function under a code object of its own (dynamo keeps one compile cache per code)."""
+    import types
+
+    code = fn.__code__.replace(co_name=fn.__name__ + "_dynamic")
+    twin = types.FunctionType(code, fn.__globals__, fn.__name__ + "_dynamic", fn.__defaults__, fn.__closure__)
+    twin.__kwdefaults__ = fn.__kwdefaults__
+    twin.__wrapped_code__ = fn.__code__
+    return twin
+
+
+def reset_compiled() -> None:
+    """Forget every compiled variant (tests)."""
+    for fn in _COMPILED.values():
+        torch._C._dynamo.eval_frame.reset_code(_code_of(fn))
+    _COMPILED.clear()
+    _STATIC.clear()
 
 
 class FlexTooLarge(ValueError):
@@ -65,7 +89,7 @@ class FlexTooLarge(ValueError):
 
 def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, compiled: bool,
               score_mod: Any = None, block_mask: Any = None, lse: bool = False,
-              enable_gqa: bool = False) -> Any:
+              enable_gqa: bool = False, sizes: tuple = ()) -> Any:
     """One FlexAttention call (see the module docstring for what it guards).
 
     Args:
@@ -73,6 +97,8 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         scale: the logit scale (explicit: padding must not change it).
         compiled: the compiled kernel (CUDA) or the dense eager implementation (tests).
         lse: also return the natural-log normaliser.
+        sizes: the sizes of tensors ``score_mod`` or the mask read that a static kernel is
+            specialised to (the union route's table), telling calls apart.
 
     Returns ``out`` (B, Hq, n, d) in q's dtype, or ``(out, lse (B, Hq, n) float32)``.
     """
@@ -89,20 +115,28 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         from torch.nn.attention.flex_attention import AuxRequest
 
         kw["return_aux"] = AuxRequest(lse=True)
-    res = _compiled(q, k, v, kw) if compiled else flex_function(False)(q, k, v, **kw)
+    res = _compiled(q, k, v, kw, sizes) if compiled else flex_function(False)(q, k, v, **kw)
     out, aux = res if lse else (res, None)
     if d < MIN_HEAD_DIM:
         out = out[..., :d]
     return (out, aux.lse) if lse else out
 
 
-def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict) -> Any:
-    """The compiled call under a recompile limit that raises instead of falling back unfused; at the
-    limit the compiled variants of ``flex_attention`` are dropped and this call compiles afresh."""
+def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, sizes: tuple = ()) -> Any:
+    """The compiled call: at static shapes for the first :data:`STATIC_CALLS` distinct calls, with
+    dynamic shapes beyond them; under a recompile limit that raises instead of falling back unfused
+    (at the limit that function's compiled variants are dropped and this call compiles afresh)."""
     import torch._dynamo
-    from torch.nn.attention.flex_attention import flex_attention
 
-    fn = flex_function(True)
+    mods = tuple(getattr(f, "__code__", None) for f in (kw["score_mod"], getattr(kw["block_mask"], "mask_mod", None)))
+    kind = (q.dtype, q.device, mods, "return_aux" in kw, kw["enable_gqa"],
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    shapes = _STATIC.setdefault(kind, set())
+    call = (tuple(q.shape), tuple(k.shape), sizes)
+    if call not in shapes and len(shapes) < STATIC_CALLS:
+        shapes.add(call)
+    dynamic = call not in shapes
+    fn = flex_function(True, dynamic)
     if torch.compiler.is_compiling():  # inside a caller's own torch.compile: it traces the call
         return fn(q, k, v, **kw)
     cfg = {name: value for name, value in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True))
@@ -112,8 +146,17 @@ def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict) -> An
         try:
             return fn(q, k, v, **kw)
         except limit_hit:
-            torch._C._dynamo.eval_frame.reset_code(flex_attention.__code__)
+            torch._C._dynamo.eval_frame.reset_code(_code_of(fn))
+            if not dynamic:
+                _STATIC.clear()
+                _STATIC.setdefault(kind, set()).add(call)
             return fn(q, k, v, **kw)
+
+
+def _code_of(compiled: Any) -> Any:
+    """The code object a ``torch.compile``d function's cache hangs on."""
+    orig = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    return orig.__code__
 
 
 @functools.lru_cache(maxsize=4)

@@ -28,7 +28,7 @@ query chunks attend to their key span with the same counts as a float bias (:fun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -74,6 +74,44 @@ def block_ends(pos: torch.Tensor, widths: torch.Tensor, shifts: torch.Tensor, n:
     return start.to(torch.int64), end.to(torch.int64)
 
 
+def padded_size(total: int) -> int:
+    """``total`` rounded up to a quarter of its power of two: the table's length, so that a kernel
+    compiled for one draw's table serves the next (draws differ by a few percent; padding <= 25%)."""
+    q = 1 << max(0, total.bit_length() - 3)
+    return -(-total // q) * q
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` in one non-blocking copy from pinned memory (no synchronisation)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _cumulative_counts(marks: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]], total: int,
+                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The count table: +1 at every ``plus`` index, -1 at every ``minus`` index, cumulated.
+
+    Each row's marks sum to zero, so one cumulative sum over the whole table restarts every row from
+    0, and every count lies in [0, s]: the marks are added in ``dtype`` itself (uint8 for s <= 255,
+    whose wrap-around arithmetic gives the same sums), with an int32 pass where the device cannot
+    add in it."""
+    try:
+        table = torch.zeros(total, dtype=dtype, device=device)
+        for plus, minus in marks():
+            table.scatter_add_(0, plus, torch.ones(plus.numel(), dtype=dtype, device=device))
+            table.scatter_add_(0, minus, torch.full((minus.numel(),), -1, dtype=torch.int32,
+                                                    device=device).to(dtype))
+        return table.cumsum_(0)
+    except RuntimeError:  # no atomic add or scan in this narrow type here
+        diff = torch.zeros(total, dtype=torch.int32, device=device)
+        for plus, minus in marks():
+            diff.scatter_add_(0, plus, torch.ones(plus.numel(), dtype=torch.int32, device=device))
+            diff.scatter_add_(0, minus, torch.full((minus.numel(),), -1, dtype=torch.int32, device=device))
+        return diff.cumsum_(0).to(dtype)
+
+
 def count_dtype(num_samples: int) -> torch.dtype:
     """The narrowest integer type that holds counts 0..s."""
     return torch.uint8 if num_samples <= 255 else torch.int16 if num_samples <= 32767 else torch.int32
@@ -87,7 +125,7 @@ class UnionLayout:
         heads, seq_len, num_samples, causal: H, n, s and the direction it was built for.
         table: (T,) counts (uint8 for s <= 255), one row per cell of every head.
         offset: (H, n) int32: the count of pair (i, j) of head h is ``table[offset[h, i] + j]``.
-        lo, hi: (H, n) int64: the key span of query i (causal: ``hi = i``).
+        lo, hi: (H, n) int32: the key span of query i (causal: ``hi = i``).
         span: host-known bound on ``hi - lo + 1`` (sizes the ``BlockMask`` without a device read).
     """
 
@@ -126,8 +164,12 @@ class UnionLayout:
                 (:attr:`AttentionSpec.bin_table <poslsh_cli.attention.api.AttentionSpec.bin_table>`).
             seq_len: n; causal: the direction.
 
-        Work O(H s n) elementwise and O(T) for the table, on ``device``; no Python loop over heads
-        or samples (samples are taken in groups of :data:`BUILD_ELEMENTS` elements).
+        On ``device``, with nothing read back (the few host numbers travel in one non-blocking copy):
+        cell starts from the bins of every sample (O(H s n) elementwise); at each cell's first
+        position p, whether p starts a block of sample k; the last such start at or before p
+        (``start_k``, a running maximum over the cells) and the first after p (``end_k + 1``, a
+        running minimum from the end); the table from +1/-1 marks and one cumulative sum. No Python
+        loop over heads or samples (samples are taken :data:`BUILD_ELEMENTS` elements at a time).
         """
         widths = np.asarray(widths, dtype=np.float64)
         shifts = np.asarray(shifts, dtype=np.float64)
@@ -139,16 +181,16 @@ class UnionLayout:
         width = longest if causal else 2 * longest - 1
         row = width + 1  # a last column that collects the -1s the table never reads
         bounds = np.floor((n - 1 + shifts) / widths) - np.floor(shifts / widths)  # boundaries per sample
-        cells = np.minimum(n, 1 + bounds.sum(1)).astype(np.int64)  # (H,)
+        cells = np.minimum(n, 1 + bounds.sum(1)).astype(np.int64)  # (H,) at least the cells there are
         cbase = np.concatenate([[0], np.cumsum(cells)[:-1]])
         tbase = np.concatenate([[0], np.cumsum(cells * row)[:-1]])
         total_cells, total = int(cells.sum()), int((cells * row).sum())
         if total >= 2**31:
             raise ValueError(f"the union layout needs {total} counts (n={n}, s={s}): more than int32 indexes; "
                              "use the per-mask route (backend=flex or blocks)")
+        w, u = _to_device(np.stack([widths, shifts]), dev)  # (H, s) each
+        cells_t, cbase_t, tbase_t, row_t, width_t = _to_device(np.stack([cells, cbase, tbase, row, width]), dev)
 
-        w = torch.as_tensor(widths, device=dev)
-        u = torch.as_tensor(shifts, device=dev)
         pos = torch.arange(n, device=dev)
         step = max(1, BUILD_ELEMENTS // max(1, H * n))
         new = torch.zeros(H, n, dtype=torch.bool, device=dev)  # a cell starts at i
@@ -157,20 +199,28 @@ class UnionLayout:
             b = bins_of(pos, w[:, a:a + step, None], u[:, a:a + step, None])  # (H, c, n)
             new[:, 1:] |= (b[..., 1:] != b[..., :-1]).any(1)
             del b
-        cell = torch.cumsum(new, 1) - 1  # (H, n) local cell of each position
-        cell = torch.minimum(cell, torch.as_tensor(cells - 1, device=dev)[:, None])  # never past its rows
-        gcell = cell + torch.as_tensor(cbase, device=dev)[:, None]  # (H, n) global cell
+        count = new.sum(1)  # (H,) cells of each head
+        gcell = torch.cumsum(new, 1) - 1 + cbase_t[:, None]  # (H, n) global cell of each position
         first = torch.full((total_cells,), n - 1, dtype=torch.int64, device=dev)
         first.scatter_reduce_(0, gcell.reshape(-1), pos.expand(H, n).reshape(-1), reduce="amin")
-        head = torch.repeat_interleave(torch.arange(H, device=dev), torch.as_tensor(cells, device=dev),
-                                       output_size=total_cells)  # (cells,) the head of each cell
-        rowbase = (torch.as_tensor(tbase, device=dev)[head]
-                   + (torch.arange(total_cells, device=dev) - torch.as_tensor(cbase, device=dev)[head])
-                   * torch.as_tensor(row, device=dev)[head])
+        head = torch.repeat_interleave(torch.arange(H, device=dev), cells_t, output_size=total_cells)  # (cells,)
+        local = torch.arange(total_cells, device=dev) - cbase_t[head]
+        real = (local < count[head])[:, None]  # cells past a head's count are padding rows
+        rowbase = tbase_t[head] + local * row_t[head]
+        key = (head * n + first)[:, None]  # positions made increasing across the heads
+        never = torch.full((), H * n + n, dtype=torch.int64, device=dev)
         cstep = max(1, BUILD_ELEMENTS // max(1, total_cells))
 
         def ends(a: int) -> tuple[torch.Tensor, torch.Tensor]:  # (cells, c) each: samples a .. a+c
-            return block_ends(first[:, None], w[:, a:a + cstep][head], u[:, a:a + cstep][head], n)
+            wc, uc = w[:, a:a + cstep][head], u[:, a:a + cstep][head]
+            p = first[:, None].to(torch.float64)
+            starts = (bins_of(p, wc, uc) != bins_of(p - 1, wc, uc)) | (local == 0)[:, None]
+            starts &= real
+            last = torch.cummax(torch.where(starts, key, -1), 0).values  # the block start at or before p
+            nxt = torch.flip(torch.cummin(torch.flip(torch.where(starts, key, never), [0]), 0).values, [0])
+            nxt = torch.cat([nxt[1:], never.expand(1, nxt.shape[1])])  # the first start after p
+            base = (head * n)[:, None]
+            return last - base, torch.clamp(nxt - base - 1, max=n - 1)
 
         lo = torch.full((total_cells,), n, dtype=torch.int64, device=dev)
         hi = torch.zeros(total_cells, dtype=torch.int64, device=dev)
@@ -181,19 +231,19 @@ class UnionLayout:
             hi = torch.maximum(hi, en.amax(1))
             if s <= cstep:
                 kept.append((st, en))
-        diff = torch.zeros(total, dtype=torch.int32, device=dev)
-        sink = (rowbase + torch.as_tensor(width, device=dev)[head])[:, None]
-        for a in range(0, s, cstep):
-            st, en = kept[0] if kept else ends(a)
-            plus = rowbase[:, None] + (st - lo[:, None])
-            minus = sink.expand_as(st) if causal else rowbase[:, None] + (en + 1 - lo[:, None])
-            diff.scatter_add_(0, plus.reshape(-1), torch.ones(plus.numel(), dtype=torch.int32, device=dev))
-            diff.scatter_add_(0, minus.reshape(-1), torch.full((minus.numel(),), -1, dtype=torch.int32, device=dev))
-        table = torch.cumsum(diff, 0, dtype=torch.int32).to(count_dtype(s))
-        del diff
+        sink = (rowbase + width_t[head])[:, None]
+
+        def marks() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # table indices of the +1s and -1s
+            for a in range(0, s, cstep):
+                st, en = kept[0] if kept else ends(a)
+                plus = rowbase[:, None] + (st - lo[:, None])
+                minus = sink.expand_as(st) if causal else rowbase[:, None] + (en + 1 - lo[:, None])
+                yield plus.reshape(-1), minus.reshape(-1)
+
+        table = _cumulative_counts(marks, padded_size(total), count_dtype(s), dev)
         offset = (rowbase - lo)[gcell].to(torch.int32)  # (H, n)
-        qlo = lo[gcell]
-        qhi = pos.expand(H, n).clone() if causal else hi[gcell]
+        qlo = lo[gcell].to(torch.int32)
+        qhi = pos.to(torch.int32).expand(H, n).contiguous() if causal else hi[gcell].to(torch.int32)
         return cls(H, n, s, bool(causal), table, offset, qlo, qhi, int(width.max()))
 
     def counts(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -236,7 +286,7 @@ def union_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UnionL
 
     bm = layout.block_mask(q_blocks=needs_grad(q, k, v))
     return flex_call(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale_of(d, scale),
-                     compiled=q.is_cuda if compiled is None else compiled)
+                     compiled=q.is_cuda if compiled is None else compiled, sizes=(table.numel(), str(table.dtype)))
 
 
 def union_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UnionLayout, scale: float | None = None,
