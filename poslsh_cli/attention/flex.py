@@ -280,6 +280,6 @@ def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: S
             out, total = o.to(acc), l
             continue
         new = torch.logaddexp(total, l)
-        out.mul_(torch.exp(total - new)[..., None]).add_(o.to(acc) * torch.exp(l - new)[..., None])
+        out.mul_(torch.exp(total - new)[..., None]).addcmul_(o, torch.exp(l - new)[..., None])  # o widened on the fly
         total = new
     return out.to(q.dtype)
