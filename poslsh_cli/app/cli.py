@@ -136,7 +136,8 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
                                         "(default: the single run directory, or the common parent)"),
                publish: Optional[Path] = typer.Option(None, "--publish", help="instead: write DIR/RESULTS.md, "
                                                       "DIR/figures/ and a snapshot of the runs in DIR/results/, "
-                                                      "each section stamped with its run, commit and machine"),
+                                                      "each section stamped with its run, commit and machine "
+                                                      "(replaces or removes only snapshots and figures it wrote)"),
                readme: Optional[Path] = typer.Option(None, "--readme", help="with --publish: the file whose "
                                                      "results block (between its markers) is regenerated")) -> None:
     """One report.md and a self-contained report.html: each paper claim beside its measurement.
