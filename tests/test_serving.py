@@ -267,20 +267,28 @@ def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position,
             steps.append(out.logits[0])
             kept.append(cache.kept())
         assert (torch.cat(steps) - full).abs().max().item() < TOL
-        # taking tokens back (assisted decoding's rejected drafts): the last one decodes again as before; more than
-        # the forgotten keys allow is refused (exact ALiBi forgets nothing)
+        # taking tokens back (assisted decoding's rejected drafts): the last one decodes again as before
         cache.crop(-1)
         again = model(a[:, -1:], cache=cache, use_cache=True).logits[0]
         assert (again - full[-1:]).abs().max().item() < TOL
-        back = cache.kept() - 1  # nearly everything held: allowed only if no forgotten key is needed again
-        try:
-            cache.crop(-back)
-        except ValueError as exc:
-            assert "forgotten" in str(exc) and position != "alibi"
-        else:  # allowed: decoding those tokens again gives the full forward's logits
-            again = torch.cat([model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0]
-                               for t in range(a.shape[1] - back, a.shape[1])])
-            assert (again - full[-back:]).abs().max().item() < TOL
+        # the most tokens every layer lets go: all but one held for exact ALiBi (it forgets nothing), several for
+        # Positional LSH but not all (it has forgotten keys they need); one more is refused, changing no layer
+        most = cache.kept() - 1
+        back = max(k for k in range(1, most + 1) if all(lay.refusal(k) is None for lay in cache.layers))
+        if position == "alibi":
+            assert back == most
+        if position == "poslsh":
+            assert 2 <= back < most
+        if back < most:
+            before = _layer_state(cache)
+            with pytest.raises(ValueError, match="forgotten"):
+                cache.crop(-(back + 1))
+            assert _same_layers(_layer_state(cache), before)
+        cache.crop(-back)  # accepted by every layer: decoding those tokens again gives the full forward's logits
+        assert len({(lay.seen, lay.keys.shape[-2]) for lay in cache.layers}) == 1
+        again = torch.cat([model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0]
+                           for t in range(a.shape[1] - back, a.shape[1])])
+        assert (again - full[-back:]).abs().max().item() < TOL
         x = torch.zeros(2, 60, dtype=torch.long)
         mask = torch.zeros(2, 60, dtype=torch.long)
         x[0], mask[0] = a[0, :60], 1
@@ -296,6 +304,39 @@ def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position,
     else:  # one offset for every layer: the largest block of any layer
         assert max(kept) <= max(p.b_max for spec in specs for p in spec.partitions) + 2
         assert max(kept) < a.shape[1] // 2
+
+
+def _layer_state(cache) -> list:
+    return [(lay.seen, lay.offset, lay.keys.clone(), lay.values.clone(), lay.positions.clone()) for lay in cache.layers]
+
+
+def _same_layers(a: list, b: list) -> bool:
+    return all(x[:2] == y[:2] and all(torch.equal(u, w) for u, w in zip(x[2:], y[2:])) for x, y in zip(a, b))
+
+
+def test_a_refused_crop_leaves_every_layer_of_the_forgetting_cache_as_it_was(tokens):
+    """Positional LSH, 2 layers, s=8, after 300 tokens: taking 4 tokens back is possible in layer 0
+    but not in layer 1 (it would need a forgotten key). The refusal leaves every layer as it was,
+    and decoding on gives the full forward's logits."""
+    import copy
+
+    from poslsh_cli.lm.kvcache import ForgettingCache
+
+    a = torch.cat([tokens[0], tokens[1][:, :20]], 1)  # 320 tokens: 300 decoded, then 20 more after the refusal
+    model = _model("poslsh")
+    with torch.no_grad():
+        full = model(a, use_cache=False).logits[0]
+        cache = ForgettingCache(model)
+        model(a[:, :100], cache=cache, use_cache=True)
+        for t in range(100, 300):
+            model(a[:, t:t + 1], cache=cache, use_cache=True)
+        copy.deepcopy(cache.layers[0]).crop(-4)  # layer 0 alone accepts: the refusal comes from a later layer
+        before = _layer_state(cache)
+        with pytest.raises(ValueError, match="forgotten"):
+            cache.crop(-4)
+        assert _same_layers(_layer_state(cache), before)
+        steps = [model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0] for t in range(300, 320)]
+    assert (torch.cat(steps) - full[300:]).abs().max().item() < TOL
 
 
 def test_decode_bench_runs_and_judges_its_goals(tmp_path):
