@@ -351,6 +351,43 @@ def test_generate_command(tmp_path):
     assert res.exit_code != 0 and "does not exist" in res.stderr
 
 
+def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(tmp_path):
+    """A Sobol-sampled checkpoint on the dense backend keeps both through with_scheme (its own scheme
+    re-drawn, Positional LSH or another method swapped in: the masks drawn are the Sobol ones) and
+    through poslsh generate, unless the user gives others; a swapped method that does not run on
+    the checkpoint's backend takes auto."""
+    from typer.testing import CliRunner
+
+    from poslsh_cli.app.cli import app
+    from poslsh_cli.lm.loading import with_scheme
+
+    trained = PositionState("poslsh", SIGMAS, num_samples=8, seed=3, sampler="sobol", backend="dense")
+    save(build_model(ARCH, trained, seed=1).eval(), tmp_path / "ck", {"scheme": trained.to_json()}, None)
+    model, own = load_model(tmp_path / "ck")
+    assert (own.sampler, own.backend) == ("sobol", "dense")
+    x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    for attention, s, seed in (("own", 4, None), ("own", 0, 5), ("poslsh", 4, None), ("fixed_block", 0, None),
+                               ("alibi", 0, None)):
+        state = with_scheme(model, own, attention, s, seed)
+        assert (state.sampler, state.backend) == ("sobol", "dense") and model.poslsh_position is state, attention
+        with torch.no_grad():
+            assert torch.isfinite(model(x, use_cache=False).logits).all()
+        assert state.plans == {"dense"}, (attention, state.plans)
+        if state.position.value == "poslsh":  # the masks are the Sobol draw of that seed
+            sobol = PositionState("poslsh", SIGMAS, num_samples=state.num_samples, seed=state.seed, sampler="sobol")
+            assert all(np.array_equal(a, b) for a, b in zip(state.attention_spec(0, 64, None).bin_table,
+                                                             sobol.attention_spec(0, 64, None).bin_table))
+    assert with_scheme(model, own, "none").backend == "auto"  # no attention bias: SDPA only
+    state = with_scheme(model, own, "poslsh", 4, sampler="stratified", backend="blocks")
+    assert (state.sampler, state.backend) == ("stratified", "blocks")
+    assert with_scheme(model, own, "own", sampler="iid").sampler == "iid"
+    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4"])
+    assert res.exit_code == 0 and "poslsh s=4 sobol" in res.stderr, res.output
+    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4",
+                                   "sampler=iid"])
+    assert res.exit_code == 0 and "poslsh s=4," in res.stderr, res.output
+
+
 @pytest.mark.parametrize("position", ["poslsh", pytest.param("fixed_block", marks=pytest.mark.slow),
                                       pytest.param("windowed", marks=pytest.mark.slow), "alibi"])
 def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position, tokens):

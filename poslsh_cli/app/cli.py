@@ -245,6 +245,8 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
                                                       "max_new_tokens (64), attention (own, or a scheme swapped "
                                                       "in: alibi, poslsh, windowed, fixed_block, none), s (masks "
                                                       "per head for poslsh; 0: the checkpoint's own, else 8), seed, "
+                                                      "sampler (how poslsh masks are drawn: iid, stratified, "
+                                                      "sobol; own: the checkpoint's), "
                                                       "do_sample (false: greedy), temperature, top_k, cache (true: "
                                                       "decode through the key/value cache)",
                                                       show_default=False)) -> None:
