@@ -146,7 +146,8 @@ def _check_ours(runs: list[Path], out: Path) -> None:
         for f in sorted(figures.iterdir()):
             if f.name not in ours and f.name.split("--")[0] in names and f.name != FIGURES_MARK:
                 raise ConfigError(f"{f} was not written by poslsh report --publish (it is not listed in "
-                                  f"{figures / FIGURES_MARK}), so publishing would overwrite it: move it out of {figures}")
+                                  f"{figures / FIGURES_MARK}), so publishing would overwrite it: move it out of "
+                                  f"{figures}")
 
 
 def preset_of(run: Path) -> str:

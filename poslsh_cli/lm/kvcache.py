@@ -72,7 +72,8 @@ class ForgettingLayer(DynamicLayer):
         if drop == 0 or not self.is_initialized:
             return None
         if drop > self.keys.shape[-2]:
-            return f"cannot remove {drop} tokens: the forgetting cache holds {self.keys.shape[-2]} (the earlier ones are forgotten)"
+            return (f"cannot remove {drop} tokens: the forgetting cache holds {self.keys.shape[-2]} (the earlier ones "
+                    "are forgotten)")
         if self.positions is not None and self.spec is not None and self.offset > 0:
             kept = self.positions[:, :-drop]
             earliest = earliest_needed(self.spec, kept[:, -1] + 1)
