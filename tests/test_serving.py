@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from poslsh_cli.attention import AttentionSpec, reference_weight
-from poslsh_cli.attention.positioned import allowed_from_mask, positioned_attention, positions_from_padding
+from poslsh_cli.attention.positioned import (allowed_from_mask, is_causal_padding, positioned_attention,
+                                             positions_from_padding)
 from poslsh_cli.attention.reference import reference_attention
 from poslsh_cli.lm.checkpoint import POSLSH_MODEL_TYPE
 from poslsh_cli.lm.convert import save
@@ -64,6 +65,9 @@ def test_positions_come_from_the_padding_never_from_what_a_query_sees():
     causal, window = torch.ones(5, 5).tril().bool(), torch.ones(5, 5).triu(-1).bool()
     mask = (causal[None] & window[None] & real[:, None, :])[:, None]  # (B, 1, m, n): a window of 2
     assert torch.equal(allowed_from_mask(mask, 2, 5, 5, "cpu"), mask[:, 0])
+    # causal attention over the real tokens may run each sequence alone; a window may not
+    assert is_causal_padding((causal[None] & real[:, None, :]), real) and is_causal_padding(causal[None], None)
+    assert not is_causal_padding(mask[:, 0], real) and not is_causal_padding((causal & window)[None], None)
     assert torch.equal(positions_from_padding(real, 2, 5, 5, "cpu")[0], q_pos)
     # one query decoded after 4 left-padded tokens, through a cache that holds the last 3 of 6 keys
     q_pos, k_pos = positions_from_padding(torch.tensor([[0, 0, 1, 1, 1, 1]]), 1, 1, 3, "cpu")

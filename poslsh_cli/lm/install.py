@@ -20,9 +20,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
     query (B, H, m, d), key/value (B, H_kv, n, d) as the model's attention module passes them
     (grouped key/value heads are expanded here); causal always (decoder). ``attention_mask`` is
-    what transformers builds for this entry (:func:`register`: SDPA's boolean mask, or None when
-    there is no padding and every query sees the keys up to itself); which tokens are real comes
-    from the model's own 2-D ``attention_mask``, recorded by :func:`install`'s hook. Paths:
+    what transformers builds for this entry (:func:`attention_mask_for`: SDPA's boolean mask, or
+    None when every query sees the real keys up to itself); which tokens are real comes from the
+    model's own 2-D ``attention_mask``, recorded by :func:`install`'s hook. Paths:
 
     - as many queries as keys, no cache (training, evaluation windows, a prompt): the method's fast
       path (:func:`~poslsh_cli.attention.attend`); a padded batch as each sequence's real tokens
@@ -113,13 +113,28 @@ def _plain(inputs: dict, attention_mask: Any, padding: Any, B: int, n: int) -> b
 
 
 def register() -> None:
-    """The ``poslsh`` attention function and its mask function (SDPA's: a boolean mask from the
-    padding and the cache, None where causal alone says it all) in transformers' registries."""
+    """The ``poslsh`` attention function and its mask function (:func:`attention_mask_for`) in
+    transformers' registries."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_for)
+
+
+def attention_mask_for(*args: Any, **kwargs: Any) -> Any:
+    """The mask transformers hands :func:`attention_forward`: SDPA's (a boolean mask from the
+    padding and the cache, None where causality alone says it all), and None as well for a
+    forward without a cache whose mask would be causal attention over the real tokens and nothing
+    else: the attention reads which tokens are real from the model's 2-D ``attention_mask`` and
+    runs each sequence alone, so no (B, n, n) mask is built for it."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("local_size") is None and not args
+            and kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
+            and kwargs.get("q_length") == kwargs.get("kv_length")):
+        return None
+    return sdpa_mask(*args, **kwargs)
 
 
 def _no_rotary() -> Any:
