@@ -104,8 +104,8 @@ def positions_from_padding(padding: torch.Tensor | None, batch: int, m: int, n: 
 
     ``padding``: None (no padding: positions 0 .. L-1, L = ``tokens``, or n when None) or (B, L)
     bool/int, the model's 2-D ``attention_mask`` (1: a real token) over every token so far,
-    L >= n. A padding token gets the position of the real token before it (it attends to nothing
-    that counts).
+    L >= n. A padding token gets the position of the real token before it, 0 before the first
+    (what it attends to counts for nothing).
     """
     if padding is None:
         L = n if tokens is None else tokens
