@@ -274,12 +274,37 @@ def test_a_corpus_that_cannot_be_read_is_one_line(tmp_path, name, content, needl
     assert not out.exists()
 
 
-def test_text_in_a_legacy_encoding_is_still_text(tmp_path):
-    """Latin-1 French: a few undecodable bytes (U+FFFD) among many letters trains."""
-    from poslsh_cli.lm.documents import decode_text
+FRENCH = "Là où la raison ne connaît point, le café est prêt à l'aube. "
 
-    raw = ("Le cœur a ses raisons que la raison ne connaît point. " * 200).encode("latin-1", "replace")
-    assert "\ufffd" in decode_text(raw, "x")
+
+def test_text_in_another_encoding_is_refused_naming_the_byte_or_decoded_as_told(tmp_path):
+    """A Latin-1 file is not UTF-8: train refuses it in one line naming the file and the byte offset
+    of the first byte that is not (nothing written); with encoding=latin-1 it trains on the text
+    itself, never on U+FFFD. JSON lines alike."""
+    from poslsh_cli.lm.data import load_corpus
+
+    tiny = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32", "batch=4",
+            "eval_tokens=2048", "warmup=0", "steps=2", "position=[alibi]"]
+    raw = (FRENCH * 200).encode("latin-1")
+    (tmp_path / "fr.txt").write_bytes(raw)
+    out = tmp_path / "run"
+    r = invoke("train", f"data={tmp_path / 'fr.txt'}", *tiny, f"out={out}")
+    assert one_line(r) and "fr.txt" in r.stderr and "byte offset 1 " in r.stderr and "encoding=" in r.stderr, r.output
+    assert not out.exists()
+    r = invoke("train", f"data={tmp_path / 'fr.txt'}", "encoding=latin-1", *tiny, f"out={out}")
+    assert r.exit_code == 0, r.output
+    corpus = load_corpus(str(tmp_path / "fr.txt"), encoding="latin-1")
+    assert bytes(corpus.train[:len(FRENCH.encode())]).decode("utf-8") == FRENCH
+    assert json.loads((out / "meta.json").read_text())["corpus"]["encoding"] == "latin-1"
+    lines = b"".join(b'{"text": "' + FRENCH.encode("latin-1") + b'"}\n' for _ in range(30))
+    (tmp_path / "fr.jsonl").write_bytes(lines)
+    r = invoke("train", f"data={tmp_path / 'fr.jsonl'}", *tiny, f"out={tmp_path / 'run2'}")
+    assert one_line(r) and "line 1 is not UTF-8" in r.stderr and "byte offset 11 " in r.stderr, r.output
+    jsonl = load_corpus(str(tmp_path / "fr.jsonl"), encoding="latin-1")
+    assert bytes(jsonl.train[:len(FRENCH.encode())]).decode() == FRENCH
+    r = invoke("train", f"data={tmp_path / 'fr.txt'}", "encoding=klingon", *tiny, f"out={tmp_path / 'run3'}")
+    assert one_line(r) and "encoding='klingon'" in r.stderr, r.output
+    assert "encoding" in invoke("train", "--help").output
 
 
 def small_run(tmp_path, name="m"):

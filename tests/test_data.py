@@ -171,3 +171,24 @@ def test_sliding_protocol_scores_the_last_stride_tokens_of_every_window_the_firs
     assert next(eval_windows(tokens, E, stride=L)).score_from == 1
     # at the training length the sliding protocol is the non-overlapping one
     assert [w.score_from for w in eval_windows(tokens, L, stride=L, tail=True)] == [1] * 10
+
+
+def test_text_files_are_decoded_with_the_encoding_given_or_refused_at_the_first_bad_byte(tmp_path):
+    """UTF-8 unless told: a Latin-1 file in a folder is refused naming it and its first byte that is
+    not UTF-8; encoding=latin-1 reads it (and output-error's text= alike), into a corpus of its own
+    hash."""
+    from poslsh_cli.lm.documents import read_text
+
+    text = "Übung macht den Meister, sagt man in Köln. " * 40
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain ascii text " * 100)
+    (folder / "b.txt").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"b\.txt is not UTF-8: byte offset 0 \(0xdc\)"):
+        load_corpus(str(folder))
+    c = load_corpus(str(folder), encoding="latin-1")
+    assert "Übung".encode() in bytes(c.train) + bytes(c.val) and b"\xef\xbf\xbd" not in bytes(c.train)
+    assert c.meta["encoding"] == "latin-1" and c.sha256 != load_corpus(str(folder), encoding="cp1252").sha256
+    with pytest.raises(ConfigError, match=r"b\.txt is not UTF-8: byte offset 0 "):
+        read_text(str(folder / "b.txt"))
+    assert read_text(str(folder / "b.txt"), "latin-1") == text

@@ -155,6 +155,38 @@ def test_eval_command_runs_draws_and_refuses_bad_input(byte_ck, task_dir, tmp_pa
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.fixture(scope="module")
+def sobol_ck(tmp_path_factory):
+    """A byte-level Positional-LSH checkpoint whose masks are Sobol-sampled, on the dense backend."""
+    state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), num_samples=8, seed=3, sampler="sobol",
+                          backend="dense")
+    path = tmp_path_factory.mktemp("ck") / "sobol"
+    save(build_model(ARCH, state, seed=1).eval(), path, {"scheme": state.to_json(), "seq_len": 128}, None)
+    return path
+
+
+def test_poslsh_lm_and_eval_keep_the_checkpoints_sampler_and_backend(sobol_ck, task_dir, tmp_path):
+    """PoslshLM and poslsh eval evaluate a Sobol-sampled checkpoint with Sobol masks (its own scheme,
+    re-drawn with another s or seed, or Positional LSH swapped in) on its backend, unless sampler=
+    says otherwise; the rows say which sampler ran."""
+    import pandas as pd
+
+    from poslsh_cli.lm.harness import PoslshLM
+
+    for kw in ({}, {"s": 4}, {"seed": 7}, {"attention": "poslsh", "s": 4}):
+        state = PoslshLM(pretrained=str(sobol_ck), device="cpu", **kw).poslsh_state
+        assert (state.sampler, state.backend) == ("sobol", "dense"), kw
+    state = PoslshLM(pretrained=str(sobol_ck), device="cpu", s=4, sampler="stratified", backend="blocks").poslsh_state
+    assert (state.sampler, state.backend) == ("stratified", "blocks")
+    for extra, sampler in (([], "sobol"), (["sampler=iid"], "iid")):
+        out = tmp_path / sampler
+        res = runner.invoke(app, ["eval", str(sobol_ck), "tasks=[tiny_mc]", f"include_path={task_dir}", "limit=4",
+                                  "attention=[own,poslsh]", "s=4", "batch_size=4", "device=cpu", *extra, f"out={out}"])
+        assert res.exit_code == 0, res.output
+        df = pd.read_csv(out / "results.csv")
+        assert len(df) == 4 and (df.sampler == sampler).all() and (df.position == "poslsh").all(), df
+
+
 def test_registered_for_lm_eval():
     """The model is lm-eval's ``poslsh`` once the module is imported, and the package declares it
     in the ``lm_eval.models`` entry-point group that lm-eval's plugin discovery reads."""

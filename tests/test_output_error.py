@@ -90,6 +90,8 @@ def test_decoder_checkpoint_path_is_causal(tmp_path):
     (["model=minilm", "n=1000"], "exceeds the model's 512 positions"),
     (["text={tmp}/short.txt", "n=64"], "fewer than n=64"),
     (["text={tmp}/missing.txt"], "no such file"),
+    (["text={tmp}/latin.txt"], "latin.txt is not UTF-8: byte offset 6 "),
+    (["text={tmp}/short.txt", "encoding=nope"], "encoding='nope'"),
     (["layers=[9]", "n=32"], "layer 9 out of range"),
     (["heads=[12]", "n=32"], "head 12 out of range"),
     (["model=mistral-7b"], "has no path"),
@@ -101,6 +103,7 @@ def test_decoder_checkpoint_path_is_causal(tmp_path):
 def test_bad_input_one_line_nothing_written(tmp_path, monkeypatch, args, needle):
     monkeypatch.delenv("POSLSH_MODELS", raising=False)
     (tmp_path / "short.txt").write_text("only a handful of words here")
+    (tmp_path / "latin.txt").write_bytes("Le café est prêt. ".encode("latin-1") * 100)
     out = tmp_path / "out"
     r = invoke("output-error", *[a.format(tmp=tmp_path) for a in args], "s=[1]", "trials=1", f"out={out}")
     assert r.exit_code == 2, r.output

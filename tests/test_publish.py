@@ -90,7 +90,24 @@ def test_publish_stamps_every_section_and_republishing_the_snapshot_gives_the_sa
     # a run left out of a later publish leaves the snapshot and its figures
     _publish([docs / "results" / "b"], docs, readme)
     assert sorted(p.name for p in (docs / "results").iterdir()) == ["b"]
-    assert all(p.name.startswith("b--") for p in (docs / "figures").iterdir())
+    assert all(p.name.startswith("b--") for p in (docs / "figures").glob("*.png"))
+    assert (docs / "figures" / ".poslsh-figures").read_text().split() == \
+        sorted(p.name for p in (docs / "figures").glob("*.png"))
+    # what the publisher did not write survives: a folder of DIR/results that is not a snapshot (publishing
+    # refuses in one line and writes nothing), a figure of its own beside the published ones
+    notes, mine = docs / "results" / "notes", docs / "figures" / "my-sketch.png"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me\n")
+    mine.write_bytes(b"not a published figure")
+    r = runner.invoke(app, ["report", str(docs / "results" / "b"), "--publish", str(docs), "--readme", str(readme)])
+    assert r.exit_code == 2 and "notes" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert (notes / "todo.txt").read_text() == "keep me\n" and (docs / "RESULTS.md").read_text() != ""
+    shutil.move(str(notes), tmp_path / "notes")
+    _publish([docs / "results" / "b"], docs, readme)
+    assert mine.read_bytes() == b"not a published figure"
+    (docs / "figures" / "b--my-own.png").write_bytes(b"named like a published figure")
+    r = runner.invoke(app, ["report", str(docs / "results" / "b"), "--publish", str(docs)])
+    assert r.exit_code == 2 and "b--my-own.png" in r.stderr, r.output
 
 
 def test_publish_refuses_a_readme_without_markers_and_readme_without_publish(runs, tmp_path):
@@ -112,6 +129,12 @@ def test_local_paths_are_cut_to_their_last_two_components():
 
 @pytest.mark.skipif(not (ROOT / "docs" / "results").is_dir(), reason="no committed results snapshot")
 def test_the_committed_results_are_what_the_generator_makes_from_the_committed_snapshot(tmp_path):
+    from poslsh_cli.app.publish import FIGURES_MARK, is_snapshot
+
+    # marked as the publisher's own, so that make publish-again and make publish may replace them
+    assert all(is_snapshot(p) for p in (ROOT / "docs" / "results").iterdir() if p.is_dir())
+    assert (ROOT / "docs" / "figures" / FIGURES_MARK).read_text().split() == \
+        sorted(p.name for p in (ROOT / "docs" / "figures").glob("*.png"))
     shutil.copytree(ROOT / "docs" / "results", tmp_path / "snapshot")
     docs, readme = tmp_path / "docs", _readme(tmp_path / "README.md")
     _publish(sorted(p for p in (tmp_path / "snapshot").iterdir() if p.is_dir()), docs, readme)
@@ -129,3 +152,32 @@ def test_readme_evidence_is_cut_at_a_clause_and_says_so():
     long = "; ".join(f"slope layer {i}: -0.50 [-0.55, -0.45]" for i in range(6))
     cut = short(long, 80)
     assert cut.endswith("; …") and len(cut) <= 83 and long.startswith(cut[:-3])
+
+
+def test_publishing_one_run_beside_another_refuses_and_removes_no_run(tmp_path):
+    """Runs made into DIR/results are no snapshots: publishing one of them never removes the other
+    (it refuses in one line, writing nothing), and a run published in place keeps its figures."""
+    pub = tmp_path / "pub"
+    for name, sigma in (("run_a", 2), ("run_b", 4)):
+        r = runner.invoke(app, ["matrix-error", "n=[64]", f"sigma=[{sigma}]", "s=[1,2]", "trials=1",
+                                f"out={pub / 'results' / name}"])
+        assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["plot", str(pub / "results" / "run_a")])
+    assert r.exit_code == 0, r.output
+
+    def files(run: Path) -> dict:
+        return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+    before = {name: files(pub / "results" / name) for name in ("run_a", "run_b")}
+    assert any(p.parts[0] == "figures" for p in before["run_a"])
+    r = runner.invoke(app, ["report", str(pub / "results" / "run_a"), "--publish", str(pub)])
+    assert r.exit_code == 2 and "run_b" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert files(pub / "results" / "run_b") == before["run_b"]
+    assert not (pub / "RESULTS.md").exists() and not (pub / "figures").exists()
+    # both published in place: each run stays whole, figures included
+    r = runner.invoke(app, ["report", str(pub / "results" / "run_a"), str(pub / "results" / "run_b"),
+                            "--publish", str(pub)])
+    assert r.exit_code == 0, r.output
+    for name in ("run_a", "run_b"):
+        assert before[name].items() <= files(pub / "results" / name).items(), name
+    assert sorted(p.name for p in (pub / "figures").glob("*.png"))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from poslsh_cli.attention import AttentionSpec, reference_weight
-from poslsh_cli.attention.positioned import positioned_attention, positions_from_mask
+from poslsh_cli.attention.positioned import (allowed_from_mask, is_causal_padding, positioned_attention,
+                                             positions_from_padding)
 from poslsh_cli.attention.reference import reference_attention
 from poslsh_cli.lm.checkpoint import POSLSH_MODEL_TYPE
 from poslsh_cli.lm.convert import save
@@ -47,21 +48,37 @@ def test_positioned_attention_equals_the_float64_reference(method):
     spec = AttentionSpec.build(method, SIGMAS, n, True, num_samples=6, rng=rng, window_sigmas=2.0)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, H, n, 16, generator=g) for _ in range(3))
-    q_pos, k_pos, allowed = positions_from_mask(None, 2, n, n, "cpu")
-    out = positioned_attention(q, k, v, spec, q_pos, k_pos, allowed)
+    q_pos, k_pos = positions_from_padding(None, 2, n, n, "cpu")
+    out = positioned_attention(q, k, v, spec, q_pos, k_pos, allowed_from_mask(None, 2, n, n, "cpu"))
     ref, _ = reference_attention(q, k, v, reference_weight(spec, n), True)
     assert (out.double() - ref).abs().max().item() < 2e-5
 
 
-def test_positions_from_a_padded_mask():
-    """Left and right padding: real tokens numbered from 0, queries at their own position."""
+def test_positions_come_from_the_padding_never_from_what_a_query_sees():
+    """Left and right padding: real tokens numbered from 0, queries at their own position; a
+    sliding window in the mask (keys a query cannot see) shifts no position; a cache step's queries
+    and keys are the last tokens the padding describes."""
     real = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    causal = torch.ones(5, 5).tril().bool()
-    mask = (causal[None] & real[:, None, :])[:, None]
-    q_pos, k_pos, allowed = positions_from_mask(mask, 2, 5, 5, "cpu")
+    q_pos, k_pos = positions_from_padding(real, 2, 5, 5, "cpu")
     assert k_pos[0, 2:].tolist() == [0, 1, 2] and k_pos[1, :3].tolist() == [0, 1, 2]
     assert q_pos[0, 2:].tolist() == [0, 1, 2] and q_pos[1, :3].tolist() == [0, 1, 2]
-    assert torch.equal(allowed, mask[:, 0])
+    causal, window = torch.ones(5, 5).tril().bool(), torch.ones(5, 5).triu(-1).bool()
+    mask = (causal[None] & window[None] & real[:, None, :])[:, None]  # (B, 1, m, n): a window of 2
+    assert torch.equal(allowed_from_mask(mask, 2, 5, 5, "cpu"), mask[:, 0])
+    # causal attention over the real tokens may run each sequence alone; a window may not
+    assert is_causal_padding((causal[None] & real[:, None, :]), real) and is_causal_padding(causal[None], None)
+    assert not is_causal_padding(mask[:, 0], real) and not is_causal_padding((causal & window)[None], None)
+    assert torch.equal(positions_from_padding(real, 2, 5, 5, "cpu")[0], q_pos)
+    # one query decoded after 4 left-padded tokens, through a cache that holds the last 3 of 6 keys
+    q_pos, k_pos = positions_from_padding(torch.tensor([[0, 0, 1, 1, 1, 1]]), 1, 1, 3, "cpu")
+    assert q_pos.tolist() == [[3]] and k_pos.tolist() == [[1, 2, 3]]
+
+
+def _greedy(model, ids, new_tokens: int, **kw):
+    """Greedy generation: (sequences (B, n + new), logits (B, new, vocab) of every generated step)."""
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits, 1)
 
 
 @pytest.mark.parametrize("position", SCHEMES)
@@ -89,10 +106,102 @@ def test_padded_batches_and_cached_decoding_give_the_unpadded_logits(position, t
             steps.append(out.logits[0])
             cache = out.past_key_values
         assert (torch.cat(steps) - la).abs().max().item() < TOL
-        greedy = [model.generate(a[:, :40], max_new_tokens=24, do_sample=False, use_cache=c) for c in (True, False)]
-    assert torch.equal(greedy[0], greedy[1])
+        greedy = [_greedy(model, a[:, :40], 24, use_cache=c) for c in (True, False)]
+    assert torch.equal(greedy[0][0], greedy[1][0]) and (greedy[0][1] - greedy[1][1]).abs().max().item() < TOL
     if position != "rope":
         assert "positioned" in model.poslsh_position.plans
+
+
+def _windowed_model(position: str, window: int = 48):
+    """The test model with Qwen3's sliding-window attention in every layer (a key more than ``window``
+    tokens back is masked, on top of the scheme)."""
+    import transformers as tf
+
+    from poslsh_cli.lm.install import install
+
+    config = tf.Qwen3Config(**ARCH.config(), use_sliding_window=True, sliding_window=window, max_window_layers=0)
+    assert set(config.layer_types) == {"sliding_attention"}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = tf.Qwen3ForCausalLM(config)
+    state = PositionState(position, SIGMAS, num_samples=8 if position == "poslsh" else 0, seed=3)
+    return install(model, state).eval()
+
+
+@pytest.mark.parametrize("position", ["poslsh", "alibi"])
+def test_a_sliding_window_mask_keeps_the_positions_of_cached_and_padded_decoding(position, tokens):
+    """Under a sliding-window mask (window 48) the keys a query cannot see are still tokens: a
+    100-token prompt and 60 tokens decoded through the cache give the full forward's logits, alone
+    and as a left-padded batch (each row against its sequence alone)."""
+    a, b = tokens[0][:, :160], tokens[1][:, :120]
+    model = _windowed_model(position)
+    with torch.no_grad():
+        full_a, full_b = model(a, use_cache=False).logits[0], model(b, use_cache=False).logits[0]
+        out = model(a[:, :100], use_cache=True)
+        steps, cache = [out.logits[0]], out.past_key_values
+        for t in range(100, 160):
+            out = model(a[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits[0])
+        assert (torch.cat(steps) - full_a).abs().max().item() < TOL
+        ids, mask = _padded([a, b], "left")  # b from column 40 on
+        out = model(ids[:, :100], attention_mask=mask[:, :100], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(100, 160):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+        got = torch.cat(steps, 1)
+    assert (got[0] - full_a).abs().max().item() < TOL
+    assert (got[1, 40:] - full_b).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("position", [p for p in SCHEMES if p != "rope"])
+def test_a_padded_batch_without_a_cache_runs_each_sequence_alone_on_the_fast_path(position, tokens):
+    """One padding token must not send a batch to the positioned path (O(s n^2)): a left- or
+    right-padded batch without a cache gives each sequence the logits it gets alone (1e-5), and
+    only the method's own path runs."""
+    model = _model(position)
+    state = model.poslsh_position
+    with torch.no_grad():
+        alone = [model(t, use_cache=False).logits[0] for t in tokens]
+        for side in ("left", "right"):
+            state.plans.clear()
+            ids, mask = _padded(tokens, side)
+            out = model(ids, attention_mask=mask, use_cache=False).logits
+            for b, t in enumerate(tokens):
+                n = t.shape[1]
+                got = out[b, -n:] if side == "left" else out[b, :n]
+                assert (got - alone[b]).abs().max().item() < TOL, side
+            assert state.plans and "positioned" not in state.plans, (side, state.plans)
+
+
+@pytest.mark.parametrize("method", list(Method))
+def test_attention_of_each_sequence_alone_equals_the_float64_reference(method):
+    """attend_each_sequence: each row's real tokens (left, right, holes, one token, none) are the
+    method at positions 0 .. r-1 against the float64 reference; padding queries get 0."""
+    from poslsh_cli.attention.positioned import attend_each_sequence
+
+    n, H = 200, 4
+    real = torch.ones(5, n, dtype=torch.bool)
+    real[0, :37] = False  # left padding
+    real[1, 150:] = False  # right padding
+    real[2, 20:60] = False  # a hole
+    real[3, 1:] = False  # one token
+    real[4] = False  # none
+
+    def spec_at(r):
+        rng = [np.random.default_rng(h) for h in range(H)]
+        return AttentionSpec.build(method, SIGMAS, r, True, num_samples=6, rng=rng, window_sigmas=2.0)
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, H, n, 16, generator=g) for _ in range(3))
+    out = attend_each_sequence(q, k, v, real, spec_at)
+    for b in range(5):
+        r = int(real[b].sum())
+        assert out[b][:, ~real[b]].abs().max().item() == 0 if r < n else True
+        if r:
+            qb, kb, vb = (t[b:b + 1][:, :, real[b]].double() for t in (q, k, v))
+            ref, _ = reference_attention(qb, kb, vb, reference_weight(spec_at(r), r), True)
+            assert (out[b:b + 1][:, :, real[b]].double() - ref).abs().max().item() < 2e-5, b
 
 
 def test_a_swapped_inline_alibi_attention_refuses_a_cache():
@@ -128,7 +237,8 @@ def _alibi_checkpoint(arch: str):
 @pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon"])
 def test_a_swapped_inline_alibi_attention_honours_padding(arch, tokens):
     """BLOOM, MPT and Falcon-RW under a swapped scheme (their inline attention replaced): a batch
-    of a 300- and a 220-token sequence, left- or right-padded, gives each the logits it gets alone."""
+    of a 300- and a 220-token sequence, left- or right-padded, gives each the logits it gets alone,
+    on the fast path (never the positioned one, whose cost grows as s n^2)."""
     from poslsh_cli.lm.install import install
 
     model = _alibi_checkpoint(arch)
@@ -144,7 +254,7 @@ def test_a_swapped_inline_alibi_attention_honours_padding(arch, tokens):
                     n = t.shape[1]
                     got = out[b, -n:] if side == "left" else out[b, :n]
                     assert (got - alone[b]).abs().max() < TOL, (arch, position, side)
-        assert "positioned" in state.plans
+        assert "positioned" not in state.plans  # each sequence alone, on the fast path
 
 
 def _padded(tokens, side):
@@ -245,6 +355,43 @@ def test_generate_command(tmp_path):
     assert res.exit_code != 0 and "does not exist" in res.stderr
 
 
+def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(tmp_path):
+    """A Sobol-sampled checkpoint on the dense backend keeps both through with_scheme (its own scheme
+    re-drawn, Positional LSH or another method swapped in: the masks drawn are the Sobol ones) and
+    through poslsh generate, unless the user gives others; a swapped method that does not run on
+    the checkpoint's backend takes auto."""
+    from typer.testing import CliRunner
+
+    from poslsh_cli.app.cli import app
+    from poslsh_cli.lm.loading import with_scheme
+
+    trained = PositionState("poslsh", SIGMAS, num_samples=8, seed=3, sampler="sobol", backend="dense")
+    save(build_model(ARCH, trained, seed=1).eval(), tmp_path / "ck", {"scheme": trained.to_json()}, None)
+    model, own = load_model(tmp_path / "ck")
+    assert (own.sampler, own.backend) == ("sobol", "dense")
+    x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    for attention, s, seed in (("own", 4, None), ("own", 0, 5), ("poslsh", 4, None), ("fixed_block", 0, None),
+                               ("alibi", 0, None)):
+        state = with_scheme(model, own, attention, s, seed)
+        assert (state.sampler, state.backend) == ("sobol", "dense") and model.poslsh_position is state, attention
+        with torch.no_grad():
+            assert torch.isfinite(model(x, use_cache=False).logits).all()
+        assert state.plans == {"dense"}, (attention, state.plans)
+        if state.position.value == "poslsh":  # the masks are the Sobol draw of that seed
+            sobol = PositionState("poslsh", SIGMAS, num_samples=state.num_samples, seed=state.seed, sampler="sobol")
+            assert all(np.array_equal(a, b) for a, b in zip(state.attention_spec(0, 64, None).bin_table,
+                                                             sobol.attention_spec(0, 64, None).bin_table))
+    assert with_scheme(model, own, "none").backend == "auto"  # no attention bias: SDPA only
+    state = with_scheme(model, own, "poslsh", 4, sampler="stratified", backend="blocks")
+    assert (state.sampler, state.backend) == ("stratified", "blocks")
+    assert with_scheme(model, own, "own", sampler="iid").sampler == "iid"
+    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4"])
+    assert res.exit_code == 0 and "poslsh s=4 sobol" in res.stderr, res.output
+    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4",
+                                   "sampler=iid"])
+    assert res.exit_code == 0 and "poslsh s=4," in res.stderr, res.output
+
+
 @pytest.mark.parametrize("position", ["poslsh", pytest.param("fixed_block", marks=pytest.mark.slow),
                                       pytest.param("windowed", marks=pytest.mark.slow), "alibi"])
 def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position, tokens):
@@ -267,28 +414,37 @@ def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position,
             steps.append(out.logits[0])
             kept.append(cache.kept())
         assert (torch.cat(steps) - full).abs().max().item() < TOL
-        # taking tokens back (assisted decoding's rejected drafts): the last one decodes again as before; more than
-        # the forgotten keys allow is refused (exact ALiBi forgets nothing)
+        # taking tokens back (assisted decoding's rejected drafts): the last one decodes again as before
         cache.crop(-1)
         again = model(a[:, -1:], cache=cache, use_cache=True).logits[0]
         assert (again - full[-1:]).abs().max().item() < TOL
-        back = cache.kept() - 1  # nearly everything held: allowed only if no forgotten key is needed again
-        try:
-            cache.crop(-back)
-        except ValueError as exc:
-            assert "forgotten" in str(exc) and position != "alibi"
-        else:  # allowed: decoding those tokens again gives the full forward's logits
-            again = torch.cat([model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0]
-                               for t in range(a.shape[1] - back, a.shape[1])])
-            assert (again - full[-back:]).abs().max().item() < TOL
+        # the most tokens every layer lets go: all but one held for exact ALiBi (it forgets nothing), several for
+        # Positional LSH but not all (it has forgotten keys they need); one more is refused, changing no layer
+        most = cache.kept() - 1
+        back = max(k for k in range(1, most + 1) if all(lay.refusal(k) is None for lay in cache.layers))
+        if position == "alibi":
+            assert back == most
+        if position == "poslsh":
+            assert 2 <= back < most
+        if back < most:
+            before = _layer_state(cache)
+            with pytest.raises(ValueError, match="forgotten"):
+                cache.crop(-(back + 1))
+            assert _same_layers(_layer_state(cache), before)
+        cache.crop(-back)  # accepted by every layer: decoding those tokens again gives the full forward's logits
+        assert len({(lay.seen, lay.keys.shape[-2]) for lay in cache.layers}) == 1
+        again = torch.cat([model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0]
+                           for t in range(a.shape[1] - back, a.shape[1])])
+        assert (again - full[-back:]).abs().max().item() < TOL
         x = torch.zeros(2, 60, dtype=torch.long)
         mask = torch.zeros(2, 60, dtype=torch.long)
         x[0], mask[0] = a[0, :60], 1
         x[1, 15:], mask[1, 15:] = a[0, :45], 1
-        batch = model.generate(x, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                               cache=ForgettingCache(model))
-        alone = [model.generate(p, max_new_tokens=20, do_sample=False, use_cache=False) for p in (a[:, :60], a[:, :45])]
-    assert torch.equal(batch[0], alone[0][0]) and torch.equal(batch[1, 15:], alone[1][0])
+        batch, logits = _greedy(model, x, 20, attention_mask=mask, cache=ForgettingCache(model))
+        alone = [_greedy(model, p, 20, use_cache=False) for p in (a[:, :60], a[:, :45])]
+    assert torch.equal(batch[0], alone[0][0][0]) and torch.equal(batch[1, 15:], alone[1][0][0])
+    for b in range(2):  # each row's logits at every generated step, not only the tokens they pick
+        assert (logits[b] - alone[b][1][0]).abs().max().item() < TOL
     if position == "alibi":
         assert kept[-1] == a.shape[1]
     elif position == "windowed":
@@ -296,6 +452,39 @@ def test_a_forgetting_cache_decodes_the_full_forward_with_bounded_keys(position,
     else:  # one offset for every layer: the largest block of any layer
         assert max(kept) <= max(p.b_max for spec in specs for p in spec.partitions) + 2
         assert max(kept) < a.shape[1] // 2
+
+
+def _layer_state(cache) -> list:
+    return [(lay.seen, lay.offset, lay.keys.clone(), lay.values.clone(), lay.positions.clone()) for lay in cache.layers]
+
+
+def _same_layers(a: list, b: list) -> bool:
+    return all(x[:2] == y[:2] and all(torch.equal(u, w) for u, w in zip(x[2:], y[2:])) for x, y in zip(a, b))
+
+
+def test_a_refused_crop_leaves_every_layer_of_the_forgetting_cache_as_it_was(tokens):
+    """Positional LSH, 2 layers, s=8, after 300 tokens: taking 4 tokens back is possible in layer 0
+    but not in layer 1 (it would need a forgotten key). The refusal leaves every layer as it was,
+    and decoding on gives the full forward's logits."""
+    import copy
+
+    from poslsh_cli.lm.kvcache import ForgettingCache
+
+    a = torch.cat([tokens[0], tokens[1][:, :20]], 1)  # 320 tokens: 300 decoded, then 20 more after the refusal
+    model = _model("poslsh")
+    with torch.no_grad():
+        full = model(a, use_cache=False).logits[0]
+        cache = ForgettingCache(model)
+        model(a[:, :100], cache=cache, use_cache=True)
+        for t in range(100, 300):
+            model(a[:, t:t + 1], cache=cache, use_cache=True)
+        copy.deepcopy(cache.layers[0]).crop(-4)  # layer 0 alone accepts: the refusal comes from a later layer
+        before = _layer_state(cache)
+        with pytest.raises(ValueError, match="forgotten"):
+            cache.crop(-4)
+        assert _same_layers(_layer_state(cache), before)
+        steps = [model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0] for t in range(300, 320)]
+    assert (torch.cat(steps) - full[300:]).abs().max().item() < TOL
 
 
 def test_decode_bench_runs_and_judges_its_goals(tmp_path):

@@ -136,7 +136,8 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
                                         "(default: the single run directory, or the common parent)"),
                publish: Optional[Path] = typer.Option(None, "--publish", help="instead: write DIR/RESULTS.md, "
                                                       "DIR/figures/ and a snapshot of the runs in DIR/results/, "
-                                                      "each section stamped with its run, commit and machine"),
+                                                      "each section stamped with its run, commit and machine "
+                                                      "(replaces or removes only snapshots and figures it wrote)"),
                readme: Optional[Path] = typer.Option(None, "--readme", help="with --publish: the file whose "
                                                      "results block (between its markers) is regenerated")) -> None:
     """One report.md and a self-contained report.html: each paper claim beside its measurement.
@@ -244,6 +245,8 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
                                                       "max_new_tokens (64), attention (own, or a scheme swapped "
                                                       "in: alibi, poslsh, windowed, fixed_block, none), s (masks "
                                                       "per head for poslsh; 0: the checkpoint's own, else 8), seed, "
+                                                      "sampler (how poslsh masks are drawn: iid, stratified, "
+                                                      "sobol; own: the checkpoint's), "
                                                       "do_sample (false: greedy), temperature, top_k, cache (true: "
                                                       "decode through the key/value cache)",
                                                       show_default=False)) -> None:

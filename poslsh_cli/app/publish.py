@@ -12,6 +12,13 @@ Publishing writes, from the runs given:
 
 Everything is computed from the snapshot, so publishing ``DIR/results/*`` again gives the same
 files (``tests/test_publish.py`` checks the committed ones). No generation time is written.
+
+Publishing replaces or removes only what it wrote itself: a snapshot holds the marker file
+:data:`SNAPSHOT_MARK`, and ``DIR/figures/`` lists the figures it wrote in :data:`FIGURES_MARK`.
+A folder of ``DIR/results`` without the marker (a run made there, anything else) is never
+removed or replaced: publishing refuses, before writing anything, unless that run is one of the
+runs published (then it is published in place, as it is, figures included). A file of
+``DIR/figures`` that is not on the list is never removed or overwritten.
 """
 from __future__ import annotations
 
@@ -35,6 +42,11 @@ PARTS = (("Theory: masks, matrix error, block sizes", 30),
          ("Language models: training, extrapolation, retrieval", float("inf")))
 
 _KEEP = ("config.yaml", "meta.json")
+#: the file that makes a folder of DIR/results a snapshot this publisher wrote (and may replace or remove)
+SNAPSHOT_MARK = ".poslsh-snapshot"
+#: the list of the figures this publisher wrote into DIR/figures (one name a line)
+FIGURES_MARK = ".poslsh-figures"
+_MARK_TEXT = "written by poslsh report --publish: publishing again replaces or removes this folder\n"
 _META_DROP = ("pid", "history", "host")
 
 # an absolute path: kept are its last two components (a snapshot's "results/<run>", a checkpoint's
@@ -47,25 +59,50 @@ def local_paths_cut(text: str) -> str:
     return _ABS.sub(lambda m: "/".join(m.group(0).split("/")[-2:]), text)
 
 
+def is_snapshot(folder: Path) -> bool:
+    """Whether ``folder`` is a snapshot written by :func:`snapshot` (it holds :data:`SNAPSHOT_MARK`)."""
+    return (Path(folder) / SNAPSHOT_MARK).is_file()
+
+
+def snapshot_names(runs: list[Path]) -> list[str]:
+    """The folder name of each run's snapshot: its own name, or ``<parent>-<name>`` where two runs
+    share one."""
+    names = [r.name if sum(q.name == r.name for q in runs) == 1 else f"{r.parent.name}-{r.name}" for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError("two runs to publish have the same name: publish them from separate folders")
+    return names
+
+
+def _not_ours(path: Path) -> ConfigError:
+    return ConfigError(f"{path} was not written by poslsh report --publish (it has no {SNAPSHOT_MARK}), so "
+                       "publishing would replace or remove it: publish it too, or move it out of "
+                       f"{path.parent}")
+
+
 def snapshot(runs: list[Path], into: Path) -> list[Path]:
-    """Copy what the report needs of each run to ``into/<run name>/``; returns the copies."""
+    """Copy what the report needs of each run to ``into/<run name>/`` (marked with
+    :data:`SNAPSHOT_MARK`); returns the copies. A run that is its own destination is published in
+    place as it is. Refuses, before writing anything, to replace a folder that is not a snapshot."""
     import json
 
     from poslsh_cli.app.report import run_table
 
-    names = [r.name if sum(q.name == r.name for q in runs) == 1 else f"{r.parent.name}-{r.name}" for r in runs]
-    if len(set(names)) != len(names):
-        raise ConfigError("two runs to publish have the same name: publish them from separate folders")
+    names = snapshot_names(runs)
+    for run, name in zip(runs, names):
+        dest = into / name
+        if dest.exists() and dest.resolve() != run.resolve() and not is_snapshot(dest):
+            raise _not_ours(dest)
     copies = []
     for run, name in zip(runs, names):
         dest = into / name
-        if dest.resolve() == run.resolve():  # publishing the snapshot itself again
+        if dest.resolve() == run.resolve():  # publishing the snapshot (or the run) itself again
             copies.append(dest)
             continue
         _, _, meta, df = run_table(run, notice=lambda text: None)
         tmp = into / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        (tmp / SNAPSHOT_MARK).write_text(_MARK_TEXT)
         shutil.copy2(run / "config.yaml", tmp / "config.yaml")
         meta = {k: v for k, v in meta.items() if k not in _META_DROP}
         if isinstance(meta.get("argv"), str):
@@ -75,10 +112,42 @@ def snapshot(runs: list[Path], into: Path) -> list[Path]:
         for aux in sorted(run.glob("*.csv")):
             if aux.name != "results.csv":
                 shutil.copy2(aux, tmp / aux.name)
-        shutil.rmtree(dest, ignore_errors=True)
+        if dest.exists():
+            shutil.rmtree(dest)  # a snapshot (checked above)
         tmp.rename(dest)
         copies.append(dest)
     return copies
+
+
+def _figures_written(figures: Path) -> set[str]:
+    """The figures of ``figures/`` that publishing wrote there (its :data:`FIGURES_MARK` list)."""
+    listed = figures / FIGURES_MARK
+    return set(listed.read_text().split()) if listed.is_file() else set()
+
+
+def _check_ours(runs: list[Path], out: Path) -> None:
+    """Refuse (ConfigError) where publishing ``runs`` into ``out`` would replace or remove what it
+    did not write: a folder of ``out/results`` that is neither a snapshot nor one of the runs, a
+    run's snapshot folder that is not a snapshot, a figure of a published run's name not on the
+    figures list."""
+    results, figures = out / "results", out / "figures"
+    names = snapshot_names(runs)
+    given = {r.resolve() for r in runs}
+    for name in names:
+        dest = results / name
+        if dest.exists() and dest.resolve() not in given and not is_snapshot(dest):
+            raise _not_ours(dest)
+    if results.is_dir():
+        for old in sorted(results.iterdir()):
+            if old.is_dir() and not old.name.startswith(".") and old.name not in names and not is_snapshot(old):
+                raise _not_ours(old)
+    if figures.is_dir():
+        ours = _figures_written(figures)
+        for f in sorted(figures.iterdir()):
+            if f.name not in ours and f.name.split("--")[0] in names and f.name != FIGURES_MARK:
+                raise ConfigError(f"{f} was not written by poslsh report --publish (it is not listed in "
+                                  f"{figures / FIGURES_MARK}), so publishing would overwrite it: move it out of "
+                                  f"{figures}")
 
 
 def preset_of(run: Path) -> str:
@@ -121,25 +190,32 @@ def publish(run_dirs: list[Path], out: Path, readme: Path | None = None, notice=
             raise ConfigError(f"{readme} has no results block: put the lines\n{BEGIN}\n{END}\nwhere it goes")
     out = Path(out)
     runs = find_runs(run_dirs)
+    _check_ours(runs, out)
     copies = snapshot(runs, out / "results")
     keep = {c.resolve() for c in copies}
-    for old in (out / "results").iterdir():  # a run not published this time leaves the snapshot
-        if old.is_dir() and old.resolve() not in keep:
+    for old in (out / "results").iterdir():  # a snapshot not published this time leaves
+        if old.is_dir() and old.resolve() not in keep and is_snapshot(old):
             shutil.rmtree(old)
     copies = sorted(copies, key=lambda c: c.name)  # the same order however the runs were given
+    own = {c: is_snapshot(c) for c in copies}  # else a run published in place: its figures stay its own
     sections, _, notes = report.sections_of(copies, notice=notice or (lambda text: None))
     figures = out / "figures"
-    shutil.rmtree(figures, ignore_errors=True)
-    figures.mkdir(parents=True)
+    figures.mkdir(parents=True, exist_ok=True)
+    for name in _figures_written(figures):
+        (figures / name).unlink(missing_ok=True)
+    written_figures = []
     for sec in sections:
         moved = []
         for f in sec.figures:
             dest = figures / f"{sec.run.name}--{f.name}"
-            shutil.move(str(f), dest)
+            (shutil.move if own.get(sec.run, False) else shutil.copy2)(str(f), dest)
             moved.append(dest)
+        written_figures += [d.name for d in moved]
         sec.figures = moved
+    atomic_write_text(figures / FIGURES_MARK, "".join(f"{name}\n" for name in sorted(written_figures)))
     for c in copies:
-        shutil.rmtree(c / "figures", ignore_errors=True)
+        if own[c]:
+            shutil.rmtree(c / "figures", ignore_errors=True)
     md = results_markdown(sections, notes, out)
     atomic_write_text(out / "RESULTS.md", md)
     written = {"results": out / "results", "RESULTS.md": out / "RESULTS.md", "figures": figures}

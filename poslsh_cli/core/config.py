@@ -35,6 +35,23 @@ def check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+#: the help of an ``encoding`` key (the commands that read text files)
+ENCODING_HELP = ("the encoding of the text files read (a Python codec: utf-8, latin-1, cp1252, ...); a file not in "
+                 "it is refused, naming the first byte that is not")
+
+
+def check_encoding(name: str) -> None:
+    """Refuse, in one ConfigError, an ``encoding=`` that is no text encoding Python knows."""
+    import codecs
+
+    try:
+        info = codecs.lookup(name)
+    except LookupError:
+        info = None
+    if info is None or not getattr(info, "_is_text_encoding", True):
+        raise ConfigError(f"encoding={name!r}: not a text encoding Python knows (utf-8, latin-1, cp1252, ...)")
+
+
 def key(help: str, default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
         noun: str | None = None, empty: bool = False) -> Any:
     """A spec field: ``help`` for ``--help``; ``ge``/``gt`` bound every number it holds; ``noun``

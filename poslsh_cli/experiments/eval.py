@@ -18,10 +18,10 @@ from typing import Any, Optional
 from poslsh_cli.core.config import ConfigError, Spec, check, key
 from poslsh_cli.experiments.base import Device, Experiment, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
-from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.numerics.sampling import Sampler, derive_seed
 from poslsh_cli.verdicts.claims import Section
 
-COLUMNS = ("checkpoint", "attention", "position", "s", "draw", "seed", "task", "metric", "filter", "value",
+COLUMNS = ("checkpoint", "attention", "position", "s", "sampler", "draw", "seed", "task", "metric", "filter", "value",
            "stderr", "documents", "num_fewshot")
 ATTENTIONS = ("own", "alibi", "poslsh", "windowed", "fixed_block", "none", "rope")
 INSTALL = "lm-eval is not installed: pip install 'poslsh[eval]' (or make install)"
@@ -36,6 +36,8 @@ class TasksSpec(Spec):
     attention: tuple[str, ...] = key("own (the checkpoint's scheme) or schemes swapped in: alibi, poslsh, windowed, "
                                      "fixed_block, none (rope: RoPE checkpoints only)", ["own"], noun="attention")
     s: int = key("masks per head for Positional LSH (0: the checkpoint's own, else 8)", 0, ge=0)
+    sampler: Optional[Sampler] = key("how Positional-LSH masks are drawn: iid, stratified (Latin hypercube), sobol "
+                                     "(scrambled Sobol); null: the checkpoint's own", None)
     trials: int = key("mask draws per Positional-LSH cell (other schemes are deterministic: one)", 1, ge=1)
     num_fewshot: Optional[int] = key("few-shot examples (null: each task's default)", None, ge=0)
     limit: Optional[int] = key("documents per task (null: all)", None, ge=1)
@@ -119,7 +121,8 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
     quiet.setLevel(logging.ERROR)  # HFLM notes that a loaded model ignores its loading arguments
     try:
         lm = PoslshLM(pretrained=str(path), attention=attention, s=spec.s, seed=seed, device=str(ctx.device),
-                      batch_size=spec.batch_size, max_length=spec.max_length)
+                      batch_size=spec.batch_size, max_length=spec.max_length,
+                      sampler=None if spec.sampler is None else spec.sampler.value)
     finally:
         quiet.setLevel(level)
     state = lm.poslsh_state
@@ -137,7 +140,8 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
             metric, _, filt = full.partition(",")
             se = metrics.get(f"{metric}_stderr,{filt}")
             rows.append({"checkpoint": name, "attention": attention, "position": state.position.value,
-                         "s": int(state.num_samples), "draw": draw, "seed": -1 if seed is None else seed,
+                         "s": int(state.num_samples), "sampler": state.sampler, "draw": draw,
+                         "seed": -1 if seed is None else seed,
                          "task": task, "metric": metric, "filter": filt, "value": float(value),
                          "stderr": float(se) if isinstance(se, (int, float)) else float("nan"),
                          "documents": -1 if docs is None else int(docs),

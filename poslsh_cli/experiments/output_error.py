@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 from poslsh_cli.lm import models
 from poslsh_cli.experiments.output_error_report import MODEL_OWN, plot, report, summary
-from poslsh_cli.core.config import ConfigError, Spec, key
+from poslsh_cli.core.config import ENCODING_HELP, ConfigError, Spec, check_encoding, key
 from poslsh_cli.experiments.base import (Dtype, Experiment, MemoryNeed, Device, choices, resolve_device, synchronize,
                                    torch_dtype)
 from poslsh_cli.numerics.methods import INFO, Method, baselines
@@ -41,6 +41,7 @@ ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoint
 class OutputErrorSpec(Spec):
     model: models.ModelSpec = field(default_factory=models.ModelSpec, metadata={"help": "model preset or checkpoint"})
     text: str = key("builtin (Python's own documentation prose) or a text file", "builtin")
+    encoding: str = key(ENCODING_HELP + " (text=)", "utf-8")
     n: int = key("number of tokens (the first n of the text)", 512, ge=2)
     layers: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of layer indices", "all", ge=0)
     heads: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of head indices", "all", ge=0)
@@ -66,6 +67,8 @@ class OutputErrorSpec(Spec):
                                            "biased SDPA call with log M~ built from the band in O(s n): for "
                                            "s in the thousands)", "auto")
 
+    def check(self) -> None:
+        check_encoding(self.encoding)
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
         raise ConfigError(f"layer {max(layers)} out of range: the model has {loaded.num_layers} layers")
     if max(heads) >= loaded.num_heads:
         raise ConfigError(f"head {max(heads)} out of range: the model has {loaded.num_heads} heads")
-    ids = documents.tokenize(loaded.tokenizer, documents.read_text(spec.text), spec.n)
+    ids = documents.tokenize(loaded.tokenizer, documents.read_text(spec.text, spec.encoding), spec.n)
     captured = capture.capture_qkv(loaded, ids, layers)
     own_slopes = loaded.alibi_sigmas is not None and spec.sigma is None and spec.alibi != "standard"
     if spec.alibi == "model" and loaded.alibi_sigmas is None:

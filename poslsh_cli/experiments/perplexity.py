@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
-from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.core.config import ENCODING_HELP, ConfigError, Spec, check, check_encoding, key
 from poslsh_cli.experiments.base import (Experiment, MemoryNeed, Device, checkpoints_skip_reason, choices,
                                         resolve_device, trained_runs_overrides)
 from poslsh_cli.lm.positions import Position, method_of, sigma_label
@@ -76,9 +76,13 @@ class PerplexitySpec(Spec):
                                          "ALiBi and Positional-LSH papers' protocol)", [Protocol.NONOVERLAPPING],
                                          noun="protocol")
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
+    encoding: str = key(ENCODING_HELP + " (data=; a checkpoint's own split is read as it was trained)", "utf-8")
     max_tokens: int = key("evaluation text used per length (at least one window of that length)", 65536, ge=2)
     batch: int = key("windows per forward pass", 4, ge=1)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
+
+    def check(self) -> None:
+        check_encoding(self.encoding)
 
 
 @dataclass
@@ -174,10 +178,11 @@ def _corpus_for(spec: PerplexitySpec, path: Path, info: dict, cfg: dict, corpora
         and not (path / "tokenizer_config.json").exists()
     tok = ByteTokenizer() if byte_model else HFTokenizer.load(path)
     if spec.data is not None:
-        args = dict(data=spec.data, whole=True)
+        args = dict(data=spec.data, whole=True, encoding=spec.encoding)
     elif info.get("data"):
         args = dict(data=info["data"], val_fraction=float(info.get("val_fraction", 0.1)),
-                    val_every=int(info.get("val_every", 10)), field=info.get("data_field", "text"))
+                    val_every=int(info.get("val_every", 10)), field=info.get("data_field", "text"),
+                    encoding=info.get("encoding", "utf-8"))
     else:  # a checkpoint poslsh did not train: the builtin corpus's validation documents
         args = dict(data="builtin")
     keyed = (tuple(sorted(args.items())), tok.digest)

@@ -300,6 +300,7 @@ class StageRun:
         info = {"position": stage.position.value, "s": stage.s, "seed": stage.seed, "seq_len": stage.seq_len,
                 "steps": stage.steps, "data": spec.data, "data_sha256": ctx.corpus.sha256,
                 "val_fraction": spec.val_fraction, "val_every": spec.val_every, "data_field": spec.data_field,
+                "encoding": spec.encoding,
                 "attn_dropout": stage.dropout, "init": str(stage.init) if stage.init else None,
                 "tokenizer": ctx.corpus.tokenizer, "lora_rank": spec.lora_rank if stage.lora else 0,
                 "scheme": state.to_json(), "trainable": int(sum(p.numel() for _, p in named)),

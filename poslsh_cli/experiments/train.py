@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.experiments.train_report import plot, report, summary
-from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.core.config import ENCODING_HELP, ConfigError, Spec, check, check_encoding, key
 from poslsh_cli.experiments.base import Experiment, Device, cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Parallel, Precision, Stage, micro_batch, train_stage
 from poslsh_cli.store.tracking import Logger
@@ -78,6 +78,7 @@ class TrainSpec(Spec):
     data: str = key("builtin (the Python 3.11 documentation, 11.0 MB, shipped), pydoc-topics, a text file, a folder "
                     "of them, a JSON-lines file, a folder from datasets.save_to_disk, or hf:NAME[:CONFIG]", "builtin")
     data_field: str = key("the text field of JSON-lines and dataset records", "text")
+    encoding: str = key(ENCODING_HELP, "utf-8")
     val_every: int = key("every k-th document is held out for validation (fewer than k documents: the last "
                          "val_fraction of the text)", 10, ge=2)
     val_fraction: float = key("the held-out part of a corpus with fewer than val_every documents", 0.1, gt=0)
@@ -130,6 +131,7 @@ class TrainSpec(Spec):
     logger_project: str = key("the W&B project of logger=wandb", "poslsh")
 
     def check(self) -> None:
+        check_encoding(self.encoding)
         check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
         check(all(d < 1 for d in self.attn_dropout), "attn_dropout must be < 1")
         if any(d > 0 for d in self.attn_dropout):
@@ -186,7 +188,7 @@ def prepare(spec: TrainSpec) -> TrainContext:
         source.check_position(p)
     tokenizer = tokenizer_of(source)
     corpus = load_corpus(spec.data, spec.val_fraction, min_tokens=max(spec.seq_len) + 1, val_every=spec.val_every,
-                         field=spec.data_field, tokenizer=tokenizer)
+                         field=spec.data_field, tokenizer=tokenizer, encoding=spec.encoding)
     vocab = int(source.config.get("vocab_size") or 0)
     top = int(max(corpus.train.max(initial=0), corpus.val.max(initial=0))) if len(corpus.train) else 0
     if top >= vocab:

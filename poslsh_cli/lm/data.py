@@ -130,8 +130,9 @@ def cache_dir() -> Path:
 
 
 def load_corpus(data: str, val_fraction: float = 0.1, min_tokens: int = 0, val_every: int = 10,
-                tokenizer: Any = None, field: str = "text", whole: bool = False) -> Corpus:
-    """Read, split and tokenise ``data`` (see the module docstring).
+                tokenizer: Any = None, field: str = "text", whole: bool = False, encoding: str = "utf-8") -> Corpus:
+    """Read, split and tokenise ``data`` (see the module docstring), its files decoded with
+    ``encoding`` (:func:`poslsh_cli.lm.documents.open_documents`).
 
     ``val_every=k``: every k-th document validates; a single document splits at
     ``1 - val_fraction``. ``whole``: every document is validation text (evaluating on other data).
@@ -140,11 +141,15 @@ def load_corpus(data: str, val_fraction: float = 0.1, min_tokens: int = 0, val_e
     document by document, to memory-mapped files in the cache.
     """
     tok = tokenizer or ByteTokenizer()
-    source, docs = open_documents(data, field)
+    source, docs = open_documents(data, field, encoding)
     split = f"every {val_every}th document" if not whole else "all validation"
-    key = hashlib.sha256(f"{source.digest}|{tok.digest}|{val_every}|{val_fraction}|{whole}".encode()).hexdigest()
+    decoded = f"|{encoding}" if source.kind in ("files", "jsonl") and encoding != "utf-8" else ""  # utf-8: as before
+    identity = f"{source.digest}|{tok.digest}|{val_every}|{val_fraction}|{whole}{decoded}"
+    key = hashlib.sha256(identity.encode()).hexdigest()
     meta = {"source": BUILTIN if source.kind == "builtin" else source.description, "source_sha256": source.digest,
             "kind": source.kind, "split": split, "tokenizer": tok.name}
+    if source.kind in ("files", "jsonl"):
+        meta["encoding"] = encoding
     if isinstance(tok, ByteTokenizer):
         sink = _MemorySink()
         _tokenise(docs, tok, val_every, val_fraction, whole, sink)

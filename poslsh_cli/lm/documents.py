@@ -8,6 +8,11 @@ tokenised; one clear line for what cannot be read.
     FILE.txt         one text file (one document; refused when it is mostly not text)
     FOLDER           every text file below it (one document each, in sorted path order)
     FILE.jsonl       JSON lines, one document per line from the field ``data_field`` (``text``)
+
+Files are decoded with ``encoding`` (UTF-8 unless given); a file that is not in it is refused in
+one line naming the file and the byte offset of the first byte that is not, never read with
+U+FFFD in its place.
+
     FOLDER (arrow)   a dataset written by ``datasets.save_to_disk`` (field ``data_field``)
     hf:NAME[:CONFIG] a dataset ``datasets.load_dataset`` resolves (needs the hub, or its cache)
 """
@@ -82,9 +87,10 @@ def _file_digest(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def open_documents(data: str, field: str = "text") -> tuple[Source, Any]:
-    """(source, a function returning a fresh iterator of (name, text)) for ``data``; refuses what
-    cannot be read with one clear reason, before anything is tokenised."""
+def open_documents(data: str, field: str = "text", encoding: str = "utf-8") -> tuple[Source, Any]:
+    """(source, a function returning a fresh iterator of (name, text)) for ``data``, its files
+    decoded with ``encoding``; refuses what cannot be read with one clear reason, before anything
+    is tokenised."""
     if data == BUILTIN:
         return Source("builtin", "the Python 3.11 documentation (shipped)", BUILTIN_SHA256), _builtin_documents
     if data == PYDOC_TOPICS:
@@ -99,7 +105,7 @@ def open_documents(data: str, field: str = "text") -> tuple[Source, Any]:
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         return _disk_documents(path, data, field)
     if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
-        return _jsonl_documents(path, data, field)
+        return _jsonl_documents(path, data, field, encoding)
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -111,13 +117,16 @@ def open_documents(data: str, field: str = "text") -> tuple[Source, Any]:
         raise ConfigError(f"data={data}: {path} is neither a regular file nor a folder")
     try:
         digest = _file_digest(files)
+        for p in files:  # every file decoded once here, so that one not in the encoding is refused first
+            decode_text(p.read_bytes(), f"data={data}: {p.relative_to(path.parent if path.is_file() else path)}",
+                        encoding)
     except OSError as exc:
         raise ConfigError(f"data={data}: cannot read ({exc.strerror})") from None
 
     def docs() -> Iterator[tuple[str, str]]:
         for p in files:
             name = str(p.relative_to(path.parent if path.is_file() else path))
-            yield name, decode_text(p.read_bytes(), f"data={data}: {name}")
+            yield name, decode_text(p.read_bytes(), f"data={data}: {name}", encoding)
 
     return Source("files", str(path), digest), docs
 
@@ -128,30 +137,54 @@ def open_documents(data: str, field: str = "text") -> tuple[Source, Any]:
 NOT_TEXT_SHARE = 0.3
 
 
-def decode_text(raw: bytes, what: str) -> str:
-    """``raw`` decoded as UTF-8 (an undecodable byte becomes U+FFFD); refuses, in one line naming
-    ``what``, bytes that are mostly not text (:data:`NOT_TEXT_SHARE`)."""
-    text = raw.decode("utf-8", "replace")
+def decode_text(raw: bytes, what: str, encoding: str = "utf-8") -> str:
+    """``raw`` decoded with ``encoding``; refuses, in one line naming ``what``, bytes that are not
+    in it (the byte offset of the first one, and how to give the encoding) and bytes that are
+    mostly not text (:data:`NOT_TEXT_SHARE` undecodable bytes or control codes)."""
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        _refuse_not_text(raw, raw.decode(encoding, "replace"), what)
+        raise ConfigError(f"{what} is not {_label(encoding)}: {_undecodable(exc.start, raw[exc.start])}") from None
+    _refuse_not_text(raw, text, what)
+    return text
+
+
+def _label(encoding: str) -> str:
+    import codecs
+
+    return "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+
+
+def _undecodable(offset: int, byte: int, where: str = "") -> str:
+    """The end of the line refusing a file not in its encoding: the first undecodable byte."""
+    return (f"byte offset {offset} (0x{byte:02x}){where} cannot be decoded; give encoding= the file's encoding "
+            "(encoding=latin-1, cp1252, ...)")
+
+
+def _refuse_not_text(raw: bytes, text: str, what: str) -> None:
     if not text:
-        return text
+        return
     b = np.frombuffer(raw, dtype=np.uint8)
     control = int(np.count_nonzero(b < 32)) - sum(int(np.count_nonzero(b == c)) for c in (9, 10, 12, 13))
     bad = (text.count("\ufffd") + control) / len(text)
     if bad > NOT_TEXT_SHARE:
         raise ConfigError(f"{what} is not text: {bad:.0%} of its characters are undecodable bytes or control codes "
-                          "(give UTF-8 text)")
-    return text
+                          "(give text)")
 
 
-def _json_lines(path: Path, data: str) -> Iterator[tuple[int, Any]]:
+def _json_lines(path: Path, data: str, encoding: str = "utf-8") -> Iterator[tuple[int, Any]]:
     """(line number, record) of every non-blank line; one error line naming the first line that is
-    not UTF-8 or not JSON."""
+    not in ``encoding`` (and the byte offset in the file) or not JSON."""
+    offset = 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode(encoding)
             except UnicodeDecodeError as exc:
-                raise ConfigError(f"data={data}: line {lineno} is not UTF-8 (byte {exc.start + 1} of the line)") from None
+                raise ConfigError(f"data={data}: line {lineno} is not {_label(encoding)}: "
+                                  + _undecodable(offset + exc.start, raw[exc.start], " of the file")) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -160,11 +193,11 @@ def _json_lines(path: Path, data: str) -> Iterator[tuple[int, Any]]:
                 raise ConfigError(f"data={data}: line {lineno} is not JSON ({str(exc).splitlines()[0]})") from None
 
 
-def _jsonl_documents(path: Path, data: str, field: str) -> tuple[Source, Any]:
+def _jsonl_documents(path: Path, data: str, field: str, encoding: str = "utf-8") -> tuple[Source, Any]:
     """Every line read once here (UTF-8, JSON, a record; the first one with the text field), so a
     bad line is refused before anything is tokenised."""
     first = None
-    for lineno, rec in _json_lines(path, data):
+    for lineno, rec in _json_lines(path, data, encoding):
         if not isinstance(rec, dict):
             raise ConfigError(f"data={data}: line {lineno} is a JSON {type(rec).__name__}, not a record")
         if first is None:
@@ -176,7 +209,7 @@ def _jsonl_documents(path: Path, data: str, field: str) -> tuple[Source, Any]:
         raise ConfigError(f"data={data}: the file holds no JSON lines")
 
     def docs() -> Iterator[tuple[str, str]]:
-        for lineno, rec in _json_lines(path, data):
+        for lineno, rec in _json_lines(path, data, encoding):
             yield f"{path.name}:{lineno}", str(rec.get(field) or "")
 
     return Source("jsonl", str(path), _file_digest([path])), docs
@@ -243,9 +276,9 @@ BUILTIN_SHA256 = "1528ea8aee8ccf0bc4808753e2e03186f7f810d43cccc0f780aba25cad8932
 SEPARATOR = "\n\n"
 
 
-def read_text(text: str) -> str:
+def read_text(text: str, encoding: str = "utf-8") -> str:
     """The ``text=`` of output-error: ``builtin`` (the shipped corpus), ``pydoc-topics`` (this
-    Python's own topics text) or a file."""
+    Python's own topics text) or a file, decoded with ``encoding`` (:func:`decode_text`)."""
     if text == "builtin":
         return builtin_text()
     if text == PYDOC_TOPICS:
@@ -254,9 +287,10 @@ def read_text(text: str) -> str:
     if not p.is_file():
         raise ConfigError(f"text={text}: no such file (use text=builtin or a path)")
     try:
-        return p.read_text(encoding="utf-8", errors="replace")
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"text={text}: cannot read ({exc.strerror})") from None
+    return decode_text(raw, f"text={text}", encoding)
 
 
 def tokenize(tokenizer: Any, text: str, n: int) -> torch.Tensor:

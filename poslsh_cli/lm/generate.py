@@ -16,7 +16,7 @@ from poslsh_cli.core.config import ConfigError
 
 #: the keys ``poslsh generate`` takes after the checkpoint, with their defaults
 DEFAULTS: dict[str, Any] = {"prompt": "The ", "max_new_tokens": 64, "attention": "own", "s": 0, "seed": 0,
-                            "do_sample": False, "temperature": 1.0, "top_k": 0, "cache": True}
+                            "sampler": "own", "do_sample": False, "temperature": 1.0, "top_k": 0, "cache": True}
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,10 @@ def parse(args: list[str]) -> dict[str, Any]:
 
 
 def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own", s: int = 0, seed: int = 0,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, cache: bool = True) -> Generated:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``do_sample``)."""
+             sampler: str = "own", do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+             cache: bool = True) -> Generated:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``do_sample``); Positional-LSH
+    masks drawn by ``sampler`` (``own``: the checkpoint's)."""
     import torch
 
     from poslsh_cli.lm.loading import load_model, with_scheme
@@ -72,7 +74,8 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
     model, own = load_model(Path(path))
-    state = with_scheme(model, own, attention, s, seed=None if attention == "own" else seed, path=Path(path))
+    state = with_scheme(model, own, attention, s, seed=None if attention == "own" else seed, path=Path(path),
+                        sampler=None if sampler == "own" else sampler)
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
@@ -89,7 +92,8 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     seconds = time.perf_counter() - t0
-    label = state.position.value + (f" s={state.num_samples}" if state.position is Position.POSLSH else "")
+    label = state.position.value + (f" s={state.num_samples}" + ("" if state.sampler == "iid" else f" {state.sampler}")
+                                    if state.position is Position.POSLSH else "")
     return Generated(decode(out[0].tolist()), int(out.shape[1] - ids.shape[1]), seconds, label,
                      tuple(sorted(state.plans)))
 

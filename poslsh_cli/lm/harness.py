@@ -57,11 +57,14 @@ class PoslshLM(HFLM):
     """lm-eval's ``HFLM`` on a poslsh checkpoint: ``pretrained`` (a checkpoint directory),
     ``attention`` (``own`` or a scheme swapped in: alibi, poslsh, windowed, fixed_block, none;
     ``rope`` only for a RoPE checkpoint), ``s`` (masks per head for Positional LSH; 0: the
-    checkpoint's own), ``seed`` (the mask draw; default the checkpoint's own), ``device`` (None: CUDA when present); every
-    other argument is ``HFLM``'s (batch_size, max_length, ...)."""
+    checkpoint's own), ``seed`` (the mask draw; default the checkpoint's own), ``sampler`` (how
+    Positional-LSH masks are drawn: iid, stratified, sobol) and ``backend`` (the attention path;
+    both default to the checkpoint's own), ``device`` (None: CUDA when present); every other
+    argument is ``HFLM``'s (batch_size, max_length, ...)."""
 
     def __init__(self, pretrained: str, attention: str = "own", s: int = 0, seed: Optional[int] = None,
-                 device: Optional[str] = None, trust_remote_code: bool = False, **kwargs: Any) -> None:
+                 device: Optional[str] = None, trust_remote_code: bool = False, sampler: Optional[str] = None,
+                 backend: Optional[str] = None, **kwargs: Any) -> None:
         from poslsh_cli.core.config import ConfigError
         from poslsh_cli.lm.convert import has_tokenizer
         from poslsh_cli.lm.loading import load_model, with_scheme
@@ -76,7 +79,8 @@ class PoslshLM(HFLM):
             raise ConfigError(f"device={where} but CUDA is not available (give device=cpu: --device cpu)")
         model, own = load_model(path, where, trust_remote_code=bool(trust_remote_code))
         self.poslsh_state = with_scheme(model, own, str(attention), int(s or 0),
-                                        None if seed in (None, "") else int(seed), path)
+                                        None if seed in (None, "") else int(seed), path,
+                                        sampler=sampler or None, backend=backend or None)
         if has_tokenizer(path):
             from transformers import AutoTokenizer
 

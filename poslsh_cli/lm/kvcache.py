@@ -26,6 +26,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
+def _drop_of(tokens_to_remove: int) -> int:
+    """The number of tokens ``crop(tokens_to_remove)`` removes (transformers passes it negative)."""
+    if tokens_to_remove > 0:
+        raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+    return -tokens_to_remove
+
 
 class ForgettingLayer(DynamicLayer):
     """One layer's keys and values from slot ``offset`` on (slots count every token written),
@@ -60,24 +66,34 @@ class ForgettingLayer(DynamicLayer):
             self.positions = self.positions[:, cut:]
         self.offset = slot
 
+    def refusal(self, drop: int) -> str | None:
+        """Why the last ``drop`` tokens cannot be removed from this layer (None: they can): only
+        tokens still held can go, and the tokens left must not need a key already forgotten."""
+        if drop == 0 or not self.is_initialized:
+            return None
+        if drop > self.keys.shape[-2]:
+            return (f"cannot remove {drop} tokens: the forgetting cache holds {self.keys.shape[-2]} (the earlier ones "
+                    "are forgotten)")
+        if self.positions is not None and self.spec is not None and self.offset > 0:
+            kept = self.positions[:, :-drop]
+            earliest = earliest_needed(self.spec, kept[:, -1] + 1)
+            if earliest is not None and bool((kept[:, 0] > earliest).any()):
+                return (f"cannot remove {drop} tokens: decoding them again needs keys the forgetting cache has "
+                        "forgotten (use a DynamicCache where many tokens are taken back)")
+        return None
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count),
-        as assisted decoding does after rejected draft tokens; only tokens still held can go."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
-        drop = -tokens_to_remove
+        as assisted decoding does after rejected draft tokens; refused (ValueError, nothing
+        changed) where :meth:`refusal` says why."""
+        drop = _drop_of(tokens_to_remove)
+        why = self.refusal(drop)
+        if why is not None:
+            raise ValueError(why)
         if drop == 0 or not self.is_initialized:
             return
-        if drop > self.keys.shape[-2]:
-            raise ValueError(f"cannot remove {drop} tokens: the forgetting cache holds {self.keys.shape[-2]} "
-                             "(the earlier ones are forgotten)")
         if self.positions is not None:
-            kept = self.positions[:, :-drop]
-            earliest = None if self.spec is None or self.offset == 0 else earliest_needed(self.spec, kept[:, -1] + 1)
-            if earliest is not None and bool((kept[:, 0] > earliest).any()):
-                raise ValueError(f"cannot remove {drop} tokens: decoding them again needs keys the forgetting cache "
-                                 "has forgotten (use a DynamicCache where many tokens are taken back)")
-            self.positions = kept
+            self.positions = self.positions[:, :-drop]
         self.keys, self.values = self.keys[..., :-drop, :], self.values[..., :-drop, :]
         self.seen -= drop
         self.keep_from = None  # recomputed by the next forward
@@ -102,6 +118,18 @@ class ForgettingCache(Cache):
         self.state = state
         self.num_layers = layers
         state._forgetting = self  # the attention function finds its layers here
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens from every layer, or from none: every layer
+        is asked first (:meth:`ForgettingLayer.refusal`), so a refusal (ValueError) leaves the cache
+        as it was (one layer may keep keys another has forgotten)."""
+        drop = _drop_of(tokens_to_remove)
+        for layer in self.layers:
+            why = layer.refusal(drop)
+            if why is not None:
+                raise ValueError(why)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
 
     def kv_bytes(self) -> int:
         """Bytes of the keys and values held now, every layer."""

@@ -92,32 +92,56 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
 
 
 def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int = 0, seed: Optional[int] = None,
-                path: Optional[Path] = None) -> PositionState:
+                path: Optional[Path] = None, sampler: Optional[str] = None,
+                backend: Optional[str] = None) -> PositionState:
     """Install on ``model`` (loaded with its ``own`` state) the scheme ``attention`` (``own``, or
     one of :class:`Position` swapped in on the checkpoint's bandwidths), with ``s`` masks per head
     for Positional LSH (0: the checkpoint's own, else 8) and mask seed ``seed`` (None: the
-    checkpoint's own for its own scheme, 0 for a swapped one); the state that now runs. A rotary
-    scheme on a checkpoint without one, or a swap on an ALiBi checkpoint whose attention computes
-    inline, is one ConfigError."""
+    checkpoint's own for its own scheme, 0 for a swapped one); the state that now runs.
+    ``sampler`` (how Positional-LSH masks are drawn: iid, stratified, sobol) and ``backend`` (the
+    attention path) are the checkpoint's own unless given; a swapped method that does not run on
+    the checkpoint's backend takes ``auto``. A rotary scheme on a checkpoint without one, a swap on
+    an ALiBi checkpoint whose attention computes inline, or a backend the method does not run on,
+    is one ConfigError."""
+    import dataclasses
+
+    from poslsh_cli.attention.plan import BACKENDS, Backend
+    from poslsh_cli.lm.positions import method_of
+    from poslsh_cli.numerics.sampling import Sampler
+
     where = f"{path}: " if path is not None else ""
+    samplers, backends = [x.value for x in Sampler], ["auto", *(b.value for b in Backend)]
+    if sampler is not None and sampler not in samplers:
+        raise ConfigError(f"sampler={sampler!r}: one of {', '.join(samplers)}")
+    if backend is not None and backend not in backends:
+        raise ConfigError(f"backend={backend!r}: one of {', '.join(backends)}")
     if attention == "own":
-        if own.position is Position.POSLSH and (s or seed is not None):
-            state = PositionState(own.position, own.sigmas, num_samples=s or own.num_samples,
-                                  window_sigmas=own.window_sigmas, seed=own.seed if seed is None else seed)
-            install(model, state)
-            return state
-        return own
-    try:
-        position = Position(attention)
-    except ValueError:
-        raise ConfigError(f"attention={attention!r}: one of own, {', '.join(p.value for p in Position)}") from None
-    if position is Position.ROPE and own.position is not Position.ROPE:
-        raise ConfigError("attention=rope: only a RoPE checkpoint has the rotary embedding it needs")
-    if own.native:
-        raise ConfigError(f"{where}an ALiBi checkpoint's own attention computes inline; under a swapped "
-                          "scheme it runs without a key/value cache (poslsh perplexity measures it)")
-    samples = s or own.num_samples or 8
-    state = PositionState(position, own.sigmas, num_samples=samples if position is Position.POSLSH else 0,
-                          window_sigmas=own.window_sigmas, seed=0 if seed is None else seed)
+        redraw = own.position is Position.POSLSH and (s or seed is not None)
+        if not (redraw or sampler not in (None, own.sampler) or backend not in (None, own.backend)):
+            return own
+        position = own.position
+        state = dataclasses.replace(own, num_samples=s or own.num_samples, seed=own.seed if seed is None else seed,
+                                    sampler=sampler or own.sampler, backend=backend or own.backend, plans=set(),
+                                    _cache={}, _forgetting=None)
+    else:
+        try:
+            position = Position(attention)
+        except ValueError:
+            raise ConfigError(f"attention={attention!r}: one of own, {', '.join(p.value for p in Position)}") from None
+        if position is Position.ROPE and own.position is not Position.ROPE:
+            raise ConfigError("attention=rope: only a RoPE checkpoint has the rotary embedding it needs")
+        if own.native:
+            raise ConfigError(f"{where}an ALiBi checkpoint's own attention computes inline; under a swapped "
+                              "scheme it runs without a key/value cache (poslsh perplexity measures it)")
+        samples = s or own.num_samples or 8
+        runs_on = BACKENDS[method_of(position)] if position is not Position.ROPE else ()
+        kept = own.backend if own.backend == "auto" or Backend(own.backend) in runs_on else "auto"
+        state = PositionState(position, own.sigmas, num_samples=samples if position is Position.POSLSH else 0,
+                              window_sigmas=own.window_sigmas, seed=0 if seed is None else seed,
+                              sampler=sampler or own.sampler, backend=backend or kept)
+    if state.backend != "auto" and position is not Position.ROPE \
+            and Backend(state.backend) not in BACKENDS[method_of(position)]:
+        raise ConfigError(f"{where}backend={state.backend}: {position.value} runs on "
+                          f"{', '.join(b.value for b in BACKENDS[method_of(position)])} (or auto)")
     install(model, state)
     return state
