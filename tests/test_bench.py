@@ -247,10 +247,12 @@ def step_rows(ratio, alone_alibi=1.0, loaded_alibi=None, overloaded=False):
         common = dict(seq_len=L, backend="auto", attention_path="x", batch=1, params=1, device="cpu", steps=3,
                       sigmas="standard", precision="fp32", peak_mem_mb=100.0, threads=2, cores=2.0,
                       load_others=1.0 if overloaded else 0.0, loadavg=2.0, overloaded=False)
-        rows.append(dict(common, position="rope", s=0, step_seconds=a, ref_position="", ref_step_seconds=math.nan))
-        rows.append(dict(common, position="alibi", s=0, step_seconds=shown, ref_position="rope", ref_step_seconds=a))
+        rows.append(dict(common, position="rope", s=0, step_seconds=a, ref_position="", ref_backend="", ref_path="",
+                         ref_step_seconds=math.nan))
+        rows.append(dict(common, position="alibi", s=0, step_seconds=shown, ref_position="rope", ref_backend="auto",
+                         ref_path="sdpa+rope", ref_step_seconds=a))
         rows.append(dict(common, position="poslsh", s=10, step_seconds=a * ratio[L], ref_position="alibi",
-                         ref_step_seconds=a, overloaded=overloaded))
+                         ref_backend="auto", ref_path="x", ref_step_seconds=a, overloaded=overloaded))
     df = pd.DataFrame(rows)
     return df.assign(tokens_per_s=df.seq_len / df.step_seconds)
 
