@@ -9,9 +9,9 @@ can be compared through the same kernel. The ``attention_path`` column is the la
 that actually ran in the timed steps (recorded by the attention layers). Seconds per step are the median of ``steps`` timed steps after
 ``warmup``; memory is the peak rise (CUDA allocator, or the process's resident set on the CPU)
 during one more step. Ratios within the run are what to compare; absolute times depend on the
-machine and what else it runs. So each row but RoPE's times its steps interleaved with the steps of
-the scheme it is compared with (``ref_position``: RoPE for exact ALiBi; exact ALiBi for the others,
-on the row's backend where ALiBi has it, else on the plan's path): ``ref_step_seconds`` is the
+machine and what else it runs. So a row times its steps interleaved with those of the scheme it is
+compared with, when the run has it (``ref_position``: RoPE for exact ALiBi; exact ALiBi for the
+others, on the row's backend where ALiBi has it, else on the plan's path): ``ref_step_seconds`` the
 median of those, and the claims take their ratios from these pairs. Every row records the load
 while it was timed (:class:`~poslsh_cli.experiments.measure.Load`); a speed claim from an
 overloaded row is INCONCLUSIVE.
@@ -151,8 +151,9 @@ def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict
 
 
 def reference(position: Position, backend: str) -> Optional[tuple[Position, str]]:
-    """The (scheme, backend) a row's steps are timed interleaved with: RoPE for exact ALiBi; exact
-    ALiBi for the other schemes, on the row's backend where ALiBi has it, else on the plan's path."""
+    """The (scheme, backend) a row's steps are timed interleaved with (when the run measures that
+    scheme): RoPE for exact ALiBi; exact ALiBi for the other schemes, on the row's backend where
+    ALiBi has it, else on the plan's path."""
     if position is Position.ROPE:
         return None
     if position is Position.ALIBI:
@@ -207,6 +208,7 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
     x = torch.as_tensor(rng.integers(0, VOCAB, size=(spec.batch, n + 1)), device=ctx.device)
     state, model, step = _trainer(spec, ctx, position, s, backend, x)
     ref = reference(position, backend)
+    ref = ref if ref and ref[0] in spec.position else None  # compared only with a scheme the run measures
     paths = [(state, step)] + ([_trainer(spec, ctx, ref[0], 0, ref[1], x)[0::2]] if ref else [])
     for t in range(spec.warmup):
         for _, f in paths:
