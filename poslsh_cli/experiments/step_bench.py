@@ -151,9 +151,8 @@ def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict
 
 
 def reference(position: Position, backend: str) -> Optional[tuple[Position, str]]:
-    """The (scheme, backend) a row's steps are timed interleaved with (when the run measures that
-    scheme): RoPE for exact ALiBi; exact ALiBi for the other schemes, on the row's backend where
-    ALiBi has it, else on the plan's path."""
+    """The (scheme, backend) a row's steps are timed interleaved with: RoPE for exact ALiBi; exact
+    ALiBi for the others, on the row's backend where ALiBi has it, else on the plan's path."""
     if position is Position.ROPE:
         return None
     if position is Position.ALIBI:
@@ -254,8 +253,9 @@ def _paired(rows: Any, ref: str, fallback: float, backend: str | None = None, pa
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense",
-            "vs ref (interleaved)"]
+    paired = "ref_step_seconds" in df.columns  # runs before the column have no such pairs
+    head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense"]
+    head += ["vs ref (interleaved)"] if paired else []
     rows = []
     for n, g in df.groupby("seq_len"):
         rope, dense = _time(g, ROPE), _time(g, ALIBI, Backend.DENSE.value)
@@ -264,8 +264,9 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
             rows.append([str(n), r.position, str(r.s) if r.s else "-", r.attention_path, f"{r.step_seconds:.3f}",
                          f"{r.tokens_per_s:.0f}", f"{r.peak_mem_mb:.0f}",
                          f"{r.step_seconds / rope:.2f}x" if rope == rope else "-",
-                         f"{r.step_seconds / dense:.2f}x" if dense == dense else "-",
-                         f"{r.step_seconds / ref:.2f}x {r.ref_position}" if math.isfinite(ref) else "-"])
+                         f"{r.step_seconds / dense:.2f}x" if dense == dense else "-"]
+                        + ([f"{r.step_seconds / ref:.2f}x {r.ref_position}" if math.isfinite(ref) else "-"] if paired
+                           else []))
     return head, rows
 
 
