@@ -199,9 +199,9 @@ def overload_reason(rows: Any) -> Optional[str]:
         return None
     worst = hit.loc[hit.load_others.astype(float).idxmax()]
     others, cores = float(worst.load_others), float(worst.cores)
-    return (f"{len(hit)} of {len(rows)} rows measured while other processes held {others:.1f} of the {cores:g} cores "
-            f"(load {float(worst.loadavg):.2f}), threads {int(worst.threads)}: rerun alone or with "
-            f"OMP_NUM_THREADS={max(1, int(cores - others))}")
+    return (f"{len(hit)} of {len(rows)} rows measured while other processes held {min(others, cores):.1f} of the "
+            f"{cores:g} cores ({others:.1f} runnable threads, load {float(worst.loadavg):.2f}), threads "
+            f"{int(worst.threads)}: rerun alone or with OMP_NUM_THREADS={max(1, int(cores - others))}")
 
 
 def judge_load(verdict: Any, rows: Any) -> Any:
