@@ -1,5 +1,7 @@
 """poslsh bench: the contract of its rows, its accuracy column and its plots (no timing asserts)."""
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -82,3 +84,248 @@ def test_measure_skips_the_warmup_after_a_long_memory_pass(monkeypatch):
 
     assert count(float("inf")) == 1 + 2 + 3  # memory pass, warm-up, repeats
     assert count(0.0) == 1 + 3  # every call counts as long: the memory pass was the warm-up
+
+
+def test_measure_times_the_reference_interleaved(monkeypatch):
+    """A compared path and its reference alternate, A B A B ..., after their warm-ups (the
+    reference has no memory pass); the reference's median comes back beside the path's, with the
+    load of the machine during the timed calls."""
+    import torch
+
+    from poslsh_cli.experiments import measure as m
+
+    monkeypatch.setattr(m, "WARM_AFTER_S", float("inf"))
+    calls = []
+    x = torch.ones(4)
+    t = m.measure(lambda: calls.append("A"), lambda _: x * 2, torch.device("cpu"), repeats=3, warmup=1,
+                  backward=False, inputs=(x,), reference=(lambda: calls.append("B"), lambda _: x * 3))
+    assert calls == ["A", "A", "B"] + ["A", "B"] * 3
+    assert torch.equal(t.out, x * 2) and t.reference_seconds > 0 and t.load.threads == torch.get_num_threads()
+    assert math.isnan(m.measure(lambda: None, lambda _: x, torch.device("cpu"), 1, 0, False, (x,)).reference_seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring on a loaded machine: the load in every row, the compared paths timed interleaved, and
+# a claim whose rows were measured while other processes held the cores INCONCLUSIVE
+
+
+def fake_proc(root, running, own_states):
+    """A /proc with a loadavg of ``running`` runnable threads system-wide and this process's
+    threads in the given states (a thread's name may hold spaces and parentheses)."""
+    (root / "self" / "task").mkdir(parents=True)
+    (root / "loadavg").write_text(f"2.50 1.00 0.50 {running}/300 4242\n")
+    for i, st in enumerate(own_states):
+        (root / "self" / "task" / str(100 + i)).mkdir()
+        (root / "self" / "task" / str(100 + i) / "stat").write_text(f"{100 + i} (py (thr) {i}) {st} 1 2 3 4\n")
+
+
+def test_the_probe_calls_a_row_overloaded_when_others_take_cores_the_threads_need(tmp_path, monkeypatch):
+    """load_others = runnable threads system-wide less this process's own (state R); a row is
+    overloaded when load_others + threads > cores (the others took cores the benchmark needed; with a
+    slack of a quarter core for a daemon waking now and then); on
+    CUDA the timed path needs one CPU thread (the one that launches the kernels)."""
+    import torch
+
+    from poslsh_cli.experiments import measure as m
+
+    def probe(running, own, threads, cores=2.0, device="cpu"):
+        root = tmp_path / f"proc{running}-{''.join(own)}-{threads}-{cores}-{device}"
+        fake_proc(root, running, own)
+        monkeypatch.setattr(m, "PROC", root)
+        monkeypatch.setattr(m, "usable_cores", lambda: cores)
+        monkeypatch.setattr(m, "torch_threads", lambda: threads)
+        with m.LoadProbe(torch.device(device), every=0.01) as p:
+            pass
+        return p.load
+
+    alone = probe(2, ["R", "R", "S"], threads=2)
+    assert alone.load_others == 0 and alone.threads == 2 and alone.cores == 2 and alone.loadavg == 2.5
+    assert not alone.overloaded
+    loaded = probe(3, ["R", "R", "S"], threads=2)  # one other runnable thread: 1 + 2 > 2
+    assert loaded.load_others == 1 and loaded.overloaded
+    assert not probe(2, ["R", "S"], threads=1).overloaded  # one other thread, one core left free: 1 + 1 <= 2
+    assert not probe(5, ["R", "S"], threads=2, cores=8).overloaded
+    assert not probe(2, ["R", "S"], threads=2, device="cuda").overloaded  # one launching thread + 1 <= 2
+    assert probe(4, ["R", "S"], threads=2, device="cuda").overloaded  # 1 + 3 others > 2
+    row = loaded.columns()
+    assert set(row) == set(m.LOAD_COLUMNS) and row["overloaded"] is True
+    # no /proc (another OS): NaN, and never overloaded
+    monkeypatch.setattr(m, "PROC", tmp_path / "nowhere")
+    with m.LoadProbe(torch.device("cpu"), every=0.01) as p:
+        pass
+    assert math.isnan(p.load.load_others) and math.isnan(p.load.loadavg) and not p.load.overloaded
+
+
+def test_usable_cores_follow_the_affinity_and_a_cgroup_quota(tmp_path, monkeypatch):
+    from poslsh_cli.experiments import base
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(base, "CGROUP", tmp_path)
+    assert base.usable_cores() == affinity  # no quota files
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert base.usable_cores() == affinity  # cgroup v1, no limit
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    assert base.usable_cores() == 0.5  # cgroup v1: half a core
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert base.usable_cores() == affinity  # cgroup v2 (read first): no limit
+    (tmp_path / "cpu.max").write_text("25000 100000\n")
+    assert base.usable_cores() == 0.25
+
+
+def gpu_rows(exact=10.0, poslsh=1.0, paired=None, overloaded=False):
+    """CUDA rows at the goal length, causal, forward: exact ALiBi and Positional LSH s=8."""
+    from poslsh_cli.experiments.bench_report import GPU_GOAL_N, GPU_GOAL_S
+
+    base = dict(n=GPU_GOAL_N, causal=True, backward=False, device="cuda:0", heads=8, head_dim=64, dtype="float16",
+                planned=True, peak_mem_mb=100.0, rel_fro=math.nan, window_sigmas=math.nan, threads=2, cores=2.0,
+                load_others=1.5 if overloaded else 0.0, loadavg=3.0, overloaded=False)
+    rows = [dict(base, method="exact", s=0, seconds=exact, backend="flex", sample_seconds=0.0,
+                 exact_seconds=math.nan),
+            dict(base, method="poslsh", s=GPU_GOAL_S, seconds=poslsh, backend="union", sample_seconds=0.01 * poslsh,
+                 rel_fro=0.1, exact_seconds=math.nan if paired is None else paired, overloaded=overloaded)]
+    return pd.DataFrame(rows)
+
+
+def forward_goal(df):
+    from poslsh_cli.experiments.bench_report import claims_gpu
+
+    [v] = [v for v in claims_gpu(df) if "faster than exact ALiBi" in v.claim and "(forward," in v.claim]
+    return v
+
+
+def test_bench_speedups_use_the_exact_time_paired_with_each_row():
+    """A row's exact_seconds (exact ALiBi timed interleaved with it) drives its speed-up, the
+    crossover and the CUDA goals; runs written before the column use the exact row's time."""
+    from poslsh_cli.experiments.bench_report import summary
+    from poslsh_cli.verdicts.claims import Status
+
+    assert forward_goal(gpu_rows(exact=10.0, poslsh=1.0)).status is Status.SUPPORTED  # no paired time: 10x
+    v = forward_goal(gpu_rows(exact=10.0, poslsh=1.0, paired=5.0))
+    assert v.status is Status.NOT_SUPPORTED and "5.00x" in v.evidence  # paired: 5x < 8x
+    old = pd.DataFrame({"method": ["exact"] * 4 + ["poslsh"] * 4, "n": [1, 2, 4, 8] * 2,
+                        "seconds": [1, 2, 4, 8, 0.5, 1, 3, 4]})
+    assert crossover(old, "poslsh") == 1
+    paired = old.assign(exact_seconds=[math.nan] * 4 + [1, 0.5, 4, 8])  # at n=2 exact was faster beside it
+    assert crossover(paired, "poslsh") == 4
+    _, rows = summary(gpu_rows(exact=10.0, poslsh=1.0, paired=5.0))
+    assert rows[0][6] == "5.00x"
+
+
+def test_a_speed_claim_measured_on_an_overloaded_machine_is_inconclusive():
+    from poslsh_cli.app import registry
+    from poslsh_cli.verdicts.claims import Status
+
+    v = forward_goal(gpu_rows(exact=10.0, poslsh=1.0, overloaded=True))  # SUPPORTED when measured alone
+    assert v.status is Status.INCONCLUSIVE
+    assert "other processes held 1.5 of the 2 cores" in v.evidence and "rerun alone" in v.evidence
+    assert "OMP_NUM_THREADS" in v.evidence
+    rows = []
+    for n in (1024, 2048, 4096, 8192, 16384, 32768):
+        rows.append(dict(method="exact", n=n, s=0, seconds=1e-9 * n**2, rel_fro=math.nan, overloaded=False))
+        rows.append(dict(method="poslsh", n=n, s=8, seconds=1e-6 * 8 * n, rel_fro=0.1, overloaded=n == 32768,
+                         exact_seconds=1e-9 * n**2))
+    df = pd.DataFrame(rows).assign(causal=False, device="cpu", backend="blocks", heads=8, head_dim=64,
+                                   dtype="float32", sample_seconds=0.0, window_sigmas=math.nan, threads=2, cores=2.0,
+                                   load_others=1.0, loadavg=3.0)
+    sec = registry.get("bench").report(Path("synthetic"), df.assign(overloaded=False))
+    [lin] = [v for v in sec.verdicts if "near-linearly" in v.claim]
+    assert lin.status is Status.SUPPORTED
+    sec = registry.get("bench").report(Path("synthetic"), df)
+    [lin] = [v for v in sec.verdicts if "near-linearly" in v.claim]
+    assert lin.status is Status.INCONCLUSIVE and "rerun alone" in lin.evidence
+
+
+def step_rows(ratio, alone_alibi=1.0, loaded_alibi=None, overloaded=False):
+    """step-bench rows at L = 8192 and 16384: rope, alibi, poslsh s=10 on the plan's path, the
+    Positional-LSH step ``ratio[L]`` times the exact-ALiBi step it was timed beside."""
+    rows = []
+    for L in (8192, 16384):
+        a = alone_alibi * L / 8192
+        shown = a if loaded_alibi is None else loaded_alibi * L / 8192  # the alibi row's own (other) measurement
+        common = dict(seq_len=L, backend="auto", attention_path="x", batch=1, params=1, device="cpu", steps=3,
+                      sigmas="standard", precision="fp32", peak_mem_mb=100.0, threads=2, cores=2.0,
+                      load_others=1.0 if overloaded else 0.0, loadavg=2.0, overloaded=False)
+        rows.append(dict(common, position="rope", s=0, step_seconds=a, ref_position="", ref_backend="", ref_path="",
+                         ref_step_seconds=math.nan))
+        rows.append(dict(common, position="alibi", s=0, step_seconds=shown, ref_position="rope", ref_backend="auto",
+                         ref_path="sdpa+rope", ref_step_seconds=a))
+        rows.append(dict(common, position="poslsh", s=10, step_seconds=a * ratio[L], ref_position="alibi",
+                         ref_backend="auto", ref_path="x", ref_step_seconds=a, overloaded=overloaded))
+    df = pd.DataFrame(rows)
+    return df.assign(tokens_per_s=df.seq_len / df.step_seconds)
+
+
+def test_step_bench_claims_use_the_interleaved_reference_and_the_load():
+    from poslsh_cli.experiments import step_bench
+    from poslsh_cli.verdicts.claims import Status
+
+    def long(df):
+        [v] = [v for v in step_bench.report(Path("synthetic"), df).verdicts if "at long context" in v.claim]
+        return v
+
+    ratio = {8192: 0.8, 16384: 0.4}
+    assert long(step_rows(ratio)).status is Status.SUPPORTED
+    # the alibi row itself was timed while slowed down 8x: the poslsh row's paired reference decides
+    assert long(step_rows({8192: 3.0, 16384: 3.11}, loaded_alibi=8.0)).status is Status.NOT_SUPPORTED
+    v = long(step_rows(ratio, overloaded=True))
+    assert v.status is Status.INCONCLUSIVE and "rerun alone" in v.evidence
+
+
+def test_decode_bench_speed_uses_the_interleaved_reference_and_the_load():
+    from poslsh_cli.experiments import decode_bench
+    from poslsh_cli.verdicts.claims import Status
+
+    def table(speed, alibi_row=10.0, overloaded=False):
+        common = dict(context=65536, threads=2, cores=2.0, load_others=1.0 if overloaded else 0.0, loadavg=2.0)
+        return pd.DataFrame([dict(common, position="alibi", s=0, tokens_per_s=alibi_row, token_seconds=1 / alibi_row,
+                                  kv_bytes=800.0, ref_token_seconds=math.nan, overloaded=False),
+                             dict(common, position="poslsh", s=8, tokens_per_s=10.0 * speed,
+                                  token_seconds=0.1 / speed, kv_bytes=80.0, ref_token_seconds=0.1,
+                                  overloaded=overloaded)])
+
+    kv, speed = decode_bench.claims(table(5.0))
+    assert kv.status is Status.SUPPORTED and speed.status is Status.SUPPORTED
+    # the alibi row alone decoded 162.6 tokens/s; beside the poslsh model it decoded 10: the pair decides
+    assert decode_bench.claims(table(5.0, alibi_row=162.6))[1].status is Status.SUPPORTED
+    kv, speed = decode_bench.claims(table(5.0, overloaded=True))
+    assert kv.status is Status.SUPPORTED  # memory does not depend on the load
+    assert speed.status is Status.INCONCLUSIVE and "rerun alone" in speed.evidence
+
+
+LOAD = ["threads", "cores", "load_others", "loadavg", "overloaded"]
+
+
+def test_bench_cli_times_each_row_beside_exact_and_records_the_load(tmp_path):
+    r = runner.invoke(app, ["bench", "n=[128]", "heads=2", "head_dim=8", "s=[2]", "window_sigmas=[1]",
+                            "methods=[exact,poslsh,windowed]", "causal=[true]", "repeats=2", "warmup=0",
+                            f"out={tmp_path}"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv").set_index("method")
+    for col in ["exact_seconds", *LOAD]:
+        assert col in df.columns, col
+    assert math.isnan(df.exact_seconds["exact"])
+    assert df.exact_seconds["poslsh"] > 0 and df.exact_seconds["windowed"] > 0
+    assert (df.threads >= 1).all() and (df.cores > 0).all() and df.overloaded.isin([True, False]).all()
+    if os.path.exists("/proc/loadavg"):
+        assert (df.load_others >= 0).all() and (df.loadavg >= 0).all()
+
+
+def test_step_and_decode_bench_cli_time_each_row_beside_its_reference(tmp_path):
+    tiny = ["hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8", "intermediate=64"]
+    r = runner.invoke(app, ["step-bench", "seq_len=[32]", *tiny, "batch=1", "steps=2", "warmup=0", "s=[2]",
+                            "backend=[auto]", f"out={tmp_path / 'step'}"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "step" / "results.csv").set_index("position")
+    for col in ["ref_position", "ref_step_seconds", *LOAD]:
+        assert col in df.columns, col
+    assert df.ref_position["alibi"] == "rope" and df.ref_position["poslsh"] == "alibi"
+    assert math.isnan(df.ref_step_seconds["rope"]) and (df.ref_step_seconds.drop("rope") > 0).all()
+    r = runner.invoke(app, ["decode-bench", "context=[32]", "new_tokens=2", *tiny, "sigma=4",
+                            f"out={tmp_path / 'decode'}"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "decode" / "results.csv").set_index("position")
+    for col in ["ref_token_seconds", *LOAD]:
+        assert col in df.columns, col
+    assert math.isnan(df.ref_token_seconds["alibi"]) and (df.ref_token_seconds.drop("alibi") > 0).all()

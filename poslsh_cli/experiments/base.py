@@ -112,17 +112,40 @@ def available_memory(device: str = "cpu") -> float:
             avail = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError, AttributeError):
             pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
         try:
-            limit = Path(limit_file).read_text().strip()
+            limit = (CGROUP / limit_file).read_text().strip()
             if limit.isdigit() and int(limit) < 2**60:
-                avail = min(avail, float(int(limit) - int(Path(usage_file).read_text().strip())))
+                avail = min(avail, float(int(limit) - int((CGROUP / usage_file).read_text().strip())))
             break
         except (OSError, ValueError):
             continue
     return avail
+
+
+#: Where this process's cgroup limits are read (v2 files at its root, v1 under a controller folder)
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def usable_cores() -> float:
+    """CPUs this process may run on: its affinity set (``os.sched_getaffinity``), capped by a cgroup
+    CPU quota when one is set (a container, a SLURM job): ``cpu.max`` (v2) or ``cpu.cfs_quota_us``
+    over ``cpu.cfs_period_us`` (v1). A quota may be a fraction of a core."""
+    import os
+
+    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            fields = (CGROUP / quota_file).read_text().split()
+            if period_file is not None:
+                fields = fields[:1] + (CGROUP / period_file).read_text().split()[:1]
+            if fields[0] not in ("max", "-1") and float(fields[1]) > 0:
+                cores = min(cores, float(fields[0]) / float(fields[1]))
+            break
+        except (OSError, ValueError, IndexError):
+            continue
+    return cores
 
 
 def check_memory(exp: Experiment, spec: Any) -> None:

@@ -19,6 +19,13 @@ roofline of attention here). ``max_err_f64`` is the largest difference of the ro
 float64 exact ALiBi on 128 query rows spread over the sequence (for exact rows: their rounding
 error; for the others: their approximation error). ``exact_backends`` times exact ALiBi on
 several paths side by side (the ``backend`` column names each).
+
+Every row compared with exact ALiBi (a method other than exact, at an n where exact is timed) times
+exact ALiBi (the first of ``exact_backends``) interleaved with its own calls, A B A B ...:
+``exact_seconds`` is the median of those exact calls, the time its speed-up is taken against, so a
+load that changes during the run moves both alike. Every row records the load while it was timed
+(``threads``, ``cores``, ``load_others``, ``loadavg``, ``overloaded``:
+:class:`~poslsh_cli.experiments.measure.Load`); a speed claim from an overloaded row is INCONCLUSIVE.
 """
 from __future__ import annotations
 
@@ -31,12 +38,14 @@ import numpy as np
 from poslsh_cli.experiments.bench_report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Dtype, Experiment, MemoryNeed, Device, choices, cuda_skip_reason, resolve_device, torch_dtype
+from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.numerics.methods import INFO, Method
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
 
 COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
            "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats",
-           "max_err_f64", "machine_gflops", "fraction", "sampler", "backward", "planned")
+           "max_err_f64", "machine_gflops", "fraction", "sampler", "backward", "planned", "exact_seconds",
+           *LOAD_COLUMNS)
 
 #: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
@@ -115,6 +124,12 @@ class BenchRow:
     sampler: str = ""  # poslsh: how its masks are drawn (iid, stratified, sobol); else empty
     backward: bool = False  # timed forward + backward
     planned: bool = True  # the path is the one the plan takes by itself (what commands run)
+    exact_seconds: float = math.nan  # exact ALiBi timed interleaved with this row (median); NaN: not compared
+    threads: int = 0  # the load while the row was timed (measure.Load)
+    cores: float = math.nan
+    load_others: float = math.nan
+    loadavg: float = math.nan
+    overloaded: bool = False
 
 
 @dataclass
@@ -298,7 +313,10 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
         pairs = sum(_band_pairs(n, wh, causal) for wh in fixed.window)
     else:
         pairs = H * (n * (n + 1) / 2 if causal else float(n) * n)
-    t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v))
+    paired = method is not Method.EXACT and n <= spec.exact_max_n and \
+        Method.EXACT.value in {m.value for m in spec.methods}
+    t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v),
+                reference=exact_path(spec, ctx, n, causal, (q, k, v)) if paired else None)
     gflop = 4.0 * d * pairs / 1e9 * (3.0 if spec.backward else 1.0)
     rel = math.nan
     first_exact = method is Method.EXACT and key.get("backend", spec.exact_backends[0]) == spec.exact_backends[0]
@@ -327,8 +345,21 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                    attention_seconds=t.attention_seconds, gflop=gflop, gflops=gflop / t.seconds,
                    seed=seed, repeats=spec.repeats, max_err_f64=err64, machine_gflops=machine,
                    fraction=gflop / t.seconds / machine if machine == machine else math.nan,
-                   sampler=sampler if info.randomized else "", backward=spec.backward, planned=planned)
+                   sampler=sampler if info.randomized else "", backward=spec.backward, planned=planned,
+                   exact_seconds=t.reference_seconds, **t.load.columns())
     return [asdict(row)], {}
+
+
+def exact_path(spec: BenchSpec, ctx: BenchContext, n: int, causal: bool, qkv: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+    """(set-up, attention) of exact ALiBi on the reference path (the first of ``exact_backends``),
+    as its own cell times it: what a compared row is timed interleaved with."""
+    from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
+
+    plan = choose(Method.EXACT, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                  backend=spec.exact_backends[0], num_samples=1)
+    att = AttentionSpec.build(Method.EXACT, ctx.sigmas, n, causal)
+    return (lambda: (att, layout_for(att, plan, ctx.device, grad=spec.backward)),
+            lambda ready: attend(*qkv, ready[0], layout=ready[1], plan=plan))
 
 
 def _band_pairs(n: int, w: int, causal: bool) -> float:

@@ -1,34 +1,20 @@
-"""``poslsh bench``'s tables, figures and claims: the time against n with the crossovers, the
-error-time Pareto front per n, and the near-linear time claim (Theorem 2.2), each computed from
-the rows it quotes."""
+"""``poslsh bench``'s tables, figures and report: the time against n with the crossovers, the
+error-time Pareto front per n, and the claims (:mod:`poslsh_cli.experiments.bench_claims`), each
+computed from the rows it quotes."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from poslsh_cli.verdicts.claims import TIME_RULE, Section, Verdict, combine, time_status, upper_half
-from poslsh_cli.verdicts.claims import crossover as crossover_of
+from poslsh_cli.experiments.bench_claims import (  # noqa: F401 (the claims' constants, read by tests)
+    EXACT, EXACT_ALT, GPU_GOAL_N, GPU_GOAL_S, POSLSH, WINDOWED, claim_near_linear_time, claim_roofline, claims_gpu,
+    crossover, exact_time)
+from poslsh_cli.experiments.measure import overload_reason
+from poslsh_cli.verdicts.claims import Section
 from poslsh_cli.numerics.methods import Method
-from poslsh_cli.numerics.metrics import fit_loglog_slope
-
-EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
-                                                          Method.FIXED_BLOCK))
-#: exact-ALiBi rows of the paths other than the reference one (``exact_backends`` of more than one)
-EXACT_ALT = "exact_alt"
-#: the roofline goal: the Positional-LSH block path from this n on reaches this fraction of the
-#: bias-free flash kernel's useful throughput
-ROOFLINE_N, ROOFLINE_FRACTION = 16384, 0.6
-#: CUDA goals of the path the plan takes: at GPU_GOAL_N, causal, s = GPU_GOAL_S, Positional LSH at
-#: least this many times faster than exact ALiBi (forward; forward + backward); its peak memory at
-#: most GPU_MEMORY_GOAL x exact ALiBi's plus the masks' own integers (4 bytes per head, mask and
-#: position) at every n; drawing the masks and building their layout at most SAMPLE_SHARE_GOAL of
-#: the end-to-end time at the largest n
-GPU_GOAL_N, GPU_GOAL_S = 131072, 8
-GPU_SPEEDUP_GOALS = {False: 8.0, True: 10.0}
-GPU_MEMORY_GOAL, SAMPLE_SHARE_GOAL = 1.5, 0.10
 
 
 def first_sampler(df: Any) -> tuple[Any, Any]:
@@ -60,21 +46,6 @@ def split_exact(df: Any) -> Any:
     return df
 
 
-def crossover(df: Any, method: str, select: Callable[[Any], Any] | None = None) -> float:
-    """Smallest n from which ``method`` is faster than exact at every measured larger n.
-
-    ``df`` holds the rows of one causal setting (times of causal and bidirectional attention are
-    not comparable); ``select`` narrows the method's rows (one s, one backend).
-    """
-    if "causal" in df.columns and df.causal.nunique() > 1:
-        raise ValueError("crossover compares one causal setting at a time: group by causal first")
-    ex = df[df.method == EXACT].groupby("n")["seconds"].median()
-    m = df[df.method == method]
-    if select is not None:
-        m = select(m)
-    m = m.groupby("n")["seconds"].median()
-    best = crossover_of({n: m[n] / ex[n] for n in set(ex.index) & set(m.index)})
-    return math.nan if best is None else best
 
 
 def pareto_front(points: np.ndarray) -> np.ndarray:
@@ -89,28 +60,30 @@ def pareto_front(points: np.ndarray) -> np.ndarray:
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    """Per (n, causal): exact time; Positional LSH at each s (end to end, and its sampling part);
-    the cheapest window at least as accurate."""
+    """Per (n, causal): Positional LSH at each s (end to end, and its sampling part) with the exact
+    time paired with it (:func:`exact_time`) and the speed-up over it; the cheapest window at least
+    as accurate, with its own speed-up."""
     df, _ = first_sampler(df)
     head = ["n", "causal", "exact s", "poslsh", "e2e s", "of which sampling", "speed-up", "rel_fro", "window@≤err",
             "window s", "win speed-up"]
     df = split_exact(df)
+    exact = exact_time(df)
     rows = []
     for (n, causal), g in df.groupby(["n", "causal"], sort=True):
-        ex = g[g.method == EXACT]["seconds"]
-        ex_t = float(ex.iloc[0]) if len(ex) else math.nan
         win = g[g.method == WINDOWED]
         multi = g[g.method == POSLSH].backend.nunique() > 1
         for _, p in g[g.method == POSLSH].iterrows():
             ok = win[win.rel_fro <= p.rel_fro] if np.isfinite(p.rel_fro) else win.iloc[0:0]
             best = ok.loc[ok.seconds.idxmin()] if len(ok) else None
             share = p.get("sample_seconds", math.nan) / p.seconds
+            ex_t = float(exact[p.name])
             rows.append([str(n), str(causal), f"{ex_t:.3g}", f"s={p.s}" + (f" {p.backend}" if multi else ""),
                          f"{p.seconds:.3g}", f"{share:.0%}" if np.isfinite(share) else "-",
                          f"{ex_t / p.seconds:.2f}x" if np.isfinite(ex_t) else "-", f"{p.rel_fro:.3g}",
                          f"{best.window_sigmas:g}σ" if best is not None else "-",
                          f"{best.seconds:.3g}" if best is not None else "-",
-                         f"{ex_t / best.seconds:.2f}x" if best is not None and np.isfinite(ex_t) else "-"])
+                         f"{float(exact[best.name]) / best.seconds:.2f}x" if best is not None and
+                         np.isfinite(exact[best.name]) else "-"])
     return head, rows
 
 
@@ -248,9 +221,14 @@ def report(run: Path, df: Any) -> Section:
     if len(ex):
         sec.tables.append(exact_paths_table(ex))
         paths = ", ".join(sorted(set(df[df.method == EXACT].backend)))
+        paired = "exact_seconds" in df.columns and df.exact_seconds.notna().any()
         sec.paragraphs.append(f"Speed-ups and crossovers are against exact ALiBi on {paths}"
                               + (" (the reference of rel_fro; the other exact paths are in the table of exact "
-                                 "paths)" if (df.method == EXACT_ALT).any() else "") + ".")
+                                 "paths)" if (df.method == EXACT_ALT).any() else "")
+                              + (", timed interleaved with each row (exact_seconds)" if paired else "") + ".")
+    why = overload_reason(raw)
+    if why:
+        sec.paragraphs.append(f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE.")
     if "fraction" in raw.columns and raw.fraction.notna().any():
         sec.tables.append(roofline_table(raw))
         sec.verdicts.append(claim_roofline(raw))
@@ -302,59 +280,6 @@ def roofline_table(df: Any) -> Any:
                                        "fraction"])
 
 
-def claim_roofline(df: Any) -> Verdict:
-    """The Positional-LSH block path from n = ROOFLINE_N on reaches ROOFLINE_FRACTION of the
-    machine's attainable attention throughput (every s, both directions measured)."""
-    from poslsh_cli.verdicts.claims import Status
-
-    rule = (f"SUPPORTED when every Positional-LSH row on the blocks path with n >= {ROOFLINE_N} has useful "
-            f"GFLOP/s at least {ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the "
-            "same heads, head dimension and direction (measured once in the run); NOT SUPPORTED when one is "
-            "below; NOT MEASURED without such rows")
-    rows = df[(df.method == POSLSH) & df.backend.astype(str).str.startswith("blocks") & (df.n >= ROOFLINE_N)]
-    claim = f"Positional-LSH blocks reach {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at n >= {ROOFLINE_N}"
-    if rows.empty or rows.fraction.isna().all():
-        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH blocks rows with n >= {ROOFLINE_N}", rule)
-    worst = rows.loc[rows.fraction.idxmin()]
-    ev = (f"lowest fraction {worst.fraction:.0%} (s={worst.s}, n={int(worst.n)}, "
-          f"{'causal' if worst.causal else 'bidirectional'}); highest {rows.fraction.max():.0%}; "
-          f"{len(rows)} rows")
-    return Verdict(claim, Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else Status.NOT_SUPPORTED,
-                   ev, rule)
-
-
-def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
-    """Theorem 2.2: Positional-LSH time grows near-linearly in n; with the crossover with exact and
-    the share of drawing the masks, per s and backend."""
-    dev = df.device.iloc[0]
-    statuses, ev, paragraphs = [], [], []
-    for causal, g in df.groupby("causal"):
-        mode = "causal" if causal else "bidirectional"
-        for (s, backend), gs in g[g.method == POSLSH].groupby(["s", "backend"]):
-            x = crossover(g, POSLSH, lambda f, s=s, b=backend: f[(f.s == s) & (f.backend == b)])
-            where = f"from n={int(x)} on" if math.isfinite(x) else "at no measured n"
-            paragraphs.append(f"{mode}: Positional LSH s={s} ({backend}) is faster than exact {where} ({dev}).")
-            ns = upper_half(gs.n)
-            fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None
-            statuses.append(time_status(fit))
-            ev.append(f"{mode} s={s} {backend}: {fit.slope:.2f}" if fit else f"{mode} s={s} {backend}: fewer than 3 n")
-            big = gs[gs.n == gs.n.max()]
-            if "sample_seconds" in gs.columns and len(big):
-                share = float(big.sample_seconds.iloc[0] / big.seconds.iloc[0])
-                if math.isfinite(share):
-                    paragraphs.append(f"{mode}, s={s} ({backend}), n={int(big.n.iloc[0])}: drawing the masks and "
-                                      f"building their layout take {share:.1%} of the end-to-end "
-                                      f"{big.seconds.iloc[0]:.3g} s.")
-        ex = g[g.method == EXACT]
-        ns = upper_half(ex.n)
-        if ns:
-            ev.append(f"{mode} exact: {fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds).slope:.2f}")
-    verdict = Verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", combine(statuses),
-                      "log-log slopes over the larger n: " + "; ".join(ev) if ev else "no Positional-LSH rows",
-                      TIME_RULE)
-    return verdict, paragraphs
-
-
 def pareto_findings(df: Any) -> list[str]:
     """The error-time Pareto front per n, and Positional LSH against windowed ALiBi at matched error."""
     out = []
@@ -374,72 +299,4 @@ def pareto_findings(df: Any) -> list[str]:
         if total and (pts.method == WINDOWED).any():
             out.append(f"{mode}: {beaten} of {total} Positional-LSH points are matched by a windowed exact "
                        "ALiBi point that is at least as fast and at least as accurate.")
-    return out
-
-
-def _gpu_rows(df: Any) -> Any:
-    """CUDA rows of the paths the plan takes by itself (``planned``; every row in runs without it),
-    with the ``backward`` column (False in runs without it)."""
-    rows = df[df.device.astype(str).str.startswith("cuda")]
-    if "planned" in rows.columns:
-        rows = rows[rows.planned.fillna(True).astype(bool)]
-    return rows.assign(backward=rows.backward.fillna(False).astype(bool) if "backward" in rows.columns else False)
-
-
-def claims_gpu(df: Any) -> list[Verdict]:
-    """The CUDA goals of Positional LSH on the plan's path against exact ALiBi: speed at
-    GPU_GOAL_N (forward, and forward + backward), peak memory at every n, the share of drawing the
-    masks at the largest n. NOT MEASURED without CUDA rows."""
-    from poslsh_cli.verdicts.claims import Status
-
-    g = _gpu_rows(df)
-    out = []
-    for backward, goal in GPU_SPEEDUP_GOALS.items():
-        what = "forward + backward" if backward else "forward"
-        claim = (f"on CUDA, causal Positional LSH s={GPU_GOAL_S} is at least {goal:g}x faster than exact ALiBi at "
-                 f"n={GPU_GOAL_N} ({what}, the plan's paths)")
-        rule = (f"median end-to-end time of exact ALiBi over Positional LSH s={GPU_GOAL_S} (masks drawn in the call) "
-                f"in one run; SUPPORTED when at least {goal:g}, else NOT SUPPORTED; NOT MEASURED without both rows")
-        sel = g[(g.n == GPU_GOAL_N) & g.causal.astype(bool) & (g.backward == backward)]
-        ex, p = sel[sel.method == EXACT], sel[(sel.method == POSLSH) & (sel.s == GPU_GOAL_S)]
-        if ex.empty or p.empty:
-            out.append(Verdict(claim, Status.NOT_MEASURED, f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}", rule))
-            continue
-        r = float(ex.seconds.median()) / float(p.seconds.median())
-        out.append(Verdict(claim, Status.SUPPORTED if r >= goal else Status.NOT_SUPPORTED,
-                           f"exact {ex.seconds.median():.4g} s ({ex.backend.iloc[0]}), Positional LSH "
-                           f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x", rule))
-    claim = (f"on CUDA, Positional LSH's peak memory is at most {GPU_MEMORY_GOAL:g}x exact ALiBi's plus the masks' "
-             "integers, at every n and s")
-    rule = (f"per (n, causal, backward, s): peak allocator memory of the call over {GPU_MEMORY_GOAL:g} x exact's + "
-            "4 H s n bytes; SUPPORTED when every one is at most 1, NOT SUPPORTED when one is above; NOT MEASURED "
-            "without CUDA rows of both")
-    st, ev = [], []
-    for (n, causal, backward), gg in g.groupby(["n", "causal", "backward"]):
-        ex = gg[gg.method == EXACT]
-        if ex.empty:
-            continue
-        exm = float(ex.peak_mem_mb.median())
-        for r in gg[gg.method == POSLSH].itertuples():
-            allow = GPU_MEMORY_GOAL * exm + 4.0 * r.heads * r.s * n / 2**20
-            st.append(r.peak_mem_mb <= allow)
-            ev.append(f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
-                      f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
-    status = Status.NOT_MEASURED if not st else Status.SUPPORTED if all(st) else Status.NOT_SUPPORTED
-    out.append(Verdict(claim, status, "; ".join(ev) or "no CUDA rows of exact ALiBi and Positional LSH", rule))
-    claim = (f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of "
-             "Positional LSH's end-to-end time at the largest n")
-    rule = (f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at "
-            f"most {SAMPLE_SHARE_GOAL:.0%}, else NOT SUPPORTED; NOT MEASURED without CUDA rows")
-    p = g[(g.method == POSLSH)]
-    p = p[p.n == p.n.max()] if len(p) else p
-    if p.empty:
-        out.append(Verdict(claim, Status.NOT_MEASURED, "no CUDA Positional-LSH rows", rule))
-    else:
-        share = p.sample_seconds / p.seconds
-        ev = "; ".join(f"{'causal' if r.causal else 'bidirectional'}{' fwd+bwd' if r.backward else ''} s={r.s}: "
-                       f"{r.sample_seconds * 1e3:.2f} of {r.seconds * 1e3:.2f} ms = {r.sample_seconds / r.seconds:.0%}"
-                       for r in p.itertuples())
-        out.append(Verdict(claim, Status.SUPPORTED if bool((share <= SAMPLE_SHARE_GOAL).all()) else
-                           Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}", rule))
     return out

@@ -9,10 +9,16 @@ can be compared through the same kernel. The ``attention_path`` column is the la
 that actually ran in the timed steps (recorded by the attention layers). Seconds per step are the median of ``steps`` timed steps after
 ``warmup``; memory is the peak rise (CUDA allocator, or the process's resident set on the CPU)
 during one more step. Ratios within the run are what to compare; absolute times depend on the
-machine and what else it runs.
+machine and what else it runs. So a row times its steps interleaved with those of the scheme it is
+compared with, when the run has it (``ref_position``: RoPE for exact ALiBi; exact ALiBi for the
+others, on the row's backend where ALiBi has it, else on the plan's path): ``ref_step_seconds`` the
+median of those, and the claims take their ratios from these pairs. Every row records the load
+while it was timed (:class:`~poslsh_cli.experiments.measure.Load`); a speed claim from an
+overloaded row is INCONCLUSIVE.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +29,7 @@ from poslsh_cli.attention.plan import BACKENDS, Backend
 from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crossover
 from poslsh_cli.core.config import ConfigError, Spec, key
 from poslsh_cli.experiments.base import Device, Experiment, choices, resolve_device, synchronize
+from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason
 from poslsh_cli.experiments.stage import Precision
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.lm.positions import Position, PositionState, method_of, sigma_label
@@ -30,9 +37,11 @@ from poslsh_cli.lm.loading import Arch
 from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
-           "peak_mem_mb", "params", "device", "steps", "sigmas", "precision")
+           "peak_mem_mb", "params", "device", "steps", "sigmas", "precision", "ref_position", "ref_backend", "ref_path",
+           "ref_step_seconds", *LOAD_COLUMNS)
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
+DENSE = Backend.DENSE.value
 
 #: Goals checked by the report: ALiBi against RoPE, Positional LSH against exact ALiBi through the
 #: same dense-bias route, Positional LSH against exact ALiBi on the paths training takes at long
@@ -141,24 +150,30 @@ def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict
     return out
 
 
-def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, work: Any = None) -> tuple[list[dict], dict]:
-    import numpy as np
+def reference(position: Position, backend: str) -> Optional[tuple[Position, str]]:
+    """The (scheme, backend) a row's steps are timed interleaved with: RoPE for exact ALiBi; exact
+    ALiBi for the others, on the row's backend where ALiBi has it, else on the plan's path."""
+    if position is Position.ROPE:
+        return None
+    if position is Position.ALIBI:
+        return Position.ROPE, "auto"
+    return Position.ALIBI, backend if backend != "auto" and _has(Position.ALIBI, backend) else "auto"
+
+
+def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: int, backend: str,
+             x: Any) -> tuple[PositionState, Any, Any]:
+    """(position state, model, ``step(t)`` -> seconds of one timed training step on ``x``)."""
     import torch
 
+    from poslsh_cli.experiments.stage import autocast
     from poslsh_cli.lm.data import VOCAB
-    from poslsh_cli.experiments.measure import peak_memory_mb
     from poslsh_cli.lm.loading import build_model
 
-    n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
     state = (PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
              if spec.sigma is None else PositionState(position, [spec.sigma] * spec.heads, num_samples=s,
                                                       seed=spec.seed, backend=backend))
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))
-    x = torch.as_tensor(rng.integers(0, VOCAB, size=(spec.batch, n + 1)), device=ctx.device)
-
-    from poslsh_cli.experiments.stage import autocast
 
     def step(t: int) -> float:
         state.step = t  # fresh masks every step, as in training
@@ -173,18 +188,46 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
         synchronize(ctx.device)
         return time.perf_counter() - t0
 
+    return state, model, step
+
+
+def _path(state: PositionState) -> str:
+    return "sdpa+rope" if state.position is Position.ROPE else "+".join(sorted(state.plans))
+
+
+def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, work: Any = None) -> tuple[list[dict], dict]:
+    import numpy as np
+    import torch
+
+    from poslsh_cli.lm.data import VOCAB
+    from poslsh_cli.experiments.measure import LoadProbe, peak_memory_mb
+
+    n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
+    rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))
+    x = torch.as_tensor(rng.integers(0, VOCAB, size=(spec.batch, n + 1)), device=ctx.device)
+    state, model, step = _trainer(spec, ctx, position, s, backend, x)
+    ref = reference(position, backend)
+    ref = ref if ref and ref[0] in spec.position else None  # compared only with a scheme the run measures
+    paths = [(state, step)] + ([_trainer(spec, ctx, ref[0], 0, ref[1], x)[0::2]] if ref else [])
     for t in range(spec.warmup):
-        step(t)
-    state.plans.clear()
-    times = [step(spec.warmup + t) for t in range(spec.steps)]
-    path = "sdpa+rope" if position is Position.ROPE else "+".join(sorted(state.plans))
+        for _, f in paths:
+            f(t)
+    for st, _ in paths:
+        st.plans.clear()
+    times, ref_times = [], []
+    with LoadProbe(ctx.device) as probe:  # A B A B ...: both medians see the same machine
+        for t in range(spec.steps):
+            for out, (_, f) in zip((times, ref_times), paths):
+                out.append(f(spec.warmup + t))
     peak, _ = peak_memory_mb(lambda: step(-1), ctx.device)
     sec = statistics.median(times)
-    row = {"seq_len": n, "position": position.value, "s": s, "backend": backend, "attention_path": path,
+    row = {"seq_len": n, "position": position.value, "s": s, "backend": backend, "attention_path": _path(state),
            "batch": spec.batch, "step_seconds": sec, "tokens_per_s": spec.batch * n / sec, "peak_mem_mb": peak,
            "params": int(sum(p.numel() for p in model.parameters())), "device": str(ctx.device), "steps": spec.steps,
            "sigmas": sigma_label(state.sigmas) if position is not Position.ROPE else "",
-           "precision": spec.precision.value}
+           "precision": spec.precision.value, "ref_position": ref[0].value if ref else "",
+           "ref_backend": ref[1] if ref else "", "ref_path": _path(paths[1][0]) if ref else "",
+           "ref_step_seconds": statistics.median(ref_times) if ref_times else float("nan"), **probe.load.columns()}
     return [row], {}
 
 
@@ -197,16 +240,33 @@ def _time(g: Any, position: str, path: str | None = None, s: int | None = None) 
     return float(sel.step_seconds.median()) if len(sel) else float("nan")
 
 
+def _paired(rows: Any, ref: str, fallback: float, backend: str | None = None, path: str | None = None) -> float:
+    """The step time of the reference ``rows`` were timed interleaved with (the median of their
+    ``ref_step_seconds``) when it is ``ref`` (on ``backend``, on ``path``) for every one of them;
+    else ``fallback``, the reference's own row (and runs written before the column)."""
+    if rows.empty or "ref_step_seconds" not in rows.columns:
+        return fallback
+    ok = (rows.ref_position == ref) & rows.ref_step_seconds.notna()
+    ok &= (rows.ref_backend == backend) if backend is not None else True
+    ok &= (rows.ref_path == path) if path is not None else True
+    return float(rows.ref_step_seconds.median()) if bool(ok.all()) else fallback
+
+
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    paired = "ref_step_seconds" in df.columns  # runs before the column have no such pairs
     head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense"]
+    head += ["vs ref (interleaved)"] if paired else []
     rows = []
     for n, g in df.groupby("seq_len"):
         rope, dense = _time(g, ROPE), _time(g, ALIBI, Backend.DENSE.value)
         for r in g.itertuples():
+            ref = float(getattr(r, "ref_step_seconds", math.nan))
             rows.append([str(n), r.position, str(r.s) if r.s else "-", r.attention_path, f"{r.step_seconds:.3f}",
                          f"{r.tokens_per_s:.0f}", f"{r.peak_mem_mb:.0f}",
                          f"{r.step_seconds / rope:.2f}x" if rope == rope else "-",
-                         f"{r.step_seconds / dense:.2f}x" if dense == dense else "-"])
+                         f"{r.step_seconds / dense:.2f}x" if dense == dense else "-"]
+                        + ([f"{r.step_seconds / ref:.2f}x {r.ref_position}" if math.isfinite(ref) else "-"] if paired
+                           else []))
     return head, rows
 
 
@@ -243,7 +303,15 @@ def report(run: Path, df: Any) -> Section:
     sec.verdicts += claim_memory(df)
     sec.verdicts += claim_paper_setting(df)
     sec.paragraphs += crossover_findings(df)
+    why = overload_reason(df)
+    if why:
+        sec.paragraphs.append(f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE.")
     return sec
+
+
+def _rows(df: Any, *positions: str) -> Any:
+    """The rows of ``positions`` on the plan's path (backend=auto): a claim's evidence."""
+    return df[df.position.isin(positions) & (df.backend == "auto")]
 
 
 def _auto(g: Any, position: str, s: int | None = None) -> Any:
@@ -253,13 +321,16 @@ def _auto(g: Any, position: str, s: int | None = None) -> Any:
 
 def _poslsh_and_alibi(df: Any, column: str) -> Iterator[tuple[int, int, float, float]]:
     """(L, s, Positional LSH, exact ALiBi): medians of ``column`` on the plan's path (backend=auto),
-    for every L and s where both were measured."""
+    for every L and s where both were measured; step times of exact ALiBi are those timed
+    interleaved with the Positional-LSH rows where the run has them."""
     for n, g in df.groupby("seq_len"):
         a = float(_auto(g, ALIBI)[column].median())
         for s in sorted(_auto(g, POSLSH).s.unique()):
-            p = float(_auto(g, POSLSH, s)[column].median())
-            if a == a and p == p:
-                yield int(n), int(s), p, a
+            rows = _auto(g, POSLSH, s)
+            p = float(rows[column].median())
+            ref = _paired(rows, ALIBI, a, backend="auto") if column == "step_seconds" else a
+            if ref == ref and p == p:
+                yield int(n), int(s), p, ref
 
 
 def claim_alibi_near_rope(df: Any) -> list[Verdict]:
@@ -267,16 +338,17 @@ def claim_alibi_near_rope(df: Any) -> list[Verdict]:
     goal = ALIBI_GOAL_CUDA if cuda else ALIBI_GOAL
     st, ev = [], []
     for n, g in df.groupby("seq_len"):
-        rope, fast = _time(g, ROPE), float(_auto(g, ALIBI).step_seconds.median())
+        rope, fast = _paired(_auto(g, ALIBI), ROPE, _time(g, ROPE)), float(_auto(g, ALIBI).step_seconds.median())
         if rope == rope and fast == fast:
             st.append(Status.SUPPORTED if fast / rope <= goal else Status.NOT_SUPPORTED)
             ev.append(f"L={n}: {fast / rope:.2f}x")
     where = " on CUDA" if cuda else ""
     prec = sorted(set(df.precision.dropna().astype(str))) if "precision" in df.columns else ["fp32"]
-    return [Verdict(f"causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} "
-                    f"({', '.join(prec)})", combine(st), "; ".join(ev) or "needs rope and alibi (auto) rows",
-                    f"median step time of alibi on the path poslsh train takes (auto) over rope, at every L (goal "
-                    f"{ALIBI_GOAL_CUDA}x on CUDA, {ALIBI_GOAL}x on the CPU)")]
+    return [judge_load(Verdict(f"causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} "
+                               f"({', '.join(prec)})", combine(st), "; ".join(ev) or "needs rope and alibi (auto) rows",
+                               f"median step time of alibi on the path poslsh train takes (auto) over rope (timed "
+                               f"interleaved with it), at every L (goal {ALIBI_GOAL_CUDA}x on CUDA, {ALIBI_GOAL}x on "
+                               "the CPU)"), _rows(df, ROPE, ALIBI))]
 
 
 def claim_paper_setting(df: Any) -> list[Verdict]:
@@ -292,27 +364,30 @@ def claim_paper_setting(df: Any) -> list[Verdict]:
     a, p = _auto(g[g.sigmas == sig], ALIBI), _auto(g[g.sigmas == sig], POSLSH, s)
     if a.empty or p.empty:
         return [Verdict(claim, Status.NOT_MEASURED, f"no alibi and poslsh s={s} rows at L={n} with {sig}", rule)]
-    t, m = float(p.step_seconds.median()) / float(a.step_seconds.median()), \
-        float(p.peak_mem_mb.median()) / float(a.peak_mem_mb.median())
+    ref = _paired(p, ALIBI, float(a.step_seconds.median()), backend="auto")
+    t, m = float(p.step_seconds.median()) / ref, float(p.peak_mem_mb.median()) / float(a.peak_mem_mb.median())
     ok = t <= PAPER_GOAL and m <= PAPER_GOAL
-    return [Verdict(claim, Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
-                    f"step {p.step_seconds.median():.3f} s ({p.attention_path.iloc[0]}) vs {a.step_seconds.median():.3f} s "
-                    f"({a.attention_path.iloc[0]}) = {t:.2f}x; memory {p.peak_mem_mb.median():.0f} vs "
-                    f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule)]
+    verdict = Verdict(claim, Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
+                      f"step {p.step_seconds.median():.3f} s ({p.attention_path.iloc[0]}) vs {ref:.3f} s "
+                      f"({a.attention_path.iloc[0]}) = {t:.2f}x; memory {p.peak_mem_mb.median():.0f} vs "
+                      f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule)
+    return [verdict if m > PAPER_GOAL else judge_load(verdict, g[g.index.isin(a.index) | g.index.isin(p.index)])]
 
 
 def claim_dense_route(df: Any) -> list[Verdict]:
     st, ev = [], []
     for n, g in df.groupby("seq_len"):
-        dense = _time(g, ALIBI, Backend.DENSE.value)
         for s in sorted(g[g.position == POSLSH].s.unique()):
-            p = _time(g, POSLSH, Backend.DENSE.value, s)
+            p, rows = _time(g, POSLSH, DENSE, s), g[(g.position == POSLSH) & (g.s == s) & (g.attention_path == DENSE)]
+            dense = _paired(rows, ALIBI, _time(g, ALIBI, DENSE), path=DENSE)
             if dense == dense and p == p:
                 st.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
                 ev.append(f"L={n} s={s}: {p / dense:.2f}x")
-    return [Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same dense-bias "
-                    "route, whatever s", combine(st), "; ".join(ev) or "needs poslsh and alibi with backend=dense rows",
-                    "median step time ratio at every L and s")]
+    return [judge_load(Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same "
+                               "dense-bias route, whatever s", combine(st),
+                               "; ".join(ev) or "needs poslsh and alibi with backend=dense rows",
+                               "median step time ratio at every L and s (exact ALiBi timed interleaved with it where "
+                               "it was)"), df[df.attention_path == DENSE])]
 
 
 def claim_long_context(df: Any) -> list[Verdict]:
@@ -325,10 +400,11 @@ def claim_long_context(df: Any) -> list[Verdict]:
             st.append(Status.SUPPORTED if p / a <= LONG_GOALS[n] else Status.NOT_SUPPORTED)
     goals = ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items())
     status = combine(st) if st else Status.NOT_MEASURED
-    return [Verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})", status,
-                    "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
-                    "median step time of poslsh over alibi, both on the path poslsh train takes, at each goal length "
-                    "measured (NOT MEASURED without one)")]
+    return [judge_load(Verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})",
+                               status, "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
+                               "median step time of poslsh over alibi (timed interleaved with it), both on the path "
+                               "poslsh train takes, at each goal length measured (NOT MEASURED without one)"),
+                       _rows(df[df.seq_len.isin(list(LONG_GOALS))], ALIBI, POSLSH))]
 
 
 def claim_memory(df: Any) -> list[Verdict]:

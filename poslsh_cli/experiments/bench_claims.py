@@ -1,0 +1,188 @@
+"""The claims of the attention timing command, each computed from the rows it quotes: the
+near-linear time of Theorem 2.2 (with the crossovers with exact ALiBi), the roofline of the
+Positional-LSH block path, and the CUDA goals. A row's speed-up is against the exact-ALiBi time
+paired with it (:func:`exact_time`), and a speed claim from a row measured on an overloaded
+machine is INCONCLUSIVE (:func:`poslsh_cli.experiments.measure.judge_load`)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from poslsh_cli.experiments.measure import judge_load, overload_reason
+from poslsh_cli.numerics.methods import Method
+from poslsh_cli.numerics.metrics import fit_loglog_slope
+from poslsh_cli.verdicts.claims import TIME_RULE, Status, Verdict, combine, time_status, upper_half
+from poslsh_cli.verdicts.claims import crossover as crossover_of
+
+EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
+                                                          Method.FIXED_BLOCK))
+#: exact-ALiBi rows of the paths other than the reference one (``exact_backends`` of more than one)
+EXACT_ALT = "exact_alt"
+#: the roofline goal: the Positional-LSH block path from this n on reaches this fraction of the
+#: bias-free flash kernel's useful throughput
+ROOFLINE_N, ROOFLINE_FRACTION = 16384, 0.6
+#: CUDA goals of the path the plan takes: at GPU_GOAL_N, causal, s = GPU_GOAL_S, Positional LSH at
+#: least this many times faster than exact ALiBi (forward; forward + backward); its peak memory at
+#: most GPU_MEMORY_GOAL x exact ALiBi's plus the masks' own integers (4 bytes per head, mask and
+#: position) at every n; drawing the masks and building their layout at most SAMPLE_SHARE_GOAL of
+#: the end-to-end time at the largest n
+GPU_GOAL_N, GPU_GOAL_S = 131072, 8
+GPU_SPEEDUP_GOALS = {False: 8.0, True: 10.0}
+GPU_MEMORY_GOAL, SAMPLE_SHARE_GOAL = 1.5, 0.10
+
+
+def crossover(df: Any, method: str, select: Callable[[Any], Any] | None = None) -> float:
+    """Smallest n from which ``method`` is faster than exact at every measured larger n: the
+    median per n of each row's time over the exact time paired with it (:func:`exact_time`).
+
+    ``df`` holds the rows of one causal setting (times of causal and bidirectional attention are
+    not comparable); ``select`` narrows the method's rows (one s, one backend).
+    """
+    if "causal" in df.columns and df.causal.nunique() > 1:
+        raise ValueError("crossover compares one causal setting at a time: group by causal first")
+    m = df[df.method == method]
+    if select is not None:
+        m = select(m)
+    ratio = (m.seconds / exact_time(df).loc[m.index]).groupby(m.n).median()
+    best = crossover_of({int(n): float(r) for n, r in ratio.items() if r == r})
+    return math.nan if best is None else best
+
+
+def exact_time(df: Any) -> Any:
+    """Each row's exact-ALiBi time (a Series on ``df``'s index): the row's ``exact_seconds``, exact
+    ALiBi timed interleaved with it, where present; else (exact rows, and runs written before the
+    column) the median time of the exact rows at its (n, causal)."""
+    import pandas as pd
+
+    keys = [c for c in ("n", "causal") if c in df.columns]
+    med = df[df.method == EXACT].groupby(keys)["seconds"].median()
+    fallback = pd.Series([med.get(k if len(keys) > 1 else k[0], math.nan) for k in
+                          df[keys].itertuples(index=False, name=None)], index=df.index, dtype=float)
+    if "exact_seconds" not in df.columns:
+        return fallback
+    paired = pd.to_numeric(df.exact_seconds, errors="coerce")
+    return paired.where(paired.notna(), fallback)
+
+
+def claim_roofline(df: Any) -> Verdict:
+    """The Positional-LSH block path from n = ROOFLINE_N on reaches ROOFLINE_FRACTION of the
+    machine's attainable attention throughput (every s, both directions measured)."""
+    rule = (f"SUPPORTED when every Positional-LSH row on the blocks path with n >= {ROOFLINE_N} has useful "
+            f"GFLOP/s at least {ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the "
+            "same heads, head dimension and direction (measured once in the run); NOT SUPPORTED when one is "
+            "below; NOT MEASURED without such rows")
+    rows = df[(df.method == POSLSH) & df.backend.astype(str).str.startswith("blocks") & (df.n >= ROOFLINE_N)]
+    claim = f"Positional-LSH blocks reach {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at n >= {ROOFLINE_N}"
+    if rows.empty or rows.fraction.isna().all():
+        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH blocks rows with n >= {ROOFLINE_N}", rule)
+    worst = rows.loc[rows.fraction.idxmin()]
+    ev = (f"lowest fraction {worst.fraction:.0%} (s={worst.s}, n={int(worst.n)}, "
+          f"{'causal' if worst.causal else 'bidirectional'}); highest {rows.fraction.max():.0%}; "
+          f"{len(rows)} rows")
+    return judge_load(Verdict(claim, Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else
+                              Status.NOT_SUPPORTED, ev, rule), rows)
+
+
+def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
+    """Theorem 2.2: Positional-LSH time grows near-linearly in n; with the crossover with exact and
+    the share of drawing the masks, per s and backend."""
+    dev = df.device.iloc[0]
+    statuses, ev, paragraphs = [], [], []
+    for causal, g in df.groupby("causal"):
+        mode = "causal" if causal else "bidirectional"
+        for (s, backend), gs in g[g.method == POSLSH].groupby(["s", "backend"]):
+            x = crossover(g, POSLSH, lambda f, s=s, b=backend: f[(f.s == s) & (f.backend == b)])
+            where = f"from n={int(x)} on" if math.isfinite(x) else "at no measured n"
+            why = overload_reason(gs)
+            paragraphs.append(f"{mode}: Positional LSH s={s} ({backend}) is faster than exact {where} ({dev})"
+                              + (f"; {why}" if why else "") + ".")
+            ns = upper_half(gs.n)
+            fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None
+            statuses.append(time_status(fit))
+            ev.append(f"{mode} s={s} {backend}: {fit.slope:.2f}" if fit else f"{mode} s={s} {backend}: fewer than 3 n")
+            big = gs[gs.n == gs.n.max()]
+            if "sample_seconds" in gs.columns and len(big):
+                share = float(big.sample_seconds.iloc[0] / big.seconds.iloc[0])
+                if math.isfinite(share):
+                    paragraphs.append(f"{mode}, s={s} ({backend}), n={int(big.n.iloc[0])}: drawing the masks and "
+                                      f"building their layout take {share:.1%} of the end-to-end "
+                                      f"{big.seconds.iloc[0]:.3g} s.")
+        ex = g[g.method == EXACT]
+        ns = upper_half(ex.n)
+        if ns:
+            ev.append(f"{mode} exact: {fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds).slope:.2f}")
+    verdict = Verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", combine(statuses),
+                      "log-log slopes over the larger n: " + "; ".join(ev) if ev else "no Positional-LSH rows",
+                      TIME_RULE)
+    verdict = judge_load(verdict, df[df.method.isin([POSLSH, EXACT])])
+    return verdict, paragraphs
+
+
+
+def _gpu_rows(df: Any) -> Any:
+    """CUDA rows of the paths the plan takes by itself (``planned``; every row in runs without it),
+    with the ``backward`` column (False in runs without it)."""
+    rows = df[df.device.astype(str).str.startswith("cuda")]
+    if "planned" in rows.columns:
+        rows = rows[rows.planned.fillna(True).astype(bool)]
+    return rows.assign(backward=rows.backward.fillna(False).astype(bool) if "backward" in rows.columns else False)
+
+
+def claims_gpu(df: Any) -> list[Verdict]:
+    """The CUDA goals of Positional LSH on the plan's path against exact ALiBi: speed at
+    GPU_GOAL_N (forward, and forward + backward), peak memory at every n, the share of drawing the
+    masks at the largest n. NOT MEASURED without CUDA rows."""
+    g = _gpu_rows(df)
+    out = []
+    for backward, goal in GPU_SPEEDUP_GOALS.items():
+        what = "forward + backward" if backward else "forward"
+        claim = (f"on CUDA, causal Positional LSH s={GPU_GOAL_S} is at least {goal:g}x faster than exact ALiBi at "
+                 f"n={GPU_GOAL_N} ({what}, the plan's paths)")
+        rule = (f"median end-to-end time of exact ALiBi (timed interleaved with Positional LSH: exact_seconds; else "
+                f"its own row) over Positional LSH s={GPU_GOAL_S} (masks drawn in the call) in one run; SUPPORTED when "
+                f"at least {goal:g}, else NOT SUPPORTED; NOT MEASURED without both rows")
+        sel = g[(g.n == GPU_GOAL_N) & g.causal.astype(bool) & (g.backward == backward)]
+        ex, p = sel[sel.method == EXACT], sel[(sel.method == POSLSH) & (sel.s == GPU_GOAL_S)]
+        if ex.empty or p.empty:
+            out.append(Verdict(claim, Status.NOT_MEASURED, f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}", rule))
+            continue
+        exact = float(exact_time(sel).loc[p.index].median())
+        r = exact / float(p.seconds.median())
+        out.append(judge_load(Verdict(claim, Status.SUPPORTED if r >= goal else Status.NOT_SUPPORTED,
+                                      f"exact {exact:.4g} s ({ex.backend.iloc[0]}), Positional LSH "
+                                      f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x", rule),
+                              sel[sel.index.isin(ex.index) | sel.index.isin(p.index)]))
+    claim = (f"on CUDA, Positional LSH's peak memory is at most {GPU_MEMORY_GOAL:g}x exact ALiBi's plus the masks' "
+             "integers, at every n and s")
+    rule = (f"per (n, causal, backward, s): peak allocator memory of the call over {GPU_MEMORY_GOAL:g} x exact's + "
+            "4 H s n bytes; SUPPORTED when every one is at most 1, NOT SUPPORTED when one is above; NOT MEASURED "
+            "without CUDA rows of both")
+    st, ev = [], []
+    for (n, causal, backward), gg in g.groupby(["n", "causal", "backward"]):
+        ex = gg[gg.method == EXACT]
+        if ex.empty:
+            continue
+        exm = float(ex.peak_mem_mb.median())
+        for r in gg[gg.method == POSLSH].itertuples():
+            allow = GPU_MEMORY_GOAL * exm + 4.0 * r.heads * r.s * n / 2**20
+            st.append(r.peak_mem_mb <= allow)
+            ev.append(f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
+                      f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
+    status = Status.NOT_MEASURED if not st else Status.SUPPORTED if all(st) else Status.NOT_SUPPORTED
+    out.append(Verdict(claim, status, "; ".join(ev) or "no CUDA rows of exact ALiBi and Positional LSH", rule))
+    claim = (f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of "
+             "Positional LSH's end-to-end time at the largest n")
+    rule = (f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at "
+            f"most {SAMPLE_SHARE_GOAL:.0%}, else NOT SUPPORTED; NOT MEASURED without CUDA rows")
+    p = g[(g.method == POSLSH)]
+    p = p[p.n == p.n.max()] if len(p) else p
+    if p.empty:
+        out.append(Verdict(claim, Status.NOT_MEASURED, "no CUDA Positional-LSH rows", rule))
+    else:
+        share = p.sample_seconds / p.seconds
+        ev = "; ".join(f"{'causal' if r.causal else 'bidirectional'}{' fwd+bwd' if r.backward else ''} s={r.s}: "
+                       f"{r.sample_seconds * 1e3:.2f} of {r.seconds * 1e3:.2f} ms = {r.sample_seconds / r.seconds:.0%}"
+                       for r in p.itertuples())
+        out.append(judge_load(Verdict(claim, Status.SUPPORTED if bool((share <= SAMPLE_SHARE_GOAL).all()) else
+                                      Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}", rule), p))
+    return out
