@@ -504,6 +504,28 @@ def test_long_context_goals_and_crossover():
     assert status_of(short, "at long context") is Status.NOT_MEASURED
 
 
+def test_the_paper_setting_claim_reads_the_rows_at_its_setting_only():
+    """L=8192, one sigma = 256 for every head, s=100: SUPPORTED when the step time and the memory are
+    both within 1.5x exact ALiBi's, NOT SUPPORTED when one is not, NOT MEASURED at another setting or
+    in a table without the sigmas column."""
+    from poslsh_cli.experiments import step_bench
+
+    def table(t_ratio, m_ratio, sigmas="sigma=256 every head", s=100):
+        rows = [{"seq_len": 8192, "position": p, "s": k, "backend": "auto", "attention_path": "x", "batch": 2,
+                 "step_seconds": t, "tokens_per_s": 1.0, "peak_mem_mb": m, "params": 1, "device": "cuda", "steps": 3,
+                 "sigmas": sigmas} for p, k, t, m in (("alibi", 0, 0.04, 2600.0),
+                                                      ("poslsh", s, 0.04 * t_ratio, 2600.0 * m_ratio))]
+        return pd.DataFrame(rows)
+
+    claim = "at the paper's setting"
+    assert status_of(step_bench.report(RUN, table(1.4, 1.1)), claim) is Status.SUPPORTED
+    assert status_of(step_bench.report(RUN, table(1.7, 1.1)), claim) is Status.NOT_SUPPORTED
+    assert status_of(step_bench.report(RUN, table(1.1, 1.6)), claim) is Status.NOT_SUPPORTED
+    assert status_of(step_bench.report(RUN, table(1.1, 1.1, sigmas="standard")), claim) is Status.NOT_MEASURED
+    assert status_of(step_bench.report(RUN, table(1.1, 1.1, s=10)), claim) is Status.NOT_MEASURED
+    assert status_of(step_bench.report(RUN, table(1.1, 1.1).drop(columns="sigmas")), claim) is Status.NOT_MEASURED
+
+
 def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
     """Swapped rows at the training length: the mean over seeds of each seed's mean over draws, and the
     seed-paired difference from the same models' own attention, recomputed here from the rows."""
