@@ -26,6 +26,8 @@ TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "interme
         "checkpoint_every=4", "eval_every=5"]
 MATRIX = ["matrix-error", "n=[300,600]", "sigma=[4]", "s=[2,8]", "trials=2"]
 TIMING = {"seconds", "tokens_per_s", "wall_seconds", "step_seconds", "peak_mem_mb"}
+#: Exit code of a run stopped by the signal (128 + its number, the shell's convention)
+STOPPED = {"TERM": 143, "INT": 130}
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
@@ -173,12 +175,12 @@ def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_pa
 ])
 def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, fault, sig):
     """SIGTERM (a cancelled or preempted job) or SIGINT at each kill point of a run's first and only
-    cell: exit 130, nothing deleted that holds work, and the same command resumes to the
+    cell: exit 143 after SIGTERM and 130 after Ctrl-C (128 + the signal), nothing deleted that holds work, and the same command resumes to the
     uninterrupted run (resumed after SIGTERM only: SIGINT reaches the same handler, so after it the
     test checks what is kept: the metrics log, and every checkpoint written before the signal)."""
     out = tmp_path / "run"
     r = interrupt("train", *TINY, f"out={out}", fault=fault, sig=sig, hold=tmp_path / "held")
-    assert r.returncode == 130, (fault, sig, r.returncode, r.stderr[-2000:])
+    assert r.returncode == STOPPED[sig], (fault, sig, r.returncode, r.stderr[-2000:])
     assert out.is_dir() and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"kept in {out}" in r.stderr and "removed" not in r.stderr, r.stderr[-2000:]
     assert json.loads((out / "meta.json").read_text())["status"] in ("interrupted", "complete")
@@ -216,7 +218,7 @@ def test_an_interrupt_before_any_work_removes_only_what_it_created(tmp_path):
     """Interrupted while the run directory is set up (nothing computed yet): nothing is left."""
     out = tmp_path / "a" / "run"
     r = interrupt("train", *TINY, f"out={out}", fault="write:meta.json", sig="TERM", hold=tmp_path / "held")
-    assert r.returncode == 130 and "before anything was computed" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 143 and "before anything was computed" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "a").exists()
 
 
@@ -224,7 +226,7 @@ def test_an_interrupt_before_any_work_removes_only_what_it_created(tmp_path):
 def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
     out = tmp_path / "m"
     r = interrupt(*MATRIX, f"out={out}", fault="cell@2", sig=sig, hold=tmp_path / "held")
-    assert r.returncode == 130 and "2/8 cells finished" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == STOPPED[sig] and "2/8 cells finished" in r.stderr, r.stderr[-2000:]
     r = poslsh(*MATRIX, f"out={out}")
     assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
     assert_same_results(out, reference / "matrix")

@@ -230,15 +230,17 @@ def _remove_if_no_run(out: Path, top: Optional[Path]) -> None:
 
 
 def terminate_as_interrupt() -> None:
-    """SIGTERM (a cancelled job) stops like Ctrl-C: finished cells stay. Installed in the task
-    itself, so it holds wherever Hydra runs the task, except in a submitit job (SLURM), where
-    submitit owns the signals: it ignores SIGTERM and requeues on its preemption/timeout signal,
-    and the requeued job resumes the run directory."""
+    """SIGTERM (a cancelled job) stops like Ctrl-C: finished cells stay, and the run exits 143
+    (Ctrl-C: 130). Installed in the task itself, so it holds wherever Hydra runs the task, except
+    in a submitit job (SLURM), where submitit owns the signals: it ignores SIGTERM and requeues on
+    its preemption/timeout signal, and the requeued job resumes the run directory."""
+    from poslsh_cli.app.runner import Terminated
+
     if os.environ.get("SUBMITIT_EXECUTOR"):
         return
 
     def _term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     try:
         signal.signal(signal.SIGTERM, _term)
