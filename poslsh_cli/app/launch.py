@@ -65,7 +65,7 @@ def _parse(exp: Experiment, overrides: list[str], multirun: bool) -> list[list[s
         if p.is_sweep_override():
             if not multirun:
                 raise ConfigError(f"{p.input_line!r} is a sweep: add -m for a Hydra multirun, "
-                                  f"or write {key}=[a,b] to sweep inside one run")
+                                  f"or write '{key}=[a,b]' to sweep inside one run")
             if key == "out":
                 raise ConfigError("out= cannot be swept; each multirun job gets out/<job number>")
     user = [p for p in parsed if not p.key_or_group.startswith(_HYDRA_PREFIXES)]

@@ -71,7 +71,7 @@ def prepare(spec: TasksSpec) -> TasksContext:
     _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    check(len(spec.tasks) > 0, "give the tasks to run: tasks=[name,...] (lm-eval names, or local ones with "
+    check(len(spec.tasks) > 0, "give the tasks to run: 'tasks=[name,...]' (lm-eval names, or local ones with "
                                "include_path=DIR)")
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
     cks = {}

@@ -67,7 +67,7 @@ def prepare(spec: PasskeySpec) -> PasskeyContext:
             info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
-                raise ConfigError(f"{path}: no training length recorded; give lengths=[...]")
+                raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
             cks[name] = (path, trained)
     return PasskeyContext(cks, resolve_device(spec.device))
 

@@ -332,7 +332,7 @@ EXPERIMENT = Experiment(
     help="""Train a decoder under a position scheme (none, alibi, poslsh, fixed_block, windowed, rope):
     the project's byte-level Qwen3, or a pretrained causal LM converted to the scheme.
 
-    List values sweep: position=[none,alibi,poslsh] s=[10,20] seed=[0,1] trains every combination,
+    List values sweep: 'position=[none,alibi,poslsh]' 's=[10,20]' 'seed=[0,1]' trains every combination,
     each in its own sub-run with metrics.csv, resumable checkpoints (AutoModelForCausalLM loads
     them) and final/. pretrain=rope pretrain_steps=N fine-tunes every cell from one shared
     pretrained model. init=CHECKPOINT starts from a pretrained causal LM with its own tokenizer
