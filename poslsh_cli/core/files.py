@@ -126,6 +126,7 @@ def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
     try:
         fill(tmp)
         fault_point(f"dir:{target.name}")
+        _usual_modes(tmp)
         write_manifest(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
         fault_point(f"rename:{target.name}")
@@ -142,6 +143,18 @@ def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return target
+
+
+def _usual_modes(root: Path) -> None:
+    """Every file and folder below ``root`` gets the mode the umask gives a new one (0644 and 0755
+    under the usual 022): what ``fill`` wrote may come from a library that writes its files 0600
+    (safetensors' ``model.safetensors``), which would hide a model from the others who share it."""
+    mask = _umask()
+    for p in root.rglob("*"):
+        if p.is_symlink():
+            continue
+        executable = p.is_dir() or p.stat().st_mode & 0o111
+        os.chmod(p, (0o777 if executable else 0o666) & ~mask)
 
 
 def _restore(aside: Path) -> None:
