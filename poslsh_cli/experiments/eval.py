@@ -90,7 +90,25 @@ def prepare(spec: TasksSpec) -> TasksContext:
     if unknown:
         where = f" (nor in {spec.include_path})" if spec.include_path else " (a local task: include_path=DIR)"
         raise ConfigError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}")
+    for task in spec.tasks:
+        _check_data(task, manager)
     return TasksContext(cks, resolve_device(spec.device), manager)
+
+
+def _check_data(task: str, manager: Any) -> None:
+    """The task's documents load (lm-eval reads most tasks' datasets from the Hugging Face hub, or
+    its cache), or one line saying why, before the run directory exists."""
+    from lm_eval.tasks import get_task_dict
+
+    from poslsh_cli.lm.documents import HUB_HINT, HUB_UNREACHABLE, hub_failure, quiet_hub
+
+    try:
+        with quiet_hub():
+            get_task_dict([task], manager)
+    except Exception as exc:
+        why = hub_failure(exc)
+        raise ConfigError(f"task {task!r}: cannot load its documents ({why})"
+                          + (f"; lm-eval reads them from the hub: {HUB_HINT}" if why == HUB_UNREACHABLE else "")) from None
 
 
 def _scheme_of(own: str, attention: str) -> str:
@@ -108,6 +126,7 @@ def cells(spec: TasksSpec, ctx: TasksContext | None = None) -> list[dict[str, An
 def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any = None) -> tuple[list[dict], dict]:
     import lm_eval
 
+    from poslsh_cli.lm.documents import quiet_hub
     from poslsh_cli.lm.harness import PoslshLM
 
     name, attention, draw = key["checkpoint"], key["attention"], int(key["draw"])
@@ -123,10 +142,11 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
     finally:
         quiet.setLevel(level)
     state = lm.poslsh_state
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(spec.tasks), num_fewshot=spec.num_fewshot, limit=spec.limit,
-                                  task_manager=ctx.manager, log_samples=False, bootstrap_iters=1000,
-                                  random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
-                                  fewshot_random_seed=spec.seed, verbosity="WARNING")
+    with quiet_hub():  # the documents are cached by prepare; a hub that went away since says nothing
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(spec.tasks), num_fewshot=spec.num_fewshot, limit=spec.limit,
+                                      task_manager=ctx.manager, log_samples=False, bootstrap_iters=1000,
+                                      random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
+                                      fewshot_random_seed=spec.seed, verbosity="WARNING")
     rows = []
     for task, metrics in out["results"].items():
         shots = out.get("n-shot", {}).get(task)
