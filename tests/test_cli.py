@@ -334,6 +334,29 @@ def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_line(tmp_path):
+    """config.json says 5 heads, the weights were saved with 4: the tensor and both shapes, in one
+    line (transformers' own error points at a report that is not shown)."""
+    import numpy as np
+
+    from poslsh_cli.lm.convert import save
+    from poslsh_cli.lm.loading import Arch, build_model
+    from poslsh_cli.lm.positions import PositionState
+
+    arch = Arch(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, head_dim=8, max_positions=256)
+    ck = tmp_path / "ck"
+    save(build_model(arch, PositionState("alibi", np.array([2.0, 4.0, 8.0, 16.0])), seed=0), ck, {"seq_len": 64}, None)
+    (ck / "manifest.json").unlink(missing_ok=True)
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 5}))
+    for command in (["perplexity", ck, f"out={tmp_path / 'p'}"], ["generate", ck, "max_new_tokens=2"]):
+        r = invoke(*command)
+        assert one_line(r) and "above report" not in r.stderr, r.output
+        assert "model.layers.0.self_attn.q_proj.weight" in r.stderr and "32x32" in r.stderr and "40x32" in r.stderr, \
+            r.stderr
+    assert not (tmp_path / "p").exists()
+
+
 def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypatch):
     """Launches in the same second (the timestamp held fixed here) get their own directories; two
     processes race for them through mkdir, which only one can win."""
