@@ -357,6 +357,26 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_line(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+def test_an_error_keeps_the_lines_that_say_how_to_fix_it(tmp_path, capsys):
+    """--readme FILE without the results markers: the error gives the two lines to put in FILE,
+    each whole on its own line; nothing is published. An unexpected error keeps its first line."""
+    from poslsh_cli.app.launch import fail
+    from poslsh_cli.app.publish import BEGIN, END
+
+    run = small_run(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# mine\n")
+    r = invoke("report", run, "--publish", tmp_path / "docs", "--readme", readme)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and "Traceback" not in r.stderr, r.output
+    assert lines[0].startswith("poslsh report: error: ") and "has no results block" in lines[0], r.stderr
+    assert BEGIN in lines and END in lines, r.stderr
+    assert readme.read_text() == "# mine\n" and not (tmp_path / "docs").exists()
+    with pytest.raises(SystemExit):
+        fail("x", RuntimeError("what went wrong\n  File \"a.py\", line 1\nmore detail"))
+    assert capsys.readouterr().err == "poslsh x: error: what went wrong\n"
+
+
 def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypatch):
     """Launches in the same second (the timestamp held fixed here) get their own directories; two
     processes race for them through mkdir, which only one can win."""
