@@ -161,10 +161,12 @@ def test_unwritable_out_is_refused(tmp_path):
     assert r.exit_code == 2 and "not writable" in r.stderr
 
 
-def test_resume_refuses_a_different_config(tmp_path):
-    assert invoke("matrix-error", "n=16", "sigma=2", "s=1", "trials=1", f"out={tmp_path}").exit_code == 0
-    r = invoke("matrix-error", "n=32", "sigma=2", "s=1", "trials=1", f"out={tmp_path}")
-    assert r.exit_code == 2 and "different configuration" in r.stderr
+def test_resume_refuses_a_different_config_naming_the_keys(tmp_path):
+    assert invoke("matrix-error", "n=16", "sigma=2", "s=[1,2]", "trials=1", f"out={tmp_path}").exit_code == 0
+    r = invoke("matrix-error", "n=32", "sigma=2", "s=[1,4]", "trials=2", f"out={tmp_path}")
+    assert r.exit_code == 2 and one_line(r) and "different configuration" in r.stderr, r.stderr
+    assert "n: 16 -> 32" in r.stderr and "s: [1, 2] -> [1, 4]" in r.stderr and "trials: 1 -> 2" in r.stderr, r.stderr
+    assert "sigma" not in r.stderr, r.stderr
 
 
 def test_multirun_writes_one_run_per_job(tmp_path):
