@@ -379,6 +379,44 @@ def test_an_error_keeps_the_lines_that_say_how_to_fix_it(tmp_path, capsys):
     assert capsys.readouterr().err == "poslsh x: error: what went wrong\n"
 
 
+def tiny_checkpoint(path, heads=4):
+    """A byte-level ALiBi checkpoint of one small layer (random weights), saved as poslsh train does."""
+    import numpy as np
+
+    from poslsh_cli.lm.convert import save
+    from poslsh_cli.lm.loading import Arch, build_model
+    from poslsh_cli.lm.positions import PositionState
+
+    arch = Arch(hidden=32, layers=1, heads=heads, kv_heads=2, intermediate=64, head_dim=8, max_positions=256)
+    sigmas = np.geomspace(2.0, 16.0, heads)
+    save(build_model(arch, PositionState("alibi", sigmas), seed=0), path, {"seq_len": 64}, None)
+    return path
+
+
+def test_every_command_estimates_its_memory():
+    """memory_check is a key of every command, so every command estimates its peak memory."""
+    from poslsh_cli.app import registry
+
+    missing = [name for name, exp in registry.experiments().items() if exp.memory is None]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("command", ["step-bench", "train", "decode-bench", "passkey", "eval"])
+def test_a_run_too_large_for_this_machine_is_refused_in_one_line(tmp_path, command):
+    """The same refusal as the other commands, before anything is written or loaded; memory_check=false
+    would run it."""
+    ck = tiny_checkpoint(tmp_path / "ck") if command in ("passkey", "eval") else None
+    args = {"step-bench": ["seq_len=[4000000]"],
+            "train": ["seq_len=[4000000]"],
+            "decode-bench": ["context=[400000000]"],
+            "passkey": [ck, "lengths=[400000000]"],
+            "eval": [ck, "tasks=[anything]", "max_length=400000000", "batch_size=64"]}[command]
+    r = invoke(command, *args, f"out={tmp_path / 'run'}")
+    assert r.exit_code == 2 and one_line(r), r.output
+    assert "needs about" in r.stderr and "memory_check=false runs it anyway" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypatch):
     """Launches in the same second (the timestamp held fixed here) get their own directories; two
     processes race for them through mkdir, which only one can win."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError, Spec, check, key
-from poslsh_cli.experiments.base import Device, Experiment, resolve_device
+from poslsh_cli.experiments.base import Device, Experiment, MemoryNeed, checkpoint_forward_bytes, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section
@@ -109,6 +109,34 @@ def _check_data(task: str, manager: Any) -> None:
         why = hub_failure(exc)
         raise ConfigError(f"task {task!r}: cannot load its documents ({why})"
                           + (f"; lm-eval reads them from the hub: {HUB_HINT}" if why == HUB_UNREACHABLE else "")) from None
+
+
+#: The input length lm-eval's HFLM assumes for a model that states none; with ``max_length=null``
+#: the documents decide the length, unknown before they are read: estimated at this.
+DEFAULT_LENGTH = 2048
+
+
+def memory(spec: TasksSpec) -> MemoryNeed | None:
+    """Peak bytes of a batch of ``batch_size`` inputs of ``max_length`` tokens (null: at most the
+    model's positions and :data:`DEFAULT_LENGTH`) through the largest checkpoint, under each
+    scheme asked for (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
+    checkpoint cannot be read (prepare says why)."""
+    from poslsh_cli.lm.checkpoint import read_config
+
+    need = None
+    try:
+        device = resolve_device(spec.device)
+        for entry in spec.checkpoints:
+            for path, name in expand_checkpoints(entry):
+                n = spec.max_length or min(DEFAULT_LENGTH, int(read_config(path).get("max_position_embeddings")
+                                                               or DEFAULT_LENGTH))
+                for a in spec.attention:
+                    b = checkpoint_forward_bytes(path, spec.batch_size, n, device, a, spec.s)
+                    if need is None or b > need.bytes:
+                        need = MemoryNeed(b, f"{name} ({a}), {spec.batch_size} inputs of {n} tokens", spec.device)
+    except (ConfigError, OSError, ValueError):
+        return None
+    return need
 
 
 def _scheme_of(own: str, attention: str) -> str:
@@ -214,4 +242,5 @@ EXPERIMENT = Experiment(
     report=report,
     positional="checkpoints",
     order=76,
+    memory=memory,
 )
