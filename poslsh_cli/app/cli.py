@@ -249,16 +249,26 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
                                                       "decode through the key/value cache)",
                                                       show_default=False)) -> None:
     """Continue a prompt with a checkpoint under its own position scheme or another one (transformers'
-    generate; the text on stdout, tokens and speed on stderr)."""
+    generate; the text on stdout as it comes, tokens and speed on stderr). A RoPE model stops at its
+    max_position_embeddings; the other schemes have no position limit and extrapolate past the
+    length the model was trained at (a line on stderr says so)."""
     from poslsh_cli.lm.generate import generate, parse
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def notice(text: str) -> None:
+        sys.stderr.write(f"poslsh generate: {text}\n")
+        sys.stderr.flush()
 
     try:
         opts = parse(list(settings or []))
-        out = generate(checkpoint, **opts)
+        out = generate(checkpoint, **opts, stream=stream, notice=notice)
     except ConfigError as exc:
         fail("generate", str(exc))
         return
-    typer.echo(out.text)
+    typer.echo("")
     sys.stderr.write(f"poslsh generate: {out.new_tokens} new tokens in {out.seconds:.2f} s "
                      f"({out.tokens_per_s:.1f} tokens/s), {out.scheme}, attention path "
                      f"{', '.join(out.paths) or 'the model own'}, cache {'on' if opts['cache'] else 'off'}\n")
