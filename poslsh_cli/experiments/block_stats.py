@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, slope_text
+from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, over_groups, slope_text
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.numerics.metrics import fit_loglog_slope
@@ -254,7 +254,7 @@ def report(run: Path, df: Any) -> Section:
                       f"(exact law ×{law.max() / law.min():.2f})")
         c = float(logs.s_per_log_n.iloc[0])
         sec.verdicts.append(Verdict(f"b_max / (σ log log n) stays bounded as n grows when s = ⌈{c:g} ln n⌉",
-                                    combine(statuses), "; ".join(ev), BAND_RULE))
+                                    combine(statuses), "; ".join(ev), over_groups(BAND_RULE)))
     # fixed s: does b_max grow with n? (its law does not depend on n)
     for (sigma, s), g in fixed.groupby(["sigma", "s"]):
         if g.n.nunique() < 2:
