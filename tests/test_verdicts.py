@@ -44,3 +44,50 @@ def test_every_verdict_over_groups_says_how_groups_combine():
     assert len(over_groups) == 4
     for v in over_groups:
         assert GROUPS_RULE in v.rule, (v.claim, v.rule)
+
+
+# ---------------------------------------------------------------------------------------------
+# "Positional LSH trains faster than exact ALiBi", fed timings with noise
+
+
+def train_times(ratio, seeds, noise, g, lengths=(256, 1024)):
+    """Rows of a train run with what the speed claim reads: each cell's median step time, exact
+    ALiBi's law times ``ratio`` for Positional LSH at the longest L, with log-normal ``noise``."""
+    rows = []
+    for L in lengths:
+        for seed in seeds:
+            for pos, s in (("alibi", 0), ("poslsh", 10)):
+                law = 1e-6 * L * L * (ratio if pos == "poslsh" and L == max(lengths) else 1.0)
+                rows.append(dict(position=pos, s=s, seed=seed, seq_len=L, attn_dropout=0.0, sigmas="standard",
+                                 step_seconds=law * float(np.exp(noise * g.standard_normal()))))
+    return pd.DataFrame(rows)
+
+
+def speed_verdict(df):
+    from poslsh_cli.experiments.train_report import claim_crossover
+
+    [v] = claim_crossover(df)
+    return v
+
+
+def test_equal_step_times_with_noise_are_not_a_speed_up():
+    """The same timing law for both schemes, 5% noise, three seeds: SUPPORTED at most about as
+    often as the rule's error rate (2.5%), not every other time."""
+    g = np.random.default_rng(0)
+    found = [speed_verdict(train_times(1.0, (0, 1, 2), 0.05, g)).status for _ in range(200)]
+    assert found.count(S) <= 20 and found.count(N) <= 20, (found.count(S), found.count(N))
+
+
+def test_a_clear_speed_up_over_several_seeds_is_supported_and_states_its_interval():
+    from poslsh_cli.verdicts.stats import t_interval
+
+    g = np.random.default_rng(1)
+    df = train_times(0.7, (0, 1, 2, 3, 4), 0.05, g)
+    v = speed_verdict(df)
+    assert v.status is S, v
+    big = df[df.seq_len == 1024].pivot(index="seed", columns="position", values="step_seconds")
+    iv = t_interval(np.log(big.poslsh / big.alibi))
+    assert f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}] (95%, 5 seeds)" in v.evidence, v.evidence
+    assert speed_verdict(train_times(1.3, (0, 1, 2, 3, 4), 0.05, g)).status is N
+    one = speed_verdict(train_times(0.7, (0,), 0.05, g))
+    assert one.status is I and "1 seed" in one.evidence, one
