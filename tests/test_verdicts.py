@@ -91,3 +91,41 @@ def test_a_clear_speed_up_over_several_seeds_is_supported_and_states_its_interva
     assert speed_verdict(train_times(1.3, (0, 1, 2, 3, 4), 0.05, g)).status is N
     one = speed_verdict(train_times(0.7, (0,), 0.05, g))
     assert one.status is I and "1 seed" in one.evidence, one
+
+
+# ---------------------------------------------------------------------------------------------
+# block-stats: the largest width against its exact law, and a law 30% too wide
+
+
+def widths_table(wider, trials, g):
+    """block-stats rows whose largest widths follow the exact law with sigma times ``wider``."""
+    from test_report import block_table
+
+    df = block_table(grow=False, trials=trials)
+    return df.assign(max_width=[g.gamma(2.0, wider * r.sigma, size=int(r.s)).max() for r in df.itertuples()])
+
+
+def law_verdict(df):
+    sec = registry.get("block-stats").report(RUN, df)
+    [v] = [v for v in sec.verdicts if "largest width follows" in v.claim]
+    return v
+
+
+def test_a_law_30_percent_too_wide_is_not_passed_for_want_of_trials():
+    """Five trials per (σ, s) group cannot tell the exact law from one 30% wider (the test rejects
+    the wider one about one time in six): INCONCLUSIVE, saying so and how many trials would do,
+    not SUPPORTED four times in five."""
+    g = np.random.default_rng(0)
+    found = [law_verdict(widths_table(1.3, 5, g)) for _ in range(100)]
+    statuses = [v.status for v in found]
+    assert statuses.count(S) <= 5, statuses.count(S)
+    inconclusive = [v for v in found if v.status is I]
+    assert inconclusive and all("power" in v.evidence and "trials=" in v.evidence for v in inconclusive), \
+        inconclusive[0].evidence
+
+
+def test_enough_trials_pass_the_exact_law_and_reject_one_30_percent_wider():
+    g = np.random.default_rng(1)
+    v = law_verdict(widths_table(1.0, 60, g))
+    assert v.status is S and "power" in v.evidence, v
+    assert law_verdict(widths_table(1.3, 60, g)).status is N
