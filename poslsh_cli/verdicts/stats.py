@@ -1,5 +1,5 @@
 """Intervals and the decision rules of comparisons between trained models (docs/THEORY.md,
-"Verdict rules").
+"Verdict rules"), and the power of a goodness-of-fit test (:func:`ks_power`).
 
 A comparison between two schemes is a statistic: the difference of their bits per byte, paired by
 training seed (the same seed gives the same initial weights and data order to every scheme), with a
@@ -182,7 +182,7 @@ def ks_power(null_cdf: Callable[[np.ndarray], np.ndarray], draw: Callable[[int, 
 
 def ks_values_needed(null_cdf: Callable[[np.ndarray], np.ndarray],
                      draw: Callable[[int, np.random.Generator], np.ndarray], alpha: float,
-                     generator: np.random.Generator, power: float = POWER, start: int = 2, limit: int = 100_000) -> int:
+                     generator: np.random.Generator, power: float = POWER, start: int = 2, limit: int = 10_000) -> int:
     """The fewest values (found by doubling, then bisection, each power simulated by
     :func:`ks_power`) with which the test reaches ``power``; ``limit`` if none up to it does."""
     lo, hi = max(1, start - 1), max(2, start)
