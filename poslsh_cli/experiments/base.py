@@ -186,8 +186,8 @@ def attention_bytes(path: str, batch: int, heads: int, n: int, head_dim: int, s:
                     training: bool = False) -> float:
     """Bytes one attention layer holds at length n (float32) on the path labelled ``path``
     (:attr:`poslsh_cli.attention.plan.Plan.label`): the dense path the n x n bias of every head
-    (the kernel under it keeps outputs of order n); the reference the weights of
-    every sequence; the block path Positional LSH's s per-sample outputs and log-sum-exps (about
+    (the kernel under it keeps outputs of order n); the reference path the n x n weights of every
+    sequence; the block path Positional LSH's s per-sample outputs and log-sum-exps (about
     half a head vector each, as measured by step-bench); any other path (SDPA, rank-1, chunked,
     FlexAttention) outputs and log-sum-exps of order n."""
     rows = 4.0 * batch * heads * n
@@ -233,7 +233,8 @@ def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: boo
     tokens = float(batch) * n
     w = 4.0 * shape.params if weights is None else weights
     if not training:
-        return w + elem * tokens * (4 * shape.hidden + 2 * shape.intermediate) + attention + 2 * 4.0 * tokens * shape.vocab
+        layer = elem * tokens * (4 * shape.hidden + 2 * shape.intermediate) + attention
+        return w + layer + 2 * 4.0 * tokens * shape.vocab
     state = (w + 12.0 * (shape.params if trainable is None else trainable)) / shards
     layer = elem * tokens * (12 * shape.hidden + 4 * shape.intermediate) + attention
     kept = shape.layers * elem * tokens * shape.hidden + layer if recompute else shape.layers * layer
