@@ -98,13 +98,11 @@ def prepare(spec: TasksSpec) -> TasksContext:
 def _check_data(task: str, manager: Any) -> None:
     """The task's documents load (lm-eval reads most tasks' datasets from the Hugging Face hub, or
     its cache), or one line saying why, before the run directory exists."""
-    from lm_eval.tasks import get_task_dict
-
     from poslsh_cli.lm.documents import HUB_HINT, HUB_UNREACHABLE, hub_failure, quiet_hub
 
     try:
         with quiet_hub():
-            get_task_dict([task], manager)
+            manager.load([task])  # builds the task, which reads its documents
     except Exception as exc:
         why = hub_failure(exc)
         raise ConfigError(f"task {task!r}: cannot load its documents ({why})"
