@@ -161,10 +161,12 @@ def test_unwritable_out_is_refused(tmp_path):
     assert r.exit_code == 2 and "not writable" in r.stderr
 
 
-def test_resume_refuses_a_different_config(tmp_path):
-    assert invoke("matrix-error", "n=16", "sigma=2", "s=1", "trials=1", f"out={tmp_path}").exit_code == 0
-    r = invoke("matrix-error", "n=32", "sigma=2", "s=1", "trials=1", f"out={tmp_path}")
-    assert r.exit_code == 2 and "different configuration" in r.stderr
+def test_resume_refuses_a_different_config_naming_the_keys(tmp_path):
+    assert invoke("matrix-error", "n=16", "sigma=2", "s=[1,2]", "trials=1", f"out={tmp_path}").exit_code == 0
+    r = invoke("matrix-error", "n=32", "sigma=2", "s=[1,4]", "trials=2", f"out={tmp_path}")
+    assert r.exit_code == 2 and one_line(r) and "different configuration" in r.stderr, r.stderr
+    assert "n: 16 -> 32" in r.stderr and "s: [1, 2] -> [1, 4]" in r.stderr and "trials: 1 -> 2" in r.stderr, r.stderr
+    assert "sigma" not in r.stderr, r.stderr
 
 
 def test_multirun_writes_one_run_per_job(tmp_path):
@@ -222,7 +224,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err.decode()
+    assert proc.returncode == 143, err.decode()  # 128 + SIGTERM
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "interrupted"
     done_before = {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.json")}
@@ -357,6 +359,87 @@ def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
     r = invoke("perplexity", ck, f"out={tmp_path / 'p'}")
     assert one_line(r) and "config.json is not valid JSON" in r.stderr, r.output
     assert not (tmp_path / "p").exists()
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_line(tmp_path):
+    """config.json says 5 heads, the weights were saved with 4: the tensor and both shapes, in one
+    line (transformers' own error points at a report that is not shown)."""
+    import numpy as np
+
+    from poslsh_cli.lm.convert import save
+    from poslsh_cli.lm.loading import Arch, build_model
+    from poslsh_cli.lm.positions import PositionState
+
+    arch = Arch(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, head_dim=8, max_positions=256)
+    ck = tmp_path / "ck"
+    save(build_model(arch, PositionState("alibi", np.array([2.0, 4.0, 8.0, 16.0])), seed=0), ck, {"seq_len": 64}, None)
+    (ck / "manifest.json").unlink(missing_ok=True)
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 5}))
+    for command in (["perplexity", ck, f"out={tmp_path / 'p'}"], ["generate", ck, "max_new_tokens=2"]):
+        r = invoke(*command)
+        assert one_line(r) and "above report" not in r.stderr, r.output
+        assert "model.layers.0.self_attn.q_proj.weight" in r.stderr and "32x32" in r.stderr and "40x32" in r.stderr, \
+            r.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_an_error_keeps_the_lines_that_say_how_to_fix_it(tmp_path, capsys):
+    """--readme FILE without the results markers: the error gives the two lines to put in FILE,
+    each whole on its own line; nothing is published. An unexpected error keeps its first line."""
+    from poslsh_cli.app.launch import fail
+    from poslsh_cli.app.publish import BEGIN, END
+
+    run = small_run(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# mine\n")
+    r = invoke("report", run, "--publish", tmp_path / "docs", "--readme", readme)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and "Traceback" not in r.stderr, r.output
+    assert lines[0].startswith("poslsh report: error: ") and "has no results block" in lines[0], r.stderr
+    assert BEGIN in lines and END in lines, r.stderr
+    assert readme.read_text() == "# mine\n" and not (tmp_path / "docs").exists()
+    with pytest.raises(SystemExit):
+        fail("x", RuntimeError("what went wrong\n  File \"a.py\", line 1\nmore detail"))
+    assert capsys.readouterr().err == "poslsh x: error: what went wrong\n"
+
+
+def tiny_checkpoint(path, heads=4):
+    """A byte-level ALiBi checkpoint of one small layer (random weights), saved as poslsh train does."""
+    import numpy as np
+
+    from poslsh_cli.lm.convert import save
+    from poslsh_cli.lm.loading import Arch, build_model
+    from poslsh_cli.lm.positions import PositionState
+
+    arch = Arch(hidden=32, layers=1, heads=heads, kv_heads=2, intermediate=64, head_dim=8, max_positions=256)
+    sigmas = np.geomspace(2.0, 16.0, heads)
+    save(build_model(arch, PositionState("alibi", sigmas), seed=0), path, {"seq_len": 64}, None)
+    return path
+
+
+def test_every_command_estimates_its_memory():
+    """memory_check is a key of every command, so every command estimates its peak memory."""
+    from poslsh_cli.app import registry
+
+    missing = [name for name, exp in registry.experiments().items() if exp.memory is None]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("command", ["step-bench", "train", "decode-bench", "passkey", "eval"])
+def test_a_run_too_large_for_this_machine_is_refused_in_one_line(tmp_path, command):
+    """The same refusal as the other commands, before anything is written or loaded; memory_check=false
+    would run it."""
+    ck = tiny_checkpoint(tmp_path / "ck") if command in ("passkey", "eval") else None
+    args = {"step-bench": ["seq_len=[4000000]"],
+            "train": ["seq_len=[4000000]"],
+            "decode-bench": ["context=[400000000]"],
+            "passkey": [ck, "lengths=[400000000]"],
+            "eval": [ck, "tasks=[anything]", "max_length=400000000", "batch_size=64"]}[command]
+    r = invoke(command, *args, f"out={tmp_path / 'run'}")
+    assert r.exit_code == 2 and one_line(r), r.output
+    assert "needs about" in r.stderr and "memory_check=false runs it anyway" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypatch):

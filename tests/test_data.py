@@ -100,6 +100,49 @@ def test_a_saved_dataset_and_the_hub_offline(tmp_path, monkeypatch):
         load_corpus("hf:this-dataset-is-not-cached:config")
 
 
+class Records(list):
+    """A logging handler that keeps what reaches it."""
+
+    def __init__(self):
+        import logging
+
+        super().__init__()
+        self.handler = logging.Handler()
+        self.handler.emit = self.append
+
+
+def unreachable_hub(monkeypatch):
+    """``datasets.load_dataset`` as it fails without a network: the hub client's retry warnings,
+    then a ConnectionError. Returns what reaches the hub client's logger."""
+    import logging
+
+    datasets = pytest.importorskip("datasets")
+    records = Records()
+    log = logging.getLogger("huggingface_hub.utils._http")
+    log.addHandler(records.handler)
+
+    def load_dataset(*args, **kwargs):
+        for k in range(1, 6):
+            log.warning("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/x")
+            log.warning(f"Retrying in {2 ** (k - 1)}s [Retry {k}/5].")
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return records
+
+
+def test_an_unreachable_hub_is_one_sentence_with_a_hint(monkeypatch):
+    """No network: no retry warnings, one reason (the hub is not reachable and no copy is cached)
+    and what to do."""
+    records = unreachable_hub(monkeypatch)
+    with pytest.raises(ConfigError) as err:
+        load_corpus("hf:wikitext:wikitext-2-raw-v1")
+    assert "the Hugging Face hub is not reachable" in str(err.value) and "HF_HUB_OFFLINE=1" in str(err.value)
+    assert "\n" not in str(err.value) and not records, [r.getMessage() for r in records]
+
+
 def test_token_bytes_cover_the_text_exactly():
     text = "Positional LSH — naïve ALiBi: 𝑥² + 1\n\nsecond paragraph"
     ids, nb = ByteTokenizer().encode(text)

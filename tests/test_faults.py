@@ -5,6 +5,10 @@ Each case kills a real ``poslsh`` process with SIGKILL at a chosen point (``$POS
 on disk, then runs the same command again and compares the directory with an uninterrupted run:
 the final weights bit for bit, the metrics log step by step (no step twice), and every metric
 column of results.csv. Bad input must give one line, exit 2, and leave nothing behind.
+
+No case waits for a time: a case that acts while a process is at a given point (sends SIGTERM or
+SIGINT from outside, starts a second process) holds that process at the point
+(``$POSLSH_FAULT_HOLD``) and waits for the file the point writes.
 """
 import json
 import os
@@ -22,22 +26,61 @@ TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "interme
         "checkpoint_every=4", "eval_every=5"]
 MATRIX = ["matrix-error", "n=[300,600]", "sigma=[4]", "s=[2,8]", "trials=2"]
 TIMING = {"seconds", "tokens_per_s", "wall_seconds", "step_seconds", "peak_mem_mb"}
+#: Exit code of a run stopped by the signal (128 + its number, the shell's convention)
+STOPPED = {"TERM": 143, "INT": 130}
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
+def ctrl_c_as_in_a_terminal():
+    """The child takes SIGINT as a command typed in a terminal does. A test session started in the
+    background by a non-interactive shell (``make test &``, a CI script) has SIGINT ignored, and its
+    children inherit that: Ctrl-C would do nothing to them."""
+    import signal as signals
+
+    signals.signal(signals.SIGINT, signals.SIG_DFL)
+
+
+def fault_env(fault=None, signal=None, hold=None):
+    env = {k: v for k, v in ENV.items() if not k.startswith("POSLSH_FAULT")}
+    for k, v in (("POSLSH_FAULT", fault), ("POSLSH_FAULT_SIGNAL", signal), ("POSLSH_FAULT_HOLD", hold)):
+        if v:
+            env[k] = str(v)
+    return env
+
+
 def poslsh(*args, fault=None, signal=None, cwd=None, timeout=600):
-    env = {k: v for k, v in ENV.items() if k not in ("POSLSH_FAULT", "POSLSH_FAULT_SIGNAL")}
-    if fault:
-        env["POSLSH_FAULT"] = fault
-    if signal:
-        env["POSLSH_FAULT_SIGNAL"] = signal
     return subprocess.run([sys.executable, "-m", "poslsh_cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
+                          env=fault_env(fault, signal), cwd=cwd, timeout=timeout, preexec_fn=ctrl_c_as_in_a_terminal)
 
 
-def start(*args, cwd=None):
+def start(*args, cwd=None, fault=None, hold=None):
     return subprocess.Popen([sys.executable, "-m", "poslsh_cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=cwd)
+                            stderr=subprocess.PIPE, text=True, env=fault_env(fault, hold=hold), cwd=cwd,
+                            preexec_fn=ctrl_c_as_in_a_terminal)
+
+
+def held(proc, hold, timeout=600):
+    """Wait until ``proc`` stands at its fault point (it has written ``hold``); fail with its output
+    if it ended first."""
+    deadline = time.monotonic() + timeout
+    while not hold.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the process ended (code {proc.returncode}) before its fault point: {err[-2000:]}")
+        assert time.monotonic() < deadline, f"no fault point reached in {timeout} s"
+        time.sleep(0.01)
+
+
+def interrupt(*args, fault, sig, hold):
+    """Run ``poslsh *args`` until it stands at ``fault``, send it SIG``sig`` from outside (a cancelled
+    job, Ctrl-C), and return what it did as a CompletedProcess."""
+    import signal as signals
+
+    proc = start(*args, fault=fault, hold=hold)
+    held(proc, hold)
+    proc.send_signal(getattr(signals, f"SIG{sig}"))
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def one_line(stderr):
@@ -132,12 +175,12 @@ def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_pa
 ])
 def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, fault, sig):
     """SIGTERM (a cancelled or preempted job) or SIGINT at each kill point of a run's first and only
-    cell: exit 130, nothing deleted that holds work, and the same command resumes to the
+    cell: exit 143 after SIGTERM and 130 after Ctrl-C (128 + the signal), nothing deleted that holds work, and the same command resumes to the
     uninterrupted run (resumed after SIGTERM only: SIGINT reaches the same handler, so after it the
     test checks what is kept: the metrics log, and every checkpoint written before the signal)."""
     out = tmp_path / "run"
-    r = poslsh("train", *TINY, f"out={out}", fault=fault, signal=sig)
-    assert r.returncode == 130, (fault, sig, r.returncode, r.stderr[-2000:])
+    r = interrupt("train", *TINY, f"out={out}", fault=fault, sig=sig, hold=tmp_path / "held")
+    assert r.returncode == STOPPED[sig], (fault, sig, r.returncode, r.stderr[-2000:])
     assert out.is_dir() and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"kept in {out}" in r.stderr and "removed" not in r.stderr, r.stderr[-2000:]
     assert json.loads((out / "meta.json").read_text())["status"] in ("interrupted", "complete")
@@ -153,19 +196,37 @@ def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, 
     assert_same_training(out, reference / "train")
 
 
+def test_ctrl_c_reaches_a_run_whose_parent_ignored_it(reference, tmp_path):
+    """A test session started in the background by a non-interactive shell (``make test &``) has
+    SIGINT ignored: the harness gives its children SIGINT back (Ctrl-C stops the run), and a fault
+    point asked to send an ignored signal says so instead of letting the run finish as if never
+    interrupted."""
+    import signal as signals
+
+    before = signals.signal(signals.SIGINT, signals.SIG_IGN)
+    try:
+        r = interrupt("train", *TINY, f"out={tmp_path / 'run'}", fault="step:3", sig="INT", hold=tmp_path / "held")
+        assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+        r = subprocess.run([sys.executable, "-m", "poslsh_cli", "train", *TINY, f"out={tmp_path / 'b'}"],
+                           capture_output=True, text=True, env=fault_env("step:3", "INT"))  # SIGINT stays ignored
+    finally:
+        signals.signal(signals.SIGINT, before)
+    assert r.returncode == 1 and "SIGINT is ignored in this process" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
 def test_an_interrupt_before_any_work_removes_only_what_it_created(tmp_path):
     """Interrupted while the run directory is set up (nothing computed yet): nothing is left."""
     out = tmp_path / "a" / "run"
-    r = poslsh("train", *TINY, f"out={out}", fault="write:meta.json", signal="TERM")
-    assert r.returncode == 130 and "before anything was computed" in r.stderr, r.stderr[-2000:]
+    r = interrupt("train", *TINY, f"out={out}", fault="write:meta.json", sig="TERM", hold=tmp_path / "held")
+    assert r.returncode == 143 and "before anything was computed" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.parametrize("sig", ["TERM", SLOW("INT")])
 def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
     out = tmp_path / "m"
-    r = poslsh(*MATRIX, f"out={out}", fault="cell@2", signal=sig)
-    assert r.returncode == 130 and "2/8 cells finished" in r.stderr, r.stderr[-2000:]
+    r = interrupt(*MATRIX, f"out={out}", fault="cell@2", sig=sig, hold=tmp_path / "held")
+    assert r.returncode == STOPPED[sig] and "2/8 cells finished" in r.stderr, r.stderr[-2000:]
     r = poslsh(*MATRIX, f"out={out}")
     assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
     assert_same_results(out, reference / "matrix")
@@ -200,17 +261,23 @@ def test_killed_perplexity_run_resumes(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.0, 1.0])
-def test_two_processes_on_one_run_directory(reference, tmp_path, delay):
+@pytest.mark.parametrize("when", ["together", "while the first trains"])
+def test_two_processes_on_one_run_directory(reference, tmp_path, when):
     """One runs, the other exits 2 with one line naming the holder and touches nothing; the
-    directory ends equal to an uninterrupted run."""
-    out = tmp_path / "run"
-    a = start("train", *TINY, f"out={out}")
-    time.sleep(delay)
+    directory ends equal to an uninterrupted run. Started together, either may win; started while
+    the first stands at training step 3, the first is the holder."""
+    out, hold = tmp_path / "run", tmp_path / "held"
+    a = start("train", *TINY, f"out={out}", **({"fault": "step:3", "hold": hold} if when != "together" else {}))
+    if when != "together":
+        held(a, hold)
     b = start("train", *TINY, f"out={out}")
-    ra, rb = a.communicate(timeout=600), b.communicate(timeout=600)
+    rb = b.communicate(timeout=600)
+    hold.unlink(missing_ok=True)  # the first goes on
+    ra = a.communicate(timeout=600)
     codes = sorted([a.returncode, b.returncode])
     assert codes == [0, 2], (codes, ra[1][-1500:], rb[1][-1500:])
+    if when != "together":
+        assert b.returncode == 2
     loser = ra if a.returncode == 2 else rb
     assert one_line(loser[1]) and "is in use by pid" in loser[1], loser[1]
     assert_same_training(out, reference / "train")
@@ -219,12 +286,13 @@ def test_two_processes_on_one_run_directory(reference, tmp_path, delay):
 
 
 def test_a_second_sweep_on_one_directory_is_refused(tmp_path):
-    out = tmp_path / "sweep"
-    a = start("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}")
-    deadline = time.time() + 60
-    while not (out / ".lock").exists() and time.time() < deadline:
-        time.sleep(0.05)
+    """The second sweep starts while the first stands after its first cell (held there)."""
+    out, hold = tmp_path / "sweep", tmp_path / "held"
+    a = start("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}",
+              fault="cell", hold=hold)
+    held(a, hold)
     r = poslsh("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}")
+    hold.unlink()
     a.communicate(timeout=600)
     assert a.returncode == 0
     assert r.returncode == 2 and one_line(r.stderr) and "in use by" in r.stderr, r.stderr

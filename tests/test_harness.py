@@ -187,6 +187,26 @@ def test_poslsh_lm_and_eval_keep_the_checkpoints_sampler_and_backend(sobol_ck, t
         assert len(df) == 4 and (df.sampler == sampler).all() and (df.position == "poslsh").all(), df
 
 
+def test_a_task_whose_data_is_on_an_unreachable_hub_is_one_line(byte_ck, tmp_path, monkeypatch):
+    """A task that reads its dataset from the hub, without a network: refused before the run
+    directory exists, in one line with a hint, without the hub client's retry warnings."""
+    from test_data import unreachable_hub
+
+    records = unreachable_hub(monkeypatch)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub.yaml").write_text(
+        "task: hub_task\ndataset_path: wikitext\ndataset_name: wikitext-2-raw-v1\ntest_split: test\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{page}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n")
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["eval", str(byte_ck), "tasks=[hub_task]", f"include_path={tmp_path / 'tasks'}",
+                              f"out={out}"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "hub_task" in res.stderr and "the Hugging Face hub is not reachable" in res.stderr, res.stderr
+    assert "HF_HUB_OFFLINE=1" in res.stderr and not out.exists()
+    assert not records, [r.getMessage() for r in records]
+
+
 def test_registered_for_lm_eval():
     """The model is lm-eval's ``poslsh`` once the module is imported, and the package declares it
     in the ``lm_eval.models`` entry-point group that lm-eval's plugin discovery reads."""

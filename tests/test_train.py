@@ -633,3 +633,18 @@ def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monk
         assert len({f.parent.name.rsplit("-", 1)[-1] for f in (cell / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
     res = invoke("train", *TINY, "logger=mlflow", f"out={tmp_path / 'bad'}")
     assert res.exit_code != 0 and "logger" in res.stderr
+
+
+def test_every_file_of_a_training_run_has_the_mode_the_umask_gives(trained):
+    """Weights, checkpoints and tables alike: 0666 less the umask (0644 under the usual 022), like
+    any file a program creates, not the 0600 of a temporary file."""
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    files = [p for p in trained.rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in files)
+    odd = {str(p.relative_to(trained)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+           if stat.S_IMODE(p.stat().st_mode) != 0o666 & ~mask}
+    assert not odd, odd

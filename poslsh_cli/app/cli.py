@@ -30,7 +30,7 @@ app = typer.Typer(
     name="poslsh",
     help="Reproduce, measure and extend Positional LSH (Wolfson & Wagner, 2026): ALiBi's bias exp(-|i-j|/sigma) "
          "as the mean of random block-diagonal masks.\n\n"
-         "Experiment commands take KEY=VALUE overrides (lists: key=\\[a,b]); experiment=NAME applies a preset; "
+         "Experiment commands take KEY=VALUE overrides (lists, quoted for zsh: 'key=\\[a,b]'); experiment=NAME applies a preset; "
          "-m runs a Hydra multirun over comma-separated values. Results go to runs/<command>/<timestamp>/ or "
          "out=DIR; running again with the same out= resumes.",
     no_args_is_help=True,
@@ -93,7 +93,8 @@ def _epilog(exp: Experiment) -> str:
     for k, default, text in key_help(exp.spec, _yaml_defaults(exp)):
         if k in exp.groups and k == "model":
             text = models.help_text()
-        lines.append(f"  [cyan]{k}[/cyan]={escape(default)}  {escape(text)}\n\n")
+        q = "'" if "[" in default else ""  # a list, quoted as the shell needs it (zsh globs brackets)
+        lines.append(f"  {q}[cyan]{k}[/cyan]={escape(default)}{q}  {escape(text)}\n\n")
     presets = registry.preset_names(exp)
     if presets:
         lines.append(f"  [cyan]experiment[/cyan]=NAME  a preset from conf/experiment/: {escape(', '.join(presets))}\n\n")
@@ -143,7 +144,7 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
     """One report.md and a self-contained report.html: each paper claim beside its measurement.
 
     With --publish DIR the results are published instead, from a snapshot that publishing
-    DIR/results/* again regenerates byte for byte (make publish RUNS=<reproduce root>).
+    DIR/results/* again regenerates byte for byte (make publish FROM=<reproduce root>).
     """
     from poslsh_cli.app import report
     from poslsh_cli.store.readers import find_runs
@@ -251,16 +252,26 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
                                                       "decode through the key/value cache)",
                                                       show_default=False)) -> None:
     """Continue a prompt with a checkpoint under its own position scheme or another one (transformers'
-    generate; the text on stdout, tokens and speed on stderr)."""
+    generate; the text on stdout as it comes, tokens and speed on stderr). A RoPE model stops at its
+    max_position_embeddings; the other schemes have no position limit and extrapolate past the
+    length the model was trained at (a line on stderr says so)."""
     from poslsh_cli.lm.generate import generate, parse
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def notice(text: str) -> None:
+        sys.stderr.write(f"poslsh generate: {text}\n")
+        sys.stderr.flush()
 
     try:
         opts = parse(list(settings or []))
-        out = generate(checkpoint, **opts)
+        out = generate(checkpoint, **opts, stream=stream, notice=notice)
     except ConfigError as exc:
         fail("generate", str(exc))
         return
-    typer.echo(out.text)
+    typer.echo("")
     sys.stderr.write(f"poslsh generate: {out.new_tokens} new tokens in {out.seconds:.2f} s "
                      f"({out.tokens_per_s:.1f} tokens/s), {out.scheme}, attention path "
                      f"{', '.join(out.paths) or 'the model own'}, cache {'on' if opts['cache'] else 'off'}\n")

@@ -29,14 +29,19 @@ LAUNCHERS = {"basic": (None, None), "local": (None, None), "joblib": ("hydra_plu
 
 
 def fail(command: str, message: "str | BaseException", code: int = 2) -> None:
-    """One clear line on stderr, then exit non-zero. Under torchrun only rank 0 says what rank 0
-    decided (the other ranks exit with the same code, silently)."""
+    """The error on stderr, never a traceback, then exit non-zero. A message written for the user
+    (a :class:`ConfigError`, or text) is kept whole: one line, or a first line and the lines it
+    gives to act on (the markers to put in a file); any other exception by its first line. Under
+    torchrun only rank 0 says what rank 0 decided (the other ranks exit with the same code,
+    silently)."""
     from poslsh_cli.core.distributed import FollowerError
 
     if isinstance(message, FollowerError):
         raise SystemExit(code)
-    first = " ".join(str(message).strip().splitlines()[:1]) or type(message).__name__
-    sys.stderr.write(f"poslsh {command}: error: {first}\n")
+    text = str(message).strip()
+    if isinstance(message, BaseException) and not isinstance(message, ConfigError):
+        text = " ".join(text.splitlines()[:1])
+    sys.stderr.write(f"poslsh {command}: error: {text or type(message).__name__}\n")
     sys.stderr.flush()
     raise SystemExit(code)
 
@@ -65,7 +70,7 @@ def _parse(exp: Experiment, overrides: list[str], multirun: bool) -> list[list[s
         if p.is_sweep_override():
             if not multirun:
                 raise ConfigError(f"{p.input_line!r} is a sweep: add -m for a Hydra multirun, "
-                                  f"or write {key}=[a,b] to sweep inside one run")
+                                  f"or write '{key}=[a,b]' to sweep inside one run")
             if key == "out":
                 raise ConfigError("out= cannot be swept; each multirun job gets out/<job number>")
     user = [p for p in parsed if not p.key_or_group.startswith(_HYDRA_PREFIXES)]
@@ -230,15 +235,17 @@ def _remove_if_no_run(out: Path, top: Optional[Path]) -> None:
 
 
 def terminate_as_interrupt() -> None:
-    """SIGTERM (a cancelled job) stops like Ctrl-C: finished cells stay. Installed in the task
-    itself, so it holds wherever Hydra runs the task, except in a submitit job (SLURM), where
-    submitit owns the signals: it ignores SIGTERM and requeues on its preemption/timeout signal,
-    and the requeued job resumes the run directory."""
+    """SIGTERM (a cancelled job) stops like Ctrl-C: finished cells stay, and the run exits 143
+    (Ctrl-C: 130). Installed in the task itself, so it holds wherever Hydra runs the task, except
+    in a submitit job (SLURM), where submitit owns the signals: it ignores SIGTERM and requeues on
+    its preemption/timeout signal, and the requeued job resumes the run directory."""
+    from poslsh_cli.app.runner import Terminated
+
     if os.environ.get("SUBMITIT_EXECUTOR"):
         return
 
     def _term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     try:
         signal.signal(signal.SIGTERM, _term)
@@ -276,7 +283,7 @@ def _run_hydra(exp: Experiment, argv: list[str], replay: str, multirun: bool) ->
         except RunFailed as exc:
             if os.environ.get("POSLSH_DEBUG"):
                 raise
-            fail(exp.name, f"{exc} (set POSLSH_DEBUG=1 for a traceback)", code=1)
+            fail(exp.name, " ".join(str(exc).splitlines()[:1]) + " (set POSLSH_DEBUG=1 for a traceback)", code=1)
         if rc:
             raise SystemExit(rc)
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from poslsh_cli.app import registry
+from poslsh_cli.app.runner import INTERRUPTED, TERMINATED, stopped_code
 from poslsh_cli.core.config import ConfigError
 
 
@@ -141,10 +142,10 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
     try:
         for wave in waves:
             _run_wave(wave, root, launcher, limit, done, failed, include)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _record_session(root, scale, started, time.time() - t0, len(done), failed + ["(interrupted)"])
         print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
-        return 130
+        return stopped_code(exc)
     _record_session(root, scale, started, time.time() - t0, len(done), failed)
     if done:
         from poslsh_cli.app import report
@@ -175,7 +176,7 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
                 if proc.poll() is None:
                     continue
                 running.remove(item)
-                if proc.returncode == 130:
+                if proc.returncode in (INTERRUPTED, TERMINATED):  # stopped by Ctrl-C or a kill: stop the rest
                     raise KeyboardInterrupt
                 if proc.returncode != 0:
                     failed.append(name)

@@ -18,7 +18,18 @@ from typing import Any
 from poslsh_cli.core.config import ConfigError
 from poslsh_cli.experiments.base import Experiment
 
-INTERRUPTED = 130
+#: Exit codes of a stopped run (128 + the signal, the shell's convention): Ctrl-C, SIGTERM.
+INTERRUPTED, TERMINATED = 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cancelled or preempted job), raised where Ctrl-C raises KeyboardInterrupt: the
+    same stop, its own exit code."""
+
+
+def stopped_code(exc: KeyboardInterrupt) -> int:
+    """The exit code of a run stopped by ``exc``: 143 after SIGTERM, 130 after Ctrl-C."""
+    return TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
 
 
 class RunFailed(RuntimeError):
@@ -55,7 +66,8 @@ def config_yaml(spec: Any) -> str:
 
 def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: str | None = None,
             meta: dict | None = None) -> int:
-    """Run every unfinished cell of ``exp`` into ``run_dir``; 0 when complete, 130 when interrupted.
+    """Run every unfinished cell of ``exp`` into ``run_dir``; 0 when complete, 130 when interrupted
+    by Ctrl-C, 143 by SIGTERM.
 
     Order: the run directory is checked without writing (same configuration to resume; no live
     owner), the memory estimate is checked, ``prepare`` checks the data and checkpoints; only then
@@ -124,12 +136,12 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     with owned:
         try:
             todo = dist.decide(started)
-        except KeyboardInterrupt:  # Ctrl-C / SIGTERM while the directory was being set up
-            return _interrupted(run, len(keys), err)
+        except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM while the directory was being set up
+            return _interrupted(run, len(keys), err, stopped_code(exc))
         return _loop(exp, spec, ctx, run, keys, todo, err, notice)
 
 
-def _interrupted(run: Any, total: int, err: Any) -> int:
+def _interrupted(run: Any, total: int, err: Any, code: int) -> int:
     """Record an interrupted session and say what was kept: a directory with any work in it (a
     finished cell, a checkpoint or metrics log of an unfinished one) stays for the same command to
     resume; one that holds nothing yet is removed."""
@@ -143,7 +155,7 @@ def _interrupted(run: Any, total: int, err: Any) -> int:
         err.print(f"interrupted: {n_done}/{total} cells finished"
                   + (", and the work of unfinished ones (checkpoints, logs)" if partial else "")
                   + f" kept in {run.path}; run the same command with out={run.path} to continue", markup=False)
-    return INTERRUPTED
+    return code
 
 
 def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
@@ -174,7 +186,7 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
     index = {cell_id(k): i for i, k in enumerate(keys)}
     if len(todo) < len(keys):
         err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done", markup=False)
-    status = "complete"
+    status, code = "complete", 0
     tables = _Tables(run, keys, list(exp.columns))
     try:
         with _Progress(err, len(keys), len(keys) - len(todo), exp.name) as bar:
@@ -186,8 +198,8 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
                 run.write_meta(cells_done=len(run.finished()))
                 bar.advance(key, time.perf_counter() - t0)
         tables.write()
-    except KeyboardInterrupt:
-        status = "interrupted"
+    except KeyboardInterrupt as exc:
+        status, code = "interrupted", stopped_code(exc)
         # the signal may have landed between a cell's file and the table: make them agree
         tables.write()
     except ConfigError as exc:
@@ -203,7 +215,7 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
         run.discard_if_empty()
         raise RunFailed(text) from exc
     if status == "interrupted":
-        return _interrupted(run, len(keys), err)
+        return _interrupted(run, len(keys), err, code)
     run.write_meta(status=status, cells_done=len(run.finished()))
     _print_summary(exp, run)
     return 0

@@ -34,6 +34,10 @@ FAULT_ENV = "POSLSH_FAULT"
 FAULT_SIGNAL_ENV = "POSLSH_FAULT_SIGNAL"
 #: Only the process of this rank (``$RANK`` of a distributed run) fires the fault point.
 FAULT_RANK_ENV = "POSLSH_FAULT_RANK"
+#: Environment variable naming a file: a fault point writes it and waits until it is removed.
+FAULT_HOLD_ENV = "POSLSH_FAULT_HOLD"
+#: How long a held fault point waits for its file to go before it gives up (seconds).
+FAULT_HOLD_LIMIT = 600.0
 
 
 def _umask() -> int:
@@ -122,6 +126,7 @@ def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
     try:
         fill(tmp)
         fault_point(f"dir:{target.name}")
+        _usual_modes(tmp)
         write_manifest(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
         fault_point(f"rename:{target.name}")
@@ -138,6 +143,18 @@ def write_dir(target: Path, fill: Callable[[Path], None]) -> Path:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return target
+
+
+def _usual_modes(root: Path) -> None:
+    """Every file and folder below ``root`` gets the mode the umask gives a new one (0644 and 0755
+    under the usual 022): what ``fill`` wrote may come from a library that writes its files 0600
+    (safetensors' ``model.safetensors``), which would hide a model from the others who share it."""
+    mask = _umask()
+    for p in root.rglob("*"):
+        if p.is_symlink():
+            continue
+        executable = p.is_dir() or p.stat().st_mode & 0o111
+        os.chmod(p, (0o777 if executable else 0o666) & ~mask)
 
 
 def _restore(aside: Path) -> None:
@@ -192,6 +209,11 @@ def fault_point(name: str) -> None:
     raises RuntimeError (``RAISE``: a bug or an out-of-memory error). ``$POSLSH_FAULT_RANK=r``: only
     rank r of a distributed run fires.
 
+    ``$POSLSH_FAULT_HOLD=FILE``: the process first writes its pid to FILE and waits at the point
+    until FILE is removed (then does what ``$POSLSH_FAULT_SIGNAL`` says; nothing when it is unset),
+    so a test acts while the process is known to be here (sends a signal from outside, starts a
+    second process) instead of guessing how long to wait.
+
     ``POSLSH_FAULT=name`` fires at the first pass, ``name@k`` at the k-th. Points: ``write:<file>``
     (an atomic write, before its rename), ``dir:<name>`` and ``rename:<name>`` (a checkpoint or
     final model filled but without its manifest, or complete but not yet renamed), ``replace:<name>``
@@ -208,11 +230,39 @@ def fault_point(name: str) -> None:
     if only is not None and os.environ.get("RANK", "0") != only:
         return
     count = _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
-    if count == int(nth or 1):
-        if os.environ.get(FAULT_SIGNAL_ENV, "").upper() == "RAISE":
-            raise RuntimeError(f"fault injected at {name}")
-        # the Python-level handler of TERM / INT (KeyboardInterrupt) runs as this call returns
-        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(FAULT_SIGNAL_ENV, "KILL").upper()))
+    if count != int(nth or 1):
+        return
+    hold = os.environ.get(FAULT_HOLD_ENV)
+    if hold:
+        _hold(Path(hold), name)
+    what = os.environ.get(FAULT_SIGNAL_ENV, "" if hold else "KILL").upper()
+    if not what:
+        return
+    if what == "RAISE":
+        raise RuntimeError(f"fault injected at {name}")
+    sig = getattr(signal, "SIG" + what)
+    if signal.getsignal(sig) is signal.SIG_IGN:
+        # a process started in the background by a non-interactive shell inherits an ignored
+        # SIGINT: the signal would do nothing and the run would carry on as if never interrupted
+        raise RuntimeError(f"fault point {name}: SIG{what} is ignored in this process (inherited from the "
+                           "process that started it), so sending it would do nothing")
+    # the Python-level handler of TERM / INT (KeyboardInterrupt) runs as this call returns
+    os.kill(os.getpid(), sig)
+
+
+def _hold(path: Path, name: str) -> None:
+    """Write this pid to ``path`` and wait until ``path`` is removed; a signal sent meanwhile is
+    handled here, at the fault point."""
+    import time
+
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, path)  # whole when the test sees it
+    deadline = time.monotonic() + FAULT_HOLD_LIMIT
+    while path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fault point {name}: held for {FAULT_HOLD_LIMIT:.0f} s and nobody removed {path}")
+        time.sleep(0.01)
 
 
 _FAULT_COUNTS: dict[str, int] = {}

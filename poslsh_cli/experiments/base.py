@@ -168,6 +168,118 @@ def check_memory(exp: Experiment, spec: Any) -> None:
                           f"{format_bytes(have)} available (memory_check=false runs it anyway)")
 
 
+# ---------------------------------------------------------------------------------------------
+# memory of language-model runs (the estimates of train, step-bench, decode-bench, passkey, eval)
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """The sizes of a decoder its memory depends on."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @classmethod
+    def of_config(cls, cfg: dict) -> "LMShape":
+        """From a checkpoint's config.json (Llama / Qwen / Mistral names, GPT-2, BLOOM, MPT and
+        Falcon aliases)."""
+        def get(*names: str, default: int) -> int:
+            return next((int(cfg[k]) for k in names if isinstance(cfg.get(k), (int, float)) and cfg[k]), default)
+
+        hidden = get("hidden_size", "d_model", "n_embd", default=64)
+        heads = get("num_attention_heads", "n_head", "n_heads", default=1)
+        return cls(vocab=get("vocab_size", default=256), hidden=hidden,
+                   layers=get("num_hidden_layers", "n_layer", "n_layers", default=1), heads=heads,
+                   kv_heads=get("num_key_value_heads", default=heads),
+                   head_dim=get("head_dim", default=max(1, hidden // heads)),
+                   intermediate=get("intermediate_size", "ffn_hidden_size", default=4 * hidden))
+
+    @property
+    def params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.vocab * self.hidden + self.layers * (attn + 3 * self.hidden * self.intermediate)
+
+
+def attention_bytes(path: str, batch: int, heads: int, n: int, head_dim: int, s: int = 0,
+                    training: bool = False) -> float:
+    """Bytes one attention layer holds at length n (float32) on the path labelled ``path``
+    (:attr:`poslsh_cli.attention.plan.Plan.label`): the dense path the n x n bias of every head
+    (the kernel under it keeps outputs of order n); the reference path the n x n weights of every
+    sequence; the block path Positional LSH's s per-sample outputs and log-sum-exps (about
+    half a head vector each, as measured by step-bench); any other path (SDPA, rank-1, chunked,
+    FlexAttention) outputs and log-sum-exps of order n."""
+    rows = 4.0 * batch * heads * n
+    backend = path.split("/")[0].split("+")[0]
+    own = rows * (head_dim + 1) * 2
+    if backend == "dense":
+        return 4.0 * heads * n * n * 2 + own
+    if backend == "reference":
+        return rows * n * (3 if training else 2)
+    if backend == "blocks":
+        return rows * max(1, s) * (head_dim + 4) / 2 + own
+    return own
+
+
+def attention_path(position: Any, device: Any, n: int, grad: bool) -> str:
+    """The label of the attention plan a model under ``position`` (a
+    :class:`poslsh_cli.lm.positions.Position`, or its value) takes at length n, causal, in float32
+    (RoPE: SDPA); what :func:`attention_bytes` needs."""
+    import torch
+
+    from poslsh_cli.attention import choose
+    from poslsh_cli.lm.positions import Position, method_of
+
+    position = Position(getattr(position, "value", position))
+    if position is Position.ROPE:
+        return "sdpa"
+    return choose(method_of(position), device=torch.device(device), dtype=torch.float32, n=n, causal=True,
+                  grad=grad).label
+
+
+def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: bool, trainable: Optional[int] = None,
+             weights: Optional[float] = None, shards: int = 1, recompute: bool = False, elem: float = 4.0) -> float:
+    """Peak bytes of a training step (forward, backward, AdamW) or of a forward pass without
+    gradients, ``batch`` sequences of length ``n``: the weights (``weights`` bytes, default float32),
+    with, in training, the gradients and AdamW's two moments of the ``trainable`` parameters
+    (default all; over ``shards`` processes when sharded); the activations (``elem`` bytes each):
+    in training about 12 hidden and 4 intermediate values a token in every layer, kept for the
+    backward pass (only each layer's input with ``recompute``, and one layer whole), without
+    gradients 4 hidden and 2 intermediate values of one layer at a time; the logits over the
+    vocabulary (three copies in training, two without); ``attention`` bytes a layer
+    (:func:`attention_bytes`). Calibrated on step-bench's measured peaks: an estimate to refuse
+    what cannot fit, not a prediction."""
+    tokens = float(batch) * n
+    w = 4.0 * shape.params if weights is None else weights
+    if not training:
+        layer = elem * tokens * (4 * shape.hidden + 2 * shape.intermediate) + attention
+        return w + layer + 2 * 4.0 * tokens * shape.vocab
+    state = (w + 12.0 * (shape.params if trainable is None else trainable)) / shards
+    layer = elem * tokens * (12 * shape.hidden + 4 * shape.intermediate) + attention
+    kept = shape.layers * elem * tokens * shape.hidden + layer if recompute else shape.layers * layer
+    return state + kept + 3 * 4.0 * tokens * shape.vocab
+
+
+def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attention: str = "own", s: int = 0) -> float:
+    """Peak bytes of a forward pass without gradients of the checkpoint at ``path`` (its weights as
+    stored, its sizes from config.json) at ``batch`` sequences of length ``n``, under its own
+    scheme or ``attention`` swapped in with ``s`` masks (:func:`lm_bytes`)."""
+    from poslsh_cli.lm.checkpoint import read_config, weights_bytes
+
+    cfg = read_config(path)
+    own = str((cfg.get("poslsh") or {}).get("position", "rope"))
+    position = own if attention == "own" else attention
+    saved = int((cfg.get("poslsh") or {}).get("num_samples", 0) or 0)
+    shape = LMShape.of_config(cfg)
+    att = attention_bytes(attention_path(position, device, n, grad=False), batch, shape.heads, n, shape.head_dim,
+                          s or saved or 8)
+    return lm_bytes(shape, batch, n, att, training=False, weights=weights_bytes(path))
+
+
 def grid_cells(spec: Any) -> list[dict[str, Any]]:
     """The (n, sigma, s, trial) grid of the matrix experiments, in a fixed order; with a ``sampler``
     key, every point once per sampler (the same seed: a sampler changes how the seed is used)."""

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError, Spec, key
-from poslsh_cli.experiments.base import Device, Experiment, resolve_device, synchronize
+from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed, attention_bytes, attention_path,
+                                         lm_bytes, resolve_device, synchronize)
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.lm.positions import Position, PositionState, method_of, model_label, sigma_label
@@ -229,6 +230,27 @@ def claims(df: Any) -> list[Verdict]:
             judge_load(verdict(speed_claim, out_speed, rule_speed), g[g.position.isin([ALIBI, POSLSH])])]
 
 
+def memory(spec: DecodeBenchSpec) -> MemoryNeed:
+    """Peak bytes of the largest cell: the prefill of the longest context (a forward pass without
+    gradients, :func:`~poslsh_cli.experiments.base.lm_bytes`) and every layer's keys and values of
+    the context and the decoded tokens (what exact ALiBi's cache holds)."""
+    from poslsh_cli.lm.data import VOCAB
+
+    device, n = resolve_device(spec.device), max(spec.context)
+    shape = LMShape(VOCAB, spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate)
+    kv = 2 * 4.0 * spec.layers * spec.kv_heads * spec.head_dim * spec.batch * (n + spec.new_tokens)
+    need = MemoryNeed(0.0, "")
+    for p in spec.position:
+        path = attention_path(p, device, n, grad=False)
+        s = max(spec.s) if INFO[method_of(p)].randomized else 0
+        b = kv + lm_bytes(shape, spec.batch, n, attention_bytes(path, spec.batch, spec.heads, n, spec.head_dim, s),
+                          training=False)
+        if b > need.bytes:
+            need = MemoryNeed(b, f"a context of {spec.batch} x {n} tokens and its keys and values, {p.value}",
+                              spec.device)
+    return need
+
+
 EXPERIMENT = Experiment(
     name="decode-bench",
     spec=DecodeBenchSpec,
@@ -244,4 +266,5 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("decode_bench",),
     order=46,
+    memory=memory,
 )

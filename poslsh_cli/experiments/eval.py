@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError, Spec, check, key
-from poslsh_cli.experiments.base import Device, Experiment, resolve_device
+from poslsh_cli.experiments.base import Device, Experiment, MemoryNeed, checkpoint_forward_bytes, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 from poslsh_cli.verdicts.claims import Section
@@ -73,7 +73,7 @@ def prepare(spec: TasksSpec) -> TasksContext:
     _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    check(len(spec.tasks) > 0, "give the tasks to run: tasks=[name,...] (lm-eval names, or local ones with "
+    check(len(spec.tasks) > 0, "give the tasks to run: 'tasks=[name,...]' (lm-eval names, or local ones with "
                                "include_path=DIR)")
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
     cks = {}
@@ -92,7 +92,51 @@ def prepare(spec: TasksSpec) -> TasksContext:
     if unknown:
         where = f" (nor in {spec.include_path})" if spec.include_path else " (a local task: include_path=DIR)"
         raise ConfigError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}")
+    for task in spec.tasks:
+        _check_data(task, manager)
     return TasksContext(cks, resolve_device(spec.device), manager)
+
+
+def _check_data(task: str, manager: Any) -> None:
+    """The task's documents load (lm-eval reads most tasks' datasets from the Hugging Face hub, or
+    its cache), or one line saying why, before the run directory exists."""
+    from poslsh_cli.lm.documents import HUB_HINT, HUB_UNREACHABLE, hub_failure, quiet_hub
+
+    try:
+        with quiet_hub():
+            manager.load([task])  # builds the task, which reads its documents
+    except Exception as exc:
+        why = hub_failure(exc)
+        raise ConfigError(f"task {task!r}: cannot load its documents ({why})"
+                          + (f"; lm-eval reads them from the hub: {HUB_HINT}" if why == HUB_UNREACHABLE else "")) from None
+
+
+#: The input length lm-eval's HFLM assumes for a model that states none; with ``max_length=null``
+#: the documents decide the length, unknown before they are read: estimated at this.
+DEFAULT_LENGTH = 2048
+
+
+def memory(spec: TasksSpec) -> MemoryNeed | None:
+    """Peak bytes of a batch of ``batch_size`` inputs of ``max_length`` tokens (null: at most the
+    model's positions and :data:`DEFAULT_LENGTH`) through the largest checkpoint, under each
+    scheme asked for (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
+    checkpoint cannot be read (prepare says why)."""
+    from poslsh_cli.lm.checkpoint import read_config
+
+    need = None
+    try:
+        device = resolve_device(spec.device)
+        for entry in spec.checkpoints:
+            for path, name in expand_checkpoints(entry):
+                n = spec.max_length or min(DEFAULT_LENGTH, int(read_config(path).get("max_position_embeddings")
+                                                               or DEFAULT_LENGTH))
+                for a in spec.attention:
+                    b = checkpoint_forward_bytes(path, spec.batch_size, n, device, a, spec.s)
+                    if need is None or b > need.bytes:
+                        need = MemoryNeed(b, f"{name} ({a}), {spec.batch_size} inputs of {n} tokens", spec.device)
+    except (ConfigError, OSError, ValueError):
+        return None
+    return need
 
 
 def _scheme_of(own: str, attention: str) -> str:
@@ -110,6 +154,7 @@ def cells(spec: TasksSpec, ctx: TasksContext | None = None) -> list[dict[str, An
 def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any = None) -> tuple[list[dict], dict]:
     import lm_eval
 
+    from poslsh_cli.lm.documents import quiet_hub
     from poslsh_cli.lm.harness import PoslshLM
 
     name, attention, draw = key["checkpoint"], key["attention"], int(key["draw"])
@@ -126,10 +171,11 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
     finally:
         quiet.setLevel(level)
     state = lm.poslsh_state
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(spec.tasks), num_fewshot=spec.num_fewshot, limit=spec.limit,
-                                  task_manager=ctx.manager, log_samples=False, bootstrap_iters=1000,
-                                  random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
-                                  fewshot_random_seed=spec.seed, verbosity="WARNING")
+    with quiet_hub():  # the documents are cached by prepare; a hub that went away since says nothing
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(spec.tasks), num_fewshot=spec.num_fewshot, limit=spec.limit,
+                                      task_manager=ctx.manager, log_samples=False, bootstrap_iters=1000,
+                                      random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
+                                      fewshot_random_seed=spec.seed, verbosity="WARNING")
     rows = []
     for task, metrics in out["results"].items():
         shots = out.get("n-shot", {}).get(task)
@@ -198,4 +244,5 @@ EXPERIMENT = Experiment(
     report=report,
     positional="checkpoints",
     order=76,
+    memory=memory,
 )

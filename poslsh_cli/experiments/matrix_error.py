@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
-                               decay_status, few, fmt, slope_text, tally)
+                               decay_status, few, fmt, over_groups, slope_text, tally)
 from poslsh_cli.core.config import ConfigError, Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.numerics.metrics import fit_loglog_slope
@@ -354,9 +354,9 @@ def report(run: Path, df: Any) -> Section:
     sec.tables.append(pd.DataFrame(rows))
     if st_spec:
         sec.verdicts.append(Verdict("spectral error decays like s^-1/2", combine(st_spec),
-                                    f"(n, σ) groups: {tally(st_spec)}; slopes {few(ev_spec)}", DECAY_RULE))
+                                    f"(n, σ) groups: {tally(st_spec)}; slopes {few(ev_spec)}", over_groups(DECAY_RULE)))
         sec.verdicts.append(Verdict("max-norm error decays like s^-1/2", combine(st_max),
-                                    f"(n, σ) groups: {tally(st_max)}; slopes {few(ev_max)}", DECAY_RULE))
+                                    f"(n, σ) groups: {tally(st_max)}; slopes {few(ev_max)}", over_groups(DECAY_RULE)))
         a, b = float(np.nanmedian(all_max)), float(np.nanmedian(asym_max))
         if math.isfinite(a) and math.isfinite(b):
             word = "shallower" if a > b else "steeper" if a < b else "the same"

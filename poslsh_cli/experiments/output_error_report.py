@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
-                               decay_status, few, fmt, slope_text, tally)
+                               decay_status, few, fmt, over_groups, slope_text, tally)
 from poslsh_cli.numerics.methods import INFO, Method, baselines
 
 POSLSH = Method.POSLSH.value
@@ -175,7 +175,7 @@ def report(run: Path, df: Any) -> Section:
     sec.verdicts.append(Verdict("output error falls like s^-1/2", combine(st_decay),
                                 f"layers: {tally(st_decay)}" + (f"; slopes {few(ev)}" if ev else
                                                                 f"; fewer than three s ≥ {ASYMPTOTIC_S}"),
-                                DECAY_RULE + "; per layer, on the median over heads"))
+                                over_groups(DECAY_RULE + "; per layer, on the median over heads")))
     smax = int(p_all.s.max())
     for m in (m for m in baselines() if INFO[m].params != "window"):
         r = beats.get(m, [])

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import ConfigError, Spec, check, key
-from poslsh_cli.experiments.base import (Device, Experiment, checkpoints_skip_reason, resolve_device,
-                                        trained_runs_overrides)
+from poslsh_cli.experiments.base import (Device, Experiment, MemoryNeed, checkpoint_forward_bytes,
+                                         checkpoints_skip_reason, resolve_device, trained_runs_overrides)
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm.positions import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
@@ -67,13 +67,35 @@ def prepare(spec: PasskeySpec) -> PasskeyContext:
             info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
-                raise ConfigError(f"{path}: no training length recorded; give lengths=[...]")
+                raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
             cks[name] = (path, trained)
     return PasskeyContext(cks, resolve_device(spec.device))
 
 
 def lengths_of(spec: PasskeySpec, trained: int) -> tuple[int, ...]:
     return spec.lengths if spec.lengths is not None else tuple(trained * m for m in (1, 2, 4))
+
+
+def memory(spec: PasskeySpec) -> MemoryNeed | None:
+    """Peak bytes of the longest prompt of the largest checkpoint, one forward pass under its own
+    scheme (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
+    checkpoint cannot be read (prepare says why)."""
+    from poslsh_cli.lm.checkpoint import json_file
+
+    need = None
+    try:
+        device = resolve_device(spec.device)
+        for entry in spec.checkpoints:
+            for path, name in expand_checkpoints(entry):
+                info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
+                lengths = lengths_of(spec, int(info.get("seq_len", 0) or 0))
+                if lengths and max(lengths) > 0:
+                    b = checkpoint_forward_bytes(path, 1, max(lengths), device)
+                    if need is None or b > need.bytes:
+                        need = MemoryNeed(b, f"{name} at length {max(lengths)}", spec.device)
+    except (ConfigError, OSError, ValueError):
+        return None
+    return need
 
 
 def cells(spec: PasskeySpec, ctx: PasskeyContext | None = None) -> list[dict[str, Any]]:
@@ -207,4 +229,5 @@ EXPERIMENT = Experiment(
     skip_reason=skip_reason,
     reproduce_overrides=reproduce_overrides,
     order=75,
+    memory=memory,
 )

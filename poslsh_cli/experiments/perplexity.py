@@ -156,7 +156,7 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
                 Position.ALIBI.value if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else Attention.OWN.value)
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
-                raise ConfigError(f"{path}: no training length recorded; give lengths=[...]")
+                raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
             if Protocol.SLIDING in spec.protocol and not trained:
                 raise ConfigError(f"{path}: no training length recorded, which protocol=sliding steps by")
             corpus = _corpus_for(spec, path, info, cfg, corpora)
@@ -327,8 +327,8 @@ EXPERIMENT = Experiment(
     help="""Bits per byte (and perplexity) of trained models at several evaluation lengths, under
     their own scheme and with attention swapped at inference.
 
-    poslsh perplexity RUN_OR_CHECKPOINT... lengths=[L,2L,4L,8L] attention=[own,alibi,poslsh]
-    s=[...]: non-overlapping windows (stride= for sliding windows) of each checkpoint's
+    poslsh perplexity RUN_OR_CHECKPOINT... 'lengths=[L,2L,4L,8L]' 'attention=[own,alibi,poslsh]'
+    's=[...]': non-overlapping windows (stride= for sliding windows) of each checkpoint's
     validation text (data=PATH for another text).""",
     columns=COLUMNS,
     cells=cells,

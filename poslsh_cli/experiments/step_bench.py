@@ -28,7 +28,8 @@ from typing import Any, Optional, Iterator
 from poslsh_cli.attention.plan import BACKENDS, Backend
 from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crossover
 from poslsh_cli.core.config import ConfigError, Spec, key
-from poslsh_cli.experiments.base import Device, Experiment, choices, resolve_device, synchronize
+from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed, attention_bytes, choices, lm_bytes,
+                                         resolve_device, synchronize)
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason
 from poslsh_cli.experiments.stage import Precision
 from poslsh_cli.numerics.methods import INFO
@@ -434,6 +435,29 @@ def crossover_findings(df: Any) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# memory estimate (memory_check)
+
+
+def memory(spec: StepBenchSpec) -> MemoryNeed:
+    """Peak bytes of the largest cell's training step, at the longest L on the path each cell
+    takes (:func:`poslsh_cli.experiments.base.lm_bytes`)."""
+    from poslsh_cli.lm.data import VOCAB
+
+    device, n = resolve_device(spec.device), max(spec.seq_len)
+    shape = LMShape(VOCAB, spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate)
+    need = MemoryNeed(0.0, "")
+    for k in cells(spec, StepBenchContext(device, None)):
+        if k["seq_len"] == n:
+            path = planned(Position(k["position"]), k["backend"], n, device)
+            b = lm_bytes(shape, spec.batch, n, attention_bytes(path, spec.batch, spec.heads, n, spec.head_dim, k["s"],
+                                                               training=True), training=True)
+            if b > need.bytes:
+                need = MemoryNeed(b, f"a training step of {spec.batch} x {n} tokens, {k['position']} on {path}",
+                                  spec.device)
+    return need
+
+
 EXPERIMENT = Experiment(
     name="step-bench",
     spec=StepBenchSpec,
@@ -448,4 +472,5 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("step_bench", "step_bench_long"),
     order=45,
+    memory=memory,
 )

@@ -34,7 +34,8 @@ from typing import Any, Optional
 
 from poslsh_cli.experiments.train_report import plot, report, summary
 from poslsh_cli.core.config import ENCODING_HELP, ConfigError, Spec, check, check_encoding, key
-from poslsh_cli.experiments.base import Experiment, Device, cuda_skip_reason
+from poslsh_cli.experiments.base import (Experiment, Device, LMShape, MemoryNeed, attention_bytes, attention_path,
+                                         cuda_skip_reason, lm_bytes)
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Parallel, Precision, Stage, micro_batch, train_stage
 from poslsh_cli.store.tracking import Logger
 from poslsh_cli.numerics.methods import INFO
@@ -309,6 +310,43 @@ def _trainable(final: Path) -> int:
     return int(json.loads((Path(final) / "poslsh_train.json").read_text()).get("trainable", -1))
 
 
+def memory(spec: TrainSpec) -> Optional[MemoryNeed]:
+    """Peak bytes of one process's training step in the largest cell: the model (the byte model's
+    sizes, or init= / arch='s config.json) at the longest L with its micro-batch, on the path each
+    scheme trains on (:func:`~poslsh_cli.experiments.base.lm_bytes`: optimizer state only for the
+    LoRA adapters with lora_rank, sharded with parallel=fsdp; activations at half width under bf16
+    or fp16, only each layer's input with gradient_checkpointing). None while the model cannot be
+    read (prepare says why)."""
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.lm.checkpoint import read_config
+    from poslsh_cli.lm.convert import resolve_ref
+    from poslsh_cli.lm.data import VOCAB
+
+    world = dist.world().size
+    try:
+        batch, device = micro_batch(spec, world), dist.device(str(spec.device))
+        if spec.init is None and spec.arch is None:
+            shape = LMShape(VOCAB, spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.head_dim,
+                            spec.intermediate)
+        else:
+            shape = LMShape.of_config(read_config(resolve_ref(spec.init or spec.arch, "init" if spec.init else "arch")))
+    except (ConfigError, OSError, ValueError):
+        return None
+    # LoRA adapters (rank r, in and out of hidden width) on the four attention projections of every layer
+    trainable = 4 * 2 * spec.lora_rank * shape.hidden * shape.layers if spec.lora_rank else None
+    n = max(spec.seq_len)
+    need = MemoryNeed(0.0, "")
+    for p in list(spec.position) + ([spec.pretrain] if spec.pretrain is not None else []):
+        path = attention_path(p, device, n, grad=True)
+        s = max(spec.s) if p is not Position.ROPE and INFO[method_of(p)].randomized else 0
+        b = lm_bytes(shape, batch, n, attention_bytes(path, batch, shape.heads, n, shape.head_dim, s, training=True),
+                     training=True, trainable=trainable, shards=world if spec.parallel is Parallel.FSDP else 1,
+                     recompute=spec.gradient_checkpointing, elem=4.0 if spec.precision is Precision.FP32 else 2.0)
+        if b > need.bytes:
+            need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {p.value} on {path}", spec.device)
+    return need
+
+
 def skip_reason(spec: TrainSpec) -> Optional[str]:
     """Why ``poslsh reproduce`` skips a preset here: no CUDA for a GPU preset, or no checkpoint
     for init= / arch= (a model preset looks in $POSLSH_MODELS)."""
@@ -334,7 +372,7 @@ EXPERIMENT = Experiment(
     help="""Train a decoder under a position scheme (none, alibi, poslsh, fixed_block, windowed, rope):
     the project's byte-level Qwen3, or a pretrained causal LM converted to the scheme.
 
-    List values sweep: position=[none,alibi,poslsh] s=[10,20] seed=[0,1] trains every combination,
+    List values sweep: 'position=[none,alibi,poslsh]' 's=[10,20]' 'seed=[0,1]' trains every combination,
     each in its own sub-run with metrics.csv, resumable checkpoints (AutoModelForCausalLM loads
     them) and final/. pretrain=rope pretrain_steps=N fine-tunes every cell from one shared
     pretrained model. init=CHECKPOINT starts from a pretrained causal LM with its own tokenizer
@@ -356,4 +394,5 @@ EXPERIMENT = Experiment(
     order=50,
     skip_reason=skip_reason,
     distributed=True,
+    memory=memory,
 )

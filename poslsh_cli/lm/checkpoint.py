@@ -189,30 +189,79 @@ def json_file(path: Path) -> Any:
     return value
 
 
-def unreadable_safetensors(path: Path) -> str | None:
-    """Why a safetensors file cannot be opened (header or size wrong), or None. Reads the header
-    and the file size only."""
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """The header of a safetensors file: its length in bytes, and tensor name -> dtype, shape,
+    data_offsets (and ``__metadata__``). Raises OSError when unreadable, ValueError (with the
+    reason) when malformed or cut."""
     import json
     import struct
 
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than its 8-byte header length")
+        n = struct.unpack("<Q", head)[0]
+        if n > Path(path).stat().st_size - 8:
+            raise ValueError("invalid header length (the file is truncated)")
+        try:
+            return n, json.loads(fh.read(n))
+        except ValueError:
+            raise ValueError("malformed header") from None
+
+
+def unreadable_safetensors(path: Path) -> str | None:
+    """Why a safetensors file cannot be opened (header or size wrong), or None. Reads the header
+    and the file size only."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return "shorter than its 8-byte header length"
-            n = struct.unpack("<Q", head)[0]
-            if n > size - 8:
-                return "invalid header length (the file is truncated)"
-            header = json.loads(fh.read(n))
+        n, header = safetensors_header(path)
     except OSError as exc:
         return exc.strerror or type(exc).__name__
-    except ValueError:
-        return "malformed header"
+    except ValueError as exc:
+        return str(exc)
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         return f"truncated: {size} bytes, its header needs {8 + n + end}"
     return None
+
+
+def load_failure(path: Path, exc: BaseException, config: Any = None) -> ConfigError:
+    """One line for a checkpoint transformers refused to load: for weights whose shapes do not fit
+    config.json (transformers' own message points at a report it logged, which is not shown), the
+    first such tensor with both shapes and how many differ; else the error's first line."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    diff = _shape_mismatches(Path(path), config) if "mismatched" in first or "size mismatch" in first else []
+    if diff:
+        name, file, saved, built = diff[0]
+        more = f" ({len(diff)} tensors differ)" if len(diff) > 1 else ""
+        shape = lambda t: "x".join(map(str, t))  # noqa: E731
+        return ConfigError(f"{path}: the weights do not fit config.json: {name} is {shape(saved)} in {file}, "
+                           f"{shape(built)} by the configuration{more}")
+    return ConfigError(f"{path}: cannot load the checkpoint ({first})")
+
+
+def _shape_mismatches(path: Path, config: Any) -> list[tuple[str, str, tuple, tuple]]:
+    """(tensor, file, shape saved, shape the configuration builds) for every tensor of the
+    checkpoint's safetensors whose shape differs from the model ``config`` (default: config.json)
+    builds on the meta device (no memory); empty when they cannot be compared."""
+    import torch
+    import transformers as tf
+
+    try:
+        config = config if config is not None else tf.AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config)
+        built = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        out = []
+        for f in sorted(path.glob("*.safetensors")):
+            for name, rec in safetensors_header(f)[1].items():
+                if name != "__metadata__" and name in built and tuple(rec["shape"]) != built[name]:
+                    out.append((name, f.name, tuple(rec["shape"]), built[name]))
+        order = {k: i for i, k in enumerate(built)}
+        return sorted(out, key=lambda d: order[d[0]])  # in the model's order: the first layer's first
+    except Exception:  # a model that cannot be built on the meta device: the plain message
+        return []
 
 
 def weights_bytes(path: Path, dtype_bytes: int = 4) -> float:

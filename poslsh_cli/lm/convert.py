@@ -251,8 +251,9 @@ def load_weights(path: Path, dtype: Any = None) -> Any:
                                                        use_safetensors=True, dtype=dtype or torch.float32,
                                                        attn_implementation=_impl(cfg.get("model_type")))
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{path}: cannot load the checkpoint ({first})") from None
+        from poslsh_cli.lm.checkpoint import load_failure
+
+        raise load_failure(path, exc, hf_config(path)) from None
 
 
 def new_model(source: Source, seed: int) -> Any:

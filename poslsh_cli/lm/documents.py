@@ -18,8 +18,10 @@ U+FFFD in its place.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,14 +260,13 @@ def _hub_documents(data: str, field: str) -> tuple[Source, Any]:
     except ImportError:
         raise ConfigError(f"data={data}: needs the datasets package (pip install datasets)") from None
     try:
-        ds = datasets.load_dataset(name, config)
+        with quiet_hub():
+            ds = datasets.load_dataset(name, config)
     except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-        offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
-        why = "the hub is not reachable (offline)" if offline or "connect" in first.lower() or "offline" in first.lower() \
-            else first
-        raise ConfigError(f"data={data}: cannot load it ({why}); it needs the Hugging Face hub or a local copy "
-                          "(datasets.save_to_disk, then data=FOLDER)") from None
+        why = hub_failure(exc)
+        raise ConfigError(f"data={data}: cannot load it ({why}); it needs the Hugging Face hub or a local copy ("
+                          + (f"{HUB_HINT}; or " if why == HUB_UNREACHABLE else "")
+                          + "datasets.save_to_disk, then data=FOLDER)") from None
     return _dataset_source(ds, "hub", data, data, field)
 
 
@@ -305,3 +306,38 @@ def tokenize(tokenizer: Any, text: str, n: int) -> torch.Tensor:
         raise ConfigError(f"the text has only {len(ids)} tokens, fewer than n={n}")
     ids = ids[:n]
     return torch.tensor([ids], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Hugging Face hub, said in one line
+
+HUB_UNREACHABLE = "the Hugging Face hub is not reachable and no copy is cached"
+HUB_HINT = ("run it once where the hub is reachable, which caches it, then HF_HUB_OFFLINE=1 reads the cache "
+            "without trying the hub")
+
+
+@contextlib.contextmanager
+def quiet_hub() -> Iterator[None]:
+    """The hub client's warnings silenced while loading: without a network it writes two lines
+    per attempt ("... thrown while requesting HEAD ...", "Retrying in 1s [Retry 1/5].") before it
+    gives up; the caller says once what failed (:func:`hub_failure`)."""
+    log = logging.getLogger("huggingface_hub")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def hub_failure(exc: BaseException) -> str:
+    """Why loading from the hub failed: :data:`HUB_UNREACHABLE` for a network failure or offline
+    mode without a cached copy, else the error's first line."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    names = {t.__name__ for t in type(exc).__mro__}
+    network = ("couldn't reach", "connect", "offline", "name or service", "timed out", "failed to resolve")
+    if names & {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "TimeoutError"} \
+            or any(w in text.lower() for w in network):
+        return HUB_UNREACHABLE
+    return text
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from poslsh_cli.core.config import ConfigError
 
@@ -63,9 +63,12 @@ def parse(args: list[str]) -> dict[str, Any]:
 
 def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own", s: int = 0, seed: int = 0,
              sampler: str = "own", do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-             cache: bool = True) -> Generated:
+             cache: bool = True, stream: Optional[Callable[[str], None]] = None,
+             notice: Optional[Callable[[str], None]] = None) -> Generated:
     """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``do_sample``); Positional-LSH
-    masks drawn by ``sampler`` (``own``: the checkpoint's)."""
+    masks drawn by ``sampler`` (``own``: the checkpoint's); ``stream`` gets the text as it comes (the
+    prompt, then each new piece), ``notice`` a line when the text goes past the length the model was
+    trained at. A rotary model refuses more tokens than it has positions (:func:`check_length`)."""
     import torch
 
     from poslsh_cli.lm.loading import load_model, with_scheme
@@ -78,6 +81,9 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
                         sampler=None if sampler == "own" else sampler)
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
+    label = state.position.value + (f" s={state.num_samples}" + ("" if state.sampler == "iid" else f" {state.sampler}")
+                                    if state.position is Position.POSLSH else "")
+    check_length(Path(path), model, state, label, int(ids.shape[1]), max_new_tokens, notice)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
     if cache and state.position is not Position.ROPE and not state.native:
@@ -86,16 +92,75 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
         kwargs["cache"] = ForgettingCache(model)  # keeps only the keys the scheme can still see
     if do_sample:
         kwargs.update(temperature=temperature, top_k=top_k or None)
+    if stream is not None:
+        kwargs["streamer"] = Streamer(decode, stream)
     state.plans.clear()
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     seconds = time.perf_counter() - t0
-    label = state.position.value + (f" s={state.num_samples}" + ("" if state.sampler == "iid" else f" {state.sampler}")
-                                    if state.position is Position.POSLSH else "")
     return Generated(decode(out[0].tolist()), int(out.shape[1] - ids.shape[1]), seconds, label,
                      tuple(sorted(state.plans)))
+
+
+def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: int, max_new_tokens: int,
+                 notice: Optional[Callable[[str], None]] = None) -> None:
+    """A rotary model (RoPE) has ``max_position_embeddings`` positions: more prompt and new tokens
+    than that is one ConfigError saying how many new tokens fit. A scheme without a position limit
+    (ALiBi, Positional LSH, windowed, fixed blocks, none) goes on past the length the model was
+    trained at (``poslsh_train.json``, else its configured positions), and ``notice`` says so."""
+    import json
+
+    from poslsh_cli.lm.positions import Position
+
+    total = prompt_tokens + max_new_tokens
+    positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if state.position is Position.ROPE:
+        if positions and total > positions:
+            room = positions - prompt_tokens
+            raise ConfigError(f"max_new_tokens={max_new_tokens}: the prompt ({prompt_tokens} tokens) and the new tokens "
+                              f"need {total} positions, the model has {positions} positions (max_position_embeddings): "
+                              + (f"at most {room} new tokens" if room > 0 else "the prompt alone fills them"))
+        return
+    try:
+        trained = int(json.loads((path / "poslsh_train.json").read_text()).get("seq_len") or 0)
+    except (OSError, ValueError, AttributeError):
+        trained = 0
+    trained = trained or positions
+    if trained and total > trained and notice is not None:
+        notice(f"the prompt and the new tokens reach position {total}, past the length the model was trained at "
+               f"({trained}): {label} has no position limit and extrapolates")
+
+
+class Streamer:
+    """transformers' streamer protocol (``put``, ``end``): ``write`` gets the text as the tokens come,
+    first the prompt, then each new piece. The tokens since the last line break are decoded whole
+    (a token may be part of a character or of a word), and a piece that ends in an incomplete
+    character waits for the next token."""
+
+    def __init__(self, decode: Callable[[list[int]], str], write: Callable[[str], None]):
+        self.decode, self.write = decode, write
+        self.tokens: list[int] = []
+        self.shown = 0  # characters of decode(tokens) already written
+
+    def put(self, value: Any) -> None:
+        self.tokens += [int(t) for t in value.reshape(-1).tolist()]
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        self._flush(text)
+
+    def end(self) -> None:
+        self._flush(self.decode(self.tokens))
+
+    def _flush(self, text: str) -> None:
+        if len(text) > self.shown:
+            self.write(text[self.shown:])
+        if text.endswith("\n"):  # a line is done: decode from here on
+            self.tokens, self.shown = [], 0
+        else:
+            self.shown = max(self.shown, len(text))
 
 
 def codec(path: Path) -> tuple[Any, Any]:

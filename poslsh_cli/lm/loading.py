@@ -57,7 +57,8 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
     import transformers as tf
 
     from poslsh_cli.lm.pretrained import ALIBI_ARCHS, alibi_sigmas_of, load_adapter
-    from poslsh_cli.lm.checkpoint import check_checkpoint, hf_config, is_adapter, read_config, refuse_rotary_falcon
+    from poslsh_cli.lm.checkpoint import (check_checkpoint, hf_config, is_adapter, load_failure, read_config,
+                                          refuse_rotary_falcon)
 
     tf.logging.set_verbosity_error()
     tf.utils.logging.disable_progress_bar()
@@ -75,9 +76,7 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
                                                             use_safetensors=True, attn_implementation=impl,
                                                             trust_remote_code=trust_remote_code)
         except Exception as exc:  # a broken checkpoint: one line
-            text = str(exc).strip().splitlines()
-            raise ConfigError(f"{path}: cannot load the checkpoint ({text[0] if text else type(exc).__name__})") \
-                from None
+            raise load_failure(path, exc, hf_config(path)) from None
     heads = model.config.num_attention_heads
     saved = cfg.get("poslsh")
     if saved:

@@ -250,6 +250,12 @@ def width_max_quantile(q: float, sigma: float, num_samples: int) -> float:
     return sigma * brentq(f, 0.0, hi, xtol=1e-12)
 
 
+def width_max_draws(size: int, sigma: float, num_samples: int, generator: np.random.Generator) -> np.ndarray:
+    """``size`` independent draws of ``max_k delta_k``, the largest of ``num_samples`` widths
+    ``delta_k ~ Gamma(2, sigma)`` (the law of :func:`width_max_cdf`). Shape (size,)."""
+    return generator.gamma(shape=2.0, scale=float(sigma), size=(int(size), int(num_samples))).max(axis=1)
+
+
 def block_max_cdf(L: np.ndarray | float, sigma: float, num_samples: int) -> np.ndarray:
     """Law of the realised largest block (positions) over s samples, for n >> sigma.
 

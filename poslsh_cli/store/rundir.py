@@ -172,6 +172,43 @@ def _config_body(yaml_text: str) -> str:
     return "\n".join(line for line in yaml_text.splitlines() if not line.split(":", 1)[0] in RESUME_IGNORED)
 
 
+def config_changes(held: str, wanted: str) -> list[str]:
+    """What differs between the configuration a run directory holds and the one asked for, key by
+    key (nested keys dotted, the keys resuming ignores left out): ``["steps: 4000 -> 150"]``."""
+    import yaml
+
+    def flat(text: str) -> dict[str, Any]:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError:
+            return {}
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, x: Any) -> None:
+            if isinstance(x, dict) and x:
+                for k, v in x.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            else:
+                out[prefix] = x
+        walk("", data if isinstance(data, dict) else {})
+        return {k: v for k, v in out.items() if k.split(".")[0] not in RESUME_IGNORED}
+
+    def show(x: Any) -> str:
+        if x is _ABSENT:
+            return "(not set)"
+        if isinstance(x, list):
+            return "[" + ", ".join(show(v) for v in x) + "]"
+        return "null" if x is None else str(x).lower() if isinstance(x, bool) else str(x)
+
+    a, b = flat(held), flat(wanted)
+    keys = list(a) + [k for k in b if k not in a]
+    return [f"{k}: {show(a.get(k, _ABSENT))} -> {show(b.get(k, _ABSENT))}" for k in keys
+            if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+
+
+_ABSENT = object()
+
+
 class RunDir:
     """One run directory. :meth:`open` checks it without writing; :meth:`own` makes this process
     its owner (creating it) for the run; only the owner writes."""
@@ -198,9 +235,12 @@ class RunDir:
     def _check(self) -> None:
         cfg_file = self.path / "config.yaml"
         if cfg_file.exists():
-            if _config_body(read_config_text(cfg_file)) != _config_body(self.config_yaml):
-                raise ConfigError(f"out={self.path} holds a run with a different configuration; "
-                                  "use another out= (or the same keys to resume)")
+            held = read_config_text(cfg_file)
+            if _config_body(held) != _config_body(self.config_yaml):
+                changes = config_changes(held, self.config_yaml)
+                raise ConfigError(f"out={self.path} holds a run with a different configuration"
+                                  + (f" ({'; '.join(changes)})" if changes else "")
+                                  + "; use another out= (or the same keys to resume)")
             self.fresh = False
             return
         # a reproduce marker (skipped.json) and the lock do not count: the run replaces them

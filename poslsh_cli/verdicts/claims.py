@@ -47,17 +47,30 @@ class Section:
     figures: list[Path] = field(default_factory=list)
 
 
+#: How a claim made over several groups ((n, sigma), layers, lengths) is judged from its groups'
+#: verdicts; every such verdict's rule ends with it (:func:`over_groups`).
+GROUPS_RULE = ("over the groups: SUPPORTED when more than half of the measured groups are SUPPORTED and none is "
+               "NOT SUPPORTED; NOT SUPPORTED when any group is (the claim is made for every group); otherwise "
+               "INCONCLUSIVE; groups not measured do not count")
+
+
 def combine(statuses: Iterable[Status]) -> Status:
-    """One status for several groups: any failure fails; else any support supports; else
-    inconclusive if anything was measured; else not measured."""
-    st = list(statuses)
-    if Status.NOT_SUPPORTED in st:
+    """One status for a claim over several groups (:data:`GROUPS_RULE`): a group where the claim
+    fails fails it; it is supported only when most measured groups support it; one supported
+    group among undecided ones is INCONCLUSIVE; NOT MEASURED when no group was measured."""
+    measured = [s for s in statuses if s is not Status.NOT_MEASURED]
+    if not measured:
+        return Status.NOT_MEASURED
+    if Status.NOT_SUPPORTED in measured:
         return Status.NOT_SUPPORTED
-    if Status.SUPPORTED in st:
+    if 2 * sum(s is Status.SUPPORTED for s in measured) > len(measured):
         return Status.SUPPORTED
-    if Status.INCONCLUSIVE in st:
-        return Status.INCONCLUSIVE
-    return Status.NOT_MEASURED
+    return Status.INCONCLUSIVE
+
+
+def over_groups(rule: str) -> str:
+    """A group's rule followed by how the groups combine (:data:`GROUPS_RULE`)."""
+    return f"{rule}; {GROUPS_RULE}"
 
 
 def tally(statuses: Iterable[Status]) -> str:

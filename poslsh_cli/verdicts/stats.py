@@ -1,5 +1,5 @@
 """Intervals and the decision rules of comparisons between trained models (docs/THEORY.md,
-"Verdict rules").
+"Verdict rules"), and the power of a goodness-of-fit test (:func:`ks_power`).
 
 A comparison between two schemes is a statistic: the difference of their bits per byte, paired by
 training seed (the same seed gives the same initial weights and data order to every scheme), with a
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -155,3 +155,43 @@ EQUIVALENCE_RULE = equivalence_rule()
 DIFFERENCE_RULE = (f"paired by training seed, the 95% t-interval of the difference excludes 0 on the claimed side "
                    f"(SUPPORTED) or on the other side (NOT SUPPORTED), else INCONCLUSIVE. With fewer than {MIN_SEEDS} "
                    "seeds the interval is over the evaluation windows (evaluation noise only)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the power of a goodness-of-fit test
+
+#: Power a test must have against the alternative it is meant to see before its not rejecting
+#: the null law counts as support.
+POWER = 0.8
+
+
+def ks_power(null_cdf: Callable[[np.ndarray], np.ndarray], draw: Callable[[int, np.random.Generator], np.ndarray],
+             m: int, alpha: float, generator: np.random.Generator, draws: int = 400) -> float:
+    """Power of the two-sided one-sample Kolmogorov-Smirnov test of ``null_cdf`` at level
+    ``alpha`` with ``m`` values, against the law ``draw(size, generator)`` samples: the share of
+    ``draws`` simulated samples it rejects. The test rejects when ``D_m = sup |F_m - F_0|`` reaches
+    the exact critical value ``kstwo.isf(alpha, m)`` (what ``scipy.stats.kstest`` decides)."""
+    from scipy import stats
+
+    x = np.sort(np.stack([np.asarray(draw(m, generator), dtype=np.float64) for _ in range(draws)]), axis=1)
+    F = null_cdf(x)  # (draws, m)
+    i = np.arange(1, m + 1)
+    D = np.maximum((i / m - F).max(axis=1), (F - (i - 1) / m).max(axis=1))
+    return float(np.mean(D >= stats.kstwo.isf(alpha, m)))
+
+
+def ks_values_needed(null_cdf: Callable[[np.ndarray], np.ndarray],
+                     draw: Callable[[int, np.random.Generator], np.ndarray], alpha: float,
+                     generator: np.random.Generator, power: float = POWER, start: int = 2, limit: int = 10_000) -> int:
+    """The fewest values (found by doubling, then bisection, each power simulated by
+    :func:`ks_power`) with which the test reaches ``power``; ``limit`` if none up to it does."""
+    lo, hi = max(1, start - 1), max(2, start)
+    while ks_power(null_cdf, draw, hi, alpha, generator) < power:
+        lo, hi = hi, 2 * hi
+        if hi > limit:
+            return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ks_power(null_cdf, draw, mid, alpha, generator) >= power else (mid, hi)
+    return hi
+
