@@ -11,7 +11,7 @@ from typing import Any, Callable
 from poslsh_cli.experiments.measure import judge_load, overload_reason
 from poslsh_cli.numerics.methods import Method
 from poslsh_cli.numerics.metrics import fit_loglog_slope
-from poslsh_cli.verdicts.claims import TIME_RULE, Status, Verdict, combine, time_status, upper_half
+from poslsh_cli.verdicts.claims import TIME_RULE, Status, Verdict, combine, over_groups, time_status, upper_half
 from poslsh_cli.verdicts.claims import crossover as crossover_of
 
 EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
@@ -113,7 +113,7 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
             ev.append(f"{mode} exact: {fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds).slope:.2f}")
     verdict = Verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", combine(statuses),
                       "log-log slopes over the larger n: " + "; ".join(ev) if ev else "no Positional-LSH rows",
-                      TIME_RULE)
+                      over_groups(TIME_RULE))
     verdict = judge_load(verdict, df[df.method.isin([POSLSH, EXACT])])
     return verdict, paragraphs
 

@@ -1,0 +1,239 @@
+"""``poslsh step-bench``'s table, figure and claims: the step time of each scheme against RoPE and
+exact ALiBi (each ratio from steps timed interleaved with its reference where the run has it), the
+long-context and memory goals, the paper's setting, and the crossover length; a claim from a row
+measured on an overloaded machine is INCONCLUSIVE."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+from poslsh_cli.attention.plan import Backend
+from poslsh_cli.experiments.measure import judge_load, overload_reason
+from poslsh_cli.lm.positions import Position
+from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crossover, over_groups
+
+ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
+DENSE = Backend.DENSE.value
+
+#: Goals checked by the report: ALiBi against RoPE, Positional LSH against exact ALiBi through the
+#: same dense-bias route, Positional LSH against exact ALiBi on the paths training takes at long
+#: context (step time ratio per L), and its peak memory against exact ALiBi's at every L.
+ALIBI_GOAL, POSLSH_GOAL = 1.5, 1.3
+LONG_GOALS = {8192: 1.0, 16384: 0.5}
+MEMORY_GOAL = 1.5
+#: On CUDA in bfloat16: exact ALiBi (FlexAttention) within this factor of RoPE's SDPA step
+ALIBI_GOAL_CUDA = 1.3
+#: The paper's training setting (one sigma = 256 for every head, s = 100 masks, L = 8192): a
+#: Positional-LSH step at most this factor of exact ALiBi's, in time and in peak memory
+PAPER_SETTING = {"seq_len": 8192, "s": 100, "sigmas": "sigma=256 every head"}
+PAPER_GOAL = 1.5
+
+
+def _time(g: Any, position: str, path: str | None = None, s: int | None = None) -> float:
+    sel = g[g.position == position]
+    if path is not None:
+        sel = sel[sel.attention_path == path]
+    if s is not None:
+        sel = sel[sel.s == s]
+    return float(sel.step_seconds.median()) if len(sel) else float("nan")
+
+
+def _paired(rows: Any, ref: str, fallback: float, backend: str | None = None, path: str | None = None) -> float:
+    """The step time of the reference ``rows`` were timed interleaved with (the median of their
+    ``ref_step_seconds``) when it is ``ref`` (on ``backend``, on ``path``) for every one of them;
+    else ``fallback``, the reference's own row (and runs written before the column)."""
+    if rows.empty or "ref_step_seconds" not in rows.columns:
+        return fallback
+    ok = (rows.ref_position == ref) & rows.ref_step_seconds.notna()
+    ok &= (rows.ref_backend == backend) if backend is not None else True
+    ok &= (rows.ref_path == path) if path is not None else True
+    return float(rows.ref_step_seconds.median()) if bool(ok.all()) else fallback
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    paired = "ref_step_seconds" in df.columns  # runs before the column have no such pairs
+    head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense"]
+    head += ["vs ref (interleaved)"] if paired else []
+    rows = []
+    for n, g in df.groupby("seq_len"):
+        rope, dense = _time(g, ROPE), _time(g, ALIBI, Backend.DENSE.value)
+        for r in g.itertuples():
+            ref = float(getattr(r, "ref_step_seconds", math.nan))
+            rows.append([str(n), r.position, str(r.s) if r.s else "-", r.attention_path, f"{r.step_seconds:.3f}",
+                         f"{r.tokens_per_s:.0f}", f"{r.peak_mem_mb:.0f}",
+                         f"{r.step_seconds / rope:.2f}x" if rope == rope else "-",
+                         f"{r.step_seconds / dense:.2f}x" if dense == dense else "-"]
+                        + ([f"{r.step_seconds / ref:.2f}x {r.ref_position}" if math.isfinite(ref) else "-"] if paired
+                           else []))
+    return head, rows
+
+
+def plot(run: Path, df: Any) -> list[Path]:
+    from poslsh_cli.verdicts.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    labels = [f"{r.position}{f' s={r.s}' if r.s else ''}\n{r.attention_path}" for r in df.drop_duplicates(
+        ["position", "s", "attention_path"]).itertuples()]
+    keys = df.drop_duplicates(["position", "s", "attention_path"])[["position", "s", "attention_path"]]
+    width = 0.8 / max(1, df.seq_len.nunique())
+    for i, (n, g) in enumerate(df.groupby("seq_len")):
+        vals = [float(g[(g.position == k.position) & (g.s == k.s) & (g.attention_path == k.attention_path)]
+                      .step_seconds.median()) for k in keys.itertuples()]
+        ax.bar([j + i * width for j in range(len(keys))], vals, width=width, label=f"L={n}", color=f"C{i}")
+    ax.set_xticks([j + width * (df.seq_len.nunique() - 1) / 2 for j in range(len(keys))], labels, fontsize=8)
+    ax.set_ylabel("seconds per training step (median)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"Training step cost, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")
+    return save(fig, run, "step_time")
+
+
+def report(run: Path, df: Any) -> Section:
+    import pandas as pd
+
+    sec = Section("step-bench", run, "Training-step cost of each position scheme")
+    head, rows = summary(df)
+    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.verdicts += claim_alibi_near_rope(df)
+    sec.verdicts += claim_dense_route(df)
+    sec.verdicts += claim_long_context(df)
+    sec.verdicts += claim_memory(df)
+    sec.verdicts += claim_paper_setting(df)
+    sec.paragraphs += crossover_findings(df)
+    why = overload_reason(df)
+    if why:
+        sec.paragraphs.append(f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE.")
+    return sec
+
+
+def _rows(df: Any, *positions: str) -> Any:
+    """The rows of ``positions`` on the plan's path (backend=auto): a claim's evidence."""
+    return df[df.position.isin(positions) & (df.backend == "auto")]
+
+
+def _auto(g: Any, position: str, s: int | None = None) -> Any:
+    sel = g[(g.position == position) & (g.backend == "auto")]
+    return sel[sel.s == s] if s is not None else sel
+
+
+def _poslsh_and_alibi(df: Any, column: str) -> Iterator[tuple[int, int, float, float]]:
+    """(L, s, Positional LSH, exact ALiBi): medians of ``column`` on the plan's path (backend=auto),
+    for every L and s where both were measured; step times of exact ALiBi are those timed
+    interleaved with the Positional-LSH rows where the run has them."""
+    for n, g in df.groupby("seq_len"):
+        a = float(_auto(g, ALIBI)[column].median())
+        for s in sorted(_auto(g, POSLSH).s.unique()):
+            rows = _auto(g, POSLSH, s)
+            p = float(rows[column].median())
+            ref = _paired(rows, ALIBI, a, backend="auto") if column == "step_seconds" else a
+            if ref == ref and p == p:
+                yield int(n), int(s), p, ref
+
+
+def claim_alibi_near_rope(df: Any) -> list[Verdict]:
+    cuda = bool(df.device.astype(str).str.startswith("cuda").any())
+    goal = ALIBI_GOAL_CUDA if cuda else ALIBI_GOAL
+    st, ev = [], []
+    for n, g in df.groupby("seq_len"):
+        rope, fast = _paired(_auto(g, ALIBI), ROPE, _time(g, ROPE)), float(_auto(g, ALIBI).step_seconds.median())
+        if rope == rope and fast == fast:
+            st.append(Status.SUPPORTED if fast / rope <= goal else Status.NOT_SUPPORTED)
+            ev.append(f"L={n}: {fast / rope:.2f}x")
+    where = " on CUDA" if cuda else ""
+    prec = sorted(set(df.precision.dropna().astype(str))) if "precision" in df.columns else ["fp32"]
+    return [judge_load(Verdict(f"causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} "
+                               f"({', '.join(prec)})", combine(st), "; ".join(ev) or "needs rope and alibi (auto) rows",
+                               over_groups(f"median step time of alibi on the path poslsh train takes (auto) over "
+                                           f"rope (timed interleaved with it), at every L (goal {ALIBI_GOAL_CUDA}x on "
+                                           f"CUDA, {ALIBI_GOAL}x on the CPU)")), _rows(df, ROPE, ALIBI))]
+
+
+def claim_paper_setting(df: Any) -> list[Verdict]:
+    """The paper's training setting (PAPER_SETTING): Positional LSH's step time and peak memory at most
+    PAPER_GOAL x exact ALiBi's, both on the paths training takes."""
+    n, s, sig = PAPER_SETTING["seq_len"], PAPER_SETTING["s"], PAPER_SETTING["sigmas"]
+    claim = (f"at the paper's setting (L={n}, {sig}, s={s}) a Positional-LSH training step costs at most "
+             f"{PAPER_GOAL}x exact ALiBi's step time and memory")
+    rule = (f"median step time and peak memory of poslsh s={s} over alibi, both backend=auto, at L={n} with {sig}; "
+            "SUPPORTED when both ratios are at most the goal, NOT SUPPORTED when one is above; NOT MEASURED without "
+            "those rows")
+    g = df[(df.seq_len == n) & (df.sigmas.fillna("").astype(str) == sig)] if "sigmas" in df.columns else None
+    a, p = (_auto(g, ALIBI), _auto(g, POSLSH, s)) if g is not None else (None, None)
+    if a is None or a.empty or p.empty:
+        return [Verdict(claim, Status.NOT_MEASURED, f"no alibi and poslsh s={s} rows at L={n} with {sig}", rule)]
+    ref = _paired(p, ALIBI, float(a.step_seconds.median()), backend="auto")
+    t, m = float(p.step_seconds.median()) / ref, float(p.peak_mem_mb.median()) / float(a.peak_mem_mb.median())
+    ok = t <= PAPER_GOAL and m <= PAPER_GOAL
+    verdict = Verdict(claim, Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
+                      f"step {p.step_seconds.median():.3f} s ({p.attention_path.iloc[0]}) vs {ref:.3f} s "
+                      f"({a.attention_path.iloc[0]}) = {t:.2f}x; memory {p.peak_mem_mb.median():.0f} vs "
+                      f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule)
+    return [verdict if m > PAPER_GOAL else judge_load(verdict, g[g.index.isin(a.index) | g.index.isin(p.index)])]
+
+
+def claim_dense_route(df: Any) -> list[Verdict]:
+    st, ev = [], []
+    for n, g in df.groupby("seq_len"):
+        for s in sorted(g[g.position == POSLSH].s.unique()):
+            p, rows = _time(g, POSLSH, DENSE, s), g[(g.position == POSLSH) & (g.s == s) & (g.attention_path == DENSE)]
+            dense = _paired(rows, ALIBI, _time(g, ALIBI, DENSE), path=DENSE)
+            if dense == dense and p == p:
+                st.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
+                ev.append(f"L={n} s={s}: {p / dense:.2f}x")
+    return [judge_load(Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same "
+                               "dense-bias route, whatever s", combine(st),
+                               "; ".join(ev) or "needs poslsh and alibi with backend=dense rows",
+                               over_groups("median step time ratio at every L and s (exact ALiBi timed interleaved "
+                                           "with it where it was)")), df[df.attention_path == DENSE])]
+
+
+def claim_long_context(df: Any) -> list[Verdict]:
+    """Near-linear training: Positional LSH (the plan's path) at most LONG_GOALS[L] times exact ALiBi's
+    step time at each goal length measured."""
+    st, ev = [], []
+    for n, s, p, a in _poslsh_and_alibi(df, "step_seconds"):
+        ev.append(f"L={n} s={s}: {p / a:.2f}x")
+        if n in LONG_GOALS:
+            st.append(Status.SUPPORTED if p / a <= LONG_GOALS[n] else Status.NOT_SUPPORTED)
+    goals = ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items())
+    status = combine(st) if st else Status.NOT_MEASURED
+    return [judge_load(Verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})",
+                               status, "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
+                               over_groups("median step time of poslsh over alibi (timed interleaved with it), both "
+                                           "on the path poslsh train takes, at each goal length measured (NOT "
+                                           "MEASURED without one)")),
+                       _rows(df[df.seq_len.isin(list(LONG_GOALS))], ALIBI, POSLSH))]
+
+
+def claim_memory(df: Any) -> list[Verdict]:
+    st, ev = [], []
+    for n, s, p, a in _poslsh_and_alibi(df, "peak_mem_mb"):
+        if a > 0:
+            st.append(Status.SUPPORTED if p / a <= MEMORY_GOAL else Status.NOT_SUPPORTED)
+            ev.append(f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
+    return [Verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory", combine(st),
+                    "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
+                    over_groups("peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every "
+                                "L"))]
+
+
+def crossover_findings(df: Any) -> list[str]:
+    """The smallest L from which Positional LSH steps faster than exact ALiBi at every larger L."""
+    ratios: dict[int, dict[int, float]] = {}
+    for n, s, p, a in _poslsh_and_alibi(df, "step_seconds"):
+        ratios.setdefault(s, {})[n] = p / a
+    out = []
+    for s, ratio in sorted(ratios.items()):
+        if len(ratio) < 2:
+            continue
+        best = crossover(ratio)
+        where = f"from L={best} on" if best else "at no measured L"
+        out.append(f"Positional LSH s={s} trains faster than exact ALiBi {where} (step-time ratios: "
+                   + ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratio.items())) + ").")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# memory estimate (memory_check)
