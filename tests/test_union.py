@@ -158,7 +158,7 @@ def test_the_union_route_calls_the_kernel_once_per_head_not_per_mask(monkeypatch
         assert (o.double() - ref).abs().max().item() < 1e-5
 
 
-def test_plan_takes_the_union_on_cuda_for_several_masks_and_one_call_for_one():
+def test_plan_takes_the_union_on_cuda_for_several_masks_and_on_the_cpu_for_many():
     for s, backend in ((100, "union"), (2, "union"), (1, "flex"), (0, "flex")):
         plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True,
                       num_samples=s)
@@ -166,7 +166,9 @@ def test_plan_takes_the_union_on_cuda_for_several_masks_and_one_call_for_one():
     plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True, num_samples=8)
     assert plan.label == "union/flex/compiled"
     cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, num_samples=8)
-    assert cpu.label == "blocks/fused"  # the CPU keeps its measured default
+    assert cpu.label == "blocks/fused"  # few masks on the CPU: the blocks (measured faster there)
+    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, num_samples=100)
+    assert cpu.label == "union/fused"  # many masks: their union
 
 
 def test_union_table_holds_one_row_per_cell():

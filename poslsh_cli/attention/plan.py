@@ -75,6 +75,13 @@ DENSE_MAX_N = 4096
 RANK1_MIN_N = 512
 
 
+#: From this many masks on, CPU inference of the partition methods takes the union route rather than
+#: the blocks: measured by `poslsh bench` on a 2-core CPU (float32, 8 heads of the standard slopes,
+#: d=64, causal, alone), the union took 3.6x the blocks' time at s=8 (n=4096; 3.7x at 16384), 0.70x
+#: at s=32 (1.09x at 16384) and 0.35x at s=100 (0.37x at 16384), with 0.17-0.51x their memory from s=32 on.
+UNION_MIN_S_CPU = 48
+
+
 #: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
 DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
 
@@ -151,7 +158,8 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     - for inference on the CPU: exact ALiBi (float32 and wider) on the flash kernel with its bias as
       an extra q/k coordinate re-centred per query tile (``rank1``, causal and bidirectional; the
       fastest exact path), windowed ALiBi (and exact in lower precision) by query chunks, the
-      partition methods (poslsh, fixed_block) on the blocks.
+      partition methods (poslsh, fixed_block) on the blocks, or on the union route from
+      UNION_MIN_S_CPU masks on.
     - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
       otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (while
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
@@ -214,6 +222,8 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
     if not grad:
         if method is Method.EXACT and dtype in (torch.float32, torch.float64):
             return Backend.RANK1  # the flash kernel with a re-centred extra coordinate, causal or not
+        if num_samples >= UNION_MIN_S_CPU and Backend.UNION in BACKENDS[method]:
+            return Backend.UNION  # many masks: one attention over their union costs less than s of them
         return sparse
     if method is Method.EXACT and causal and n >= RANK1_MIN_N and dtype in (torch.float32, torch.float64):
         return Backend.RANK1
