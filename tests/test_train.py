@@ -648,3 +648,13 @@ def test_every_file_of_a_training_run_has_the_mode_the_umask_gives(trained):
     odd = {str(p.relative_to(trained)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
            if stat.S_IMODE(p.stat().st_mode) != 0o666 & ~mask}
     assert not odd, odd
+
+
+def test_a_one_step_run_trains_and_records_its_final_losses(tmp_path):
+    """steps=1: the last step is the first, so the final evaluation writes into the cell's work folder
+    before any metrics line made it."""
+    out = tmp_path / "one"
+    res = invoke("train", *TINY, "steps=1", "position=[alibi]", "seed=[0]", "device=cpu", f"out={out}")
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "results.csv")
+    assert len(df) == 1 and np.isfinite(df.val_loss).all()

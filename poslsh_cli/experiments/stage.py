@@ -399,6 +399,7 @@ class StageRun:
             tr = evaluate(self.trained, self.state, spread_sample(corpus.train, stage.seq_len, spec.eval_tokens),
                           stage.seq_len, shard=shard)
             if dist.is_main():
+                self.work.path.mkdir(parents=True, exist_ok=True)  # the first step may be the last: nothing made it yet
                 atomic_write_text(self.work.path / TRAIN_EVAL, json.dumps(
                     {"step": step, "loss": tr.loss, "sampling": TRAIN_SAMPLE}) + "\n")
 
