@@ -43,7 +43,7 @@ step() {  # step NAME LIMIT COMMAND...: run under a time limit, log to $OUT/NAME
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
-    echo "PASS $name ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"
+    echo "PASS $name ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"  # live progress, and the summary
   else
     local rc=$?
     echo "FAIL $name (exit $rc, $((SECONDS - t0)) s; see $name.log)" | tee -a "$SUMMARY"
@@ -64,13 +64,13 @@ else
   BUDGET=${BUDGET:-1500}
 fi
 METHODS=${METHODS:-[exact,poslsh,windowed]} PATHS=${PATHS:-[auto]} N=${GRID_N:-$N}
-BENCH="device=$DEVICE dtype=$DT heads=8 head_dim=64 repeats=3 warmup=1 window_sigmas=[4]"
+BENCH=(device="$DEVICE" dtype="$DT" heads=8 head_dim=64 repeats=3 warmup=1 "window_sigmas=[4]")
 
 report() {  # the report of every run made here, and the key columns of each results.csv
   local runs=()
   for r in grid bwd svs step_paper step_long; do [ -f "$OUT/$r/results.csv" ] && runs+=("$OUT/$r"); done
   [ ${#runs[@]} -gt 0 ] || return 0
-  $POSLSH report "${runs[@]}" >"$OUT/report.log" 2>&1 || echo "report failed (see report.log)" >>"$SUMMARY"
+  $POSLSH report "${runs[@]}" --out "$OUT" >"$OUT/report.log" 2>&1 || echo "report failed (see report.log)" >>"$SUMMARY"
   grep -E "^\| (bench|step-bench)" "$OUT/report.md" 2>/dev/null | grep -E "CUDA|paper's setting|RoPE" | cut -c1-600
   for r in "${runs[@]}"; do
     echo "-- $(basename "$r")"
@@ -88,15 +88,15 @@ PY
 step smoke 240 $PY scripts/gpu_smoke.py "$DEVICE"
 # the grid that met more than eight shapes (it fell back to the unfused kernel and asked for 256 GiB)
 step grid 240 $POSLSH bench "n=$N" "causal=[true,false]" "s=[8,32]" "methods=$METHODS" \
-  "partition_backends=$PATHS" exact_max_n=$NBIG $BENCH out="$OUT/grid"
+  "partition_backends=$PATHS" exact_max_n=$NBIG "${BENCH[@]}" out="$OUT/grid"
 step step_paper 150 $POSLSH step-bench "seq_len=[$LP]" "position=[rope,alibi,poslsh]" "s=[100]" "backend=[auto]" \
   batch=2 sigma=256 precision=$PREC steps=3 warmup=2 device=$DEVICE $MODEL out="$OUT/step_paper"
 step bwd 90 $POSLSH bench "n=[$NBIG]" "causal=[true]" "s=[8]" "methods=[exact,poslsh]" backward=true \
-  "partition_backends=[union]" exact_max_n=$NBIG $BENCH out="$OUT/bwd"
+  "partition_backends=[union]" exact_max_n=$NBIG "${BENCH[@]}" out="$OUT/bwd"
 step step_long 120 $POSLSH step-bench "seq_len=[$LL]" "position=[rope,alibi,poslsh]" "s=[10]" "backend=[auto]" \
   batch=1 steps=3 warmup=1 device=$DEVICE out="$OUT/step_long"
 step svs 90 $POSLSH bench "n=[$NS]" "causal=[true]" "s=[8,32,100]" "methods=[exact,poslsh]" \
-  "partition_backends=[union,flex]" exact_max_n=$NS $BENCH out="$OUT/svs"
+  "partition_backends=[union,flex]" exact_max_n=$NS "${BENCH[@]}" out="$OUT/svs"
 if [ "$DEVICE" = cuda ]; then
   step pytest_gpu 180 $PY -m pytest -q -rs -m gpu -n 4 -p no:cacheprovider tests/
 fi
@@ -104,5 +104,5 @@ step profile 90 $PY scripts/profile_step.py --seq-len $LP --positions rope alibi
   --sigma 256 --steps 2 --device $DEVICE $PROFILE
 { echo; echo "wall $((SECONDS - T0)) s"; report; } >>"$SUMMARY" 2>&1
 tar -czf "$OUT/gpu_check.tar.gz" --exclude=gpu_check.tar.gz -C "$OUT" . 2>/dev/null
-cat "$SUMMARY"
+sed -n '/^wall /,$p' "$SUMMARY"  # the step lines were printed as they came
 exit "$failed"

@@ -116,17 +116,21 @@ def test_the_per_mask_layout_is_built_without_reading_the_device(monkeypatch):
 def test_compiled_flex_meets_many_shapes_without_an_unfused_call(monkeypatch):
     """Twelve shapes (lengths and head counts) through the compiled FlexAttention paths the CPU
     compiles (exact causal and windowed bidirectional ALiBi, one mask as documents), the first four
-    calls at static shapes and the rest with dynamic ones, under a recompile limit of 4 so that
-    reaching it is exercised: no call runs the unfused fallback (it warns "flex_attention called
+    shapes of each at static shapes and the rest with dynamic ones, under a recompile limit of 8 so
+    that reaching it is exercised (the kind that meets it goes dynamic; the compiles stay bounded): no call runs the unfused fallback (it warns "flex_attention called
     without torch.compile"), each equals the eager kernel. The CPU compiler has no lse output (the
     per-mask merge) and miscompiles the union route's table lookups (C++ errors such as
     "cur_kvSplitSize2 was not declared"): those run compiled in the CUDA tests."""
     import torch._dynamo
 
-    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 4, raising=False)
-    monkeypatch.setattr(flex, "STATIC_CALLS", 4, raising=False)
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 8)
+    monkeypatch.setattr(flex, "STATIC_CALLS", 4)
     torch._dynamo.reset()
-    getattr(flex, "reset_compiled", lambda: None)()
+    flex.reset_compiled()
+    counters.clear()
+    graphs = 0
     shapes = [(256, 4), (384, 4), (512, 4), (640, 2), (768, 4), (896, 4), (1024, 4), (1152, 4), (1280, 4),
               (1408, 4), (1536, 2), (1664, 4)]
     for n, H in shapes:
@@ -138,12 +142,15 @@ def test_compiled_flex_meets_many_shapes_without_an_unfused_call(monkeypatch):
                  lambda c: flex.poslsh_flex(q, k, v, fixed, True, compiled=c)]
         for call in calls:
             want = call(False)  # the eager kernel (it warns: it is the unfused one)
+            before = counters["stats"]["unique_graphs"]
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message=".*called without torch.compile.*")
                 got = call(True)
+            graphs += counters["stats"]["unique_graphs"] - before  # what the compiled calls compiled
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert graphs <= 8 + 3 * 3, graphs  # the static kernels up to the limit, then a few dynamic ones a kind
     torch._dynamo.reset()
-    getattr(flex, "reset_compiled", lambda: None)()
+    flex.reset_compiled()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import torch
 
 from poslsh_cli.attention import AttentionSpec, Method, attend, choose, mean_mask_weight, reference_attention
 from poslsh_cli.attention.api import poslsh_layout
-from poslsh_cli.attention.union import UnionLayout, block_ends, bins_of
-from poslsh_cli.numerics.sampling import alibi_sigmas, fixed_block_partitions, sample_partitions
+from poslsh_cli.attention.union import UnionLayout
+from poslsh_cli.numerics.sampling import alibi_sigmas, fixed_block_partitions
 
 from test_attention import naive_tolerance, parts_for, qkv
 
@@ -38,25 +38,6 @@ def test_union_counts_are_s_times_the_mean_mask(n, sigmas, s, causal):
     assert torch.equal(lay.counts(i, i), want)
     assert bool((lay.lo[:, 1:] >= lay.lo[:, :-1]).all()) and bool((lay.hi[:, 1:] >= lay.hi[:, :-1]).all())
     assert int((lay.hi - lay.lo + 1).max()) <= lay.span
-
-
-def test_block_ends_are_the_blocks_of_the_bin_formula():
-    """First and last position of each position's block, from the closed form with its rounding
-    corrected, equal the blocks of the bins themselves (widths from 0.05 to beyond n)."""
-    g = np.random.default_rng(3)
-    n = 600
-    for sigma in (0.05, 0.7, 3.0, 40.0, 900.0):
-        part = sample_partitions(n, sigma, 20, g)
-        w = torch.as_tensor(part.widths)[:, None]
-        u = torch.as_tensor(part.shifts)[:, None]
-        pos = torch.arange(n)
-        start, end = block_ends(pos[None, :], w, u, n)
-        bins = bins_of(pos[None, :], w, u)
-        for k in range(part.num_samples):
-            same = bins[k][:, None] == bins[k][None, :]
-            idx = torch.arange(n).expand(n, n)
-            assert torch.equal(start[k], torch.where(same, idx, n).amin(1))
-            assert torch.equal(end[k], torch.where(same, idx, -1).amax(1))
 
 
 @pytest.mark.parametrize("causal", [False, True])

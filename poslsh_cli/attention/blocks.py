@@ -23,7 +23,8 @@ from poslsh_cli.numerics import masks
 from poslsh_cli.attention.merge import merge_by_lse
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import NEG_INF, scale_of
-from poslsh_cli.numerics.sampling import Partitions
+from poslsh_cli.attention.transfer import to_device
+from poslsh_cli.numerics.sampling import Partitions, bin_index
 
 #: Upper bound on the bytes of one batch of gathered blocks (q, k, v copies and scores): large
 #: buckets are processed in several batches, so memory stays O(s n d), not O(padded slots x d x 3).
@@ -123,14 +124,15 @@ def padded_work(partitions: Sequence[Partitions]) -> tuple[float, float]:
 def device_bins(partitions: Sequence[Partitions], device: torch.device | str) -> torch.Tensor:
     """Bins of every (head, sample) computed on ``device``, (H, s, n) int64.
 
-    ``floor((i + u) / delta)`` in float64 from the 2 s drawn scalars per head: IEEE float64
-    addition, division and floor are exact-rounded everywhere, so this equals
-    :meth:`Partitions.bins` bit for bit, without moving an (H, s, n) array to the device.
+    :func:`~poslsh_cli.numerics.sampling.bin_index` (``floor((i + u) / delta)`` in float64) from the 2 s
+    drawn scalars per head, copied in one non-blocking transfer: IEEE float64 addition, division and
+    floor are exact-rounded everywhere, so this equals :meth:`Partitions.bins` bit for bit, without
+    moving an (H, s, n) array to the device.
     """
-    widths = torch.as_tensor(np.stack([p.widths for p in partitions]), dtype=torch.float64, device=device)
-    shifts = torch.as_tensor(np.stack([p.shifts for p in partitions]), dtype=torch.float64, device=device)
-    i = torch.arange(partitions[0].seq_len, dtype=torch.float64, device=device)
-    raw = torch.floor((i + shifts[..., None]) / widths[..., None]).to(torch.int64)  # (H, s, n)
+    widths, shifts = to_device(np.stack([np.stack([p.widths for p in partitions]),
+                                         np.stack([p.shifts for p in partitions])]), device)
+    i = torch.arange(partitions[0].seq_len, dtype=torch.float64, device=widths.device)
+    raw = bin_index(i, widths[..., None], shifts[..., None]).to(torch.int64)  # (H, s, n)
     return raw - raw[..., :1]
 
 

@@ -11,7 +11,8 @@ Every call goes through :func:`flex_call`, which
   beyond them (lengths and head counts symbolic: a workload of many shapes compiles a bounded
   number of times), each under
   a recompile limit that fails loudly instead of running the unfused fallback (which materialises
-  every score: 256 GiB at n = 131072), and starts that cache afresh when the limit is reached;
+  every score: 256 GiB at n = 131072): at the static limit that kind of call moves to the dynamic
+  kernels, at the dynamic limit their cache starts afresh;
 - refuses an uncompiled call on CUDA at a size where the dense fallback would materialise more
   than :data:`EAGER_MAX_BYTES` of scores;
 - zero-pads heads narrower than :data:`MIN_HEAD_DIM` (the CUDA kernel's minimum): zero coordinates
@@ -26,12 +27,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from poslsh_cli.attention.blocks import device_bins
 from poslsh_cli.attention.merge import merge_by_lse
 from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import alibi_slopes, scale_of
 from poslsh_cli.numerics import masks
-from poslsh_cli.numerics.sampling import Partitions
+from poslsh_cli.attention.transfer import to_device
+from poslsh_cli.numerics.sampling import Partitions, bin_index, longest_block
 
 #: The CUDA kernel's smallest head dimension: narrower heads are zero-padded to it (exact).
 MIN_HEAD_DIM = 16
@@ -49,6 +50,7 @@ STATIC_CALLS = 8
 
 _COMPILED: dict[bool, Any] = {}
 _STATIC: dict[tuple, set] = {}
+_DYNAMIC_KINDS: set = set()
 
 
 def flex_function(compiled: bool, dynamic: bool = False) -> Any:
@@ -71,7 +73,6 @@ def _twin(fn: Any) -> Any:
     code = fn.__code__.replace(co_name=fn.__name__ + "_dynamic")
     twin = types.FunctionType(code, fn.__globals__, fn.__name__ + "_dynamic", fn.__defaults__, fn.__closure__)
     twin.__kwdefaults__ = fn.__kwdefaults__
-    twin.__wrapped_code__ = fn.__code__
     return twin
 
 
@@ -81,6 +82,7 @@ def reset_compiled() -> None:
         torch._C._dynamo.eval_frame.reset_code(_code_of(fn))
     _COMPILED.clear()
     _STATIC.clear()
+    _DYNAMIC_KINDS.clear()
 
 
 class FlexTooLarge(ValueError):
@@ -123,34 +125,50 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 
 def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, sizes: tuple = ()) -> Any:
-    """The compiled call: at static shapes for the first :data:`STATIC_CALLS` distinct calls, with
-    dynamic shapes beyond them; under a recompile limit that raises instead of falling back unfused
-    (at the limit that function's compiled variants are dropped and this call compiles afresh)."""
+    """The compiled call: at static shapes for the first :data:`STATIC_CALLS` distinct shapes of its
+    kind, with dynamic shapes beyond them; under a recompile limit that raises instead of falling
+    back unfused: at the static function's limit this kind moves to the dynamic kernels for good (the
+    other kinds keep their static ones), at the dynamic function's limit its variants are dropped
+    and this call compiles afresh."""
     import torch._dynamo
 
-    mods = tuple(getattr(f, "__code__", None) for f in (kw["score_mod"], getattr(kw["block_mask"], "mask_mod", None)))
-    kind = (q.dtype, q.device, mods, "return_aux" in kw, kw["enable_gqa"],
+    kind = (q.dtype, q.device, _describe(kw["score_mod"]), _describe(getattr(kw["block_mask"], "mask_mod", None)),
+            "return_aux" in kw, kw["enable_gqa"],
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     shapes = _STATIC.setdefault(kind, set())
     call = (tuple(q.shape), tuple(k.shape), sizes)
-    if call not in shapes and len(shapes) < STATIC_CALLS:
+    if call not in shapes and len(shapes) < STATIC_CALLS and kind not in _DYNAMIC_KINDS:
         shapes.add(call)
     dynamic = call not in shapes
-    fn = flex_function(True, dynamic)
     if torch.compiler.is_compiling():  # inside a caller's own torch.compile: it traces the call
-        return fn(q, k, v, **kw)
+        return flex_function(True, dynamic)(q, k, v, **kw)
     cfg = {name: value for name, value in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True))
            if hasattr(torch._dynamo.config, name)}
     limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", RuntimeError)
     with torch._dynamo.config.patch(**cfg):
         try:
-            return fn(q, k, v, **kw)
+            return flex_function(True, dynamic)(q, k, v, **kw)
         except limit_hit:
-            torch._C._dynamo.eval_frame.reset_code(_code_of(fn))
-            if not dynamic:
-                _STATIC.clear()
-                _STATIC.setdefault(kind, set()).add(call)
-            return fn(q, k, v, **kw)
+            if not dynamic:  # the static kernels are full: this kind goes dynamic, the others keep theirs
+                _DYNAMIC_KINDS.add(kind)
+                shapes.discard(call)
+                return flex_function(True, True)(q, k, v, **kw)
+            torch._C._dynamo.eval_frame.reset_code(_code_of(flex_function(True, True)))  # dynamic ones: afresh
+            return flex_function(True, True)(q, k, v, **kw)
+
+
+def _describe(fn: Any) -> Any:
+    """What dynamo specialises a score or mask function on: its code and the types of what it closes
+    over (a causal mask and a window are different kernels with the same mask function)."""
+    if fn is None:
+        return None
+    cells = tuple(_kind_of(c.cell_contents) for c in (getattr(fn, "__closure__", None) or ()))
+    return getattr(fn, "__code__", None), cells
+
+
+def _kind_of(obj: Any) -> Any:
+    parts = getattr(obj, "parts", None)
+    return (type(obj).__name__, tuple(_kind_of(p) for p in parts)) if parts is not None else type(obj).__name__
 
 
 def _code_of(compiled: Any) -> Any:
@@ -209,17 +227,18 @@ class FlexLayout:
     """Sampled partitions as the per-mask FlexAttention route sees them: sample k is one call over
     the H heads whose ``BlockMask`` keeps keys in the same bin (and causal, when asked).
 
-    ``doc`` (H, s, n) int64 holds the bins, computed on ``device`` from the drawn scalars
-    (:func:`~poslsh_cli.attention.blocks.device_bins`); ``longest[k]`` bounds sample k's blocks (host),
-    so each ``BlockMask`` is sized without reading the device. Block masks are built one sample at a
-    time, when the sample runs: memory O(H tiles^2) for one of them, not s.
+    ``widths``, ``shifts`` (H, s) float64 on the device (one non-blocking copy of the drawn
+    scalars); ``longest[k]`` bounds sample k's blocks (host), so each ``BlockMask`` is sized without
+    reading the device. A sample's bins (H, n) and ``BlockMask`` are built when the sample runs
+    (:meth:`block_mask`): memory O(H n + H tiles^2) for one sample, not s.
     """
 
     heads: int
     num_samples: int
     seq_len: int
     causal: bool
-    doc: torch.Tensor
+    widths: torch.Tensor
+    shifts: torch.Tensor
     longest: tuple[int, ...]
 
     @classmethod
@@ -227,13 +246,15 @@ class FlexLayout:
               device: torch.device | str = "cpu") -> "FlexLayout":
         H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
         widths = np.stack([p.widths for p in partitions])  # (H, s)
-        longest = tuple(int(x) for x in np.minimum(np.ceil(widths.max(0)) + 1, n))
-        return cls(H, s, n, causal, device_bins(partitions, device), longest)
+        w, u = to_device(np.stack([widths, np.stack([p.shifts for p in partitions])]), device)
+        return cls(H, s, n, causal, w, u, tuple(int(x) for x in longest_block(widths.max(0), n)))
 
     def block_mask(self, sample: int, q_blocks: bool = True) -> Any:
-        """The ``BlockMask`` of one sample (H groups, the heads)."""
-        keep = masks.combine(self.causal, block=masks.SameBlock.of(self.doc[:, sample], self.longest[sample]))
-        return masks.block_mask(keep, self.heads, self.seq_len, self.doc.device, q_blocks=q_blocks)
+        """The ``BlockMask`` of one sample (H groups, the heads), from its bins (H, n)."""
+        i = torch.arange(self.seq_len, dtype=torch.float64, device=self.widths.device)
+        doc = bin_index(i, self.widths[:, sample, None], self.shifts[:, sample, None]).to(torch.int64)
+        keep = masks.combine(self.causal, block=masks.SameBlock.of(doc, self.longest[sample]))
+        return masks.block_mask(keep, self.heads, self.seq_len, self.widths.device, q_blocks=q_blocks)
 
 
 def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Sequence[Partitions] | None,

@@ -207,6 +207,9 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
         if chosen is Kernel.FLEX and backend is not Backend.UNION:
             raise ValueError(f"kernel flex runs on the union backend, not {backend.value}")
     flexible = backend is Backend.FLEX or chosen is Kernel.FLEX
+    if flexible and grad and device.type == "cpu":
+        raise ValueError("FlexAttention has no backward on the CPU: train there on another backend "
+                         f"(choose from {', '.join(b.value for b in BACKENDS[method] if b is not Backend.FLEX)})")
     return Plan(method, backend, chosen, compiled=flexible and device.type == "cuda")
 
 

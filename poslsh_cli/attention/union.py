@@ -35,7 +35,9 @@ import torch
 
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import scale_of
+from poslsh_cli.attention.transfer import to_device
 from poslsh_cli.numerics import masks
+from poslsh_cli.numerics.sampling import bin_index, longest_block
 
 #: Elements of one (cells or positions) x (samples) intermediate while the table is built: samples
 #: are taken this many elements at a time, so memory stays O(n) beyond the masks' own integers.
@@ -44,49 +46,11 @@ BUILD_ELEMENTS = 2**22
 UNION_CHUNK = 256
 
 
-def bins_of(pos: torch.Tensor, widths: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """``floor((pos + u) / delta)`` in float64 (broadcasting): the bin formula of
-    :meth:`poslsh_cli.numerics.sampling.Partitions.bins_of` without its offset (which changes no
-    equality). IEEE float64 addition, division and floor are exactly rounded on every device, so
-    the device gives the bins the host gives."""
-    return torch.floor((pos.to(torch.float64) + shifts) / widths)
-
-
-def block_ends(pos: torch.Tensor, widths: torch.Tensor, shifts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and last position (int64, clipped to ``[0, n-1]``) of the block holding ``pos`` in the
-    partition ``(widths, shifts)`` (broadcasting, float64).
-
-    The bin ``b`` of ``p`` starts near ``ceil(b delta - u)`` and ends near ``ceil((b+1) delta - u) - 1``;
-    rounding puts either estimate at most one position off, so each is corrected with the exact
-    expression :func:`bins_of` (twice each way, a fixed number of elementwise steps: nothing is
-    read back from the device)."""
-    p = pos.to(torch.float64)
-    b = bins_of(p, widths, shifts)
-    zero, last = torch.zeros((), dtype=torch.float64, device=p.device), torch.full((), float(n - 1),
-                                                                                   dtype=torch.float64, device=p.device)
-    start = torch.minimum(torch.maximum(torch.ceil(b * widths - shifts), zero), p)
-    end = torch.maximum(torch.minimum(torch.ceil((b + 1) * widths - shifts) - 1, last), p)
-    for _ in range(2):
-        start = torch.where(bins_of(start, widths, shifts) < b, start + 1, start)
-        start = torch.where((start > 0) & (bins_of(start - 1, widths, shifts) == b), start - 1, start)
-        end = torch.where(bins_of(end, widths, shifts) > b, end - 1, end)
-        end = torch.where((end < n - 1) & (bins_of(end + 1, widths, shifts) == b), end + 1, end)
-    return start.to(torch.int64), end.to(torch.int64)
-
-
 def padded_size(total: int) -> int:
     """``total`` rounded up to a quarter of its power of two: the table's length, so that a kernel
     compiled for one draw's table serves the next (draws differ by a few percent; padding <= 25%)."""
     q = 1 << max(0, total.bit_length() - 3)
     return -(-total // q) * q
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` in one non-blocking copy from pinned memory (no synchronisation)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _cumulative_counts(marks: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]], total: int,
@@ -177,7 +141,7 @@ class UnionLayout:
         n = int(seq_len)
         dev = torch.device(device)
         # host: the longest block (ceil(delta) positions; one more for rounding), cells and row widths
-        longest = np.minimum(np.ceil(widths.max(1)).astype(np.int64) + 1, n)  # (H,)
+        longest = longest_block(widths.max(1), n)  # (H,)
         width = longest if causal else 2 * longest - 1
         row = width + 1  # a last column that collects the -1s the table never reads
         bounds = np.floor((n - 1 + shifts) / widths) - np.floor(shifts / widths)  # boundaries per sample
@@ -185,18 +149,18 @@ class UnionLayout:
         cbase = np.concatenate([[0], np.cumsum(cells)[:-1]])
         tbase = np.concatenate([[0], np.cumsum(cells * row)[:-1]])
         total_cells, total = int(cells.sum()), int((cells * row).sum())
-        if total >= 2**31:
+        if padded_size(total) >= 2**31:
             raise ValueError(f"the union layout needs {total} counts (n={n}, s={s}): more than int32 indexes; "
                              "use the per-mask route (backend=flex or blocks)")
-        w, u = _to_device(np.stack([widths, shifts]), dev)  # (H, s) each
-        cells_t, cbase_t, tbase_t, row_t, width_t = _to_device(np.stack([cells, cbase, tbase, row, width]), dev)
+        w, u = to_device(np.stack([widths, shifts]), dev)  # (H, s) each
+        cells_t, cbase_t, tbase_t, row_t, width_t = to_device(np.stack([cells, cbase, tbase, row, width]), dev)
 
         pos = torch.arange(n, device=dev)
         step = max(1, BUILD_ELEMENTS // max(1, H * n))
         new = torch.zeros(H, n, dtype=torch.bool, device=dev)  # a cell starts at i
         new[:, 0] = True
         for a in range(0, s, step):
-            b = bins_of(pos, w[:, a:a + step, None], u[:, a:a + step, None])  # (H, c, n)
+            b = bin_index(pos, w[:, a:a + step, None], u[:, a:a + step, None])  # (H, c, n)
             new[:, 1:] |= (b[..., 1:] != b[..., :-1]).any(1)
             del b
         count = new.sum(1)  # (H,) cells of each head
@@ -214,7 +178,7 @@ class UnionLayout:
         def ends(a: int) -> tuple[torch.Tensor, torch.Tensor]:  # (cells, c) each: samples a .. a+c
             wc, uc = w[:, a:a + cstep][head], u[:, a:a + cstep][head]
             p = first[:, None].to(torch.float64)
-            starts = (bins_of(p, wc, uc) != bins_of(p - 1, wc, uc)) | (local == 0)[:, None]
+            starts = (bin_index(p, wc, uc) != bin_index(p - 1, wc, uc)) | (local == 0)[:, None]
             starts &= real
             last = torch.cummax(torch.where(starts, key, -1), 0).values  # the block start at or before p
             nxt = torch.flip(torch.cummin(torch.flip(torch.where(starts, key, never), [0]), 0).values, [0])
@@ -323,9 +287,4 @@ def union_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Uni
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def union_pairs(layout: UnionLayout) -> float:
-    """Pairs (i, j) inside the spans, summed over heads (the union route's useful work; host read)."""
-    return float((layout.hi - layout.lo + 1).sum())
-
-
-__all__ = ["UnionLayout", "union_flex", "union_chunked", "union_pairs", "bins_of", "block_ends", "count_dtype"]
+__all__ = ["UnionLayout", "union_flex", "union_chunked", "count_dtype"]

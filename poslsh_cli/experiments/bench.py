@@ -78,8 +78,11 @@ class BenchSpec(Spec):
                                           "CUDA), rank1, chunked, dense, flex; the first is the reference of "
                                           "rel_fro", ["auto"], noun="exact backend")
     partition_backends: tuple[str, ...] = key("Positional-LSH and fixed-block paths to time: auto (CUDA: the union "
-                                              "route the plan takes and the per-mask flex route; CPU: blocks), "
-                                              "blocks, union, flex, dense", ["auto"], noun="partition backend")
+                                              "route the plan takes and the per-mask flex route; CPU: the plan's, "
+                                              "blocks, or the union from s=48 on), blocks, union (one attention over "
+                                              "the union of each query's s blocks, weighted by log counts), flex "
+                                              "(one FlexAttention call per mask), dense", ["auto"],
+                                              noun="partition backend")
     dtype: Dtype = key("input and compute dtype", Dtype.FLOAT32)
     repeats: int = key("timed repeats per point (median reported), after warmup", 3, ge=1)
     warmup: int = key("untimed calls before timing", 1, ge=0)
@@ -186,13 +189,17 @@ def check_rows(n: int) -> list[int]:
     return sorted({0, n - 1, *np.linspace(0, n - 1, CHECK_ROWS).round().astype(int).tolist()})
 
 
-def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",)) -> tuple[str, ...]:
-    """Backends timed for the partition methods (Positional LSH, fixed blocks) on ``device``:
-    ``auto`` is the union route and the per-mask FlexAttention route on CUDA, the blocks on the
-    CPU (uncompiled FlexAttention is a dense fallback, not a fast path); others as asked."""
+def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1) -> tuple[str, ...]:
+    """Backends timed for the partition methods (Positional LSH, fixed blocks) with s masks on
+    ``device``: ``auto`` is the union route and the per-mask FlexAttention route on CUDA, and on the
+    CPU the path the plan takes there (the blocks, the union from ``UNION_MIN_S_CPU`` masks on;
+    uncompiled FlexAttention is a dense fallback, not a fast path); others as asked."""
+    from poslsh_cli.attention.plan import UNION_MIN_S_CPU
+
+    cpu = ("union",) if s >= UNION_MIN_S_CPU else ("blocks",)
     out: list[str] = []
     for b in asked:
-        for x in (("union", "flex") if device.type == "cuda" else ("blocks",)) if b == "auto" else (b,):
+        for x in (("union", "flex") if device.type == "cuda" else cpu) if b == "auto" else (b,):
             if x not in out:
                 out.append(x)
     return tuple(out)
@@ -216,8 +223,9 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     """Grid order per (n, causal): exact first (the reference of every error), then each method
     in display order: one cell, one per window c, or one per s; partition methods once per
     backend on CUDA (the backend enters the key only where there is more than one)."""
-    backends = partition_backends(ctx.device if ctx is not None else _cpu(), spec.partition_backends)
-    tag = (lambda b: {"backend": b}) if len(backends) > 1 else (lambda b: {})
+    device = ctx.device if ctx is not None else _cpu()
+    backends = {s: partition_backends(device, spec.partition_backends, s) for s in (*spec.s, 1)}
+    tag = (lambda b: {"backend": b}) if any(len(b) > 1 for b in backends.values()) else (lambda b: {})
     chosen = {Method(m.value) for m in spec.methods}
     order = [Method.EXACT] + [m for m in Method if m is not Method.EXACT]
     out = []
@@ -236,7 +244,7 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
                     several = len(spec.sampler) > 1  # the sampler enters the key only where there is more than one
                     per_s = [{"s": s, **({"sampler": sm.value} if several else {})} for sm in spec.sampler
                              for s in spec.s] if info.randomized else [{}]
-                    out += [{**cell, **x, **tag(b)} for x in per_s for b in backends]
+                    out += [{**cell, **x, **tag(b)} for x in per_s for b in backends[x.get("s", 1)]]
                 else:
                     out.append(cell)
     return out
@@ -274,7 +282,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     seed = derive_seed(spec.seed, "bench", n, s) if info.randomized else -1
     sampler = key.get("sampler", spec.sampler[0].value) if info.randomized else "iid"
     if info.params.endswith("partitions"):
-        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends)[0])
+        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, s or 1)[0])
     elif method is Method.EXACT:
         backend = key.get("backend", spec.exact_backends[0])
     else:

@@ -226,7 +226,7 @@ def memory(spec: StepBenchSpec) -> MemoryNeed:
     need = MemoryNeed(0.0, "")
     for k in cells(spec, StepBenchContext(device, None)):
         if k["seq_len"] == n:
-            path = planned(Position(k["position"]), k["backend"], n, device)
+            path = planned(Position(k["position"]), k["backend"], n, device, k["s"])
             b = lm_bytes(shape, spec.batch, n, attention_bytes(path, spec.batch, spec.heads, n, spec.head_dim, k["s"],
                                                                training=True), training=True)
             if b > need.bytes:

@@ -22,6 +22,25 @@ from functools import cached_property
 import numpy as np
 
 
+def bin_index(pos, width, shift):
+    """``floor((pos + u) / delta)`` in float64, broadcasting: the bin formula of Positional LSH, the one
+    definition every path calls (NumPy arrays here and on the host, torch tensors on any device).
+
+    IEEE float64 addition, division and floor are exactly rounded everywhere, so a device gives the
+    bins the host gives, bit for bit, from the same two drawn scalars."""
+    if type(pos).__module__.startswith("torch"):
+        import torch
+
+        return torch.floor((pos.to(torch.float64) + shift) / width)
+    return np.floor((np.asarray(pos, dtype=np.float64) + shift) / width)
+
+
+def longest_block(width, n: int) -> np.ndarray:
+    """A bound on the positions of a block of width ``width`` (host, float64): ``ceil(width)``, one
+    more for the rounding of :func:`bin_index`, at most n."""
+    return np.minimum(np.ceil(np.asarray(width, dtype=np.float64)).astype(np.int64) + 1, n)
+
+
 def derive_seed(root_seed: int, *parts: object) -> int:
     """A per-cell seed in [0, 2**31) from the root seed and the cell's parameters.
 
@@ -86,8 +105,7 @@ class Partitions:
         ``floor((arange(n) + shifts[k]) / widths[k])`` minus its first value. Ids are not
         consecutive when ``delta < 1`` (empty bins are skipped); blocks are still contiguous.
         """
-        raw = np.floor((np.arange(self.seq_len, dtype=np.float64) + self.shifts[k]) / self.widths[k])
-        raw = raw.astype(np.int64)
+        raw = bin_index(np.arange(self.seq_len), self.widths[k], self.shifts[k]).astype(np.int64)
         return raw - raw[0]
 
     def bins(self) -> np.ndarray:
@@ -125,7 +143,7 @@ def _block_starts(n: int, width: float, shift: float) -> np.ndarray:
     expression, so the result equals the boundaries of the (n,) bin array bit for bit.
     """
     def bin_of(i: np.ndarray) -> np.ndarray:
-        return np.floor((i.astype(np.float64) + shift) / width)
+        return bin_index(i, width, shift)
 
     if width <= 2.0:  # about one bin per position or more: the (n,) array is the cheap way
         b = bin_of(np.arange(n))
