@@ -15,7 +15,7 @@ from poslsh_cli.lm.capture import capture_qkv
 from poslsh_cli.lm.documents import builtin_text, tokenize
 from poslsh_cli.lm.pretrained import load
 from poslsh_cli.app.cli import app
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
 from poslsh_cli.numerics.sampling import alibi_slopes
 

@@ -10,7 +10,7 @@ from poslsh_cli.lm.capture import capture_qkv
 from poslsh_cli.lm.documents import builtin_text, read_text, tokenize
 from poslsh_cli.lm.pretrained import load
 from poslsh_cli.lm.checkpoint import check_checkpoint
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"]

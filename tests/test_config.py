@@ -8,7 +8,8 @@ from dataclasses import FrozenInstanceError
 import pytest
 
 from poslsh_cli.app import registry
-from poslsh_cli.core.config import CONF_DIR, ConfigError
+from poslsh_cli.core.config import CONF_DIR
+from poslsh_cli.core.errors import ConfigError
 
 COMMANDS = sorted(registry.experiments())
 

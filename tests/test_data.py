@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.data import ByteTokenizer, HFTokenizer, load_corpus
 from poslsh_cli.lm.documents import BUILTIN_SHA256
 from poslsh_cli.lm.windows import count_predicted, eval_windows

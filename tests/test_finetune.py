@@ -19,7 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 from poslsh_cli.app.cli import app
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
 
 runner = CliRunner()

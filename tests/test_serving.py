@@ -207,7 +207,7 @@ def test_attention_of_each_sequence_alone_equals_the_float64_reference(method):
 def test_a_swapped_inline_alibi_attention_refuses_a_cache():
     from transformers import BloomConfig, BloomForCausalLM
 
-    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.core.errors import ConfigError
     from poslsh_cli.lm.install import install
 
     torch.manual_seed(0)
@@ -522,7 +522,7 @@ def test_passkey_prompts_and_run(tmp_path):
     from typer.testing import CliRunner
 
     from poslsh_cli.app.cli import app
-    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.core.errors import ConfigError
     from poslsh_cli.experiments.passkey import NEEDLE, prompt
 
     encode = lambda text: list(text.encode())  # noqa: E731

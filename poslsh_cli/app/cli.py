@@ -22,7 +22,8 @@ import typer
 from poslsh_cli import __version__
 from poslsh_cli.app import registry
 from poslsh_cli.app.launch import check_launcher, terminate_as_interrupt, fail, launch
-from poslsh_cli.core.config import CONF_DIR, ConfigError, key_help
+from poslsh_cli.core.config import CONF_DIR, key_help
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm import models
 from poslsh_cli.experiments.base import Experiment
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.app import registry
-from poslsh_cli.core.config import ConfigError, build_spec
+from poslsh_cli.core.config import build_spec
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment
 from poslsh_cli.lm import models
 

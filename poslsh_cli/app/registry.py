@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.lm import models
-from poslsh_cli.core.config import CONF_DIR, ConfigError, build_spec, compose, register_schemas
+from poslsh_cli.core.config import CONF_DIR, build_spec, compose, register_schemas
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment
 
 class Scale(str, enum.Enum):

@@ -19,7 +19,7 @@ import pandas as pd
 
 from poslsh_cli.app import registry
 from poslsh_cli.verdicts.claims import Section, Status
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
 from poslsh_cli.store.readers import find_runs, read_json, results, status
 

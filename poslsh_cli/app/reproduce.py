@@ -27,7 +27,7 @@ from pathlib import Path
 
 from poslsh_cli.app import registry
 from poslsh_cli.app.runner import INTERRUPTED, TERMINATED, stopped_code
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 
 class Launcher(str, enum.Enum):

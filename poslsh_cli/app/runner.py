@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment
 
 #: Exit codes of a stopped run (128 + the signal, the shell's convention): Ctrl-C, SIGTERM.

@@ -23,11 +23,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Optional, Union
 
+from poslsh_cli.core.errors import ConfigError  # noqa: F401  (raised by build_spec and check)
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-class ConfigError(ValueError):
-    """Bad user input: reported as one line on stderr with a non-zero exit."""
 
 
 def check(cond: bool, message: str) -> None:

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 T = TypeVar("T")
 

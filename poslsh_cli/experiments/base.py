@@ -30,7 +30,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

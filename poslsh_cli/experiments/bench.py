@@ -292,7 +292,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
                       backend=backend, num_samples=samples)
     except ValueError as exc:
-        from poslsh_cli.core.config import ConfigError
+        from poslsh_cli.core.errors import ConfigError
 
         raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
     planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.core.config import ConfigError, Spec, key
+from poslsh_cli.core.config import Spec, key
+
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed, attention_bytes, attention_path,
                                          lm_bytes, resolve_device, synchronize)
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason

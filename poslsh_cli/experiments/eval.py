@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.core.config import Spec, check, key
+
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Device, Experiment, MemoryNeed, checkpoint_forward_bytes, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import Sampler, derive_seed

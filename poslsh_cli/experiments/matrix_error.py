@@ -19,7 +19,8 @@ from typing import Any
 
 from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
                                decay_status, few, fmt, over_groups, slope_text, tally)
-from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.core.config import Spec, check, key
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.numerics.metrics import fit_loglog_slope
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler

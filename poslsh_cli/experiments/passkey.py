@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.core.config import ConfigError, Spec, check, key
+from poslsh_cli.core.config import Spec, check, key
+
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Device, Experiment, MemoryNeed, checkpoint_forward_bytes,
                                          checkpoints_skip_reason, resolve_device, trained_runs_overrides)
 from poslsh_cli.lm.checkpoint import expand_checkpoints

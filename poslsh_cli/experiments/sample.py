@@ -107,7 +107,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     """One mask, the mean of the s masks and L* side by side, for up to four heads."""
     import numpy as np
 
-    from poslsh_cli.core.config import ConfigError
+    from poslsh_cli.core.errors import ConfigError
     from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()

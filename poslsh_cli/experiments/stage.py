@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core import distributed as dist
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.positions import Position
 from poslsh_cli.numerics.sampling import derive_seed
 

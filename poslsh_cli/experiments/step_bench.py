@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from poslsh_cli.attention.plan import BACKENDS, Backend
-from poslsh_cli.core.config import ConfigError, Spec, key
+from poslsh_cli.core.config import Spec, key
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed, attention_bytes, choices, lm_bytes,
                                          resolve_device, synchronize)
 from poslsh_cli.experiments.measure import LOAD_COLUMNS

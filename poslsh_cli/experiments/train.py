@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.experiments.train_report import plot, report, summary
-from poslsh_cli.core.config import ENCODING_HELP, ConfigError, Spec, check, check_encoding, key
+from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Experiment, Device, LMShape, MemoryNeed, attention_bytes, attention_path,
                                          cuda_skip_reason, lm_bytes)
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Parallel, Precision, Stage, micro_batch, train_stage

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.pretrained import ALIBI_ARCHS, LoadedModel
 
 

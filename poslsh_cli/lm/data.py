@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.documents import BUILTIN, SEPARATOR, open_documents
 
 VOCAB = 256

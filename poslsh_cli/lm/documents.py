@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".raw", ".tokens", "")

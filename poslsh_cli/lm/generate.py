@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 #: the keys ``poslsh generate`` takes after the checkpoint, with their defaults
 DEFAULTS: dict[str, Any] = {"prompt": "The ", "max_new_tokens": 64, "attention": "own", "s": 0, "seed": 0,

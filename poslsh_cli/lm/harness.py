@@ -65,7 +65,7 @@ class PoslshLM(HFLM):
     def __init__(self, pretrained: str, attention: str = "own", s: int = 0, seed: Optional[int] = None,
                  device: Optional[str] = None, trust_remote_code: bool = False, sampler: Optional[str] = None,
                  backend: Optional[str] = None, **kwargs: Any) -> None:
-        from poslsh_cli.core.config import ConfigError
+        from poslsh_cli.core.errors import ConfigError
         from poslsh_cli.lm.convert import has_tokenizer
         from poslsh_cli.lm.loading import load_model, with_scheme
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.positions import ATTENTION_NAME, Position, PositionState
 
 

@@ -14,7 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from poslsh_cli.core.config import CONF_DIR, ConfigError, key
+from poslsh_cli.core.config import CONF_DIR, key
+
+from poslsh_cli.core.errors import ConfigError
 
 MODELS_ENV = "POSLSH_MODELS"
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.checkpoint import (adapter_base, check_checkpoint, hf_config, peft_module, read_config,
                                       refuse_rotary_falcon)
 

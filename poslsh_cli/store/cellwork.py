@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_bytes, atomic_write_text, verify_dir, write_dir
 
 

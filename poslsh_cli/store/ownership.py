@@ -27,7 +27,7 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 LOCK_NAME = ".lock"
 

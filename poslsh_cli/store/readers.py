@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.store import ownership
 
 

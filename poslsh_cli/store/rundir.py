@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional
 from poslsh_cli.store import ownership
 from poslsh_cli.store.cellwork import CellWork
 from poslsh_cli.store.readers import frames_of, read_cells, read_config_text, read_json
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import TMP_PREFIX, atomic_write_text, fault_point, remove_stale_temporaries
 
 #: Keys that do not change any result: a run resumes when only these differ.

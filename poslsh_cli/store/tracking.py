@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.core.config import ConfigError
+from poslsh_cli.core.errors import ConfigError
 
 
 class Logger(str, enum.Enum):
