@@ -211,6 +211,27 @@ def test_cuda_union_layout_is_built_without_synchronising():
 
 
 @pytest.mark.gpu
+def test_cuda_per_mask_layout_is_built_without_synchronising():
+    """The per-mask route's layout (the drawn scalars, one pinned non-blocking copy) and each
+    sample's BlockMask (its bins on the device, sized from the host's widths) under CUDA's sync
+    debug mode: no device-to-host read."""
+    from poslsh_cli.numerics.sampling import alibi_sigmas
+
+    n = 65536
+    parts = parts_for(n, alibi_sigmas(8), 4, seed=3)
+    poslsh_layout(parts, True, "flex", "cuda").block_mask(0, q_blocks=False)  # warm the allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for causal in (True, False):
+            lay = poslsh_layout(parts, causal, "flex", "cuda")
+            for sample in range(4):
+                lay.block_mask(sample, q_blocks=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
 def test_cuda_compiled_routes_meet_many_shapes_without_an_unfused_call():
     """Twelve lengths through the compiled union route (both directions), the per-mask route (its lse
     merge) and exact ALiBi on CUDA: no unfused fallback (it warns), each equal to float32 math."""
