@@ -19,7 +19,8 @@ def main() -> None:
     import torch
 
     from poslsh_cli.experiments.base import synchronize
-    from poslsh_cli.experiments.stage import Precision, autocast
+    from poslsh_cli.experiments.stage import autocast
+    from poslsh_cli.experiments.train_spec import Precision
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import Arch, build_model
     from poslsh_cli.lm.positions import PositionState

@@ -30,7 +30,7 @@ from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed
                                          resolve_device, synchronize)
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench_report import plot, report, summary
-from poslsh_cli.experiments.stage import Precision
+from poslsh_cli.experiments.train_spec import Precision
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.lm.positions import Position, PositionState, method_of, sigma_label
 from poslsh_cli.lm.loading import Arch
