@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 from poslsh_cli.experiments.train_report import plot, report, summary
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import (Experiment, LMShape, MemoryNeed, attention_bytes, attention_path,
-                                         cuda_skip_reason, lm_bytes)
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
+from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainContext, TrainSpec
 from poslsh_cli.numerics.methods import INFO

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
-from poslsh_cli.experiments.base import Device
+from poslsh_cli.experiments.devices import Device
 from poslsh_cli.lm.positions import Position
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
 from poslsh_cli.store.tracking import Logger
