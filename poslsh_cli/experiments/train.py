@@ -35,7 +35,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
 from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
-from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainContext, TrainSpec
+from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.lm.positions import Position, method_of
 
@@ -124,8 +124,8 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
     from poslsh_cli.store.readers import read_json
 
     t0 = time.perf_counter()
-    position, s, seed = Position(key["position"]), key["s"], key["seed"]
-    L, dropout = key.get("seq_len", spec.seq_len[0]), float(key.get("attn_dropout", 0.0))
+    cell = TrainCell.of(key, spec)
+    position, s, seed, L, dropout = cell.position, cell.s, cell.seed, cell.seq_len, cell.attn_dropout
     init = Path(ctx.source.path) if ctx.source.kind.value == "init" else None
     if spec.pretrain is not None:
         at = f"-L{L}" if len(spec.seq_len) > 1 else ""

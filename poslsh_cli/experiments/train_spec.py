@@ -151,3 +151,21 @@ class TrainContext:
     device: torch.device
     meta: dict = field(default_factory=dict)
     world: int = 1
+
+
+@dataclass(frozen=True)
+class TrainCell:
+    """One cell of a run, read once from its key (:func:`poslsh_cli.experiments.train.cells`): the
+    scheme, its masks per head per step ``s`` (0 for schemes that draw none), the seed, the training
+    length and the attention dropout (the key holds the last two only when a run varies them)."""
+
+    position: Position
+    s: int
+    seed: int
+    seq_len: int
+    attn_dropout: float = 0.0
+
+    @classmethod
+    def of(cls, key: dict, spec: TrainSpec) -> "TrainCell":
+        return cls(Position(key["position"]), key["s"], key["seed"], key.get("seq_len", spec.seq_len[0]),
+                   float(key.get("attn_dropout", 0.0)))
