@@ -157,21 +157,21 @@ def test_the_probe_calls_a_row_overloaded_when_others_take_cores_the_threads_nee
 
 
 def test_usable_cores_follow_the_affinity_and_a_cgroup_quota(tmp_path, monkeypatch):
-    from poslsh_cli.experiments import base
+    from poslsh_cli.experiments import machine
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    monkeypatch.setattr(base, "CGROUP", tmp_path)
-    assert base.usable_cores() == affinity  # no quota files
+    monkeypatch.setattr(machine, "CGROUP", tmp_path)
+    assert machine.usable_cores() == affinity  # no quota files
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert base.usable_cores() == affinity  # cgroup v1, no limit
+    assert machine.usable_cores() == affinity  # cgroup v1, no limit
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
-    assert base.usable_cores() == 0.5  # cgroup v1: half a core
+    assert machine.usable_cores() == 0.5  # cgroup v1: half a core
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert base.usable_cores() == affinity  # cgroup v2 (read first): no limit
+    assert machine.usable_cores() == affinity  # cgroup v2 (read first): no limit
     (tmp_path / "cpu.max").write_text("25000 100000\n")
-    assert base.usable_cores() == 0.25
+    assert machine.usable_cores() == 0.25
 
 
 def gpu_rows(exact=10.0, poslsh=1.0, paired=None, overloaded=False):

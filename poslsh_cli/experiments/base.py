@@ -1,6 +1,8 @@
 """What an experiment command is: one :class:`Experiment` exported by one module of
 :mod:`poslsh_cli.experiments` (the registry, :mod:`poslsh_cli.app.registry`, finds it), plus the
-helpers every experiment shares (cell grids, devices, dtypes).
+helpers experiments share: the memory check and the estimates of language-model runs, cell grids
+and seeds, choice enums, and the checkpoints a preset evaluates. Devices and dtypes are
+:mod:`poslsh_cli.experiments.devices`, what the machine offers :mod:`poslsh_cli.experiments.machine`.
 
 An experiment is pure functions from a validated spec to result rows:
 
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.experiments.devices import cuda_skip_reason
+from poslsh_cli.experiments.machine import available_memory
 
 
 @dataclass(frozen=True)
@@ -88,64 +92,6 @@ def format_bytes(x: float) -> str:
         if x >= size:
             return f"{x / size:.3g} {unit}"
     return f"{x / 2**10:.3g} KiB"
-
-
-def available_memory(device: str = "cpu") -> float:
-    """Bytes that can still be allocated: free CUDA memory on a GPU; otherwise the kernel's
-    MemAvailable, capped by a cgroup limit (a container, a SLURM job) when one is set."""
-    if device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-            return float(torch.cuda.mem_get_info(index)[0])
-    avail = float("inf")
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    avail = float(line.split()[1]) * 1024
-    except OSError:
-        try:
-            import os
-
-            avail = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            pass
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit = (CGROUP / limit_file).read_text().strip()
-            if limit.isdigit() and int(limit) < 2**60:
-                avail = min(avail, float(int(limit) - int((CGROUP / usage_file).read_text().strip())))
-            break
-        except (OSError, ValueError):
-            continue
-    return avail
-
-
-#: Where this process's cgroup limits are read (v2 files at its root, v1 under a controller folder)
-CGROUP = Path("/sys/fs/cgroup")
-
-
-def usable_cores() -> float:
-    """CPUs this process may run on: its affinity set (``os.sched_getaffinity``), capped by a cgroup
-    CPU quota when one is set (a container, a SLURM job): ``cpu.max`` (v2) or ``cpu.cfs_quota_us``
-    over ``cpu.cfs_period_us`` (v1). A quota may be a fraction of a core."""
-    import os
-
-    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        try:
-            fields = (CGROUP / quota_file).read_text().split()
-            if period_file is not None:
-                fields = fields[:1] + (CGROUP / period_file).read_text().split()[:1]
-            if fields[0] not in ("max", "-1") and float(fields[1]) > 0:
-                cores = min(cores, float(fields[0]) / float(fields[1]))
-            break
-        except (OSError, ValueError, IndexError):
-            continue
-    return cores
 
 
 def check_memory(exp: Experiment, spec: Any) -> None:
@@ -289,44 +235,6 @@ def grid_cells(spec: Any) -> list[dict[str, Any]]:
     return [{**k, "sampler": sm} for sm in samplers for k in grid] if samplers else grid
 
 
-class Device(str):
-    """A device key: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked once when the spec is built
-    (:func:`poslsh_cli.core.config.build_spec` calls :meth:`coerce`)."""
-
-    @classmethod
-    def coerce(cls, value: Any, name: str) -> "Device":
-        import re
-
-        if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-            raise ConfigError(f"{name} must be auto, cpu or cuda[:N], got {value!r}")
-        return cls(value)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.startswith("cuda")
-
-
-def resolve_device(name: str) -> Any:
-    """``auto`` -> CUDA when present, else CPU; refuses CUDA where there is none."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(name).startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name} but CUDA is not available")
-    return torch.device(name)
-
-
-def cuda_skip_reason(device: str) -> Optional[str]:
-    """Why a preset asking for CUDA cannot run here (reproduce skips it and says so), or None."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            return f"device={device} but this machine has no CUDA GPU"
-    return None
-
-
 def cell_seed(root_seed: int, command: str, key: dict[str, Any]) -> int:
     """A cell's seed from the root seed, the command and the cell's (n, sigma, s, trial) key: the
     ``seed`` column that ``poslsh sample ... seed=<seed>`` replays."""
@@ -339,29 +247,6 @@ def choices(name: str, members: Any, module: str, **extra: str) -> Any:
     """A ``str`` enum of a command's choices (``extra`` first, then ``members``, members of another
     enum), so a command's key lists a subset of a shared enum rather than a copy of its values."""
     return enum.Enum(name, {**extra, **{m.name: m.value for m in members}}, type=str, module=module)
-
-
-class Dtype(str, enum.Enum):
-    """Compute dtypes a command accepts (``dtype=``)."""
-    FLOAT32 = "float32"
-    FLOAT64 = "float64"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-def torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
-
-
-def synchronize(device: Any) -> None:
-    """Wait for queued CUDA work, so wall-clock timings are honest."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def trained_runs_overrides(root: Path, checkpoints: tuple[str, ...]) -> list[str]:

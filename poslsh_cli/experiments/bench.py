@@ -37,7 +37,8 @@ import numpy as np
 
 from poslsh_cli.experiments.bench_report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
-from poslsh_cli.experiments.base import Dtype, Experiment, MemoryNeed, Device, choices, cuda_skip_reason, resolve_device, torch_dtype
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
+from poslsh_cli.experiments.devices import Device, Dtype, cuda_skip_reason, resolve_device, torch_dtype
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.numerics.methods import INFO, Method
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed

@@ -25,8 +25,8 @@ from typing import Any, Optional
 from poslsh_cli.core.config import Spec, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed, attention_bytes, attention_path,
-                                         lm_bytes, resolve_device, synchronize)
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
+from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.lm.positions import Position, PositionState, method_of, model_label, sigma_label

@@ -18,7 +18,8 @@ from typing import Any, Optional
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Device, Experiment, MemoryNeed, checkpoint_forward_bytes, resolve_device
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoint_forward_bytes
+from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 from poslsh_cli.verdicts.claims import Section

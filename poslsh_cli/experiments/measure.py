@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from poslsh_cli.experiments.base import synchronize, usable_cores
+from poslsh_cli.experiments.devices import synchronize
+from poslsh_cli.experiments.machine import usable_cores
 
 
 def mmap_threshold(nbytes: int) -> None:
@@ -130,7 +131,7 @@ def torch_threads() -> int:
 @dataclass(frozen=True)
 class Load:
     """The machine while a timed block ran: ``threads`` torch's CPU threads, ``cores`` the CPUs this
-    process may use (:func:`~poslsh_cli.experiments.base.usable_cores`), ``load_others`` the mean
+    process may use (:func:`~poslsh_cli.experiments.machine.usable_cores`), ``load_others`` the mean
     number of other processes' runnable threads, ``loadavg`` the 1-minute load average (for
     reference), and ``overloaded``: load_others + the threads the path needs > cores +
     OVERLOAD_SLACK (the others took cores the benchmark needed). A CUDA path needs one CPU thread,

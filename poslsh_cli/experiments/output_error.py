@@ -18,8 +18,8 @@ from poslsh_cli.lm import models
 from poslsh_cli.experiments.output_error_report import MODEL_OWN, plot, report, summary
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import (Dtype, Experiment, MemoryNeed, Device, choices, resolve_device, synchronize,
-                                   torch_dtype)
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
+from poslsh_cli.experiments.devices import Device, Dtype, resolve_device, synchronize, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method, baselines
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
 

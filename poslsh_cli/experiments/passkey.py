@@ -19,8 +19,9 @@ from typing import Any, Optional
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import (Device, Experiment, MemoryNeed, checkpoint_forward_bytes,
-                                         checkpoints_skip_reason, resolve_device, trained_runs_overrides)
+from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forward_bytes, checkpoints_skip_reason,
+                                         trained_runs_overrides)
+from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm.positions import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed

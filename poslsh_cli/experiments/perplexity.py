@@ -24,8 +24,8 @@ from typing import Any, Literal, Optional
 from poslsh_cli.experiments.perplexity_report import plot, report, summary
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import (Experiment, MemoryNeed, Device, checkpoints_skip_reason, choices,
-                                        resolve_device, trained_runs_overrides)
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
+from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.positions import Position, method_of, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import Sampler, derive_seed

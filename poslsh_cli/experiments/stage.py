@@ -6,25 +6,34 @@ the model with its scheme, wrapped for several processes, the optimizer, the los
 metrics log and checkpoints), then per step :meth:`StageRun.train_step`,
 :meth:`StageRun.maybe_evaluate`, :meth:`StageRun.log` and :meth:`StageRun.maybe_checkpoint`, and
 :meth:`StageRun.finish` writing ``final/``. Distributed, LoRA and fp16 details stay in the set-up
-and the save/load helpers. ``spec`` is the command's ``TrainSpec`` and ``ctx`` its context
-(:mod:`poslsh_cli.experiments.train`); with several processes rank 0 decides and writes, every rank
-trains its share of the global batch.
+and the save/load helpers. ``spec`` is the command's ``TrainSpec`` and ``ctx`` its ``TrainContext``
+(:mod:`poslsh_cli.experiments.train_spec`); with several processes rank 0 decides and writes, every
+rank trains its share of the global batch.
 """
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from poslsh_cli.core import distributed as dist
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.lm.positions import Position
+from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainContext, TrainSpec
+from poslsh_cli.lm.positions import Position, PositionState
 from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.store.cellwork import CellWork, Checkpoints, MetricsLog, NullLog
+from poslsh_cli.store.tracking import Tracker
+
+if TYPE_CHECKING:
+    import torch
+
+    #: a model as the loop holds it: a transformers causal LM (or its LoRA wrapper), DDP- or
+    #: FSDP-wrapped while several processes train it
+    Model = torch.nn.Module
 
 
 #: the final weights' loss on ``eval_tokens`` spread over the training split (nats per token), per stage
@@ -44,22 +53,7 @@ METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "st
            "val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy"]
 
 
-class Precision(str, enum.Enum):
-    """Arithmetic of the forward and backward passes (autocast); weights and optimizer stay float32."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-
-class Parallel(str, enum.Enum):
-    """How several processes share the model: replicated (DDP) or sharded (FSDP, ``fully_shard``)."""
-
-    DDP = "ddp"
-    FSDP = "fsdp"
-
-
-def micro_batch(spec: Any, world: int) -> int:
+def micro_batch(spec: TrainSpec, world: int) -> int:
     """Sequences per forward pass of one process; refuses a global batch that does not divide."""
     parts = world * spec.accumulate
     if spec.batch % parts:
@@ -68,7 +62,7 @@ def micro_batch(spec: Any, world: int) -> int:
     return spec.batch // parts
 
 
-def learning_rate(spec: Any, step: int, steps: int) -> float:
+def learning_rate(spec: TrainSpec, step: int, steps: int) -> float:
     """Linear warm-up to ``lr``, then cosine decay to 10% of it at the last step."""
     warm = min(spec.warmup, max(steps - 1, 0))
     if step <= warm:
@@ -77,7 +71,7 @@ def learning_rate(spec: Any, step: int, steps: int) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def eval_interval(spec: Any, steps: int) -> int:
+def eval_interval(spec: TrainSpec, steps: int) -> int:
     """Steps between evaluations: ``eval_every``, but at least five evaluations in a stage (and
     always one at its last step)."""
     five = max(1, steps // 5)
@@ -90,7 +84,7 @@ class Stage:
     (``init``: a checkpoint, or None for fresh weights) and whether LoRA adapters are trained."""
 
     position: Position
-    s: int
+    s: int  # masks per head per step (the cell's ``s``; PositionState.num_samples); 0: the scheme draws none
     seed: int
     steps: int
     seq_len: int
@@ -104,7 +98,7 @@ class Stage:
     first_step: int = 0
 
 
-def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[Any, Any]:
+def _build(spec: TrainSpec, ctx: TrainContext, stage: Stage, resume: Optional[Path]) -> tuple[Model, PositionState]:
     """The stage's model with its scheme installed (not yet on the device or wrapped): from the
     resume checkpoint, from ``stage.init``, or fresh weights from the seed."""
     from poslsh_cli.lm import convert, lora
@@ -116,8 +110,8 @@ def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[A
         model = convert.load_weights(stage.init)
     else:
         model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
-    state = ctx.source.state(stage.position, model, stage.s, spec.window_sigmas, stage.seed, sigma=spec.sigma,
-                             sampler=spec.sampler.value)
+    state = ctx.source.state(stage.position, model, num_samples=stage.s, window_sigmas=spec.window_sigmas,
+                             seed=stage.seed, sigma=spec.sigma, sampler=spec.sampler.value)
     install(model, state)
     set_attention_dropout(model, stage.dropout)
     if stage.lora:
@@ -132,7 +126,7 @@ def _build(spec: Any, ctx: Any, stage: Stage, resume: Optional[Path]) -> tuple[A
     return model, state
 
 
-def _wrap(spec: Any, ctx: Any, model: Any) -> Any:
+def _wrap(spec: TrainSpec, ctx: TrainContext, model: Model) -> Model:
     """The model as several processes train it (DDP or FSDP); itself in one process."""
     if ctx.world == 1:
         return model
@@ -148,7 +142,7 @@ def _wrap(spec: Any, ctx: Any, model: Any) -> Any:
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def decoder_layers(model: Any) -> list[Any]:
+def decoder_layers(model: Model) -> list[Model]:
     """The decoder layers (the units FSDP shards one at a time)."""
     import torch
 
@@ -158,7 +152,8 @@ def decoder_layers(model: Any) -> list[Any]:
     return []
 
 
-def _state_dicts(spec: Any, ctx: Any, model: Any, opt: Any) -> tuple[Optional[dict], Optional[dict]]:
+def _state_dicts(spec: TrainSpec, ctx: TrainContext, model: Model,
+                 opt: torch.optim.Optimizer) -> tuple[Optional[dict], Optional[dict]]:
     """Full weights and optimizer state of a sharded model, gathered on every rank (collective);
     (None, None) when the model is whole in every process."""
     if spec.parallel is not Parallel.FSDP or ctx.world == 1:
@@ -170,8 +165,8 @@ def _state_dicts(spec: Any, ctx: Any, model: Any, opt: Any) -> tuple[Optional[di
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
 
 
-def _save(ctx: Any, model: Any, path: Path, info: dict, opt: Any = None, full: tuple = (None, None),
-          lora_save: str = "merged", scaler: Any = None) -> None:
+def _save(ctx: TrainContext, model: Model, path: Path, info: dict, opt: Optional[torch.optim.Optimizer] = None,
+          full: tuple = (None, None), lora_save: str = "merged", scaler: Optional[torch.amp.GradScaler] = None) -> None:
     import torch
 
     from poslsh_cli.lm.convert import save
@@ -184,7 +179,7 @@ def _save(ctx: Any, model: Any, path: Path, info: dict, opt: Any = None, full: t
         torch.save(scaler.state_dict(), path / SCALER)
 
 
-def load_scaler(scaler: Any, checkpoint: Path) -> None:
+def load_scaler(scaler: torch.amp.GradScaler, checkpoint: Path) -> None:
     """Restore an fp16 run's GradScaler from its checkpoint (``scaler.pt``); a checkpoint without one
     (written by a run in another precision) is refused rather than resumed at the initial scale."""
     import torch
@@ -196,7 +191,7 @@ def load_scaler(scaler: Any, checkpoint: Path) -> None:
     scaler.load_state_dict(torch.load(path, weights_only=True))
 
 
-def _load_optimizer(spec: Any, ctx: Any, model: Any, opt: Any, path: Path) -> None:
+def _load_optimizer(spec: TrainSpec, ctx: TrainContext, model: Model, opt: torch.optim.Optimizer, path: Path) -> None:
     import torch
 
     saved = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
@@ -208,11 +203,11 @@ def _load_optimizer(spec: Any, ctx: Any, model: Any, opt: Any, path: Path) -> No
         opt.load_state_dict(saved)
 
 
-def _autocast(spec: Any, device: Any) -> Any:
+def _autocast(spec: TrainSpec, device: torch.device) -> contextlib.AbstractContextManager:
     return autocast(spec.precision, device)
 
 
-def autocast(precision: Precision, device: Any) -> Any:
+def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
     """The autocast context of ``precision`` on ``device`` (nothing for fp32)."""
     import contextlib
 
@@ -224,7 +219,7 @@ def autocast(precision: Precision, device: Any) -> Any:
     return torch.autocast(device.type, dtype=dtype)
 
 
-def train_stage(spec: Any, ctx: Any, work: Any, stage: Stage) -> Path:
+def train_stage(spec: TrainSpec, ctx: TrainContext, work: CellWork, stage: Stage) -> Path:
     """Train one stage in the cell directory ``work``; returns its verified ``final/``."""
     how, at, start = dist.decide(lambda: _starting_point(work))
     if how == "final":
@@ -241,7 +236,7 @@ def train_stage(spec: Any, ctx: Any, work: Any, stage: Stage) -> Path:
         run.tracker.close()
 
 
-def _starting_point(work: Any) -> tuple[str, Optional[str], int]:
+def _starting_point(work: CellWork) -> tuple[str, Optional[str], int]:
     """("final", its path, 0) for a finished stage, ("resume", the newest complete checkpoint, its
     step), or ("start", None, 0)."""
     final = work.finished()
@@ -255,29 +250,30 @@ def _starting_point(work: Any) -> tuple[str, Optional[str], int]:
 class StageRun:
     """A stage being trained: everything its steps share."""
 
-    spec: Any
-    ctx: Any
-    work: Any
+    spec: TrainSpec
+    ctx: TrainContext
+    work: CellWork
     stage: Stage
-    model: Any  # the model as saved (unwrapped)
-    trained: Any  # the model as trained: DDP- or FSDP-wrapped with several processes
-    state: Any  # PositionState: the scheme; its ``step`` selects the masks
-    opt: Any
-    scaler: Any  # a GradScaler for fp16, else None
+    model: Model  # the model as saved (unwrapped)
+    trained: Model  # the model as trained: DDP- or FSDP-wrapped with several processes
+    state: PositionState  # the scheme; its ``step`` selects the masks
+    opt: torch.optim.Optimizer
+    scaler: Optional[torch.amp.GradScaler]  # a GradScaler for fp16, else None
     params: list  # the trainable parameters
     info: dict  # what every checkpoint records (poslsh_train.json)
-    metrics: Any
-    checkpoints: Any
+    metrics: Union[MetricsLog, NullLog]  # NullLog on the ranks other than 0
+    checkpoints: Checkpoints
     elapsed: float = 0.0
     rank: int = 0
     share: int = 0  # sequences of the global batch this rank trains
     micro: int = 0  # sequences per forward pass
     every: int = 1  # steps between evaluations
     timer: float = field(default=0.0, repr=False)
-    tracker: Any = None  # TensorBoard / W&B beside metrics.csv (store/tracking.py)
+    tracker: Optional[Tracker] = None  # TensorBoard / W&B beside metrics.csv (store/tracking.py)
 
     @classmethod
-    def set_up(cls, spec: Any, ctx: Any, work: Any, stage: Stage, resume: Optional[Path], start: int) -> "StageRun":
+    def set_up(cls, spec: TrainSpec, ctx: TrainContext, work: CellWork, stage: Stage, resume: Optional[Path],
+               start: int) -> "StageRun":
         import torch
 
         metrics, ckpts = work.metrics(METRICS), work.checkpoints()
@@ -314,7 +310,7 @@ class StageRun:
                    share=spec.batch // ctx.world, micro=micro_batch(spec, ctx.world),
                    every=eval_interval(spec, stage.steps), tracker=tracker)
 
-    def _batch(self, stream: int) -> Any:
+    def _batch(self, stream: int) -> torch.Tensor:
         """This rank's share of the global batch of global step ``stream`` (drawn as one process
         draws it), on the device."""
         import numpy as np
@@ -364,7 +360,7 @@ class StageRun:
         return {"step": step, "tokens": step * tokens, "loss": loss, "val_loss": None, "val_bpb": None, "lr": lr,
                 "seconds": round(self.elapsed, 4), "step_seconds": round(dt, 5), "tokens_per_s": round(tokens / dt, 1)}
 
-    def _micro_step(self, x: Any, last: bool) -> float:
+    def _micro_step(self, x: torch.Tensor, last: bool) -> float:
         """Forward and backward of one micro-batch (its loss divided by the number of them); DDP
         all-reduces the gradients on the last one only."""
         import torch

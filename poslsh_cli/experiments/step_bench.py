@@ -26,11 +26,11 @@ from typing import Any, Optional
 from poslsh_cli.attention.plan import BACKENDS, Backend
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import (Device, Experiment, LMShape, MemoryNeed, attention_bytes, choices, lm_bytes,
-                                         resolve_device, synchronize)
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, choices, lm_bytes
+from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench_report import plot, report, summary
-from poslsh_cli.experiments.stage import Precision
+from poslsh_cli.experiments.train_spec import Precision
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.lm.positions import Position, PositionState, method_of, sigma_label
 from poslsh_cli.lm.loading import Arch

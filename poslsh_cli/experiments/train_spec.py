@@ -1,0 +1,171 @@
+"""What ``poslsh train`` is asked for and what its cells share: the spec (:class:`TrainSpec`, every
+key of ``conf/train.yaml``) with its enums, and the context ``prepare`` builds once per run
+(:class:`TrainContext`: the corpus, the model source, the device). The command
+(:mod:`poslsh_cli.experiments.train`) and its training loop (:mod:`poslsh_cli.experiments.stage`)
+both read them."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
+from poslsh_cli.experiments.devices import Device
+from poslsh_cli.lm.positions import Position
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
+from poslsh_cli.store.tracking import Logger
+
+if TYPE_CHECKING:
+    import torch
+
+    from poslsh_cli.lm.convert import Source
+    from poslsh_cli.lm.data import Corpus
+
+
+class Precision(str, enum.Enum):
+    """Arithmetic of the forward and backward passes (autocast); weights and optimizer stay float32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Parallel(str, enum.Enum):
+    """How several processes share the model: replicated (DDP) or sharded (FSDP, ``fully_shard``)."""
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+class LoraSave(str, enum.Enum):
+    MERGED = "merged"
+    ADAPTER = "adapter"
+
+
+class Slopes(str, enum.Enum):
+    """Where the ALiBi slopes (the sigmas of every scheme) come from."""
+
+    AUTO = "auto"
+    MODEL = "model"
+    STANDARD = "standard"
+
+
+@dataclass(frozen=True)
+class TrainSpec(Spec):
+    seed: tuple[int, ...] = key("seeds (list sweeps): each trains its own model", [0], ge=0)
+    position: tuple[Position, ...] = key("position schemes (list sweeps): none, alibi, poslsh, fixed_block, "
+                                         "windowed, rope", [Position.ALIBI, Position.POSLSH], noun="position")
+    s: tuple[int, ...] = key("Positional-LSH masks per head per step (list sweeps; poslsh only)", [10], ge=1)
+    all_seeds: Optional[tuple[Position, ...]] = key("schemes trained with every seed; the others with the first "
+                                                    "seed only (null: all)", None, noun="position")
+    sampler: Sampler = key(SAMPLER_HELP, Sampler.IID)
+    window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
+    attn_dropout: tuple[float, ...] = key("attention dropout (list sweeps): a value above 0 trains the schemes in "
+                                          "dropout_positions again with it (the regulariser control)", [0.0], ge=0)
+    dropout_positions: tuple[Position, ...] = key("schemes trained with each attn_dropout above 0 (those whose "
+                                                  "training path applies dropout: none, alibi, rope)",
+                                                  [Position.ALIBI], noun="position")
+    data: str = key("builtin (the Python 3.11 documentation, 11.0 MB, shipped), pydoc-topics, a text file, a folder "
+                    "of them, a JSON-lines file, a folder from datasets.save_to_disk, or hf:NAME[:CONFIG]", "builtin")
+    data_field: str = key("the text field of JSON-lines and dataset records", "text")
+    encoding: str = key(ENCODING_HELP, "utf-8")
+    val_every: int = key("every k-th document is held out for validation (fewer than k documents: the last "
+                         "val_fraction of the text)", 10, ge=2)
+    val_fraction: float = key("the held-out part of a corpus with fewer than val_every documents", 0.1, gt=0)
+    seq_len: tuple[int, ...] = key("training lengths L in tokens (bytes for the byte model; list sweeps: each trains "
+                                   "its own model)", [256], ge=2)
+    batch: int = key("sequences per step (the global batch, over every process and micro-batch)", 16, ge=1)
+    accumulate: int = key("micro-batches per step per process (gradient accumulation)", 1, ge=1)
+    steps: int = key("optimizer steps (per stage)", 1000, ge=1)
+    lr: float = key("peak learning rate (AdamW; linear warm-up, cosine decay to 10%)", 2e-3, gt=0)
+    warmup: int = key("warm-up steps", 100, ge=0)
+    weight_decay: float = key("AdamW weight decay", 0.1, ge=0)
+    grad_clip: float = key("gradient norm clip (0: none)", 1.0, ge=0)
+    precision: Precision = key("fp32, bf16 or fp16 (autocast; fp16 with loss scaling, CUDA only)", Precision.FP32)
+    gradient_checkpointing: bool = key("recompute each layer's activations in the backward pass", False)
+    parallel: Parallel = key("with several processes: ddp (replicated) or fsdp (sharded, fully_shard)", Parallel.DDP)
+    hidden: int = key("byte model: width", 128, ge=1)
+    layers: int = key("byte model: decoder layers", 4, ge=1)
+    heads: int = key("byte model: attention heads (one ALiBi slope each)", 8, ge=1)
+    kv_heads: int = key("byte model: key/value heads (grouped-query attention)", 8, ge=1)
+    head_dim: int = key("byte model: head dimension", 16, ge=1)
+    intermediate: int = key("byte model: MLP width", 384, ge=1)
+    eval_every: int = key("evaluate on the validation text every this many steps (at least five times per stage, "
+                          "and at its last step; 0: five times)", 100, ge=0)
+    eval_tokens: int = key("validation tokens per evaluation (non-overlapping windows of L)", 32768, ge=2)
+    checkpoint_every: int = key("save a resumable checkpoint every this many steps", 200, ge=1)
+    init: Optional[str] = key("a checkpoint to start from: a causal LM directory with its tokenizer (Llama, Mistral, "
+                              "Qwen2/3, BLOOM, MPT, Falcon-RW), a model preset, or a byte-level checkpoint", None)
+    arch: Optional[str] = key("train from scratch at a checkpoint's sizes and with its tokenizer (its config.json; "
+                              "a directory or model preset); the byte-model size keys are then unused", None)
+    sigma: Optional[float] = key("one sigma for every head and layer, every scheme of the run (the paper's code: "
+                                 "256, i.e. L/32 at L=8192); null: one per head from the ALiBi slopes (alibi=)",
+                                 None, gt=0)
+    alibi: Slopes = key("ALiBi slopes of every scheme: auto (an ALiBi checkpoint's own, else the standard slopes "
+                        "of the head count), model (the checkpoint's own; ALiBi checkpoints only) or standard",
+                        Slopes.AUTO)
+    lora_rank: int = key("LoRA adapters of this rank on lora_targets, the rest frozen (0: full fine-tuning; needs "
+                         "init= and peft)", 0, ge=0)
+    lora_alpha: float = key("LoRA scale numerator (0: twice the rank)", 0.0, ge=0)
+    lora_dropout: float = key("dropout on the LoRA adapters' input (the paper's fine-tune: 0.05)", 0.0, ge=0)
+    lora_targets: Optional[tuple[str, ...]] = key("module names that get adapters (null: the attention "
+                                                  "projections)", None)
+    lora_save: LoraSave = key("final LoRA model: merged (full weights) or adapter (beside its base)", LoraSave.MERGED)
+    pretrain: Optional[Position] = key("train this scheme first (pretrain_steps), then each cell from it", None)
+    pretrain_steps: int = key("steps of the shared pretraining stage", 0, ge=0)
+    device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N (each process takes cuda:LOCAL_RANK)",
+                         Device("auto"))
+    logger: Logger = key("also log each step to none, tensorboard (<cell>/tensorboard/) or wandb (<cell>/wandb/; "
+                         "WANDB_MODE=offline to log without a network); metrics.csv is written either way",
+                         Logger.NONE)
+    logger_project: str = key("the W&B project of logger=wandb", "poslsh")
+
+    def check(self) -> None:
+        check_encoding(self.encoding)
+        check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
+        check(all(d < 1 for d in self.attn_dropout), "attn_dropout must be < 1")
+        if any(d > 0 for d in self.attn_dropout):
+            bad = [p.value for p in self.dropout_positions if p not in DROPOUT_SCHEMES]
+            check(not bad, f"attention dropout is applied only by none, alibi and rope, not {', '.join(bad)}")
+        check(self.heads % self.kv_heads == 0, f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.pretrain is not None:
+            check(self.pretrain_steps >= 1, "pretrain= needs pretrain_steps >= 1")
+        check(self.lora_rank == 0 or self.init is not None, "lora_rank= fine-tunes pretrained weights: give init=")
+        check(self.sigma is None or self.alibi is not Slopes.MODEL, "sigma= sets the bandwidths and alibi=model keeps "
+                                                                     "the checkpoint's own: give one")
+        check(self.lora_rank == 0 or self.parallel is Parallel.DDP, "LoRA runs with parallel=ddp (the adapters are "
+                                                                   "small; the frozen base is replicated)")
+
+
+#: Schemes whose training path applies attention dropout (PyTorch SDPA's dropout_p).
+DROPOUT_SCHEMES = (Position.NONE, Position.ALIBI, Position.ROPE)
+
+
+@dataclass
+class TrainContext:
+    """What every cell of a run shares, built once by ``prepare``: the corpus (its splits as token
+    arrays), the model the stages start from, this process's device and the number of processes."""
+
+    corpus: Corpus
+    source: Source
+    device: torch.device
+    meta: dict = field(default_factory=dict)
+    world: int = 1
+
+
+@dataclass(frozen=True)
+class TrainCell:
+    """One cell of a run, read once from its key (:func:`poslsh_cli.experiments.train.cells`): the
+    scheme, its masks per head per step ``s`` (0 for schemes that draw none), the seed, the training
+    length and the attention dropout (the key holds the last two only when a run varies them)."""
+
+    position: Position
+    s: int
+    seed: int
+    seq_len: int
+    attn_dropout: float = 0.0
+
+    @classmethod
+    def of(cls, key: dict, spec: TrainSpec) -> "TrainCell":
+        return cls(Position(key["position"]), key["s"], key["seed"], key.get("seq_len", spec.seq_len[0]),
+                   float(key.get("attn_dropout", 0.0)))
