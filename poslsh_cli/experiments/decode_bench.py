@@ -167,7 +167,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -177,10 +177,7 @@ def plot(run: Path, df: Any) -> list[Path]:
         axes[0].plot(g.context, g.tokens_per_s, "o-", color=f"C{i}", label=label)
         axes[1].plot(g.context, g.kv_bytes / 2**20, "o-", color=f"C{i}", label=label)
     for ax, ylabel in zip(axes, ("decoded tokens per second (median)", "keys and values held (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(ylabel)
+        log_axes(ax, "context length (tokens)", ylabel, grid=False)
         ax.grid(alpha=0.3)
     axes[1].legend()
     fig.suptitle(f"Decoding through the key/value cache, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")

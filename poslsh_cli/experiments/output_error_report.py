@@ -70,7 +70,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
 
     from poslsh_cli.numerics.metrics import fit_loglog_slope
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     paths = []
@@ -104,11 +104,8 @@ def plot(run: Path, df: Any) -> list[Path]:
                 if INFO[method].params == "window":
                     label += " w=" + "/".join(f"{c:g}σ" for c in sorted(set((b["window"] / b["sigma"]).round(0))))
                 ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        log_axes(ax, "number of samples s")
         ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""))
-        ax.grid(True, which="both", alpha=0.25)
-        ax.set_xlabel("number of samples s")
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
     axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")

@@ -88,7 +88,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -> list[Path]:
     """One colour per trained scheme (shaded: range over seeds and draws), and a zoom on the curves
     near the best."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     groups = _groups(df)
@@ -105,9 +105,7 @@ def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -
                 ax.plot(agg.length, agg["mean"], "-", marker="o", ms=3.5, color=color[lab], label=lab)
                 ax.fill_between(agg.length, agg["min"], agg["max"], color=color[lab], alpha=0.15, lw=0)
             ax.axvline(int(g.trained_len.max()), color="k", lw=0.8, ls=":")
-            ax.set_xscale("log", base=2)
-            ax.grid(True, which="both", alpha=0.25)
-            ax.set_ylabel("bits per byte (own attention)")
+            log_axes(ax, ylabel="bits per byte (own attention)", y=None)
             if row == 0:
                 ax.set_title(f"{title}: length extrapolation")
             else:
@@ -158,7 +156,7 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
 
 def plot_inference_s(run: Path, df: Any) -> list[Path]:
     """Bits per byte against the s used at inference, with each model's own attention dashed."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     p = df[df.attention == POSLSH]
@@ -170,10 +168,7 @@ def plot_inference_s(run: Path, df: Any) -> list[Path]:
         own = df[(df.attention == OWN) & (df.length == k[4]) & (df.checkpoint.isin(g.checkpoint))]
         if len(own):
             ax.axhline(own.bits_per_byte.mean(), color=f"C{i % 10}", lw=0.9, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("Positional-LSH masks per head at inference (s)")
-    ax.set_ylabel("bits per byte")
-    ax.grid(True, which="both", alpha=0.25)
+    log_axes(ax, "Positional-LSH masks per head at inference (s)", "bits per byte", y=None)
     ax.legend()
     ax.set_title("Inference-time s (dashed: the model's own attention)")
     return save(fig, run, "bpb_vs_s")
