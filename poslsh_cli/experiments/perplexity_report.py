@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.lm.evaluate import METRICS
 from poslsh_cli.lm.positions import Position, model_label, with_model_columns
 
 OWN = "own"  # the attention column's value for a model run as trained
@@ -335,9 +336,8 @@ def accuracy_table(own: Any) -> Any:
             if h.empty or h.top1.isna().all():
                 continue
             rows.append({"model": _scheme_label(k), "length": length, "seeds": h.run_seed.nunique(),
-                         "top-1 %": f"{100 * h.top1.mean():.2f}", "top-10 %": f"{100 * h.top10.mean():.2f}",
-                         "top-100 %": f"{100 * h.top100.mean():.2f}", "MRR": f"{h.mrr.mean():.4f}",
-                         "entropy (nats)": f"{h.entropy.mean():.4f}", "bpb": f"{h.bits_per_byte.mean():.4f}"})
+                         **{m.label: f"{m.scale * h[m.name].mean():.{m.digits}f}" for m in METRICS},
+                         "bpb": f"{h.bits_per_byte.mean():.4f}"})
     return pd.DataFrame(rows)
 
 

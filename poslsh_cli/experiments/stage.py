@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from poslsh_cli.core import distributed as dist
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.lm.positions import Position
 from poslsh_cli.numerics.sampling import derive_seed
 
@@ -41,7 +42,7 @@ TRAIN_SAMPLE = "spread"
 
 
 METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s",
-           "val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy"]
+           *evaluation.columns("val_")]
 
 
 class Precision(str, enum.Enum):
