@@ -72,7 +72,8 @@ class BenchSpec(Spec):
                                            [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], gt=0)
     methods: tuple[BenchMethod, ...] = key("methods to time: " + ", ".join(m.value for m in BenchMethod)
                                            + " (default: every method with a positional bias)",
-                                           [m for m in BenchMethod if m.value != Method.NO_BIAS.value], noun="method")
+                                           [BenchMethod(m.value) for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
+                                                                           Method.FIXED_BLOCK)], noun="method")
     exact_max_n: int = key("largest n for which exact ALiBi is timed (and rel_fro computed)", 32768, ge=2)
     exact_backends: tuple[str, ...] = key("exact-ALiBi paths to time: auto (the plan's: rank1 on the CPU, flex on "
                                           "CUDA), rank1, chunked, dense, flex; the first is the reference of "
