@@ -155,3 +155,29 @@ def test_reproduce_refuses_an_unknown_with_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "--with must be one of" in res.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_default_in_the_yaml_is_the_spec_default(command):
+    """conf/<command>.yaml writes every key's default (what --help shows) and the spec's key(...)
+    declares it (what the schema holds): the two agree, value for value after validation, and the
+    YAML leaves out no key. Config groups (model) are chosen in the defaults list, not compared."""
+    import dataclasses
+    import typing
+
+    import yaml
+
+    from poslsh_cli.core.config import build_spec
+
+    exp = registry.get(command)
+    raw = yaml.safe_load((CONF_DIR / f"{exp.config_name}.yaml").read_text())
+    raw.pop("defaults")
+    required = {exp.positional: ["/some/run"]} if exp.positional else {}
+    hints = typing.get_type_hints(exp.spec)
+    groups = {f.name for f in dataclasses.fields(exp.spec)
+              if any(dataclasses.is_dataclass(t) for t in typing.get_args(hints[f.name]) or (hints[f.name],))}
+    from_yaml = build_spec(exp.spec, {**{k: v for k, v in raw.items() if k not in groups}, **required})
+    from_spec = build_spec(exp.spec, required)
+    differ = {f.name: (getattr(from_yaml, f.name), getattr(from_spec, f.name)) for f in dataclasses.fields(exp.spec)
+              if getattr(from_yaml, f.name) != getattr(from_spec, f.name)}
+    assert not differ, f"conf/{exp.config_name}.yaml and {exp.spec.__name__} disagree (yaml, spec): {differ}"

@@ -255,3 +255,17 @@ def test_evaluation_accuracy_metrics_equal_an_independent_count():
     assert ev.windows.shape == (5, len(WINDOW_SUMS))
     np.testing.assert_allclose(ev.windows, np.asarray(per_window), rtol=1e-12)
     assert 0 < acc["top1"] < acc["top10"] < acc["top100"] < 1
+
+
+def test_an_accuracy_metric_is_declared_once_and_reaches_every_reader():
+    """lm.evaluate.METRICS is the one list: train's results and metrics log (val_<name>),
+    perplexity's results and the window sums all take their columns from it."""
+    from poslsh_cli.experiments import perplexity, stage, train
+    from poslsh_cli.lm.evaluate import METRICS, WINDOW_SUMS
+
+    names = [m.name for m in METRICS]
+    assert names == ["top1", "top10", "top100", "mrr", "entropy"]
+    assert [c for c in train.COLUMNS if c.startswith("val_") and c[4:] in names] == [f"val_{n}" for n in names]
+    assert stage.METRICS[-len(names):] == [f"val_{n}" for n in names]
+    assert perplexity.COLUMNS[-len(names):] == tuple(names)
+    assert WINDOW_SUMS[3:] == tuple(m.total for m in METRICS)

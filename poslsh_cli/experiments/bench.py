@@ -30,7 +30,7 @@ load that changes during the run moves both alike. Every row records the load wh
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -39,14 +39,8 @@ from poslsh_cli.experiments.bench_report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, cuda_skip_reason, resolve_device, torch_dtype
-from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.numerics.methods import INFO, Method
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
-
-COLUMNS = ("method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro", "window_sigmas",
-           "dtype", "device", "backend", "sample_seconds", "attention_seconds", "gflop", "gflops", "seed", "repeats",
-           "max_err_f64", "machine_gflops", "fraction", "sampler", "backward", "planned", "exact_seconds",
-           *LOAD_COLUMNS)
 
 #: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
@@ -73,7 +67,8 @@ class BenchSpec(Spec):
                                            [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], gt=0)
     methods: tuple[BenchMethod, ...] = key("methods to time: " + ", ".join(m.value for m in BenchMethod)
                                            + " (default: every method with a positional bias)",
-                                           [m for m in BenchMethod if m.value != Method.NO_BIAS.value], noun="method")
+                                           [BenchMethod(m.value) for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
+                                                                           Method.FIXED_BLOCK)], noun="method")
     exact_max_n: int = key("largest n for which exact ALiBi is timed (and rel_fro computed)", 32768, ge=2)
     exact_backends: tuple[str, ...] = key("exact-ALiBi paths to time: auto (the plan's: rank1 on the CPU, flex on "
                                           "CUDA), rank1, chunked, dense, flex; the first is the reference of "
@@ -134,6 +129,10 @@ class BenchRow:
     load_others: float = math.nan
     loadavg: float = math.nan
     overloaded: bool = False
+
+
+#: results.csv's columns: the row's fields, in their order
+COLUMNS = tuple(f.name for f in fields(BenchRow))
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from poslsh_cli.experiments.measure import judge_load, overload_reason
 from poslsh_cli.numerics.methods import Method
 from poslsh_cli.numerics.metrics import fit_loglog_slope
-from poslsh_cli.verdicts.claims import TIME_RULE, Status, Verdict, combine, over_groups, time_status, upper_half
+from poslsh_cli.verdicts.claims import TIME_RULE, Groups, Status, Verdict, time_status, upper_half
 from poslsh_cli.verdicts.claims import crossover as crossover_of
 
 EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
@@ -87,7 +87,7 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
     """Theorem 2.2: Positional-LSH time grows near-linearly in n; with the crossover with exact and
     the share of drawing the masks, per s and backend."""
     dev = df.device.iloc[0]
-    statuses, ev, paragraphs = [], [], []
+    groups, paragraphs = Groups(), []
     for causal, g in df.groupby("causal"):
         mode = "causal" if causal else "bidirectional"
         for (s, backend), gs in g[g.method == POSLSH].groupby(["s", "backend"]):
@@ -98,8 +98,8 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
                               + (f"; {why}" if why else "") + ".")
             ns = upper_half(gs.n)
             fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None
-            statuses.append(time_status(fit))
-            ev.append(f"{mode} s={s} {backend}: {fit.slope:.2f}" if fit else f"{mode} s={s} {backend}: fewer than 3 n")
+            groups.add(time_status(fit),
+                       f"{mode} s={s} {backend}: {fit.slope:.2f}" if fit else f"{mode} s={s} {backend}: fewer than 3 n")
             big = gs[gs.n == gs.n.max()]
             if "sample_seconds" in gs.columns and len(big):
                 share = float(big.sample_seconds.iloc[0] / big.seconds.iloc[0])
@@ -110,10 +110,10 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
         ex = g[g.method == EXACT]
         ns = upper_half(ex.n)
         if ns:
-            ev.append(f"{mode} exact: {fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds).slope:.2f}")
-    verdict = Verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", combine(statuses),
-                      "log-log slopes over the larger n: " + "; ".join(ev) if ev else "no Positional-LSH rows",
-                      over_groups(TIME_RULE))
+            fit = fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds)
+            groups.add(None, f"{mode} exact: {fit.slope:.2f}")
+    verdict = groups.verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", TIME_RULE,
+                             lead="log-log slopes over the larger n: ", none="no Positional-LSH rows")
     verdict = judge_load(verdict, df[df.method.isin([POSLSH, EXACT])])
     return verdict, paragraphs
 
@@ -157,7 +157,7 @@ def claims_gpu(df: Any) -> list[Verdict]:
     rule = (f"per (n, causal, backward, s): peak allocator memory of the call over {GPU_MEMORY_GOAL:g} x exact's + "
             "4 H s n bytes; SUPPORTED when every one is at most 1, NOT SUPPORTED when one is above; NOT MEASURED "
             "without CUDA rows of both")
-    st, ev = [], []
+    memory = Groups()
     for (n, causal, backward), gg in g.groupby(["n", "causal", "backward"]):
         ex = gg[gg.method == EXACT]
         if ex.empty:
@@ -165,11 +165,10 @@ def claims_gpu(df: Any) -> list[Verdict]:
         exm = float(ex.peak_mem_mb.median())
         for r in gg[gg.method == POSLSH].itertuples():
             allow = GPU_MEMORY_GOAL * exm + 4.0 * r.heads * r.s * n / 2**20
-            st.append(r.peak_mem_mb <= allow)
-            ev.append(f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
-                      f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
-    status = Status.NOT_MEASURED if not st else Status.SUPPORTED if all(st) else Status.NOT_SUPPORTED
-    out.append(Verdict(claim, status, "; ".join(ev) or "no CUDA rows of exact ALiBi and Positional LSH", rule))
+            memory.add(bool(r.peak_mem_mb <= allow),
+                       f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
+                       f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
+    out.append(memory.verdict(claim, rule, every=True, none="no CUDA rows of exact ALiBi and Positional LSH"))
     claim = (f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of "
              "Positional LSH's end-to-end time at the largest n")
     rule = (f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at "

@@ -127,7 +127,7 @@ def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
     """Seconds against n per method and parameter, with the crossover with exact starred."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -146,11 +146,7 @@ def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
                 label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
         if np.isfinite(x):
             ax.plot([x], [m.set_index("n").seconds[x]], "*", color=color, ms=11, mec="k", mew=0.5)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length n")
-    ax.set_ylabel("seconds, end to end (median)")
-    ax.grid(True, which="both", alpha=0.25)
+    log_axes(ax, "sequence length n", "seconds, end to end (median)")
     ax.legend(ncol=2)
     ax.set_title(f"Attention time, {int(g.heads.iloc[0])} heads, d={int(g.head_dim.iloc[0])}, {g.dtype.iloc[0]}, "
                  f"{'causal' if mode == 'causal' else 'bidirectional'}, {g.device.iloc[0]}; ★ crossover")
@@ -161,7 +157,7 @@ def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
     """Relative error against seconds per n for every approximation, with the Pareto front."""
     import matplotlib.ticker
 
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     pts = g[~g.method.isin([EXACT, EXACT_ALT]) & g.rel_fro.notna()]
@@ -188,12 +184,9 @@ def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
         ax.step(front[:, 0].astype(float), front[:, 1].astype(float), where="post", color="k", lw=0.8, alpha=0.6)
         if len(ex):
             ax.axvline(float(ex.iloc[0]), color="k", ls="--", lw=0.8, label="exact time")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        log_axes(ax, "seconds, end to end", x=10)
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"n={n}: front = {', '.join(sorted(set(front[:, 2])))}", fontsize=9)
-        ax.set_xlabel("seconds, end to end")
-        ax.grid(True, which="both", alpha=0.25)
     for ax in axes.flat[len(ns):]:
         ax.axis("off")
     axes[0][0].set_ylabel("relative error vs exact")

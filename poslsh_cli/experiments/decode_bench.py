@@ -32,7 +32,7 @@ from poslsh_cli.lm.loading import Arch
 from poslsh_cli.lm.positions import Position, PositionState, method_of, model_label, sigma_label
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.numerics.sampling import derive_seed
-from poslsh_cli.verdicts.claims import Section, Status, Verdict
+from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict
 
 COLUMNS = ("context", "position", "s", "batch", "prefill_seconds", "token_seconds", "tokens_per_s", "kv_bytes",
            "kv_tokens", "full_kv_bytes", "attention_path", "params", "device", "new_tokens", "sigmas",
@@ -167,7 +167,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -177,10 +177,7 @@ def plot(run: Path, df: Any) -> list[Path]:
         axes[0].plot(g.context, g.tokens_per_s, "o-", color=f"C{i}", label=label)
         axes[1].plot(g.context, g.kv_bytes / 2**20, "o-", color=f"C{i}", label=label)
     for ax, ylabel in zip(axes, ("decoded tokens per second (median)", "keys and values held (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(ylabel)
+        log_axes(ax, "context length (tokens)", ylabel, grid=False)
         ax.grid(alpha=0.3)
     axes[1].legend()
     fig.suptitle(f"Decoding through the key/value cache, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")
@@ -215,21 +212,16 @@ def claims(df: Any) -> list[Verdict]:
     n = max(both)
     g = df[df.context == n]
     a = g[g.position == ALIBI].iloc[0]
-    out_kv, out_speed = [], []
+    held, speeds = Groups(), Groups()
     for r in g[g.position == POSLSH].itertuples():
         beside = alibi_speed(r, a.tokens_per_s)
         kv, speed = r.kv_bytes / a.kv_bytes, r.tokens_per_s / beside
-        out_kv.append((kv <= 1 / KV_GOAL, f"context {n}, s={int(r.s)}: {r.kv_bytes / 2**20:.2f} / "
-                                          f"{a.kv_bytes / 2**20:.2f} MiB = 1/{1 / kv:.0f}"))
-        out_speed.append((speed >= SPEED_GOAL, f"context {n}, s={int(r.s)}: {r.tokens_per_s:.1f} / "
-                                               f"{beside:.1f} tokens/s = {speed:.2f}x"))
-
-    def verdict(claim: str, parts: list, rule: str) -> Verdict:
-        status = Status.SUPPORTED if all(ok for ok, _ in parts) else Status.NOT_SUPPORTED
-        return Verdict(claim, status, "; ".join(e for _, e in parts), rule)
-
-    return [verdict(kv_claim, out_kv, rule_kv),
-            judge_load(verdict(speed_claim, out_speed, rule_speed), g[g.position.isin([ALIBI, POSLSH])])]
+        held.add(bool(kv <= 1 / KV_GOAL), f"context {n}, s={int(r.s)}: {r.kv_bytes / 2**20:.2f} / "
+                                          f"{a.kv_bytes / 2**20:.2f} MiB = 1/{1 / kv:.0f}")
+        speeds.add(bool(speed >= SPEED_GOAL), f"context {n}, s={int(r.s)}: {r.tokens_per_s:.1f} / "
+                                              f"{beside:.1f} tokens/s = {speed:.2f}x")
+    return [held.verdict(kv_claim, rule_kv, every=True),
+            judge_load(speeds.verdict(speed_claim, rule_speed, every=True), g[g.position.isin([ALIBI, POSLSH])])]
 
 
 def memory(spec: DecodeBenchSpec) -> MemoryNeed:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Optional, Union
 
 from poslsh_cli.lm import models
@@ -22,10 +22,6 @@ from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, resolve_device, synchronize, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method, baselines
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
-
-COLUMNS = ("model", "layer", "head", "sigma", "causal", "n", "s", "trial", "seed", "method", "rel_fro",
-           "max_row_rel", "seconds", "window", "qkv_file", "convention", "rel_sym", "row_rel_median", "row_rel_p90",
-           "row_rel_p99", "cosine", "exp_overflow", "sampler")
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
@@ -97,6 +93,10 @@ class OutputErrorRow:
     cosine: float = float("nan")  # cosine similarity of the flattened outputs
     exp_overflow: bool = False  # official: exp of the largest logit overflows float32 (the script takes exp(S) raw)
     sampler: str = ""  # poslsh: how its masks were drawn (iid, stratified, sobol); else empty
+
+
+#: results.csv's columns: the row's fields, in their order
+COLUMNS = tuple(f.name for f in fields(OutputErrorRow))
 
 
 @dataclass

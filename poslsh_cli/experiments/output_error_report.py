@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
-                               decay_status, few, fmt, over_groups, slope_text, tally)
+from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, Verdict, asymptotic_fit,
+                                        decay_status, few, fmt, slope_text)
 from poslsh_cli.numerics.methods import INFO, Method, baselines
 
 POSLSH = Method.POSLSH.value
@@ -70,7 +70,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
 
     from poslsh_cli.numerics.metrics import fit_loglog_slope
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     paths = []
@@ -104,11 +104,8 @@ def plot(run: Path, df: Any) -> list[Path]:
                 if INFO[method].params == "window":
                     label += " w=" + "/".join(f"{c:g}σ" for c in sorted(set((b["window"] / b["sigma"]).round(0))))
                 ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        log_axes(ax, "number of samples s")
         ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""))
-        ax.grid(True, which="both", alpha=0.25)
-        ax.set_xlabel("number of samples s")
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
     axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")
@@ -143,8 +140,8 @@ def report(run: Path, df: Any) -> Section:
     sec = Section("output-error", run, "Attention outputs on real activations: error against s, with baselines")
     df, every = first_sampler(df)
     present = _present(df)
-    rows, st_decay, ev = [], [], []
-    beats: dict[Method, list[bool]] = {m: [] for m in present if INFO[m].params != "window"}
+    rows, decay = [], Groups()
+    beats = {m: Groups() for m in present if INFO[m].params != "window"}
     p_all = df[df.method == POSLSH]
     for layer, g in df.groupby("layer"):
         p = g[g.method == POSLSH]
@@ -152,15 +149,13 @@ def report(run: Path, df: Any) -> Section:
             continue
         med = p.groupby(["s", "trial"])["rel_fro"].median().reset_index()
         fit = asymptotic_fit(med.s, med.rel_fro)
-        st_decay.append(decay_status(fit))
-        if fit is not None:
-            ev.append(f"layer {layer}: {slope_text(fit)}")
+        decay.add(decay_status(fit), f"layer {layer}: {slope_text(fit)}" if fit is not None else None)
         smax = p.s.max()
         top = p[p.s == smax].rel_fro.median()
         base = {m: g[g.method == m.value].rel_fro.median() if (g.method == m.value).any() else math.nan for m in present}
         for m in beats:
             if math.isfinite(base[m]):
-                beats[m].append(bool(top < base[m]))
+                beats[m].add(bool(top < base[m]))
         rows.append({"layer": layer,
                      f"slope s ≥ {ASYMPTOTIC_S} [95% CI]": slope_text(fit) + (f" {decay_status(fit).value}" if fit else ""),
                      f"poslsh s={smax}": fmt(top), **{_label(m): fmt(base[m]) for m in present}})
@@ -172,18 +167,16 @@ def report(run: Path, df: Any) -> Section:
         sec.verdicts.append(Verdict("output error falls like s^-1/2", Status.NOT_MEASURED, "no Positional-LSH rows",
                                     DECAY_RULE))
         return sec
-    sec.verdicts.append(Verdict("output error falls like s^-1/2", combine(st_decay),
-                                f"layers: {tally(st_decay)}" + (f"; slopes {few(ev)}" if ev else
-                                                                f"; fewer than three s ≥ {ASYMPTOTIC_S}"),
-                                over_groups(DECAY_RULE + "; per layer, on the median over heads")))
+    slopes = f"; slopes {few(decay.evidence)}" if decay.evidence else f"; fewer than three s ≥ {ASYMPTOTIC_S}"
+    sec.verdicts.append(decay.verdict("output error falls like s^-1/2", DECAY_RULE + "; per layer, on the median over "
+                                      "heads", evidence=f"layers: {decay.tally()}{slopes}"))
     smax = int(p_all.s.max())
     for m in (m for m in baselines() if INFO[m].params != "window"):
-        r = beats.get(m, [])
-        status = Status.NOT_MEASURED if not r else (Status.SUPPORTED if all(r) else Status.NOT_SUPPORTED)
-        sec.verdicts.append(Verdict(f"at the largest s Positional LSH is more accurate than the {m.value} baseline",
-                                    status, f"{sum(r)}/{len(r)} layers" if r else
-                                    f"no {m.value} rows in this run (baselines=)",
-                                    f"median over heads at s={smax} below the baseline's median, in every layer"))
+        layers = beats.get(m, Groups())
+        won = f"{layers.statuses.count(Status.SUPPORTED)}/{len(layers.statuses)} layers" if layers.statuses else None
+        sec.verdicts.append(layers.verdict(f"at the largest s Positional LSH is more accurate than the {m.value} baseline",
+                                           f"median over heads at s={smax} below the baseline's median, in every layer",
+                                           every=True, evidence=won, none=f"no {m.value} rows in this run (baselines=)"))
     for m in (m for m in present if INFO[m].params == "window"):
         win = df[df.method == m.value]
         top = p_all[p_all.s == smax].rel_fro.median()

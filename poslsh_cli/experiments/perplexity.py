@@ -28,11 +28,12 @@ from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.positions import Position, method_of, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
+from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
-           "attn_dropout", "sigmas", "protocol", "top1", "top10", "top100", "mrr", "entropy")
+           "attn_dropout", "sigmas", "protocol", *evaluation.columns())
 LN2 = math.log(2.0)
 
 

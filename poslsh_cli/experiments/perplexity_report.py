@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.lm.evaluate import METRICS
 from poslsh_cli.lm.positions import Position, model_label, with_model_columns
 
 OWN = "own"  # the attention column's value for a model run as trained
@@ -88,7 +89,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -> list[Path]:
     """One colour per trained scheme (shaded: range over seeds and draws), and a zoom on the curves
     near the best."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     groups = _groups(df)
@@ -105,9 +106,7 @@ def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -
                 ax.plot(agg.length, agg["mean"], "-", marker="o", ms=3.5, color=color[lab], label=lab)
                 ax.fill_between(agg.length, agg["min"], agg["max"], color=color[lab], alpha=0.15, lw=0)
             ax.axvline(int(g.trained_len.max()), color="k", lw=0.8, ls=":")
-            ax.set_xscale("log", base=2)
-            ax.grid(True, which="both", alpha=0.25)
-            ax.set_ylabel("bits per byte (own attention)")
+            log_axes(ax, ylabel="bits per byte (own attention)", y=None)
             if row == 0:
                 ax.set_title(f"{title}: length extrapolation")
             else:
@@ -158,7 +157,7 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
 
 def plot_inference_s(run: Path, df: Any) -> list[Path]:
     """Bits per byte against the s used at inference, with each model's own attention dashed."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     p = df[df.attention == POSLSH]
@@ -170,10 +169,7 @@ def plot_inference_s(run: Path, df: Any) -> list[Path]:
         own = df[(df.attention == OWN) & (df.length == k[4]) & (df.checkpoint.isin(g.checkpoint))]
         if len(own):
             ax.axhline(own.bits_per_byte.mean(), color=f"C{i % 10}", lw=0.9, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("Positional-LSH masks per head at inference (s)")
-    ax.set_ylabel("bits per byte")
-    ax.grid(True, which="both", alpha=0.25)
+    log_axes(ax, "Positional-LSH masks per head at inference (s)", "bits per byte", y=None)
     ax.legend()
     ax.set_title("Inference-time s (dashed: the model's own attention)")
     return save(fig, run, "bpb_vs_s")
@@ -340,9 +336,8 @@ def accuracy_table(own: Any) -> Any:
             if h.empty or h.top1.isna().all():
                 continue
             rows.append({"model": _scheme_label(k), "length": length, "seeds": h.run_seed.nunique(),
-                         "top-1 %": f"{100 * h.top1.mean():.2f}", "top-10 %": f"{100 * h.top10.mean():.2f}",
-                         "top-100 %": f"{100 * h.top100.mean():.2f}", "MRR": f"{h.mrr.mean():.4f}",
-                         "entropy (nats)": f"{h.entropy.mean():.4f}", "bpb": f"{h.bits_per_byte.mean():.4f}"})
+                         **{m.label: f"{m.scale * h[m.name].mean():.{m.digits}f}" for m in METRICS},
+                         "bpb": f"{h.bits_per_byte.mean():.4f}"})
     return pd.DataFrame(rows)
 
 

@@ -24,6 +24,7 @@ from poslsh_cli.core import distributed as dist
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainContext, TrainSpec
 from poslsh_cli.lm.positions import Position, PositionState
+from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.store.cellwork import CellWork, Checkpoints, MetricsLog, NullLog
 from poslsh_cli.store.tracking import Tracker
@@ -50,7 +51,7 @@ TRAIN_SAMPLE = "spread"
 
 
 METRICS = ["step", "tokens", "loss", "val_loss", "val_bpb", "lr", "seconds", "step_seconds", "tokens_per_s",
-           "val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy"]
+           *evaluation.columns("val_")]
 
 
 def micro_batch(spec: TrainSpec, world: int) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from poslsh_cli.attention.plan import Backend
 from poslsh_cli.experiments.measure import judge_load, overload_reason
 from poslsh_cli.lm.positions import Position
-from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, crossover, over_groups
+from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, crossover
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
 DENSE = Backend.DENSE.value
@@ -136,19 +136,19 @@ def _poslsh_and_alibi(df: Any, column: str) -> Iterator[tuple[int, int, float, f
 def claim_alibi_near_rope(df: Any) -> list[Verdict]:
     cuda = bool(df.device.astype(str).str.startswith("cuda").any())
     goal = ALIBI_GOAL_CUDA if cuda else ALIBI_GOAL
-    st, ev = [], []
+    groups = Groups()
     for n, g in df.groupby("seq_len"):
         rope, fast = _paired(_auto(g, ALIBI), ROPE, _time(g, ROPE)), float(_auto(g, ALIBI).step_seconds.median())
         if rope == rope and fast == fast:
-            st.append(Status.SUPPORTED if fast / rope <= goal else Status.NOT_SUPPORTED)
-            ev.append(f"L={n}: {fast / rope:.2f}x")
+            groups.add(fast / rope <= goal, f"L={n}: {fast / rope:.2f}x")
     where = " on CUDA" if cuda else ""
     prec = sorted(set(df.precision.dropna().astype(str))) if "precision" in df.columns else ["fp32"]
-    return [judge_load(Verdict(f"causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} "
-                               f"({', '.join(prec)})", combine(st), "; ".join(ev) or "needs rope and alibi (auto) rows",
-                               over_groups(f"median step time of alibi on the path poslsh train takes (auto) over "
-                                           f"rope (timed interleaved with it), at every L (goal {ALIBI_GOAL_CUDA}x on "
-                                           f"CUDA, {ALIBI_GOAL}x on the CPU)")), _rows(df, ROPE, ALIBI))]
+    return [judge_load(groups.verdict(f"causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} "
+                                      f"({', '.join(prec)})",
+                                      f"median step time of alibi on the path poslsh train takes (auto) over rope "
+                                      f"(timed interleaved with it), at every L (goal {ALIBI_GOAL_CUDA}x on CUDA, "
+                                      f"{ALIBI_GOAL}x on the CPU)", none="needs rope and alibi (auto) rows"),
+                       _rows(df, ROPE, ALIBI))]
 
 
 def claim_paper_setting(df: Any) -> list[Verdict]:
@@ -175,49 +175,42 @@ def claim_paper_setting(df: Any) -> list[Verdict]:
 
 
 def claim_dense_route(df: Any) -> list[Verdict]:
-    st, ev = [], []
+    groups = Groups()
     for n, g in df.groupby("seq_len"):
         for s in sorted(g[g.position == POSLSH].s.unique()):
             p, rows = _time(g, POSLSH, DENSE, s), g[(g.position == POSLSH) & (g.s == s) & (g.attention_path == DENSE)]
             dense = _paired(rows, ALIBI, _time(g, ALIBI, DENSE), path=DENSE)
             if dense == dense and p == p:
-                st.append(Status.SUPPORTED if p / dense <= POSLSH_GOAL else Status.NOT_SUPPORTED)
-                ev.append(f"L={n} s={s}: {p / dense:.2f}x")
-    return [judge_load(Verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same "
-                               "dense-bias route, whatever s", combine(st),
-                               "; ".join(ev) or "needs poslsh and alibi with backend=dense rows",
-                               over_groups("median step time ratio at every L and s (exact ALiBi timed interleaved "
-                                           "with it where it was)")), df[df.attention_path == DENSE])]
+                groups.add(p / dense <= POSLSH_GOAL, f"L={n} s={s}: {p / dense:.2f}x")
+    return [judge_load(groups.verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the "
+                                      "same dense-bias route, whatever s",
+                                      "median step time ratio at every L and s (exact ALiBi timed interleaved with it "
+                                      "where it was)", none="needs poslsh and alibi with backend=dense rows"),
+                       df[df.attention_path == DENSE])]
 
 
 def claim_long_context(df: Any) -> list[Verdict]:
     """Near-linear training: Positional LSH (the plan's path) at most LONG_GOALS[L] times exact ALiBi's
     step time at each goal length measured."""
-    st, ev = [], []
+    groups = Groups()
     for n, s, p, a in _poslsh_and_alibi(df, "step_seconds"):
-        ev.append(f"L={n} s={s}: {p / a:.2f}x")
-        if n in LONG_GOALS:
-            st.append(Status.SUPPORTED if p / a <= LONG_GOALS[n] else Status.NOT_SUPPORTED)
+        groups.add(p / a <= LONG_GOALS[n] if n in LONG_GOALS else None, f"L={n} s={s}: {p / a:.2f}x")
     goals = ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items())
-    status = combine(st) if st else Status.NOT_MEASURED
-    return [judge_load(Verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})",
-                               status, "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
-                               over_groups("median step time of poslsh over alibi (timed interleaved with it), both "
-                                           "on the path poslsh train takes, at each goal length measured (NOT "
-                                           "MEASURED without one)")),
+    return [judge_load(groups.verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})",
+                                      "median step time of poslsh over alibi (timed interleaved with it), both on the "
+                                      "path poslsh train takes, at each goal length measured (NOT MEASURED without "
+                                      "one)", none="needs poslsh and alibi rows with backend=auto"),
                        _rows(df[df.seq_len.isin(list(LONG_GOALS))], ALIBI, POSLSH))]
 
 
 def claim_memory(df: Any) -> list[Verdict]:
-    st, ev = [], []
+    groups = Groups()
     for n, s, p, a in _poslsh_and_alibi(df, "peak_mem_mb"):
         if a > 0:
-            st.append(Status.SUPPORTED if p / a <= MEMORY_GOAL else Status.NOT_SUPPORTED)
-            ev.append(f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
-    return [Verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory", combine(st),
-                    "; ".join(ev) or "needs poslsh and alibi rows with backend=auto",
-                    over_groups("peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every "
-                                "L"))]
+            groups.add(p / a <= MEMORY_GOAL, f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
+    return [groups.verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory",
+                           "peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every L",
+                           none="needs poslsh and alibi rows with backend=auto")]
 
 
 def crossover_findings(df: Any) -> list[str]:

@@ -36,13 +36,14 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attenti
 from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
+from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.methods import INFO
 from poslsh_cli.lm.positions import Position, method_of
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
            "attn_dropout", "passes", "trainable", "world_size", "tokenizer", "bits_per_token", "train_eval_loss",
-           "train_eval_sample", "sigmas", "val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy")
+           "train_eval_sample", "sigmas", *evaluation.columns("val_"))
 
 
 def _byte_config(spec: TrainSpec) -> dict:
@@ -159,7 +160,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
            "train_eval_sample": train_eval.get("sampling", "first") if isinstance(train_eval, dict) else "",
            "sigmas": _sigmas(final, position),
            **{c: float(last[c]) if c in last.index else math.nan
-              for c in ("val_top1", "val_top10", "val_top100", "val_mrr", "val_entropy")}}
+              for c in evaluation.columns("val_")}}
     return [row], {}
 
 

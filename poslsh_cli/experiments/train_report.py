@@ -123,7 +123,7 @@ def plot_gap(run: Path, df: Any) -> list[Path]:
     import numpy as np
     import pandas as pd
 
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
     from poslsh_cli.verdicts.stats import t_interval
 
     curves = gap_curves(run, df)
@@ -145,12 +145,9 @@ def plot_gap(run: Path, df: Any) -> list[Path]:
         if np.isfinite(lo).any():
             ax.fill_between(xs, lo, hi, color=color, alpha=0.18, lw=0)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation bits per byte minus exact ALiBi's")
+    log_axes(ax, "training tokens", "validation bits per byte minus exact ALiBi's", x=10, y=None)
     ax.set_title("Gap to exact ALiBi during training (seed-paired; band: 95% interval over seeds)")
     ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.25)
     return save(fig, run, "gap_vs_tokens")
 
 
@@ -212,7 +209,7 @@ def step_times(df: Any) -> Any:
 
 def plot_step_time(run: Path, df: Any) -> list[Path]:
     """Seconds per training step against the training length, per scheme (log-log)."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     times = step_times(df)
     if times is None:
@@ -225,11 +222,7 @@ def plot_step_time(run: Path, df: Any) -> list[Path]:
     x = crossover_length(df)
     if math.isfinite(x):
         ax.axvline(x, color="k", ls=":", lw=0.9, label=f"Positional LSH faster from L={int(x)}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("training length L")
-    ax.set_ylabel("seconds per training step (median)")
-    ax.grid(True, which="both", alpha=0.25)
+    log_axes(ax, "training length L", "seconds per training step (median)")
     ax.legend()
     ax.set_title("Training-step time against the training length")
     return save(fig, run, "step_time_vs_length")

@@ -16,33 +16,68 @@ The rank of the true token is one plus the number of tokens with a strictly high
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One accuracy metric of the predictions, declared once: every evaluation computes it, ``train``
+    writes it as ``val_<name>`` (its metrics log, so TensorBoard / W&B, and its results), ``perplexity``
+    as ``<name>``, and the perplexity report's accuracy table shows its mean.
+
+    ``window(logp, rank)``: its sum over one window's predicted positions, from their float64
+    log-probabilities (T, V) and the rank of the true token (T,); ``total``: the name of that sum
+    (:attr:`Evaluation.windows`' column); the metric is the sum over the predicted positions of
+    every window divided by their number. ``label``, ``scale`` and ``digits``: how the report
+    writes its mean (``f"{scale * mean:.{digits}f}"`` under ``label``)."""
+
+    name: str
+    total: str
+    window: Callable[[Any, Any], float]
+    label: str
+    scale: float = 1.0
+    digits: int = 4
+
+
+def _top(k: int) -> Metric:
+    return Metric(f"top{k}", f"top{k}", lambda logp, rank: int((rank <= k).sum()), f"top-{k} %", 100.0, 2)
 
 
 #: top-k next-token accuracies every evaluation reports
 TOP_K = (1, 10, 100)
+#: the accuracy metrics, in the order of every table and column list
+METRICS = (*(_top(k) for k in TOP_K),
+           Metric("mrr", "rr", lambda logp, rank: float((1.0 / rank.double()).sum()), "MRR"),
+           Metric("entropy", "entropy", lambda logp, rank: float(-(logp.exp() * logp).sum()), "entropy (nats)"))
 #: the columns of :attr:`Evaluation.windows`, one row per window: sums over its predicted positions
-WINDOW_SUMS = ("nll", "bytes", "predicted", "top1", "top10", "top100", "rr", "entropy")
+WINDOW_SUMS = ("nll", "bytes", "predicted", *(m.total for m in METRICS))
+
+
+def columns(prefix: str = "") -> tuple[str, ...]:
+    """The metrics' result columns: ``prefix + name`` (``val_`` in train's rows and metrics log)."""
+    return tuple(prefix + m.name for m in METRICS)
 
 
 @dataclass(frozen=True)
 class Evaluation:
     """Sums over the predicted positions: ``nll`` (natural log), ``predicted`` (how many), ``nbytes``
     (UTF-8 bytes of text the predicted tokens cover), ``kl`` (nats; KL(own || evaluated), 0 when
-    the model runs under its own scheme), ``hits`` (predictions whose rank is within each of
-    :data:`TOP_K`), ``rr`` (reciprocal ranks of the true token), ``entropy`` (nats of the predictive
-    distributions); and per window the same sums (``windows``: (W, len(WINDOW_SUMS)) in the order
-    of :data:`WINDOW_SUMS`), for intervals over the evaluation text."""
+    the model runs under its own scheme), ``sums`` (each of :data:`METRICS`' sums, by its ``total``);
+    and per window the same sums (``windows``: (W, len(WINDOW_SUMS)) in the order of
+    :data:`WINDOW_SUMS`), for intervals over the evaluation text."""
 
     nll: float
     predicted: int
     nbytes: int
     kl: float = 0.0
     windows: Any = None
-    hits: tuple = (0, 0, 0)
-    rr: float = 0.0
-    entropy: float = 0.0
+    sums: dict = field(default_factory=dict)
+
+    @property
+    def hits(self) -> tuple[int, ...]:
+        """Predictions whose rank is within each of :data:`TOP_K`."""
+        return tuple(int(self.sums.get(f"top{k}", 0)) for k in TOP_K)
 
     @property
     def loss(self) -> float:
@@ -55,11 +90,10 @@ class Evaluation:
         return self.nll / math.log(2.0) / self.nbytes
 
     def accuracy(self) -> dict:
-        """The paper's metrics as shares of the predicted positions: ``top1``, ``top10``, ``top100``
-        (fractions), ``mrr`` (mean reciprocal rank) and ``entropy`` (mean nats)."""
+        """The paper's metrics (:data:`METRICS`) as means over the predicted positions: ``top1``,
+        ``top10``, ``top100`` (fractions), ``mrr`` (mean reciprocal rank) and ``entropy`` (mean nats)."""
         k = max(self.predicted, 1)
-        out = {f"top{t}": h / k for t, h in zip(TOP_K, self.hits)}
-        return {**out, "mrr": self.rr / k, "entropy": self.entropy / k}
+        return {m.name: self.sums.get(m.total, 0.0) / k for m in METRICS}
 
 
 def fast_cpu_math() -> None:
@@ -151,8 +185,7 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
                         r = torch.log_softmax(ref[j, w.score_from - 1:].double(), dim=-1)
                         kl = float((r.exp() * (r - logp)).sum())
                     scored.append((i, kl, -float(true.sum()), int(w.nbytes), length - w.score_from,
-                                   *(int((rank <= t).sum()) for t in TOP_K), float((1.0 / rank.double()).sum()),
-                                   float(-(logp.exp() * logp).sum())))
+                                   *(m.window(logp, rank) for m in METRICS)))
     finally:
         if own is not None:
             install(model, own)
@@ -164,5 +197,4 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     per_window = np.asarray([x[2:] for x in scored], dtype=np.float64).reshape(-1, len(WINDOW_SUMS))
     tot = dict(zip(WINDOW_SUMS, (float(sum(x[2 + c] for x in scored)) for c in range(len(WINDOW_SUMS)))))
     return Evaluation(tot["nll"], int(tot["predicted"]), int(tot["bytes"]), float(sum(x[1] for x in scored)),
-                      per_window, hits=tuple(int(tot[f"top{t}"]) for t in TOP_K), rr=tot["rr"],
-                      entropy=tot["entropy"])
+                      per_window, {m.total: tot[m.total] for m in METRICS})

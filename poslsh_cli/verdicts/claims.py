@@ -79,6 +79,45 @@ def tally(statuses: Iterable[Status]) -> str:
     return ", ".join(parts) if parts else "no groups"
 
 
+@dataclass
+class Groups:
+    """The one way a claim over several groups becomes a verdict: each group adds its status (a
+    :class:`Status`, or a bool for holds / fails) and the numbers behind it; :meth:`verdict` judges
+    them together, by :data:`GROUPS_RULE` (:func:`combine`, the rule followed by
+    :func:`over_groups`) or, with ``every=True``, SUPPORTED only when every group holds (NOT
+    MEASURED without groups; the rule as given)."""
+
+    statuses: list[Status] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+
+    def add(self, status: Status | bool | None, evidence: str | None = None) -> None:
+        """One group's status and evidence; either may be None (evidence that judges nothing, a
+        group that quotes nothing)."""
+        if status is not None:
+            self.statuses.append(status if isinstance(status, Status) else
+                                 Status.SUPPORTED if status else Status.NOT_SUPPORTED)
+        if evidence is not None:
+            self.evidence.append(evidence)
+
+    def tally(self) -> str:
+        return tally(self.statuses)
+
+    def status(self, every: bool = False) -> Status:
+        if not every:
+            return combine(self.statuses)
+        if not self.statuses:
+            return Status.NOT_MEASURED
+        return Status.SUPPORTED if all(s is Status.SUPPORTED for s in self.statuses) else Status.NOT_SUPPORTED
+
+    def verdict(self, claim: str, rule: str, *, none: str = "", lead: str = "", evidence: str | None = None,
+                every: bool = False) -> Verdict:
+        """The claim's verdict; its evidence is ``evidence`` when given, else ``lead`` and the groups'
+        evidence joined by "; ", or ``none`` when there is none."""
+        if evidence is None:
+            evidence = lead + "; ".join(self.evidence) if self.evidence else none
+        return Verdict(claim, self.status(every), evidence, rule if every else over_groups(rule))
+
+
 # ---------------------------------------------------------------------------------------------
 # decay like s^(-1/2) (Theorem 2.1)
 

@@ -59,6 +59,23 @@ def save(fig: Any, run: Path, name: str) -> list[Path]:
     return paths
 
 
+def log_axes(ax: Any, xlabel: str | None = None, ylabel: str | None = None, *, x: int | None = 2,
+             y: int | None = 10, grid: bool = True) -> None:
+    """The axes of the experiments' figures: x on a log scale of base ``x`` (2 for lengths and s, 10
+    for times and tokens; None leaves it linear), y likewise of base ``y``, a light grid at the major
+    and minor ticks (``grid=False``: none), and the labels given."""
+    if x is not None:
+        ax.set_xscale("log", base=x)
+    if y is not None:
+        ax.set_yscale("log", base=y)
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if grid:
+        ax.grid(True, which="both", alpha=0.25)
+
+
 def decay_panel(ax: Any, df: Any, x: str, y: str, group: list[str], label: Callable[[tuple], str]) -> None:
     """Mean over trials with min-max band, fitted log-log slope in the legend, c/sqrt(x) guide."""
     import numpy as np
@@ -75,6 +92,4 @@ def decay_panel(ax: Any, df: Any, x: str, y: str, group: list[str], label: Calla
             c = float(np.exp(np.mean(np.log(agg["mean"]) + 0.5 * np.log(agg[x]))))
             xs = np.asarray(agg[x], dtype=float)
             ax.plot(xs, c / np.sqrt(xs), "--", color=color, lw=0.8, alpha=0.7)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.25)
+    log_axes(ax)
