@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.numerics.metrics import fit_loglog_slope
-from poslsh_cli.verdicts.claims import Section, Status, Verdict, combine, over_groups, slope_text
+from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, slope_text
 from poslsh_cli.verdicts.stats import POWER
 
 
@@ -40,7 +40,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
     import pandas as pd
 
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
     from poslsh_cli.numerics.sampling import block_length_pmf, block_max_quantile
 
     plt = pyplot()
@@ -59,10 +59,8 @@ def plot(run: Path, df: Any) -> list[Path]:
             ax.plot(agg["n"], agg["law"], "--", color=c, lw=1)
         ll = df[df.sigma == sigma].groupby("n")["b_max_loglog"].first()
         ax.plot(ll.index, ll.to_numpy(), ":", color="k", lw=1.2, label="σ ln ln n")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length n")
+        log_axes(ax, "sequence length n", y=None)
         ax.set_title(f"σ = {sigma:g}")
-        ax.grid(True, which="both", alpha=0.25)
         ax.legend(title="solid: median b_max (10–90%)\ndashed: exact law median", title_fontsize=8)
     axes[0][0].set_ylabel("largest block b_max (positions)")
     fig.suptitle("Largest block against n")
@@ -76,11 +74,8 @@ def plot(run: Path, df: Any) -> list[Path]:
         lo = [block_max_quantile(0.05, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
         hi = [block_max_quantile(0.95, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
         ax.fill_between(agg["n"], lo, hi, color=c, alpha=0.12, lw=0)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length n")
-    ax.set_ylabel("b_max / (σ ln ln n), median over trials")
+    log_axes(ax, "sequence length n", "b_max / (σ ln ln n), median over trials", y=None)
     ax.set_title("Largest block relative to σ log log n; bands: exact law, 5–95%")
-    ax.grid(True, which="both", alpha=0.25)
     ax.legend(ncol=2)
     paths += save(fig, run, "b_max_over_loglog")
 
@@ -96,8 +91,7 @@ def plot(run: Path, df: Any) -> list[Path]:
             emp = counts.reindex(lengths, fill_value=0).to_numpy() / counts.sum()
             ax.bar(lengths, emp, width=1.0, color="C0", alpha=0.6, label="realised")
             ax.plot(lengths, block_length_pmf(lengths, sigma), "k-", lw=1.2, label="theory")
-            ax.set_yscale("log")
-            ax.set_xlabel("block length")
+            log_axes(ax, "block length", x=None, grid=False)
             ax.set_title(f"σ={sigma:g}, n={int(g['n'].max())}")
             ax.legend()
         axes[0][0].set_ylabel("fraction of blocks")
@@ -189,22 +183,20 @@ def report(run: Path, df: Any) -> Section:
                                     Status.NOT_MEASURED, "this run keeps s fixed (run experiment=block_stats_loglog_paper)",
                                     BAND_RULE))
     else:
-        statuses, ev = [], []
+        groups = Groups()
         for sigma, g in logs.groupby("sigma"):
             med = g.groupby("n").ratio.median()
             law = pd.Series({n: width_max_quantile(0.5, sigma, int(g[g.n == n].s.iloc[0])) / (sigma * math.log(math.log(n)))
                              for n in med.index})
             band = float(med.max() / med.min())
-            if len(med) < 4 or med.index.max() / med.index.min() < 2**8:
-                statuses.append(Status.INCONCLUSIVE)
-            else:
-                statuses.append(Status.SUPPORTED if band <= BAND_FACTOR else Status.NOT_SUPPORTED)
-            ev.append(f"σ={sigma:g}: median ratio {med.iloc[0]:.2f} at n=2^{math.log2(med.index[0]):.0f} → "
+            short = len(med) < 4 or med.index.max() / med.index.min() < 2**8
+            groups.add(Status.INCONCLUSIVE if short else band <= BAND_FACTOR,
+                       f"σ={sigma:g}: median ratio {med.iloc[0]:.2f} at n=2^{math.log2(med.index[0]):.0f} → "
                       f"{med.iloc[-1]:.2f} at n=2^{math.log2(med.index[-1]):.0f}, band ×{band:.2f} "
                       f"(exact law ×{law.max() / law.min():.2f})")
         c = float(logs.s_per_log_n.iloc[0])
-        sec.verdicts.append(Verdict(f"b_max / (σ log log n) stays bounded as n grows when s = ⌈{c:g} ln n⌉",
-                                    combine(statuses), "; ".join(ev), over_groups(BAND_RULE)))
+        sec.verdicts.append(groups.verdict(f"b_max / (σ log log n) stays bounded as n grows when s = ⌈{c:g} ln n⌉",
+                                           BAND_RULE))
     # fixed s: does b_max grow with n? (its law does not depend on n)
     for (sigma, s), g in fixed.groupby(["sigma", "s"]):
         if g.n.nunique() < 2:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.numerics.metrics import fit_loglog_slope
-from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Section, Status, Verdict, asymptotic_fit, combine,
-                                        decay_status, few, fmt, over_groups, slope_text, tally)
+from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, Verdict, asymptotic_fit,
+                                        decay_status, few, fmt, slope_text)
 
 
 def no_fit_text(s: Any) -> str:
@@ -109,7 +109,7 @@ def _draw_bound(ax: Any, df: Any) -> None:
 
 def _plot_fast_vs_dense(run: Path, df: Any) -> list[Path]:
     """The fast O(n) path against the dense float64 reference: same errors, far less time."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
     piv = df.pivot_table(index=["n", "sigma", "s", "trial"], columns="method",
@@ -123,24 +123,16 @@ def _plot_fast_vs_dense(run: Path, df: Any) -> list[Path]:
     tol = float(df[df.method == "fast"]["lanczos_tol"].max()) if "lanczos_tol" in df else float("nan")
     if tol > 0:
         ax.axhline(tol, color="C3", ls="--", lw=1, label=f"certified interval width {tol:g}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("‖L* − M̃‖₂ (dense float64 eigendecomposition)")
-    ax.set_ylabel("|fast − dense| / dense")
+    log_axes(ax, "‖L* − M̃‖₂ (dense float64 eigendecomposition)", "|fast − dense| / dense", x=10)
     ax.set_title("spectral error: fast (Lanczos) against dense")
     ax.legend()
-    ax.grid(True, which="both", alpha=0.25)
     ax = axes[1]
     t = piv.groupby(("n", ""))[[("seconds", "fast"), ("seconds", "dense")]].median()
     ax.plot(t.index, t[("seconds", "dense")], "o-", color="C3", label="dense (n×n float64)")
     ax.plot(t.index, t[("seconds", "fast")], "o-", color="C0", label="fast (O(n) matvecs)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("n")
-    ax.set_ylabel("seconds per cell (median)")
+    log_axes(ax, "n", "seconds per cell (median)")
     ax.set_title("time against n")
     ax.legend()
-    ax.grid(True, which="both", alpha=0.25)
     return save(fig, run, "fast_vs_dense")
 
 
@@ -177,15 +169,13 @@ def report(run: Path, df: Any) -> Section:
     if unconverged:
         sec.paragraphs.append(f"{unconverged} rows did not certify their interval within lanczos_tol "
                               "(converged=false); they are left out of every fit.")
-    rows, st_spec, st_max, all_max, asym_max, ev_spec, ev_max = [], [], [], [], [], [], []
+    rows, all_max, asym_max, spec_groups, max_groups = [], [], [], Groups(), Groups()
     for (n, sigma), g in main.groupby(["n", "sigma"]):
         fs, fm = asymptotic_fit(g.s, g.spectral_err), asymptotic_fit(g.s, g.max_err)
         if fs is not None:
-            st_spec.append(decay_status(fs))
-            st_max.append(decay_status(fm))
+            spec_groups.add(decay_status(fs), f"n={n} σ={sigma:g}: {slope_text(fs)}")
+            max_groups.add(decay_status(fm), f"n={n} σ={sigma:g}: {slope_text(fm)}")
             asym_max.append(fm.slope)
-            ev_spec.append(f"n={n} σ={sigma:g}: {slope_text(fs)}")
-            ev_max.append(f"n={n} σ={sigma:g}: {slope_text(fm)}")
         whole = fit_loglog_slope(g.s, g.max_err)
         all_max.append(whole.slope)
         top = g[g.s == g.s.max()]
@@ -197,11 +187,11 @@ def report(run: Path, df: Any) -> Section:
                      "slopes over all s (spec / max)": f"{fit_loglog_slope(g.s, g.spectral_err).slope:.3f} / {whole.slope:.3f}",
                      "spectral_rel at s_max": fmt(top.spectral_rel.mean()), "max_err at s_max": fmt(top.max_err.mean())})
     sec.tables.append(pd.DataFrame(rows))
-    if st_spec:
-        sec.verdicts.append(Verdict("spectral error decays like s^-1/2", combine(st_spec),
-                                    f"(n, σ) groups: {tally(st_spec)}; slopes {few(ev_spec)}", over_groups(DECAY_RULE)))
-        sec.verdicts.append(Verdict("max-norm error decays like s^-1/2", combine(st_max),
-                                    f"(n, σ) groups: {tally(st_max)}; slopes {few(ev_max)}", over_groups(DECAY_RULE)))
+    if spec_groups.statuses:
+        for claim, groups in (("spectral error decays like s^-1/2", spec_groups),
+                              ("max-norm error decays like s^-1/2", max_groups)):
+            sec.verdicts.append(groups.verdict(claim, DECAY_RULE, evidence=f"(n, σ) groups: {groups.tally()}; "
+                                                                           f"slopes {few(groups.evidence)}"))
         a, b = float(np.nanmedian(all_max)), float(np.nanmedian(asym_max))
         if math.isfinite(a) and math.isfinite(b):
             word = "shallower" if a > b else "steeper" if a < b else "the same"
@@ -217,7 +207,7 @@ def report(run: Path, df: Any) -> Section:
     if len(samplers) > 1:
         _report_samplers(sec, every)
     if dense_check:
-        if not st_spec:  # a run made to check the fast path, not to measure the decay
+        if not spec_groups.statuses:  # a run made to check the fast path, not to measure the decay
             sec.title = "Fast O(n) path against the dense float64 reference"
         _report_dense_check(sec, df)
     return sec
