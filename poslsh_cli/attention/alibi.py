@@ -110,12 +110,8 @@ def _band_bias(a: int, b: int, lo: int, hi: int, slope: torch.Tensor, causal: bo
     i = torch.arange(a, b, device=slope.device)[:, None]
     j = torch.arange(lo, hi, device=slope.device)[None, :]
     bias = alibi_distance_bias(i[:, 0], j[0], slope)[0].to(dtype)  # (b-a, hi-lo)
-    drop = torch.zeros_like(bias, dtype=torch.bool)
-    if causal:
-        drop |= j > i
-    if w is not None:
-        drop |= (i - j).abs() > w
-    return bias.masked_fill(drop, NEG_INF)[None, None]
+    keep = masks.combine(causal, None if w is None else masks.Window.of(w, 1, slope.device))
+    return (bias if keep is None else bias.masked_fill(~keep.grid(i[:, 0], j[0], 1)[0], NEG_INF))[None, None]
 
 
 class BandedAlibi(torch.autograd.Function):
