@@ -165,6 +165,8 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
       O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
       (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
+    - a method with neither blocks nor chunks (the generic kernels of a declared score): its first
+      backend on the CPU (the dense bias), FlexAttention on CUDA.
 
     With ``dropout`` the automatic plan, on the CPU and on CUDA, takes the dense bias where it would
     take a path that cannot drop attention probabilities (only DROPOUT_BACKENDS can: FlexAttention,
