@@ -17,7 +17,7 @@ from poslsh_cli.lm.pretrained import load
 from poslsh_cli.app.cli import app
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
-from poslsh_cli.numerics.sampling import alibi_slopes
+from poslsh_cli.numerics.sampling import standard_alibi_slopes
 
 H, N = 6, 80
 runner = CliRunner()
@@ -71,7 +71,7 @@ def test_exact_alibi_from_captured_tensors_equals_the_models_own_attention(famil
     m = load(path)
     assert m.model_type == family and m.causal and m.alibi_sigmas.shape == (H,)
     if family == "bloom":  # BLOOM's slopes are the standard ones, also for 6 heads
-        np.testing.assert_allclose(1 / m.alibi_sigmas, alibi_slopes(H), rtol=1e-6)
+        np.testing.assert_allclose(1 / m.alibi_sigmas, standard_alibi_slopes(H), rtol=1e-6)
     else:  # MPT: slopes of the next power of two (8), reordered, alibi_bias_max = 8
         base = 1 / 2.0 ** (np.arange(1, 9) * 8 / 8)
         np.testing.assert_allclose(1 / m.alibi_sigmas, np.concatenate([base[1::2], base[::2]])[:H], rtol=1e-6)
@@ -94,7 +94,7 @@ def test_falcon_adds_its_bias_before_scaling_and_rounds_it_to_bfloat16(tmp_path)
     path = save_alibi("falcon", tmp_path / "falcon")
     m = load(path)
     d = 48 // H
-    slopes = torch.as_tensor(alibi_slopes(H)).bfloat16().double().numpy()
+    slopes = torch.as_tensor(standard_alibi_slopes(H)).bfloat16().double().numpy()
     np.testing.assert_allclose(m.alibi_sigmas, np.sqrt(d) / slopes, rtol=1e-12)
     ids = tokenize(m.tokenizer, builtin_text(), N)
     bias = build_alibi_tensor(torch.ones(1, N, dtype=torch.long), H, torch.float32)[:, 0, :].double()  # (H, N)
@@ -117,7 +117,7 @@ def test_output_error_uses_the_models_own_slopes_and_reports_its_own_attention(t
     assert df.causal.all()
     own = df[df.method == "model_own"]
     assert len(own) == 2 * H and (own.rel_fro < 1e-5).all()  # its own attention is exact ALiBi
-    np.testing.assert_allclose(sorted(df.sigma.unique()), sorted(1 / alibi_slopes(H)), rtol=1e-6)
+    np.testing.assert_allclose(sorted(df.sigma.unique()), sorted(1 / standard_alibi_slopes(H)), rtol=1e-6)
     r = runner.invoke(app, ["output-error", f"model={path}", f"n={N}", "s=[2]", "trials=1", "alibi=standard",
                             "layers=[0]", f"out={tmp_path / 'std'}"])
     assert r.exit_code == 0 and "model_own" not in set(pd.read_csv(tmp_path / "std" / "results.csv").method)
@@ -266,7 +266,7 @@ def test_baichuan_remote_code_is_captured_only_when_allowed(tmp_path):
     with pytest.raises(ConfigError, match="trust_remote_code"):
         load(path)
     m = load(path, trust_remote_code=True)
-    np.testing.assert_allclose(1 / m.alibi_sigmas, alibi_slopes(H))
+    np.testing.assert_allclose(1 / m.alibi_sigmas, standard_alibi_slopes(H))
     ids = tokenize(m.tokenizer, builtin_text(), N)
     for layer, c in capture_qkv(m, ids, [0, 1]).items():
         w = laplacian_weight(N, torch.as_tensor(m.alibi_sigmas))

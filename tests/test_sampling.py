@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
-from poslsh_cli.numerics.sampling import (alibi_slopes, block_length_pmf, derive_seed, sample_partitions,
+from poslsh_cli.numerics.sampling import (standard_alibi_slopes, block_length_pmf, derive_seed, sample_partitions,
                                  width_max_cdf, width_max_quantile)
 
 
@@ -134,11 +134,11 @@ def test_block_length_pmf_matches_realised_blocks():
 
 
 def test_alibi_slopes_standard():
-    np.testing.assert_allclose(alibi_slopes(8), 2.0 ** -np.arange(1, 9))
-    s12 = alibi_slopes(12)
+    np.testing.assert_allclose(standard_alibi_slopes(8), 2.0 ** -np.arange(1, 9))
+    s12 = standard_alibi_slopes(12)
     np.testing.assert_allclose(s12[:8], 2.0 ** -np.arange(1, 9))
     np.testing.assert_allclose(s12[8:], 2.0 ** -(np.arange(1, 8, 2) / 2))
-    assert alibi_slopes(1)[0] == pytest.approx(2.0 ** -8)
+    assert standard_alibi_slopes(1)[0] == pytest.approx(2.0 ** -8)
 
 
 def test_derive_seed_is_stable_and_parameter_sensitive():

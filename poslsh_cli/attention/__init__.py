@@ -46,7 +46,7 @@ _WHERE = {
     "FlexLayout": "poslsh_cli.attention.flex",
     "alibi_flex": "poslsh_cli.attention.flex",
     "poslsh_flex": "poslsh_cli.attention.flex",
-    "BACKENDS": "poslsh_cli.attention.plan",
+    "backends_of": "poslsh_cli.attention.plan",
     "DENSE_MAX_N": "poslsh_cli.attention.plan",
     "RANK1_MIN_N": "poslsh_cli.attention.plan",
     "Backend": "poslsh_cli.attention.plan",
@@ -77,7 +77,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["AttentionSpec", "attend", "exact_alibi", "poslsh_attention", "poslsh_layout", "layout_for", "reference_weight",
-           "Method", "Backend", "Kernel", "Plan", "choose", "plan_for", "needs_grad", "BACKENDS", "DENSE_MAX_N",
+           "Method", "Backend", "Kernel", "Plan", "choose", "plan_for", "needs_grad", "backends_of", "DENSE_MAX_N",
            "RANK1_MIN_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "alibi_rank1_tiled", "no_bias_attention",
            "BlockLayout", "per_sample_block_attention", "merged_block_attention", "device_bins", "merge_by_lse", "alibi_bias",
            "dense_bias_attention", "poslsh_bias", "FlexLayout", "alibi_flex", "poslsh_flex", "laplacian_weight",

@@ -16,7 +16,7 @@ import torch
 
 from poslsh_cli.numerics import masks
 from poslsh_cli.attention.plan import Kernel
-from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, alibi_slopes, scale_of
+from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, slopes_from_sigmas, scale_of
 
 #: Elements of one chunk's (heads, chunk, keys) bias in the chunked exact path: bounds its memory.
 CHUNK_ELEMENTS = 2**26
@@ -48,7 +48,7 @@ def alibi_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: tor
     if chunk is None:
         chunk = max(16, min(1024, CHUNK_ELEMENTS // max(1, B * H * n)))
     acc = torch.promote_types(q.dtype, torch.float32)
-    slopes = alibi_slopes(sigmas, acc, q.device)  # (H,) in the precision of the scores
+    slopes = slopes_from_sigmas(sigmas, acc, q.device)  # (H,) in the precision of the scores
     if kernel is Kernel.FUSED and q.dtype != acc:
         kernel = Kernel.MATMUL  # SDPA's float mask would be rounded to the input dtype
     outs = []
@@ -89,7 +89,7 @@ def alibi_banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torc
     """
     H, n = q.shape[1], q.shape[2]
     wins = (None,) * H if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(H))
-    slopes = alibi_slopes(sigmas, torch.promote_types(q.dtype, torch.float32), q.device)  # (H,)
+    slopes = slopes_from_sigmas(sigmas, torch.promote_types(q.dtype, torch.float32), q.device)  # (H,)
     return BandedAlibi.apply(q, k, v, slopes, causal, wins, scale_of(q.shape[-1], scale), max(1, min(chunk, n)))
 
 
@@ -110,12 +110,8 @@ def _band_bias(a: int, b: int, lo: int, hi: int, slope: torch.Tensor, causal: bo
     i = torch.arange(a, b, device=slope.device)[:, None]
     j = torch.arange(lo, hi, device=slope.device)[None, :]
     bias = alibi_distance_bias(i[:, 0], j[0], slope)[0].to(dtype)  # (b-a, hi-lo)
-    drop = torch.zeros_like(bias, dtype=torch.bool)
-    if causal:
-        drop |= j > i
-    if w is not None:
-        drop |= (i - j).abs() > w
-    return bias.masked_fill(drop, NEG_INF)[None, None]
+    keep = masks.combine(causal, None if w is None else masks.Window.of(w, 1, slope.device))
+    return (bias if keep is None else bias.masked_fill(~keep.grid(i[:, 0], j[0], 1)[0], NEG_INF))[None, None]
 
 
 class BandedAlibi(torch.autograd.Function):
@@ -177,7 +173,7 @@ def alibi_rank1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch
     B, H, n, d = q.shape
     sc = scale_of(d, scale)
     extra = -(-(d + 1) // 8) * 8 - d  # at least one coordinate, total a multiple of 8
-    slopes = alibi_slopes(sigmas, q.dtype, q.device)  # (H,)
+    slopes = slopes_from_sigmas(sigmas, q.dtype, q.device)  # (H,)
     pos = torch.arange(n, device=q.device, dtype=q.dtype) - (n - 1) / 2
     qe = q.new_zeros(B, H, n, extra)
     qe[..., 0] = 1.0
@@ -238,7 +234,7 @@ def alibi_rank1_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas:
     B, H, n, d = q.shape
     sc = scale_of(d, scale)
     extra = -(-(d + 1) // 8) * 8 - d
-    slopes = alibi_slopes(sigmas, torch.float64, q.device)  # (H,)
+    slopes = slopes_from_sigmas(sigmas, torch.float64, q.device)  # (H,)
     k_ext = torch.cat([k, k.new_zeros(B, H, n, extra)], -1)
     v_ext = torch.cat([v, v.new_zeros(B, H, n, extra)], -1)
     pos = torch.arange(n, device=q.device, dtype=torch.float64)

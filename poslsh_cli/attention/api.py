@@ -1,7 +1,9 @@
 """The one entry point of every attention method: :class:`AttentionSpec` (built by one factory,
-:meth:`AttentionSpec.build`), :func:`attend`, and the method table that maps each method to its
-reference weight and its implementation on the backend its :class:`~poslsh_cli.attention.plan.Plan`
-names.
+:meth:`AttentionSpec.build`), :func:`attend`, and :data:`KERNELS`, the table from a backend and a
+kernel family to its implementation: a method's declaration
+(:class:`~poslsh_cli.numerics.methods.MethodDef`) names the family it runs on each backend, the
+:class:`~poslsh_cli.attention.plan.Plan` the backend (docs/ARCHITECTURE.md, "Adding an attention
+method").
 
 All operators take SDPA-layout tensors ``q, k, v`` of shape (batch, heads, seq_len, head_dim) and
 one kernel bandwidth per head, ``sigma_h = 1 / slope_h``.
@@ -15,17 +17,15 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from poslsh_cli.numerics import masks
 from poslsh_cli.attention.alibi import (BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, alibi_rank1_tiled,
                                        no_bias_attention)
 from poslsh_cli.attention.blocks import BlockLayout, merged_block_attention, padded_work
-from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias
-from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex
+from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias, score_bias
+from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex, score_flex
 from poslsh_cli.attention.plan import DROPOUT_BACKENDS, Backend, Kernel, Plan, Work, choose, needs_grad, plan_for
-from poslsh_cli.attention.reference import (as_sigmas, laplacian_weight, mean_mask_weight,
-                                            reference_attention)
+from poslsh_cli.attention.reference import as_sigmas, head_params, method_bias, method_weight, reference_attention
 from poslsh_cli.attention.union import UnionLayout, union_chunked, union_flex
-from poslsh_cli.numerics.methods import INFO, Method
+from poslsh_cli.numerics.methods import Method, method_def
 from poslsh_cli.numerics.sampling import Partitions, fixed_block_partitions, sample_partitions, windows
 
 
@@ -52,7 +52,7 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
         object.__setattr__(self, "sigmas", np.asarray(self.sigmas, dtype=np.float64).reshape(-1))
-        params = INFO[self.method].params
+        params = method_def(self.method).params
         if params == "window" and self.window is None:
             raise ValueError(f"{self.method.value} attention needs window= (one half-width per head)")
         if params.endswith("partitions") and not self.partitions:
@@ -71,7 +71,7 @@ class AttentionSpec:
               num_samples: int = 0, rng: Any = None, window_sigmas: float | None = None,
               scale: float | None = None, sampler: str = "iid") -> "AttentionSpec":
         """The spec of ``method`` at length ``seq_len`` with one sigma per head: the one place
-        its parameters are drawn or derived (:data:`poslsh_cli.numerics.methods.INFO`).
+        its parameters are drawn or derived (its declared ``params``, :mod:`poslsh_cli.numerics.methods`).
 
         - sampled partitions: ``num_samples`` per head; ``rng`` is one NumPy generator per head (a
           sequence), or one generator the heads draw from in order; ``sampler`` how each head's s
@@ -81,7 +81,7 @@ class AttentionSpec:
         """
         method = Method(method)
         sigmas = np.asarray(sigmas, dtype=np.float64).reshape(-1)
-        params = INFO[method].params
+        params = method_def(method).params
         extra: dict[str, Any] = {}
         if params == "sampled_partitions":
             if num_samples < 1 or rng is None:
@@ -113,18 +113,9 @@ def work_of(spec: AttentionSpec, n: int) -> Work:
 
 def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "cpu") -> Optional[torch.Tensor]:
     """The nonnegative weight W with which ``spec``'s method is ``D^-1 (A o W) V`` (float64,
-    (H, n, n)): L*, L* cut to the window, M~, or None (no bias)."""
-    H = spec.sigmas.shape[0]
-    sig = torch.as_tensor(spec.sigmas)
-    if spec.method in (Method.EXACT, Method.WINDOWED):
-        w = laplacian_weight(n, sig, device)
-        if spec.window is not None:
-            i = torch.arange(n, device=device)
-            w = w * masks.Window.of(spec.window, H, device).grid(i, i, H)
-        return w
-    if spec.partitions is not None:
-        return mean_mask_weight(spec.partitions, device)
-    return None
+    (H, n, n)): ``exp`` of its declared score where its key mask keeps the pair (L*, L* cut to the
+    window, M~), or None (no bias)."""
+    return method_weight(spec, n, device)
 
 
 Layout = BlockLayout | FlexLayout | UnionLayout
@@ -199,44 +190,104 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, plan: Plan,
          layout: Layout | None, dropout: float = 0.0) -> torch.Tensor:
-    b, sig = plan.backend, as_sigmas(spec.sigmas, q.shape[1])
-    if b is Backend.REFERENCE:
-        return reference_attention(q, k, v, reference_weight(spec, q.shape[-2], q.device), spec.causal,
-                                   spec.scale)[0].to(q.dtype)
-    if b is Backend.SDPA:
-        return no_bias_attention(q, k, v, spec.causal, scale=spec.scale, dropout=dropout)
-    if b is Backend.DENSE:
-        if spec.partitions is not None:
-            bias = poslsh_bias(spec.partitions, spec.causal, q.device, bias_dtype(q.dtype))
-        else:
-            bias = alibi_bias(q.shape[-2], sig, spec.causal, spec.window, q.device, bias_dtype(q.dtype))
-        return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
-    if b is Backend.RANK1:
-        if needs_grad(q, k, v) or dropout:  # the causal kernel (the plan sends bidirectional dropout to dense)
-            return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
-        return alibi_rank1_tiled(q, k, v, sig, spec.causal, spec.scale)
-    if b is Backend.CHUNKED:
-        if plan.kernel is Kernel.FUSED and q.device.type == "cpu" and needs_grad(q, k, v):
-            return alibi_banded(q, k, v, sig, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)
-        return alibi_chunked(q, k, v, sig, spec.causal, spec.window, scale=spec.scale, kernel=plan.kernel)
-    if b is Backend.FLEX:
-        if spec.partitions is not None:
-            return poslsh_flex(q, k, v, spec.partitions, spec.causal, spec.scale, compiled=plan.compiled,
-                               layout=layout if isinstance(layout, FlexLayout) else None)
-        return alibi_flex(q, k, v, sig, spec.causal, spec.window, spec.scale, compiled=plan.compiled)
-    if b is Backend.BLOCKS:
-        if not isinstance(layout, BlockLayout):
-            layout = BlockLayout.build(spec.partitions, q.device)
-        return merged_block_attention(q, k, v, layout, spec.causal, spec.scale, plan.kernel)
-    if b is Backend.UNION:
-        if not isinstance(layout, UnionLayout):
-            layout = poslsh_layout(spec.partitions, spec.causal, b, q.device)
-        if layout.causal != spec.causal:
-            raise ValueError("the UnionLayout was built for another causal flag")
-        if plan.kernel is Kernel.FLEX:
-            return union_flex(q, k, v, layout, spec.scale, compiled=plan.compiled)
-        return union_chunked(q, k, v, layout, spec.scale, kernel=plan.kernel)
-    raise ValueError(f"no implementation of {spec.method.value} on {b.value}")
+    as_sigmas(spec.sigmas, q.shape[1])  # one sigma > 0 per head, whatever runs
+    family = method_def(spec.method).family(plan.backend.value)
+    kernel = KERNELS.get((plan.backend, family))
+    if kernel is None:
+        raise ValueError(f"no implementation of {spec.method.value} on {plan.backend.value} ({family} kernels)")
+    return kernel(q, k, v, spec, plan, layout, dropout)
+
+
+# --- the kernels, one per (backend, kernel family): (q, k, v, spec, plan, layout, dropout) -> out --------
+
+def _reference(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    i = torch.arange(q.shape[-2], device=q.device)[None]
+    defn = method_def(spec.method)
+    bias = None if defn.score is None and defn.keep is None else method_bias(spec, i, i, torch.float64)[0]
+    return reference_attention(q, k, v, None, spec.causal, spec.scale, bias=bias)[0].to(q.dtype)
+
+
+def _sdpa(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    return no_bias_attention(q, k, v, spec.causal, scale=spec.scale, dropout=dropout)
+
+
+def _dense_alibi(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    bias = alibi_bias(q.shape[-2], as_sigmas(spec.sigmas, q.shape[1]), spec.causal, spec.window, q.device,
+                      bias_dtype(q.dtype))
+    return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
+
+
+def _dense_partitions(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    bias = poslsh_bias(spec.partitions, spec.causal, q.device, bias_dtype(q.dtype))
+    return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
+
+
+def _dense_score(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    bias = score_bias(spec, q.shape[-2], q.device, bias_dtype(q.dtype))
+    return dense_bias_attention(q, k, v, bias, spec.scale, dropout=dropout)
+
+
+def _rank1(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    sig = as_sigmas(spec.sigmas, q.shape[1])
+    if needs_grad(q, k, v) or dropout:  # the causal kernel (the plan sends bidirectional dropout to dense)
+        return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
+    return alibi_rank1_tiled(q, k, v, sig, spec.causal, spec.scale)
+
+
+def _chunked(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    sig = as_sigmas(spec.sigmas, q.shape[1])
+    if plan.kernel is Kernel.FUSED and q.device.type == "cpu" and needs_grad(q, k, v):
+        return alibi_banded(q, k, v, sig, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)
+    return alibi_chunked(q, k, v, sig, spec.causal, spec.window, scale=spec.scale, kernel=plan.kernel)
+
+
+def _flex_alibi(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    return alibi_flex(q, k, v, as_sigmas(spec.sigmas, q.shape[1]), spec.causal, spec.window, spec.scale,
+                      compiled=plan.compiled)
+
+
+def _flex_partitions(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    return poslsh_flex(q, k, v, spec.partitions, spec.causal, spec.scale, compiled=plan.compiled,
+                       layout=layout if isinstance(layout, FlexLayout) else None)
+
+
+def _flex_score(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    defn = method_def(spec.method)
+    return score_flex(q, k, v, head_params(spec, torch.float32, q.device), defn.score, defn.keep, spec.causal,
+                      spec.scale, compiled=plan.compiled)
+
+
+def _blocks(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    if not isinstance(layout, BlockLayout):
+        layout = BlockLayout.build(spec.partitions, q.device)
+    return merged_block_attention(q, k, v, layout, spec.causal, spec.scale, plan.kernel)
+
+
+def _union(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
+    if not isinstance(layout, UnionLayout):
+        layout = poslsh_layout(spec.partitions, spec.causal, plan.backend, q.device)
+    if layout.causal != spec.causal:
+        raise ValueError("the UnionLayout was built for another causal flag")
+    if plan.kernel is Kernel.FLEX:
+        return union_flex(q, k, v, layout, spec.scale, compiled=plan.compiled)
+    return union_chunked(q, k, v, layout, spec.scale, kernel=plan.kernel)
+
+
+#: (backend, kernel family) -> implementation; a method's declaration names its families.
+KERNELS: dict[tuple[Backend, str], Callable[..., torch.Tensor]] = {
+    (Backend.REFERENCE, "score"): _reference,
+    (Backend.SDPA, "none"): _sdpa,
+    (Backend.DENSE, "alibi"): _dense_alibi,
+    (Backend.DENSE, "partitions"): _dense_partitions,
+    (Backend.DENSE, "score"): _dense_score,
+    (Backend.RANK1, "alibi"): _rank1,
+    (Backend.CHUNKED, "alibi"): _chunked,
+    (Backend.FLEX, "alibi"): _flex_alibi,
+    (Backend.FLEX, "partitions"): _flex_partitions,
+    (Backend.FLEX, "score"): _flex_score,
+    (Backend.BLOCKS, "partitions"): _blocks,
+    (Backend.UNION, "partitions"): _union,
+}
 
 
 def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,

@@ -3,6 +3,7 @@
     exact / windowed ALiBi   bias -|i-j| / sigma_h (-inf outside the window)
     Positional LSH           bias log M~ (log 0 = -inf), so softmax(q k^T * scale + log M~) V
                              = D~^-1 (A o M~) V exactly (docs/THEORY.md, "Training identity")
+    any declared method      its score, -inf where its key mask drops a pair (:func:`score_bias`)
 
 Causal masks are folded into the bias (-inf above the diagonal). At training lengths this costs
 one attention whatever the number of samples s is; the memory is O(H n^2).
@@ -18,8 +19,8 @@ import torch
 from poslsh_cli.numerics import masks
 from poslsh_cli.attention.dropout import FlashDropout, keep_mask
 from poslsh_cli.attention.plan import needs_grad
-from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, alibi_slopes, scale_of
-from poslsh_cli.numerics.sampling import Partitions
+from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, method_bias, slopes_from_sigmas, scale_of
+from poslsh_cli.numerics.sampling import Partitions, bin_index
 
 
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,7 +66,7 @@ def _alibi_bias(n: int, sigmas: tuple[float, ...], causal: bool, window: tuple[i
                 dtype: torch.dtype) -> torch.Tensor:
     H = len(sigmas)
     i = torch.arange(n, device=device)
-    bias = alibi_distance_bias(i, i, alibi_slopes(sigmas, dtype, device))  # (H, n, n)
+    bias = alibi_distance_bias(i, i, slopes_from_sigmas(sigmas, dtype, device))  # (H, n, n)
     keep = masks.combine(causal, None if window is None else masks.Window.of(window, H, device))
     return bias if keep is None else bias.masked_fill(~keep.grid(i, i, H), NEG_INF)
 
@@ -82,7 +83,6 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
     """
     H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
     pos = torch.arange(n, device=device)
-    posf = pos.to(torch.float64)
     out = torch.full((H, n, n), NEG_INF, dtype=dtype, device=device)
     chunk = max(1, (1 << 24) // n)  # samples at a time: O(chunk n) memory whatever s is (s = 1e5 at n = 512)
     for h, part in enumerate(partitions):  # each head's own band width: narrow heads cost little
@@ -92,7 +92,7 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
         for c in range(0, s, chunk):
             widths = torch.as_tensor(part.widths[c:c + chunk], dtype=torch.float64, device=device)
             shifts = torch.as_tensor(part.shifts[c:c + chunk], dtype=torch.float64, device=device)
-            bins = torch.floor((posf + shifts[:, None]) / widths[:, None]).to(torch.int64)  # as device_bins
+            bins = bin_index(pos[None, :], widths[:, None], shifts[:, None]).to(torch.int64)
             blocks = masks.SameBlock.of(bins)
             reaches = [pos - blocks.start] + ([] if causal else [blocks.end - pos])
             for hist, reach in zip(hists, reaches):  # (c, n): how far i's block extends, each side
@@ -105,3 +105,13 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
             # entries past the sequence are sent to the diagonal with its own value, log 1 = 0
             out[h].scatter_(-1, torch.where(outside, pos[:, None], j), band.masked_fill(outside, 0.0))
     return out
+
+
+def score_bias(spec: "object", n: int, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (H, n, n) bias of any declared method (``spec``: an
+    :class:`~poslsh_cli.attention.api.AttentionSpec`) from its score and key mask
+    (:func:`~poslsh_cli.attention.reference.method_bias`), ``-inf`` above the diagonal when causal."""
+    i = torch.arange(n, device=device)
+    bias = method_bias(spec, i[None], i[None], dtype)[0]
+    return bias.masked_fill(~masks.Causal().grid(i, i, 1)[0], NEG_INF) if spec.causal else bias

@@ -1,5 +1,5 @@
-"""FlexAttention paths: exact or windowed ALiBi with a ``score_mod``, Positional LSH one mask at a
-time with the sampled bins as document ids (the per-mask route; the union route is
+"""FlexAttention paths: exact or windowed ALiBi with a ``score_mod``, any method from its declared
+score and key mask (:func:`score_flex`), Positional LSH one mask at a time with the sampled bins as document ids (the per-mask route; the union route is
 :mod:`poslsh_cli.attention.union`). Block masks come from the key intervals of
 :mod:`poslsh_cli.numerics.masks`, never from an n x n grid. Compiled on CUDA; uncompiled they run
 anywhere (densely), which is how the tests check them on the CPU at sizes with many 128-token tiles.
@@ -29,8 +29,9 @@ import torch
 
 from poslsh_cli.attention.merge import merge_by_lse
 from poslsh_cli.attention.plan import needs_grad
-from poslsh_cli.attention.reference import alibi_slopes, scale_of
+from poslsh_cli.attention.reference import slopes_from_sigmas, scale_of
 from poslsh_cli.numerics import masks
+from poslsh_cli.numerics.methods import HeadParams, Score, distance_bias
 from poslsh_cli.attention.transfer import to_device
 from poslsh_cli.numerics.sampling import Partitions, bin_index, longest_block
 
@@ -191,14 +192,14 @@ def _static_block_mask(causal: bool, window: tuple[int, ...] | None, heads: int,
 
 @functools.lru_cache(maxsize=16)
 def _slopes(sigmas: tuple[float, ...], device: str) -> torch.Tensor:
-    return alibi_slopes(sigmas, torch.float32, device)  # the scores are float32 inside the kernel
+    return slopes_from_sigmas(sigmas, torch.float32, device)  # the scores are float32 inside the kernel
 
 
 def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, causal: bool,
                window: int | Sequence[int] | None = None, scale: float | None = None,
                compiled: bool = True) -> torch.Tensor:
-    """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-m_h |i-j|`` (the formula
-    of :func:`~poslsh_cli.attention.reference.alibi_distance_bias`, per element).
+    """Exact (or windowed) ALiBi with FlexAttention: a ``score_mod`` adds ``-m_h |i-j|``
+    (:func:`~poslsh_cli.numerics.methods.distance_bias`, per element).
 
     Args:
         q, k, v: (B, H, n, d), float16/bfloat16/float32; queries, keys, values.
@@ -215,10 +216,36 @@ def alibi_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: torch.
     slopes = _slopes(tuple(float(x) for x in torch.as_tensor(sigmas).reshape(-1).tolist()), dev)
 
     def score_mod(score, b, h, qi, kj):  # noqa: ANN001
-        return score - slopes[h] * (qi - kj).abs().to(score.dtype)
+        return score + distance_bias(slopes, h, qi, kj, score.dtype)
 
     win = None if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(H).tolist())
     bm = _static_block_mask(bool(causal), win, H, n, dev, needs_grad(q, k, v))
+    return flex_call(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale_of(d, scale), compiled=compiled)
+
+
+def score_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: HeadParams, score: Score | None,
+               keep: Score | None, causal: bool, scale: float | None = None, compiled: bool = True) -> torch.Tensor:
+    """A method from its declaration (:class:`~poslsh_cli.numerics.methods.MethodDef`) with
+    FlexAttention: the ``score_mod`` adds ``score(params, h, qi, kj)`` and drops (``-inf``) the keys
+    ``keep`` drops; the block mask is causality alone (``keep`` must keep the diagonal).
+
+    Args:
+        q, k, v: (B, H, n, d), float16/bfloat16/float32; queries, keys, values.
+        params: per-head parameters (slopes in float32, the kernel's score dtype).
+        compiled: run ``torch.compile``d (CUDA); uncompiled it runs anywhere (tests).
+
+    Returns (B, H, n, d) in q's dtype.
+    """
+    B, H, n, d = q.shape
+
+    def score_mod(s, b, h, qi, kj):  # noqa: ANN001
+        if score is not None:
+            s = s + score(params, h, qi, kj).to(s.dtype)
+        if keep is not None:
+            s = torch.where(keep(params, h, qi, kj), s, torch.full_like(s, float("-inf")))
+        return s
+
+    bm = _static_block_mask(bool(causal), None, H, n, str(q.device), needs_grad(q, k, v))
     return flex_call(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale_of(d, scale), compiled=compiled)
 
 

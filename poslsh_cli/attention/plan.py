@@ -1,22 +1,25 @@
 """One plan per call: which backend (and which kernel inside it) computes an attention method,
 decided in one place from the method, device, dtype, length and whether gradients are needed.
 
-    backend    what it is                                                   methods
-    reference  dense float64, the test oracle                               all
-    sdpa       PyTorch SDPA without bias (flash / memory-efficient)         no_bias
-    chunked    query chunks against their key range, bias per chunk         exact, windowed
-    rank1      exact ALiBi as one extra q/k coordinate on the bias-free        exact
+    backend    what it is                                                   kernel family
+    reference  dense float64, the test oracle                               score (every method)
+    sdpa       PyTorch SDPA without bias (flash / memory-efficient)         none
+    chunked    query chunks against their key range, bias per chunk         alibi
+    rank1      exact ALiBi as one extra q/k coordinate on the bias-free        alibi
                kernel: training causal SDPA; inference the CPU flash kernel by
                query tiles, the coordinate re-centred per tile (also
                bidirectional: the keys before and after a tile, each rank one)
-    dense      one SDPA call with an (H, n, n) additive bias                all but no_bias
-    blocks     length-bucketed blocks of every sample, merged by lse        poslsh, fixed_block
-    union      one attention over the union of each query's s blocks,       poslsh, fixed_block
+    dense      one SDPA call with an (H, n, n) additive bias                alibi, partitions, score
+    blocks     length-bucketed blocks of every sample, merged by lse        partitions
+    union      one attention over the union of each query's s blocks,       partitions
                weighted by log of how many masks share the pair (counts
                per cell of the s partitions): FlexAttention on CUDA, query
                chunks against their key span on the CPU
-    flex       FlexAttention (score_mod / block masks), compiled on CUDA;   all but no_bias
+    flex       FlexAttention (score_mod / block masks), compiled on CUDA;   alibi, partitions, score
                partition methods one mask at a time, merged by lse
+
+Which backends a method has, and the kernel family that runs it on each, is its declaration
+(:class:`poslsh_cli.numerics.methods.MethodDef`, ``kernels``); :func:`backends_of` reads it.
 
 Inside ``chunked``, ``blocks`` and ``union`` a :class:`Kernel` runs: ``fused`` (PyTorch's fused
 kernels: SDPA with a float mask, the CPU flash kernel, which also returns lse), ``matmul`` (padded
@@ -30,7 +33,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from poslsh_cli.numerics.methods import Method
+from poslsh_cli.numerics.methods import Method, method_def
 
 
 class Backend(str, enum.Enum):
@@ -52,14 +55,11 @@ class Kernel(str, enum.Enum):
     FLEX = "flex"
 
 
-#: Backends each method can run on (the first is its inference default on the CPU).
-BACKENDS: dict[Method, tuple[Backend, ...]] = {
-    Method.NO_BIAS: (Backend.SDPA, Backend.REFERENCE),
-    Method.FIXED_BLOCK: (Backend.BLOCKS, Backend.FLEX, Backend.UNION, Backend.DENSE, Backend.REFERENCE),
-    Method.WINDOWED: (Backend.CHUNKED, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
-    Method.EXACT: (Backend.CHUNKED, Backend.FLEX, Backend.DENSE, Backend.RANK1, Backend.REFERENCE),
-    Method.POSLSH: (Backend.BLOCKS, Backend.UNION, Backend.FLEX, Backend.DENSE, Backend.REFERENCE),
-}
+def backends_of(method: Method | str) -> tuple[Backend, ...]:
+    """The backends ``method`` runs on, as its declaration lists them (the first its CPU inference
+    default, the reference last); ValueError for an unknown method."""
+    return tuple(Backend(b) for b in method_def(method).backends)
+
 
 #: Largest n at which bidirectional training (gradients needed) runs one dense attention with an
 #: (H, n, n) bias instead of the block or chunked paths: there it costs one attention whatever s is.
@@ -165,6 +165,8 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
       O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
       (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
+    - a method with neither blocks nor chunks (the generic kernels of a declared score): its first
+      backend on the CPU (the dense bias), FlexAttention on CUDA.
 
     With ``dropout`` the automatic plan, on the CPU and on CUDA, takes the dense bias where it would
     take a path that cannot drop attention probabilities (only DROPOUT_BACKENDS can: FlexAttention,
@@ -184,12 +186,12 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     if backend == "auto":
         backend = _backend(method, device, dtype, n, causal, grad, work, num_samples)
         if dropout and (backend not in DROPOUT_BACKENDS or (backend is Backend.RANK1 and not causal)) \
-                and Backend.DENSE in BACKENDS[method]:
+                and Backend.DENSE in backends_of(method):
             backend = Backend.DENSE  # only the SDPA-based paths drop attention probabilities (CPU and CUDA)
     backend = Backend(backend)
-    if backend not in BACKENDS[method]:
+    if backend not in backends_of(method):
         raise ValueError(f"method {method.value} has no backend {backend.value!r} "
-                         f"(choose from {', '.join(b.value for b in BACKENDS[method])})")
+                         f"(choose from {', '.join(b.value for b in backends_of(method))})")
     if backend is Backend.RANK1 and not causal and (grad or dropout):
         raise ValueError("the rank-one path trains (and drops attention) for causal exact ALiBi only "
                          "(bidirectional: inference without dropout)")
@@ -209,7 +211,7 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     flexible = backend is Backend.FLEX or chosen is Kernel.FLEX
     if flexible and grad and device.type == "cpu":
         raise ValueError("FlexAttention has no backward on the CPU: train there on another backend "
-                         f"(choose from {', '.join(b.value for b in BACKENDS[method] if b is not Backend.FLEX)})")
+                         f"(choose from {', '.join(b.value for b in backends_of(method) if b is not Backend.FLEX)})")
     return Plan(method, backend, chosen, compiled=flexible and device.type == "cuda")
 
 
@@ -217,20 +219,24 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
              num_samples: int = 0) -> Backend:
     import torch
 
-    if method is Method.NO_BIAS:
-        return Backend.SDPA
+    has = backends_of(method)
+    if Backend.SDPA in has:
+        return Backend.SDPA  # no bias: the fused kernels themselves
     if device.type == "cuda":
-        return Backend.UNION if num_samples > 1 and Backend.UNION in BACKENDS[method] else Backend.FLEX
-    sparse = Backend.BLOCKS if Backend.BLOCKS in BACKENDS[method] else Backend.CHUNKED
+        if num_samples > 1 and Backend.UNION in has:
+            return Backend.UNION
+        return Backend.FLEX if Backend.FLEX in has else has[0]
+    sparse = next((b for b in (Backend.BLOCKS, Backend.CHUNKED) if b in has), has[0])
+    rank1 = Backend.RANK1 in has and dtype in (torch.float32, torch.float64)
     if not grad:
-        if method is Method.EXACT and dtype in (torch.float32, torch.float64):
+        if rank1:
             return Backend.RANK1  # the flash kernel with a re-centred extra coordinate, causal or not
-        if num_samples >= UNION_MIN_S_CPU and Backend.UNION in BACKENDS[method]:
+        if num_samples >= UNION_MIN_S_CPU and Backend.UNION in has:
             return Backend.UNION  # many masks: one attention over their union costs less than s of them
         return sparse
-    if method is Method.EXACT and causal and n >= RANK1_MIN_N and dtype in (torch.float32, torch.float64):
+    if rank1 and causal and n >= RANK1_MIN_N:
         return Backend.RANK1
-    if n >= dense_limit(method, causal):
+    if n >= dense_limit(method, causal) or Backend.DENSE not in has:
         return sparse
     if work is None:
         return Backend.DENSE
@@ -241,8 +247,9 @@ def dense_limit(method: Method, causal: bool) -> int:
     """Training length from which the dense (H, n, n) bias is no longer taken: for the methods
     compared with exact ALiBi, RANK1_MIN_N when causal (from there exact ALiBi trains in O(n)
     memory, so must they), else past DENSE_MAX_N (bidirectional exact ALiBi is dense itself up to
-    there); exact ALiBi off its rank-one path (bidirectional, low precision) up to DENSE_MAX_N."""
-    return RANK1_MIN_N if causal and method is not Method.EXACT else DENSE_MAX_N + 1
+    there); a method with the rank-one path (exact ALiBi) off it (bidirectional, low precision) up
+    to DENSE_MAX_N."""
+    return RANK1_MIN_N if causal and Backend.RANK1 not in backends_of(method) else DENSE_MAX_N + 1
 
 
 def plan_for(method: Method | str, q: Any, k: Any, v: Any, causal: bool, backend: Backend | str = "auto",

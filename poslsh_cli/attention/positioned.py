@@ -8,7 +8,8 @@ Positions come from the padding alone (:func:`positions_from_padding`: which tok
 never from which keys a query may see: a key outside a sliding window is still a token.
 
 Every method's weight is a function of the two positions alone (docs/THEORY.md, "Mask
-expectation"), so it is computed from them here:
+expectation"), so it is computed from them here, as the method declares it (its score and key
+mask, :mod:`poslsh_cli.numerics.methods`; :func:`~poslsh_cli.attention.reference.method_bias`):
 
     exact / windowed ALiBi   -|p_i - p_j| / sigma_h  (-inf beyond the window)
     Positional LSH           log #{k : h_k(p_i) = h_k(p_j)} / s  with h_k(p) = floor((p + u_k) / delta_k)
@@ -28,8 +29,7 @@ from typing import Any, Callable
 import torch
 
 from poslsh_cli.attention.dense import bias_dtype
-from poslsh_cli.attention.reference import NEG_INF, alibi_slopes, scale_of
-from poslsh_cli.numerics.methods import Method
+from poslsh_cli.attention.reference import NEG_INF, method_bias, scale_of
 
 #: queries per SDPA call (bounds the (B, H, chunk, n) bias)
 QUERY_CHUNK = 256
@@ -37,35 +37,11 @@ QUERY_CHUNK = 256
 
 def position_bias(spec: "object", q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive logit bias of ``spec``'s method between query positions ``q_pos`` (B, m) and
-    key positions ``k_pos`` (B, n), int64: (B, H, m, n) in ``dtype`` (``-inf`` for a dropped pair).
-    ``spec`` is an :class:`~poslsh_cli.attention.api.AttentionSpec`; its causal flag is not applied
-    here (the caller's ``allowed`` is)."""
-    H = spec.sigmas.shape[0]
-    B, m, n = q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]
-    device = q_pos.device
-    if spec.method in (Method.EXACT, Method.WINDOWED):
-        dist = (q_pos[:, :, None] - k_pos[:, None, :]).abs()  # (B, m, n)
-        slopes = alibi_slopes(spec.sigmas, dtype, device)
-        bias = -slopes[None, :, None, None] * dist[:, None].to(dtype)
-        if spec.window is not None:
-            w = torch.as_tensor(spec.window, device=device)[None, :, None, None]
-            bias = bias.masked_fill(dist[:, None] > w, NEG_INF)
-        return bias
-    if spec.partitions is not None:
-        widths, shifts = (torch.as_tensor(a, dtype=torch.float64, device=device) for a in spec.bin_table)
-        s = widths.shape[1]
-
-        def bins(pos: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, H, s, L): the same float64 expression as
-            # poslsh_cli.attention.blocks.device_bins, so a position's bin is the one the other paths give it
-            return torch.floor((pos.to(torch.float64)[:, None, None, :] + shifts[None, :, :, None])
-                               / widths[None, :, :, None]).to(torch.int64)
-
-        bq, bk = bins(q_pos), bins(k_pos)
-        count = torch.zeros(B, H, m, n, dtype=dtype, device=device)
-        for k in range(s):
-            count += (bq[:, :, k, :, None] == bk[:, :, k, None, :]).to(dtype)
-        return torch.log(count / s)  # log 0 = -inf: no sample puts the pair in one block
-    return torch.zeros(B, H, m, n, dtype=dtype, device=device)
+    key positions ``k_pos`` (B, n), int64: (B, H, m, n) in ``dtype`` (``-inf`` for a dropped pair);
+    :func:`~poslsh_cli.attention.reference.method_bias`, which raises for an unknown method. ``spec``
+    is an :class:`~poslsh_cli.attention.api.AttentionSpec`; its causal flag is not applied here (the
+    caller's ``allowed`` is)."""
+    return method_bias(spec, q_pos, k_pos, dtype)
 
 
 def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: "object", q_pos: torch.Tensor,

@@ -144,7 +144,7 @@ class UnionLayout:
         longest = longest_block(widths.max(1), n)  # (H,)
         width = longest if causal else 2 * longest - 1
         row = width + 1  # a last column that collects the -1s the table never reads
-        bounds = np.floor((n - 1 + shifts) / widths) - np.floor(shifts / widths)  # boundaries per sample
+        bounds = bin_index(n - 1, widths, shifts) - bin_index(0, widths, shifts)  # boundaries per sample
         cells = np.minimum(n, 1 + bounds.sum(1)).astype(np.int64)  # (H,) at least the cells there are
         cbase = np.concatenate([[0], np.cumsum(cells)[:-1]])
         tbase = np.concatenate([[0], np.cumsum(cells * row)[:-1]])

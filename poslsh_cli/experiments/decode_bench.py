@@ -29,8 +29,7 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attenti
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason
 from poslsh_cli.lm.loading import Arch
-from poslsh_cli.lm.positions import Position, PositionState, method_of, model_label, sigma_label
-from poslsh_cli.numerics.methods import INFO
+from poslsh_cli.lm.positions import Position, PositionState, model_label, randomized, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict
 
@@ -86,7 +85,7 @@ def prepare(spec: DecodeBenchSpec) -> DecodeBenchContext:
 
 def cells(spec: DecodeBenchSpec, ctx: DecodeBenchContext | None = None) -> list[dict[str, Any]]:
     return [{"context": n, "position": p.value, "s": s} for n in spec.context for p in spec.position
-            for s in (spec.s if INFO[method_of(p)].randomized else (0,))]
+            for s in (spec.s if randomized(p) else (0,))]
 
 
 def _decoder(spec: DecodeBenchSpec, ctx: DecodeBenchContext, position: Position, s: int) -> tuple[Any, Any, Any]:
@@ -236,7 +235,7 @@ def memory(spec: DecodeBenchSpec) -> MemoryNeed:
     need = MemoryNeed(0.0, "")
     for p in spec.position:
         path = attention_path(p, device, n, grad=False)
-        s = max(spec.s) if INFO[method_of(p)].randomized else 0
+        s = max(spec.s) if randomized(p) else 0
         b = kv + lm_bytes(shape, spec.batch, n, attention_bytes(path, spec.batch, spec.heads, n, spec.head_dim, s),
                           training=False)
         if b > need.bytes:

@@ -26,7 +26,7 @@ from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, k
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
 from poslsh_cli.experiments.devices import Device, resolve_device
-from poslsh_cli.lm.positions import Position, method_of, sigma_label
+from poslsh_cli.lm.positions import Position, randomized, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
@@ -202,7 +202,7 @@ def lengths_of(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
 
 
 def stochastic(attention: Attention, ck: Checkpoint) -> bool:
-    return attention is Attention.POSLSH or (attention is Attention.OWN and ck.position == Position.POSLSH.value)
+    return randomized(ck.position if attention is Attention.OWN else attention.value)
 
 
 def same_as_own(attention: Attention, s: int, ck: Checkpoint) -> bool:
@@ -276,9 +276,7 @@ def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, see
 
 
 def _random(state: Any) -> bool:
-    from poslsh_cli.numerics.methods import INFO
-
-    return state.position is not Position.ROPE and INFO[method_of(state.position)].randomized
+    return randomized(state.position)
 
 
 def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, work: Any = None) -> tuple[list[dict], dict]:

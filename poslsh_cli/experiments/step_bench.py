@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from poslsh_cli.attention.plan import BACKENDS, Backend
+from poslsh_cli.attention.plan import Backend, backends_of
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, choices, lm_bytes
@@ -31,8 +31,7 @@ from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench_report import plot, report, summary
 from poslsh_cli.experiments.train_spec import Precision
-from poslsh_cli.numerics.methods import INFO
-from poslsh_cli.lm.positions import Position, PositionState, method_of, sigma_label
+from poslsh_cli.lm.positions import Position, PositionState, method_of, randomized, sigma_label
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.numerics.sampling import derive_seed
 
@@ -80,11 +79,11 @@ class StepBenchSpec(Spec):
                 continue
             if not any(_has(p, b.value) for b in asked) and StepBackend.AUTO not in self.backend:
                 raise ConfigError(f"position={p.value} runs on none of backend={[b.value for b in asked]} "
-                                  f"(it has {', '.join(b.value for b in BACKENDS[method_of(p)])})")
+                                  f"(it has {', '.join(b.value for b in backends_of(method_of(p)))})")
 
 
 def _has(position: Position, backend: str) -> bool:
-    return Backend(backend) in BACKENDS[method_of(position)]
+    return Backend(backend) in backends_of(method_of(position))
 
 
 @dataclass
@@ -127,7 +126,7 @@ def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict
             for b in (spec.backend if p is not Position.ROPE else (StepBackend.AUTO,)):
                 if b.value != "auto" and not _has(p, b.value):
                     continue
-                for s in (spec.s if p is not Position.ROPE and INFO[method_of(p)].randomized else (0,)):
+                for s in (spec.s if randomized(p) else (0,)):
                     path = (planned(p, b.value, n, device, s), s)
                     if path in seen:
                         continue

@@ -37,8 +37,7 @@ from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
 from poslsh_cli.lm import evaluate as evaluation
-from poslsh_cli.numerics.methods import INFO
-from poslsh_cli.lm.positions import Position, method_of
+from poslsh_cli.lm.positions import Position, randomized
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
@@ -110,7 +109,7 @@ def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
                     if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
                         continue
                     drop = {"attn_dropout": d} if d > 0 else {}
-                    for s in (spec.s if p is not Position.ROPE and INFO[method_of(p)].randomized else (0,)):
+                    for s in (spec.s if randomized(p) else (0,)):
                         out.append({"position": p.value, "s": s, "seed": seed, **at, **drop})
     return out
 
@@ -130,7 +129,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
     init = Path(ctx.source.path) if ctx.source.kind.value == "init" else None
     if spec.pretrain is not None:
         at = f"-L{L}" if len(spec.seq_len) > 1 else ""
-        base = Stage(spec.pretrain, spec.s[0] if spec.pretrain is Position.POSLSH else 0, seed, spec.pretrain_steps,
+        base = Stage(spec.pretrain, spec.s[0] if randomized(spec.pretrain) else 0, seed, spec.pretrain_steps,
                      L, init, f"pretrain {spec.pretrain.value}")
         init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}{at}"), base)
     label = (f"{position.value}" + (f" s={s}" if s else "") + (f" dropout={dropout:g}" if dropout else "")
@@ -223,7 +222,7 @@ def memory(spec: TrainSpec) -> Optional[MemoryNeed]:
     need = MemoryNeed(0.0, "")
     for p in list(spec.position) + ([spec.pretrain] if spec.pretrain is not None else []):
         path = attention_path(p, device, n, grad=True)
-        s = max(spec.s) if p is not Position.ROPE and INFO[method_of(p)].randomized else 0
+        s = max(spec.s) if randomized(p) else 0
         b = lm_bytes(shape, batch, n, attention_bytes(path, batch, shape.heads, n, shape.head_dim, s, training=True),
                      training=True, trainable=trainable, shards=world if spec.parallel is Parallel.FSDP else 1,
                      recompute=spec.gradient_checkpointing, elem=4.0 if spec.precision is Precision.FP32 else 2.0)

@@ -72,7 +72,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     import torch
 
     from poslsh_cli.lm.loading import load_model, with_scheme
-    from poslsh_cli.lm.positions import Position
+    from poslsh_cli.lm.positions import Position, randomized
 
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
@@ -82,7 +82,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
     label = state.position.value + (f" s={state.num_samples}" + ("" if state.sampler == "iid" else f" {state.sampler}")
-                                    if state.position is Position.POSLSH else "")
+                                    if randomized(state.position) else "")
     check_length(Path(path), model, state, label, int(ids.shape[1]), max_new_tokens, notice)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)

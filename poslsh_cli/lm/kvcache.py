@@ -1,7 +1,8 @@
 """A key/value cache that forgets what its scheme can no longer attend to (:class:`ForgettingCache`),
 so that decoding keeps a bounded number of keys per layer whatever the context length.
 
-Which keys a future query can still see, given the newest position t of a sequence:
+Which keys a future query can still see, given the newest position t of a sequence, is each
+method's declared forgetting rule (:mod:`poslsh_cli.numerics.methods`, ``forget``):
 
     Positional LSH   key j is seen by a query t' >= t only if some sample puts j and t' in one
                      block; blocks are contiguous and move forward, so j >= min_k start_k(t)
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from poslsh_cli.numerics.methods import method_def
 
 
 def _drop_of(tokens_to_remove: int) -> int:
@@ -154,17 +157,13 @@ class ForgettingCache(Cache):
 
 def earliest_needed(spec: Any, t: torch.Tensor) -> torch.Tensor | None:
     """The earliest key position (B,) a query at a position >= ``t`` (B,) may attend to under
-    ``spec``, over every head (and sample); None when every key stays needed (exact, no bias)."""
-    if spec.window is not None:
-        return t - int(max(spec.window))
-    if spec.partitions is None:
+    ``spec``, over every head (and sample): the method's declared forgetting rule
+    (:class:`~poslsh_cli.numerics.methods.MethodDef` ``forget``); None when every key stays needed
+    (exact, no bias). ValueError for an unknown method."""
+    forget = method_def(spec.method).forget
+    if forget is None:
         return None
-    widths, shifts = (a.reshape(-1) for a in spec.bin_table)  # (H s,)
-    tt = t.detach().cpu().numpy().astype(np.float64)[:, None]  # (B, 1)
-    block = np.floor((tt + shifts[None]) / widths[None])  # the block of t in every sample and head
-    # its first position is ceil(block * width - shift); one less keeps the rounding on the safe side
-    start = np.floor(block * widths[None] - shifts[None]) - 1
-    return torch.as_tensor(start.min(axis=1).astype(np.int64), device=t.device)
+    return torch.as_tensor(forget(spec, t.detach().cpu().numpy().astype(np.int64)), device=t.device)
 
 
 def first_needed(spec: Any, k_pos: torch.Tensor, t: torch.Tensor) -> int:

@@ -104,8 +104,8 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
     is one ConfigError."""
     import dataclasses
 
-    from poslsh_cli.attention.plan import BACKENDS, Backend
-    from poslsh_cli.lm.positions import method_of
+    from poslsh_cli.attention.plan import Backend, backends_of
+    from poslsh_cli.lm.positions import method_of, randomized
     from poslsh_cli.numerics.sampling import Sampler
 
     where = f"{path}: " if path is not None else ""
@@ -115,7 +115,7 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
     if backend is not None and backend not in backends:
         raise ConfigError(f"backend={backend!r}: one of {', '.join(backends)}")
     if attention == "own":
-        redraw = own.position is Position.POSLSH and (s or seed is not None)
+        redraw = randomized(own.position) and (s or seed is not None)
         if not (redraw or sampler not in (None, own.sampler) or backend not in (None, own.backend)):
             return own
         position = own.position
@@ -133,14 +133,14 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
             raise ConfigError(f"{where}an ALiBi checkpoint's own attention computes inline; under a swapped "
                               "scheme it runs without a key/value cache (poslsh perplexity measures it)")
         samples = s or own.num_samples or 8
-        runs_on = BACKENDS[method_of(position)] if position is not Position.ROPE else ()
+        runs_on = backends_of(method_of(position)) if position is not Position.ROPE else ()
         kept = own.backend if own.backend == "auto" or Backend(own.backend) in runs_on else "auto"
-        state = PositionState(position, own.sigmas, num_samples=samples if position is Position.POSLSH else 0,
+        state = PositionState(position, own.sigmas, num_samples=samples if randomized(position) else 0,
                               window_sigmas=own.window_sigmas, seed=0 if seed is None else seed,
                               sampler=sampler or own.sampler, backend=backend or kept)
     if state.backend != "auto" and position is not Position.ROPE \
-            and Backend(state.backend) not in BACKENDS[method_of(position)]:
+            and Backend(state.backend) not in backends_of(method_of(position)):
         raise ConfigError(f"{where}backend={state.backend}: {position.value} runs on "
-                          f"{', '.join(b.value for b in BACKENDS[method_of(position)])} (or auto)")
+                          f"{', '.join(b.value for b in backends_of(method_of(position)))} (or auto)")
     install(model, state)
     return state

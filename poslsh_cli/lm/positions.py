@@ -1,6 +1,6 @@
 """Position schemes for a decoder-only language model built by transformers (Qwen3 architecture).
 
-Every attention method is a scheme under its scheme name (:data:`poslsh_cli.numerics.methods.INFO`), plus
+Every declared attention method is a scheme under its scheme name (:mod:`poslsh_cli.numerics.methods`), plus
 the architecture's own rotary embedding:
 
     none          no positional information (NoPE): causal attention, no bias, no rotary
@@ -25,14 +25,29 @@ from typing import Any
 
 import numpy as np
 
-from poslsh_cli.numerics.methods import INFO, Method, of_scheme
+from poslsh_cli.numerics.methods import INFO, Method, method_def, of_scheme
 from poslsh_cli.numerics.sampling import Sampler, alibi_sigmas, derive_seed
 
 ATTENTION_NAME = "poslsh"
 
-#: Position schemes: one per attention method (its scheme name), then ``rope``.
-Position = enum.Enum("Position", [(INFO[m].scheme.upper(), INFO[m].scheme) for m in Method] + [("ROPE", "rope")],
-                     type=str, module=__name__, qualname="Position")
+
+class _Schemes(str, enum.Enum):
+    """Position schemes (generated below from the declared methods)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        try:  # the scheme of a method registered from outside (poslsh_cli.numerics.methods.register)
+            of_scheme(value)  # type: ignore[arg-type]
+        except (ValueError, TypeError):
+            return None
+        member = str.__new__(cls, value)
+        member._name_, member._value_ = str(value).upper(), value
+        return member
+
+
+#: Position schemes: one per declared attention method (its scheme name), then ``rope``.
+Position = _Schemes("Position", [(INFO[m].scheme.upper(), INFO[m].scheme) for m in Method] + [("ROPE", "rope")],
+                    module=__name__, qualname="Position")
 
 
 def method_of(position: "Position | str") -> Method:
@@ -41,6 +56,13 @@ def method_of(position: "Position | str") -> Method:
     if position is Position.ROPE:
         raise ValueError("rope uses the model's own attention")
     return of_scheme(position.value)
+
+
+def randomized(position: "Position | str") -> bool:
+    """Whether a scheme's masks are drawn at random (s, seeds and trials matter): its method's
+    declaration says (rope: no)."""
+    position = Position(position)
+    return position is not Position.ROPE and method_def(method_of(position)).randomized
 
 
 def sigma_label(sigmas: Any) -> str:
@@ -128,7 +150,7 @@ class PositionState:
         method = method_of(self.position)
         tag = ("eval", self.eval_key) if self.eval_key is not None else ("step", self.step)
         rngs = [np.random.default_rng(derive_seed(self.seed, "masks", *tag, layer, h))
-                for h in range(len(self.sigmas))] if INFO[method].randomized else None
+                for h in range(len(self.sigmas))] if method_def(method).randomized else None
         spec = AttentionSpec.build(method, self.sigmas, n, True, num_samples=self.num_samples, rng=rngs,
                                    window_sigmas=self.window_sigmas, scale=scale, sampler=self.sampler)
         if len(self._cache) > 64:

@@ -146,7 +146,7 @@ def alibi_slopes_of(model: Any, mtype: str, heads: int) -> Any:
     ``slope * (j - (T-1))``). Baichuan's remote code uses the standard slopes."""
     import numpy as np
 
-    from poslsh_cli.numerics.sampling import alibi_slopes
+    from poslsh_cli.numerics.sampling import standard_alibi_slopes
 
     inner = getattr(model, "transformer", model)
     if mtype == "bloom":
@@ -160,7 +160,7 @@ def alibi_slopes_of(model: Any, mtype: str, heads: int) -> Any:
     if mtype == "mpt":
         b = inner.build_mpt_alibi_tensor(heads, 2)  # (H, 1, 2)
         return (b[:, 0, 1] - b[:, 0, 0]).double().numpy()
-    return np.asarray(alibi_slopes(heads))
+    return np.asarray(standard_alibi_slopes(heads))
 
 
 def alibi_sigmas_of(model: Any, mtype: str, heads: int) -> Any:

@@ -58,7 +58,7 @@ def _canon(p: object) -> str:
     return str(p)
 
 
-def alibi_slopes(num_heads: int) -> np.ndarray:
+def standard_alibi_slopes(num_heads: int) -> np.ndarray:
     """Standard ALiBi slopes ``m_h`` (Press et al. 2022; HF ``get_alibi_slopes``), shape (H,).
 
     For H a power of two, ``m_h = 2^(-8h/H)``, h = 1..H. Otherwise the slopes of the closest
@@ -76,7 +76,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 def alibi_sigmas(num_heads: int) -> np.ndarray:
     """Kernel bandwidths ``sigma_h = 1 / m_h`` for the standard ALiBi slopes, shape (H,)."""
-    return 1.0 / alibi_slopes(num_heads)
+    return 1.0 / standard_alibi_slopes(num_heads)
 
 
 @dataclass(frozen=True, eq=False)
