@@ -9,25 +9,19 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
 
-from poslsh_cli.app.cli import app
+from conftest import poslsh
 from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
 from poslsh_cli.numerics.metrics import max_error_fast
 from poslsh_cli.numerics.sampling import Partitions
 
-runner = CliRunner()
 METRICS = ["n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err", "b_max"]
 
 
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
 def test_version_and_help_list_every_key():
-    r = invoke("--version")
+    r = poslsh("--version")
     assert r.exit_code == 0 and r.stdout.startswith("poslsh ")
-    r = invoke("matrix-error", "--help")
+    r = poslsh("matrix-error", "--help")
     assert r.exit_code == 0
     for key in ("n=", "sigma=", "s=", "trials=", "method=", "tol=", "seed=", "out="):
         assert key in r.stdout
@@ -35,7 +29,7 @@ def test_version_and_help_list_every_key():
 
 def test_matrix_error_run_writes_contract(tmp_path):
     out = tmp_path / "run"
-    r = invoke("matrix-error", "n=[64,300]", "sigma=[2,5.5]", "s=[1,4]", "trials=2", "method=both", f"out={out}")
+    r = poslsh("matrix-error", "n=[64,300]", "sigma=[2,5.5]", "s=[1,4]", "trials=2", "method=both", f"out={out}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv")
     assert list(df.columns[:12]) == ["n", "sigma", "s", "trial", "seed", "sampler", "method", "spectral_err",
@@ -54,8 +48,8 @@ def test_matrix_error_run_writes_contract(tmp_path):
 
 def test_same_command_gives_identical_metrics(tmp_path):
     args = ["matrix-error", "n=[128,500]", "sigma=3", "s=[2,8]", "trials=2", "seed=5"]
-    assert invoke(*args, f"out={tmp_path / 'a'}").exit_code == 0
-    assert invoke(*args, f"out={tmp_path / 'b'}").exit_code == 0
+    assert poslsh(*args, f"out={tmp_path / 'a'}").exit_code == 0
+    assert poslsh(*args, f"out={tmp_path / 'b'}").exit_code == 0
     measured = ["seconds", "peak_mem_mb"]  # timings and memory are measurements, not results
     a = pd.read_csv(tmp_path / "a" / "results.csv").drop(columns=measured)
     b = pd.read_csv(tmp_path / "b" / "results.csv").drop(columns=measured)
@@ -63,9 +57,9 @@ def test_same_command_gives_identical_metrics(tmp_path):
 
 
 def test_row_seed_replays_masks_with_sample(tmp_path):
-    assert invoke("matrix-error", "n=200", "sigma=4", "s=[3,6]", "trials=1", f"out={tmp_path / 'm'}").exit_code == 0
+    assert poslsh("matrix-error", "n=200", "sigma=4", "s=[3,6]", "trials=1", f"out={tmp_path / 'm'}").exit_code == 0
     row = pd.read_csv(tmp_path / "m" / "results.csv").iloc[1]
-    r = invoke("sample", f"n={row.n}", f"sigma={row.sigma}", f"s={row.s}", f"seed={row.seed}", f"out={tmp_path / 's'}")
+    r = poslsh("sample", f"n={row.n}", f"sigma={row.sigma}", f"s={row.s}", f"seed={row.seed}", f"out={tmp_path / 's'}")
     assert r.exit_code == 0, r.output
     data = np.load(tmp_path / "s" / "masks.npz")
     bins, widths, shifts = data["bins"], data["widths"], data["shifts"]
@@ -78,12 +72,12 @@ def test_row_seed_replays_masks_with_sample(tmp_path):
 
 
 def test_sample_with_alibi_heads(tmp_path):
-    r = invoke("sample", "n=32", "heads=8", "s=4", f"out={tmp_path}")
+    r = poslsh("sample", "n=32", "heads=8", "s=4", f"out={tmp_path}")
     assert r.exit_code == 0, r.output
     data = np.load(tmp_path / "masks.npz")
     assert data["bins"].shape == (8, 4, 32)
     np.testing.assert_allclose(data["sigma"], 2.0 ** np.arange(1, 9))
-    assert invoke("plot", tmp_path).exit_code == 0
+    assert poslsh("plot", tmp_path).exit_code == 0
     assert (tmp_path / "figures" / "mean_mask_heatmap.png").exists()
 
 
@@ -110,7 +104,7 @@ def test_sample_with_alibi_heads(tmp_path):
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     out = tmp_path / "never"
-    r = invoke(*args, f"out={out}")
+    r = poslsh(*args, f"out={out}")
     assert r.exit_code == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
@@ -131,20 +125,20 @@ def test_launchers_that_cannot_run_here_say_why_in_one_line(tmp_path, monkeypatc
                             lambda name, *a: None if name.startswith("hydra_plugins") else real(name, *a))
     if shutil.which("sbatch"):
         pytest.skip("this machine has SLURM")
-    r = invoke("matrix-error", "-m", "n=64,128", f"hydra/launcher={launcher}", f"out={tmp_path / 'x'}")
+    r = poslsh("matrix-error", "-m", "n=64,128", f"hydra/launcher={launcher}", f"out={tmp_path / 'x'}")
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
     assert not (tmp_path / "x").exists()
 
 
 def test_multirun_meta_records_the_replayable_argv(tmp_path):
-    r = invoke("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=1", f"out={tmp_path}")
+    r = poslsh("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=1", f"out={tmp_path}")
     assert r.exit_code == 0, r.output
     argv = json.loads((tmp_path / "0" / "meta.json").read_text())["argv"]
     assert argv.startswith("poslsh block-stats -m ") and "n=64,128" in argv
 
 
 def test_help_lists_presets_launchers_and_model_folders():
-    r = invoke("output-error", "--help")
+    r = poslsh("output-error", "--help")
     assert r.exit_code == 0
     text = " ".join(r.stdout.split())
     assert "experiment=NAME" in text and "output_error_minilm_quick" in text
@@ -155,34 +149,34 @@ def test_help_lists_presets_launchers_and_model_folders():
 def test_unwritable_out_is_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    r = invoke("matrix-error", "n=16", "s=1", "trials=1", f"out={blocker / 'sub'}")
+    r = poslsh("matrix-error", "n=16", "s=1", "trials=1", f"out={blocker / 'sub'}")
     assert r.exit_code == 2 and "out=" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = invoke("matrix-error", "n=16", "s=1", "trials=1", "out=/proc/poslsh-test")
+    r = poslsh("matrix-error", "n=16", "s=1", "trials=1", "out=/proc/poslsh-test")
     assert r.exit_code == 2 and "not writable" in r.stderr
 
 
 def test_resume_refuses_a_different_config_naming_the_keys(tmp_path):
-    assert invoke("matrix-error", "n=16", "sigma=2", "s=[1,2]", "trials=1", f"out={tmp_path}").exit_code == 0
-    r = invoke("matrix-error", "n=32", "sigma=2", "s=[1,4]", "trials=2", f"out={tmp_path}")
+    assert poslsh("matrix-error", "n=16", "sigma=2", "s=[1,2]", "trials=1", f"out={tmp_path}").exit_code == 0
+    r = poslsh("matrix-error", "n=32", "sigma=2", "s=[1,4]", "trials=2", f"out={tmp_path}")
     assert r.exit_code == 2 and one_line(r) and "different configuration" in r.stderr, r.stderr
     assert "n: 16 -> 32" in r.stderr and "s: [1, 2] -> [1, 4]" in r.stderr and "trials: 1 -> 2" in r.stderr, r.stderr
     assert "sigma" not in r.stderr, r.stderr
 
 
 def test_multirun_writes_one_run_per_job(tmp_path):
-    r = invoke("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={tmp_path}")
+    r = poslsh("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={tmp_path}")
     assert r.exit_code == 0, r.output
     for job in ("0", "1"):
         df = pd.read_csv(tmp_path / job / "results.csv")
         assert len(df) == 2
     assert sorted(pd.read_csv(tmp_path / j / "results.csv").n.iloc[0] for j in "01") == [64, 128]
-    r = invoke("plot", tmp_path)
+    r = poslsh("plot", tmp_path)
     assert r.exit_code == 0
     assert (tmp_path / "0" / "figures" / "b_max_vs_n.png").exists()
 
 
 def test_block_stats_and_plots(tmp_path):
-    r = invoke("block-stats", "n=[256,4096]", "sigma=[2,8]", "s=16", "trials=3", f"out={tmp_path}")
+    r = poslsh("block-stats", "n=[256,4096]", "sigma=[2,8]", "s=16", "trials=3", f"out={tmp_path}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(tmp_path / "results.csv")
     assert {"b_max", "b_max_theory_median", "mean_block", "num_blocks"} <= set(df.columns)
@@ -191,21 +185,21 @@ def test_block_stats_and_plots(tmp_path):
     sums = hist.groupby(["n", "sigma", "trial"])["count"].sum().reset_index()
     merged = sums.merge(df, on=["n", "sigma", "trial"])
     np.testing.assert_allclose(merged["count"], merged["num_blocks"] * merged["s"])
-    r = invoke("plot", tmp_path)
+    r = poslsh("plot", tmp_path)
     assert r.exit_code == 0
     for name in ("b_max_vs_n", "block_length_hist"):
         assert (tmp_path / "figures" / f"{name}.png").exists() and (tmp_path / "figures" / f"{name}.pdf").exists()
 
 
 def test_plot_matrix_error(tmp_path):
-    assert invoke("matrix-error", "n=128", "sigma=4", "s=[1,2,4]", "trials=2", f"out={tmp_path}").exit_code == 0
-    r = invoke("plot", tmp_path)
+    assert poslsh("matrix-error", "n=128", "sigma=4", "s=[1,2,4]", "trials=2", f"out={tmp_path}").exit_code == 0
+    r = poslsh("plot", tmp_path)
     assert r.exit_code == 0, r.output
     assert (tmp_path / "figures" / "matrix_error_vs_s.png").stat().st_size > 1000
 
 
 def test_plot_rejects_non_run(tmp_path):
-    r = invoke("plot", tmp_path)
+    r = poslsh("plot", tmp_path)
     assert r.exit_code == 2 and "no poslsh run" in r.stderr
 
 
@@ -242,7 +236,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
     assert json.loads((out / "meta.json").read_text())["sessions"] == 2
 
     fresh = tmp_path / "fresh"
-    assert invoke(*cmd[3:-1], f"out={fresh}").exit_code == 0
+    assert poslsh(*cmd[3:-1], f"out={fresh}").exit_code == 0
     ref = pd.read_csv(fresh / "results.csv")
     pd.testing.assert_frame_equal(df[METRICS], ref[METRICS])
 
@@ -271,7 +265,7 @@ def one_line(r):
 def test_a_corpus_that_cannot_be_read_is_one_line(tmp_path, name, content, needle):
     (tmp_path / name).write_bytes(content)
     out = tmp_path / "run"
-    r = invoke("train", f"data={tmp_path / name}", "steps=1", f"out={out}")
+    r = poslsh("train", f"data={tmp_path / name}", "steps=1", f"out={out}")
     assert one_line(r) and needle in r.stderr, r.output
     assert not out.exists()
 
@@ -290,28 +284,28 @@ def test_text_in_another_encoding_is_refused_naming_the_byte_or_decoded_as_told(
     raw = (FRENCH * 200).encode("latin-1")
     (tmp_path / "fr.txt").write_bytes(raw)
     out = tmp_path / "run"
-    r = invoke("train", f"data={tmp_path / 'fr.txt'}", *tiny, f"out={out}")
+    r = poslsh("train", f"data={tmp_path / 'fr.txt'}", *tiny, f"out={out}")
     assert one_line(r) and "fr.txt" in r.stderr and "byte offset 1 " in r.stderr and "encoding=" in r.stderr, r.output
     assert not out.exists()
-    r = invoke("train", f"data={tmp_path / 'fr.txt'}", "encoding=latin-1", *tiny, f"out={out}")
+    r = poslsh("train", f"data={tmp_path / 'fr.txt'}", "encoding=latin-1", *tiny, f"out={out}")
     assert r.exit_code == 0, r.output
     corpus = load_corpus(str(tmp_path / "fr.txt"), encoding="latin-1")
     assert bytes(corpus.train[:len(FRENCH.encode())]).decode("utf-8") == FRENCH
     assert json.loads((out / "meta.json").read_text())["corpus"]["encoding"] == "latin-1"
     lines = b"".join(b'{"text": "' + FRENCH.encode("latin-1") + b'"}\n' for _ in range(30))
     (tmp_path / "fr.jsonl").write_bytes(lines)
-    r = invoke("train", f"data={tmp_path / 'fr.jsonl'}", *tiny, f"out={tmp_path / 'run2'}")
+    r = poslsh("train", f"data={tmp_path / 'fr.jsonl'}", *tiny, f"out={tmp_path / 'run2'}")
     assert one_line(r) and "line 1 is not UTF-8" in r.stderr and "byte offset 11 " in r.stderr, r.output
     jsonl = load_corpus(str(tmp_path / "fr.jsonl"), encoding="latin-1")
     assert bytes(jsonl.train[:len(FRENCH.encode())]).decode() == FRENCH
-    r = invoke("train", f"data={tmp_path / 'fr.txt'}", "encoding=klingon", *tiny, f"out={tmp_path / 'run3'}")
+    r = poslsh("train", f"data={tmp_path / 'fr.txt'}", "encoding=klingon", *tiny, f"out={tmp_path / 'run3'}")
     assert one_line(r) and "encoding='klingon'" in r.stderr, r.output
-    assert "encoding" in invoke("train", "--help").output
+    assert "encoding" in poslsh("train", "--help").output
 
 
 def small_run(tmp_path, name="m"):
     out = tmp_path / name
-    r = invoke("matrix-error", "n=[64]", "sigma=[4]", "s=[1,2]", "trials=1", f"out={out}")
+    r = poslsh("matrix-error", "n=[64]", "sigma=[4]", "s=[1,2]", "trials=1", f"out={out}")
     assert r.exit_code == 0, r.output
     return out
 
@@ -321,7 +315,7 @@ def test_plot_reads_around_a_binary_cell_and_over_a_parent_plots_the_rest(tmp_pa
     bad = small_run(tmp_path / "runs", "bad")
     for cell in (bad / "cells").glob("*.json"):
         cell.write_bytes(bytes(range(256)))
-    r = invoke("plot", good.parent)
+    r = poslsh("plot", good.parent)
     assert r.exit_code == 2 and "is unreadable (not UTF-8 text)" in r.stderr and "Traceback" not in r.output
     assert "1 of 2 runs not plotted" in r.stderr.strip().splitlines()[-1], r.stderr
     assert (good / "figures" / "matrix_error_vs_s.png").exists()
@@ -330,24 +324,24 @@ def test_plot_reads_around_a_binary_cell_and_over_a_parent_plots_the_rest(tmp_pa
 def test_plot_that_cannot_write_its_figures_is_one_line(tmp_path):
     run = small_run(tmp_path)
     (run / "figures").write_text("a file where the figures folder goes")  # like a read-only run: mkdir fails
-    r = invoke("plot", run)
+    r = poslsh("plot", run)
     assert one_line(r) and "cannot write its figures" in r.stderr, r.output
 
 
 def test_binary_config_yaml_on_resume_is_one_line(tmp_path):
     run = small_run(tmp_path)
     (run / "config.yaml").write_bytes(bytes(range(256)))
-    r = invoke("matrix-error", "n=[64]", "sigma=[4]", "s=[1,2]", "trials=1", f"out={run}")
+    r = poslsh("matrix-error", "n=[64]", "sigma=[4]", "s=[1,2]", "trials=1", f"out={run}")
     assert one_line(r) and "config.yaml is not UTF-8 text" in r.stderr, r.output
 
 
 def test_report_to_an_existing_file_or_of_a_file_is_one_line(tmp_path):
     run = small_run(tmp_path)
     (tmp_path / "x.md").write_text("mine")
-    r = invoke("report", run, "-o", tmp_path / "x.md")
+    r = poslsh("report", run, "-o", tmp_path / "x.md")
     assert one_line(r) and "is a file: -o names the folder" in r.stderr, r.output
     assert (tmp_path / "x.md").read_text() == "mine"
-    r = invoke("report", tmp_path / "x.md")
+    r = poslsh("report", tmp_path / "x.md")
     assert one_line(r) and "x.md is not a run" in r.stderr and "does not exist" not in r.stderr, r.output
 
 
@@ -356,7 +350,7 @@ def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
     ck.mkdir()
     (ck / "config.json").write_text("{broken")
     (ck / "model.safetensors").write_bytes(b"\0" * 16)
-    r = invoke("perplexity", ck, f"out={tmp_path / 'p'}")
+    r = poslsh("perplexity", ck, f"out={tmp_path / 'p'}")
     assert one_line(r) and "config.json is not valid JSON" in r.stderr, r.output
     assert not (tmp_path / "p").exists()
 
@@ -377,7 +371,7 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_line(tmp_path):
     cfg = json.loads((ck / "config.json").read_text())
     (ck / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 5}))
     for command in (["perplexity", ck, f"out={tmp_path / 'p'}"], ["generate", ck, "max_new_tokens=2"]):
-        r = invoke(*command)
+        r = poslsh(*command)
         assert one_line(r) and "above report" not in r.stderr, r.output
         assert "model.layers.0.self_attn.q_proj.weight" in r.stderr and "32x32" in r.stderr and "40x32" in r.stderr, \
             r.stderr
@@ -393,7 +387,7 @@ def test_an_error_keeps_the_lines_that_say_how_to_fix_it(tmp_path, capsys):
     run = small_run(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text("# mine\n")
-    r = invoke("report", run, "--publish", tmp_path / "docs", "--readme", readme)
+    r = poslsh("report", run, "--publish", tmp_path / "docs", "--readme", readme)
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2 and "Traceback" not in r.stderr, r.output
     assert lines[0].startswith("poslsh report: error: ") and "has no results block" in lines[0], r.stderr
@@ -436,7 +430,7 @@ def test_a_run_too_large_for_this_machine_is_refused_in_one_line(tmp_path, comma
             "decode-bench": ["context=[400000000]"],
             "passkey": [ck, "lengths=[400000000]"],
             "eval": [ck, "tasks=[anything]", "max_length=400000000", "batch_size=64"]}[command]
-    r = invoke(command, *args, f"out={tmp_path / 'run'}")
+    r = poslsh(command, *args, f"out={tmp_path / 'run'}")
     assert r.exit_code == 2 and one_line(r), r.output
     assert "needs about" in r.stderr and "memory_check=false runs it anyway" in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
@@ -450,11 +444,11 @@ def test_default_run_directories_are_unique_within_one_second(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(rundir, "timestamp", lambda: "2026-01-01_00-00-00")
     for s in ("[1]", "[2]", "[1]"):
-        r = invoke("matrix-error", "n=[64]", "sigma=[4]", f"s={s}", "trials=1")
+        r = poslsh("matrix-error", "n=[64]", "sigma=[4]", f"s={s}", "trials=1")
         assert r.exit_code == 0, r.output
     made = sorted(p.name for p in (tmp_path / "runs" / "matrix-error").iterdir())
     assert made == ["2026-01-01_00-00-00", "2026-01-01_00-00-00-2", "2026-01-01_00-00-00-3"]
-    r = invoke("matrix-error", "n=[64]", "sigma=[-4]")  # refused: nothing reserved
+    r = poslsh("matrix-error", "n=[64]", "sigma=[-4]")  # refused: nothing reserved
     assert r.exit_code == 2 and len(list((tmp_path / "runs" / "matrix-error").iterdir())) == 3
     code = ("import sys; from poslsh_cli.store.rundir import reserve_default; "
             "print(reserve_default(sys.argv[1], 'same')[0].name)")

@@ -3,14 +3,12 @@ positions for; a scheme without a position limit says it extrapolates), and the 
 the tokens come."""
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from poslsh_cli.app.cli import app
+from conftest import poslsh
 from poslsh_cli.lm.convert import save
 from poslsh_cli.lm.loading import Arch, build_model
 from poslsh_cli.lm.positions import PositionState
 
-runner = CliRunner()
 #: a byte model with room for 96 positions
 ARCH = Arch(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, head_dim=8, max_positions=96)
 
@@ -24,21 +22,21 @@ def checkpoint(path, position, seq_len=32):
 
 def test_a_rotary_model_refuses_more_tokens_than_it_has_positions(tmp_path):
     ck = checkpoint(tmp_path / "rope", "rope")
-    res = runner.invoke(app, ["generate", str(ck), "prompt=abcd", "max_new_tokens=100000000"])
+    res = poslsh("generate", str(ck), "prompt=abcd", "max_new_tokens=100000000")
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
     assert "96 positions" in res.stderr and "at most 92 new tokens" in res.stderr, res.stderr
-    res = runner.invoke(app, ["generate", str(ck), "prompt=abcd", "max_new_tokens=92"])
+    res = poslsh("generate", str(ck), "prompt=abcd", "max_new_tokens=92")
     assert res.exit_code == 0 and "92 new tokens" in res.stderr, res.output
 
 
 @pytest.mark.parametrize("position", ["alibi", "poslsh"])
 def test_a_scheme_without_a_position_limit_says_it_extrapolates(tmp_path, position):
     ck = checkpoint(tmp_path / position, position)
-    res = runner.invoke(app, ["generate", str(ck), "prompt=abcd", "max_new_tokens=100"])
+    res = poslsh("generate", str(ck), "prompt=abcd", "max_new_tokens=100")
     assert res.exit_code == 0, res.output
     assert "extrapolates" in res.stderr and "trained at (32)" in res.stderr and "100 new tokens" in res.stderr, \
         res.stderr
-    res = runner.invoke(app, ["generate", str(ck), "prompt=abcd", "max_new_tokens=10"])
+    res = poslsh("generate", str(ck), "prompt=abcd", "max_new_tokens=10")
     assert res.exit_code == 0 and "extrapolates" not in res.stderr, res.stderr
 
 
@@ -57,5 +55,5 @@ def test_the_text_is_streamed_as_the_tokens_come(tmp_path):
     out = generate(ck, prompt="Once", max_new_tokens=12, stream=stream)
     assert pieces[0] == "Once" and len(pieces) > 3, pieces
     assert "".join(pieces) == out.text and out.new_tokens == 12
-    res = runner.invoke(app, ["generate", str(ck), "prompt=Once", "max_new_tokens=12"])
+    res = poslsh("generate", str(ck), "prompt=Once", "max_new_tokens=12")
     assert res.exit_code == 0 and res.stdout == out.text + "\n", (res.stdout, out.text)

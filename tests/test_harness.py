@@ -10,17 +10,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 pytest.importorskip("lm_eval")
 
-from poslsh_cli.app.cli import app  # noqa: E402
+from conftest import poslsh  # noqa: E402
 from poslsh_cli.lm.convert import save  # noqa: E402
 from poslsh_cli.lm.loading import Arch, build_model  # noqa: E402
 from poslsh_cli.lm.models import minilm_path  # noqa: E402
 from poslsh_cli.lm.positions import PositionState  # noqa: E402
 
-runner = CliRunner()
 ARCH = Arch(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, head_dim=16, max_positions=4096)
 ANIMALS = ["cat", "dog", "cow", "hen", "pig", "fox", "owl", "bee"]
 COLORS = ["red", "blue", "green", "black", "white"]
@@ -131,8 +129,8 @@ def test_eval_command_runs_draws_and_refuses_bad_input(byte_ck, task_dir, tmp_pa
     import pandas as pd
 
     out = tmp_path / "run"
-    res = runner.invoke(app, ["eval", str(byte_ck), "tasks=[tiny_mc]", f"include_path={task_dir}",
-                              "attention=[own,alibi]", "trials=2", "batch_size=4", "device=cpu", f"out={out}"])
+    res = poslsh("eval", str(byte_ck), "tasks=[tiny_mc]", f"include_path={task_dir}",
+                 "attention=[own,alibi]", "trials=2", "batch_size=4", "device=cpu", f"out={out}")
     assert res.exit_code == 0, res.output
     df = pd.read_csv(out / "results.csv")
     own, alibi = df[df.attention == "own"], df[df.attention == "alibi"]
@@ -140,7 +138,7 @@ def test_eval_command_runs_draws_and_refuses_bad_input(byte_ck, task_dir, tmp_pa
     assert sorted(set(own.draw)) == [0, 1] and own.seed.nunique() == 2 and (own.position == "poslsh").all()
     assert len(alibi) == 2 and (alibi.seed == -1).all() and (alibi.s == 0).all()
     assert ((df.value >= 0) & (df.value <= 1)).all() and (df.stderr > 0).all()
-    res = runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "report")])
+    res = poslsh("report", str(out), "--out", str(tmp_path / "report"))
     assert res.exit_code == 0, res.output
     text = (tmp_path / "report" / "report.md").read_text()
     assert "lm-evaluation-harness tasks" in text and "mean over 2 mask draw(s)" in text
@@ -148,9 +146,9 @@ def test_eval_command_runs_draws_and_refuses_bad_input(byte_ck, task_dir, tmp_pa
                       (["tasks=[]"], "give the tasks to run"),
                       (["tasks=[tiny_mc]", "attention=[bogus]"], "unknown attention 'bogus'"),
                       (["tasks=[tiny_mc]", f"include_path={tmp_path / 'none'}"], "not a directory")):
-        res = runner.invoke(app, ["eval", str(byte_ck), *args, f"out={tmp_path / 'bad'}"])
+        res = poslsh("eval", str(byte_ck), *args, f"out={tmp_path / 'bad'}")
         assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    res = runner.invoke(app, ["eval", str(tmp_path / "missing"), "tasks=[tiny_mc]", f"include_path={task_dir}"])
+    res = poslsh("eval", str(tmp_path / "missing"), "tasks=[tiny_mc]", f"include_path={task_dir}")
     assert res.exit_code != 0 and "does not exist" in res.stderr
     assert not (tmp_path / "bad").exists()
 
@@ -180,8 +178,8 @@ def test_poslsh_lm_and_eval_keep_the_checkpoints_sampler_and_backend(sobol_ck, t
     assert (state.sampler, state.backend) == ("stratified", "blocks")
     for extra, sampler in (([], "sobol"), (["sampler=iid"], "iid")):
         out = tmp_path / sampler
-        res = runner.invoke(app, ["eval", str(sobol_ck), "tasks=[tiny_mc]", f"include_path={task_dir}", "limit=4",
-                                  "attention=[own,poslsh]", "s=4", "batch_size=4", "device=cpu", *extra, f"out={out}"])
+        res = poslsh("eval", str(sobol_ck), "tasks=[tiny_mc]", f"include_path={task_dir}", "limit=4",
+                     "attention=[own,poslsh]", "s=4", "batch_size=4", "device=cpu", *extra, f"out={out}")
         assert res.exit_code == 0, res.output
         df = pd.read_csv(out / "results.csv")
         assert len(df) == 4 and (df.sampler == sampler).all() and (df.position == "poslsh").all(), df
@@ -199,8 +197,8 @@ def test_a_task_whose_data_is_on_an_unreachable_hub_is_one_line(byte_ck, tmp_pat
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{page}}'\n"
         "metric_list:\n  - metric: word_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n")
     out = tmp_path / "run"
-    res = runner.invoke(app, ["eval", str(byte_ck), "tasks=[hub_task]", f"include_path={tmp_path / 'tasks'}",
-                              f"out={out}"])
+    res = poslsh("eval", str(byte_ck), "tasks=[hub_task]", f"include_path={tmp_path / 'tasks'}",
+                 f"out={out}")
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "hub_task" in res.stderr and "the Hugging Face hub is not reachable" in res.stderr, res.stderr
     assert "HF_HUB_OFFLINE=1" in res.stderr and not out.exists()

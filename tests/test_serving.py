@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import poslsh
 from poslsh_cli.attention import AttentionSpec, reference_weight
 from poslsh_cli.attention.positioned import (allowed_from_mask, is_causal_padding, positioned_attention,
                                              positions_from_padding)
@@ -331,27 +332,23 @@ def test_registered_on_import_plain_loading_is_the_same_function(tmp_path, token
 def test_generate_command(tmp_path):
     """poslsh generate: the prompt continued, the same text with and without the cache (greedy),
     a swapped scheme, and one error line for a wrong key or a missing checkpoint."""
-    from typer.testing import CliRunner
-
-    from poslsh_cli.app.cli import app
 
     model = _model("poslsh")
     save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
-    runner = CliRunner()
     texts = []
     for cache in ("true", "false"):
-        res = runner.invoke(app, ["generate", str(tmp_path / "ck"), "prompt=Once upon a time", "max_new_tokens=12",
-                                  f"cache={cache}"])
+        res = poslsh("generate", str(tmp_path / "ck"), "prompt=Once upon a time", "max_new_tokens=12",
+                     f"cache={cache}")
         assert res.exit_code == 0, res.output
         texts.append(res.stdout)
         assert "12 new tokens" in res.stderr and "poslsh s=8" in res.stderr
     assert texts[0] == texts[1] and texts[0].startswith("Once upon a time")
-    res = runner.invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=4", "attention=alibi"])
+    res = poslsh("generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=4", "attention=alibi")
     assert res.exit_code == 0 and "alibi" in res.stderr and "positioned" in res.stderr
     for args, why in ((["max_tokens=3"], "unknown key 'max_tokens'"), (["attention=bogus"], "attention='bogus'")):
-        res = runner.invoke(app, ["generate", str(tmp_path / "ck"), *args])
+        res = poslsh("generate", str(tmp_path / "ck"), *args)
         assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    res = runner.invoke(app, ["generate", str(tmp_path / "missing")])
+    res = poslsh("generate", str(tmp_path / "missing"))
     assert res.exit_code != 0 and "does not exist" in res.stderr
 
 
@@ -360,9 +357,7 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
     re-drawn, Positional LSH or another method swapped in: the masks drawn are the Sobol ones) and
     through poslsh generate, unless the user gives others; a swapped method that does not run on
     the checkpoint's backend takes auto."""
-    from typer.testing import CliRunner
 
-    from poslsh_cli.app.cli import app
     from poslsh_cli.lm.loading import with_scheme
 
     trained = PositionState("poslsh", SIGMAS, num_samples=8, seed=3, sampler="sobol", backend="dense")
@@ -385,10 +380,10 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
     state = with_scheme(model, own, "poslsh", 4, sampler="stratified", backend="blocks")
     assert (state.sampler, state.backend) == ("stratified", "blocks")
     assert with_scheme(model, own, "own", sampler="iid").sampler == "iid"
-    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4"])
+    res = poslsh("generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4")
     assert res.exit_code == 0 and "poslsh s=4 sobol" in res.stderr, res.output
-    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4",
-                                   "sampler=iid"])
+    res = poslsh("generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4",
+                 "sampler=iid")
     assert res.exit_code == 0 and "poslsh s=4," in res.stderr, res.output
 
 
@@ -492,12 +487,9 @@ def test_decode_bench_runs_and_judges_its_goals(tmp_path):
 
     from poslsh_cli.experiments import decode_bench
     from poslsh_cli.verdicts.claims import Status
-    from typer.testing import CliRunner
 
-    from poslsh_cli.app.cli import app
-
-    res = CliRunner().invoke(app, ["decode-bench", "context=[64,512]", "new_tokens=3", "hidden=32", "heads=4",
-                                   "kv_heads=4", "head_dim=8", "intermediate=64", "sigma=4", f"out={tmp_path / 'd'}"])
+    res = poslsh("decode-bench", "context=[64,512]", "new_tokens=3", "hidden=32", "heads=4",
+                 "kv_heads=4", "head_dim=8", "intermediate=64", "sigma=4", f"out={tmp_path / 'd'}")
     assert res.exit_code == 0, res.output
     df = pd.read_csv(tmp_path / "d" / "results.csv")
     assert len(df) == 6 and set(df.position) == {"alibi", "windowed", "poslsh"}
@@ -519,9 +511,7 @@ def test_passkey_prompts_and_run(tmp_path):
     """The prompt is exactly `length` tokens with the needle at its depth and the answer last; the
     command scores every (length, depth, key) of a checkpoint and refuses a length too short."""
     import pandas as pd
-    from typer.testing import CliRunner
 
-    from poslsh_cli.app.cli import app
     from poslsh_cli.core.errors import ConfigError
     from poslsh_cli.experiments.passkey import NEEDLE, prompt
 
@@ -537,7 +527,7 @@ def test_passkey_prompts_and_run(tmp_path):
         prompt(encode, 40, 0.5, "12345")
     model = _model("poslsh")
     save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json(), "seq_len": 128}, None)
-    res = CliRunner().invoke(app, ["passkey", str(tmp_path / "ck"), "depths=[0,1]", "trials=2", f"out={tmp_path / 'p'}"])
+    res = poslsh("passkey", str(tmp_path / "ck"), "depths=[0,1]", "trials=2", f"out={tmp_path / 'p'}")
     assert res.exit_code == 0, res.output
     df = pd.read_csv(tmp_path / "p" / "results.csv")
     assert sorted(set(df.length)) == [128, 256, 512] and len(df) == 3 * 2 * 2
