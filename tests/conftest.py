@@ -3,6 +3,7 @@ process of its own), the verdict helpers, and checkpoints built once per session
 
 Test files import the plain names (``from conftest import TINY, poslsh``) and ask for the
 fixtures by name."""
+import json
 import os
 import subprocess
 import sys
@@ -134,6 +135,33 @@ def trained(tmp_path_factory):
                "eval_every=3", "checkpoint_every=4", f"out={out}")
     assert r.exit_code == 0, r.output
     return out
+
+
+ANIMALS = ["cat", "dog", "cow", "hen", "pig", "fox", "owl", "bee"]
+COLORS = ["red", "blue", "green", "black", "white"]
+
+
+@pytest.fixture(scope="session")
+def task_dir(tmp_path_factory):
+    """A multiple-choice task of 20 documents as lm-eval task YAML + JSON lines."""
+    d = tmp_path_factory.mktemp("tasks")
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(20):
+        a, c = rng.choice(ANIMALS), rng.choice(COLORS)
+        choices = [c, *rng.choice([x for x in COLORS if x != c], 2, replace=False)]
+        rng.shuffle(choices)
+        rows.append({"query": f"The {a} is {c}. The {a} is", "choices": [" " + str(x) for x in choices],
+                     "gold": choices.index(c)})
+    (d / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {d / 'tiny.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{query}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    return d
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,7 @@ s ~ log n)."""
 import numpy as np
 import pandas as pd
 
-from conftest import RUN, status_of
+from conftest import RUN, poslsh, status_of
 from poslsh_cli.app import registry
 from poslsh_cli.verdicts.claims import Status
 
@@ -36,3 +36,23 @@ def test_loglog_band_verdict():
     assert status_of(registry.get('block-stats').report(RUN, block_table(grow=False)), claim) is Status.SUPPORTED
     assert status_of(registry.get('block-stats').report(RUN, block_table(grow=True)), claim) is Status.NOT_SUPPORTED
     assert status_of(registry.get('block-stats').report(RUN, block_table(grow=False, c=None)), claim) is Status.NOT_MEASURED
+
+
+# ---------------------------------------------------------------------------------------------
+# poslsh block-stats end to end
+
+
+def test_block_stats_and_plots(tmp_path):
+    r = poslsh("block-stats", "n=[256,4096]", "sigma=[2,8]", "s=16", "trials=3", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert {"b_max", "b_max_theory_median", "mean_block", "num_blocks"} <= set(df.columns)
+    assert (df.b_max <= np.ceil(df.max_width)).all()
+    hist = pd.read_csv(tmp_path / "block_lengths.csv")
+    sums = hist.groupby(["n", "sigma", "trial"])["count"].sum().reset_index()
+    merged = sums.merge(df, on=["n", "sigma", "trial"])
+    np.testing.assert_allclose(merged["count"], merged["num_blocks"] * merged["s"])
+    r = poslsh("plot", tmp_path)
+    assert r.exit_code == 0
+    for name in ("b_max_vs_n", "block_length_hist"):
+        assert (tmp_path / "figures" / f"{name}.png").exists() and (tmp_path / "figures" / f"{name}.pdf").exists()

@@ -1,6 +1,6 @@
 """``poslsh generate``: bounded by the model's positions (a rotary model refuses what it has no
-positions for; a scheme without a position limit says it extrapolates), and the text streamed as
-the tokens come."""
+positions for; a scheme without a position limit says it extrapolates), the text streamed as
+the tokens come, the same text with and without the cache, a swapped scheme, and bad input."""
 import numpy as np
 import pytest
 
@@ -40,12 +40,12 @@ def test_a_scheme_without_a_position_limit_says_it_extrapolates(tmp_path, positi
     assert res.exit_code == 0 and "extrapolates" not in res.stderr, res.stderr
 
 
-def test_the_text_is_streamed_as_the_tokens_come(tmp_path):
+def test_the_text_is_streamed_as_the_tokens_come(poslsh_checkpoint):
     """The prompt, then each new piece of text as its token is generated, together the whole text
     (what the command prints)."""
     from poslsh_cli.lm.generate import generate
 
-    ck = checkpoint(tmp_path / "ck", "poslsh")
+    ck = poslsh_checkpoint
     pieces, seen = [], []
 
     def stream(text):
@@ -57,3 +57,28 @@ def test_the_text_is_streamed_as_the_tokens_come(tmp_path):
     assert "".join(pieces) == out.text and out.new_tokens == 12
     res = poslsh("generate", str(ck), "prompt=Once", "max_new_tokens=12")
     assert res.exit_code == 0 and res.stdout == out.text + "\n", (res.stdout, out.text)
+
+
+# ---------------------------------------------------------------------------------------------
+# on a Positional-LSH checkpoint: the cache, a swapped scheme, bad input
+
+
+def test_generate_command(tmp_path, poslsh_checkpoint):
+    """poslsh generate: the prompt continued, the same text with and without the cache (greedy),
+    a swapped scheme, and one error line for a wrong key or a missing checkpoint."""
+    ck = poslsh_checkpoint
+    texts = []
+    for cache in ("true", "false"):
+        res = poslsh("generate", str(ck), "prompt=Once upon a time", "max_new_tokens=12",
+                     f"cache={cache}")
+        assert res.exit_code == 0, res.output
+        texts.append(res.stdout)
+        assert "12 new tokens" in res.stderr and "poslsh s=8" in res.stderr
+    assert texts[0] == texts[1] and texts[0].startswith("Once upon a time")
+    res = poslsh("generate", str(ck), "prompt=abc", "max_new_tokens=4", "attention=alibi")
+    assert res.exit_code == 0 and "alibi" in res.stderr and "positioned" in res.stderr
+    for args, why in ((["max_tokens=3"], "unknown key 'max_tokens'"), (["attention=bogus"], "attention='bogus'")):
+        res = poslsh("generate", str(ck), *args)
+        assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = poslsh("generate", str(tmp_path / "missing"))
+    assert res.exit_code != 0 and "does not exist" in res.stderr

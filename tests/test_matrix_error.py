@@ -1,11 +1,13 @@
 """poslsh matrix-error: the spectral error of the mean mask against exact ALiBi's kernel, end to end
 into a run directory, and its claims judged on synthetic tables (decay like s^-1/2, the dense
 check, the expectation bound)."""
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import RUN, status_of
+from conftest import RUN, poslsh, small_run, status_of
 from poslsh_cli.app import registry
 from poslsh_cli.verdicts.claims import Status
 
@@ -99,3 +101,44 @@ def test_theorem_bound_verdict_holds_fails_and_reads_old_runs():
     assert "19 of 20" in v.evidence and "n=1024 σ=4 s=128" in v.evidence
     # the lower end alone would have passed: the check reads the upper end
     assert (bad.loc[cell, "spectral_err"] < expectation_bound(4.0, 1024, 128)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# poslsh matrix-error end to end
+
+
+def test_matrix_error_run_writes_contract(tmp_path):
+    out = tmp_path / "run"
+    r = poslsh("matrix-error", "n=[64,300]", "sigma=[2,5.5]", "s=[1,4]", "trials=2", "method=both", f"out={out}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv")
+    assert list(df.columns[:12]) == ["n", "sigma", "s", "trial", "seed", "sampler", "method", "spectral_err",
+                                     "spectral_rel", "max_err", "b_max", "seconds"]
+    assert set(df.sampler) == {"iid"}
+    assert len(df) == 2 * 2 * 2 * 2 * 2
+    fast, dense = df[df.method == "fast"].reset_index(), df[df.method == "dense"].reset_index()
+    np.testing.assert_allclose(fast.spectral_err, dense.spectral_err, rtol=1e-6)
+    np.testing.assert_array_equal(fast.max_err, dense.max_err)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "complete" and meta["cells_done"] == 16 and meta["seed"] == 0
+    assert {"argv", "git", "versions", "device", "wall_seconds"} <= set(meta)
+    assert "n:" in (out / "config.yaml").read_text()
+    assert len(list((out / "cells").glob("*.json"))) == 16
+
+
+def test_same_command_gives_identical_metrics(tmp_path):
+    args = ["matrix-error", "n=[128,500]", "sigma=3", "s=[2,8]", "trials=2", "seed=5"]
+    assert poslsh(*args, f"out={tmp_path / 'a'}").exit_code == 0
+    assert poslsh(*args, f"out={tmp_path / 'b'}").exit_code == 0
+    measured = ["seconds", "peak_mem_mb"]  # timings and memory are measurements, not results
+    a = pd.read_csv(tmp_path / "a" / "results.csv").drop(columns=measured)
+    b = pd.read_csv(tmp_path / "b" / "results.csv").drop(columns=measured)
+    assert a.to_csv(index=False) == b.to_csv(index=False)
+
+
+def test_matrix_error_table_says_why_a_slope_is_missing(tmp_path):
+    from poslsh_cli.experiments.matrix_error import summary
+
+    df = pd.read_csv(small_run(tmp_path) / "results.csv")
+    head, rows = summary(df)
+    assert rows[0][head.index("slope spec (s≥8)")] == "– (fit needs 3 s≥8, has 0)"

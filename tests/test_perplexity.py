@@ -1,12 +1,17 @@
 """poslsh perplexity: bits per byte of trained checkpoints equal transformers' own forward, swapped
 attention, bad input, and the downstream claims judged on synthetic runs (reaching ALiBi,
 fine-tuning, extrapolation, the paper's baselines)."""
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
-from conftest import status_of, verdicts
+from conftest import one_line, poslsh, status_of, verdicts
 from poslsh_cli.app import registry
+from poslsh_cli.lm.data import load_corpus
+from poslsh_cli.lm.windows import eval_windows
 from poslsh_cli.verdicts.claims import Status
 
 # ---------------------------------------------------------------------------------------------
@@ -290,3 +295,98 @@ def test_papers_baselines_the_2L_multiple_and_the_side_by_side_table(tmp_path):
     assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
     row = table[table.claim.str.contains("better than the original RoPE")].iloc[0]
     assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
+
+
+# ---------------------------------------------------------------------------------------------
+# poslsh perplexity end to end, on the checkpoints of a training run
+
+
+def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    df = pd.read_csv(trained / "results.csv")
+    ck = trained / df[df.position == "rope"].checkpoint.iloc[0]
+    out = tmp_path / "ppl"
+    r = poslsh("perplexity", ck, "lengths=[32,64]", "max_tokens=2048", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    model = AutoModelForCausalLM.from_pretrained(ck, local_files_only=True).eval()
+    val = load_corpus("builtin", 0.1).val
+    for length in (32, 64):
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for w in eval_windows(val, length, max_tokens=2048):
+                x = torch.as_tensor(w.tokens)[None]
+                logits = model(input_ids=x).logits[0, :-1]
+                total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+                count += length - 1
+        row = res[res.length == length].iloc[0]
+        assert row.tokens == count
+        assert row.loss == pytest.approx(total / count, rel=1e-5)
+        assert row.bits_per_byte == pytest.approx(total / count / math.log(2), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
+    out = tmp_path / "ppl"
+    r = poslsh("perplexity", trained, "attention=[own,alibi,poslsh]", "s=[2,4]", "max_tokens=2048", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    assert sorted(res.length.unique()) == [32, 64, 128, 256]
+    assert set(res.attention) == {"own", "alibi", "poslsh"} and set(res[res.attention == "poslsh"].s) == {2, 4}
+    own = res[(res.attention == "own")]
+    # five deterministic schemes once per length; the Positional-LSH model over 3 mask draws (the default)
+    assert len(own) == (5 + 3) * 4 and (own.bits_per_byte > 0).all()
+    drawn = own[own.position == "poslsh"]
+    assert sorted(drawn.trial.unique()) == [0, 1, 2] and drawn.groupby("length").seed.nunique().eq(3).all()
+    assert (own[own.position != "poslsh"].seed == -1).all()
+    # swapped in at the training length only (swapped_at=trained), and not where it is the model's own
+    swapped = res[res.attention != "own"]
+    assert set(swapped.length) == {32}
+    assert not ((swapped.position == "alibi") & (swapped.attention == "alibi")).any()
+    trained_s = int(res[res.position == "poslsh"].trained_s.iloc[0])
+    assert not ((swapped.position == "poslsh") & (swapped.attention == "poslsh") & (swapped.s == trained_s)).any()
+    # six models: alibi swapped into five (not the ALiBi model), poslsh s=2 and s=4 into six (one of them is
+    # the Positional-LSH model's own s when it was trained with 2 or 4), three draws each
+    per_s = {s: 6 - int(s == trained_s) for s in (2, 4)}
+    assert len(swapped[swapped.attention == "alibi"]) == 5
+    assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
+    # the swap skipped on the ALiBi model is the same computation as its own forward
+    from poslsh_cli.core.config import build_spec
+    from poslsh_cli.experiments import perplexity as ppl
+    from poslsh_cli.lm.evaluate import evaluate
+
+    spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})
+    ctx = ppl.prepare(spec)
+    (name,) = [n for n, ck in ctx.checkpoints.items() if ck.position == "alibi"]
+    ck = ctx.checkpoints[name]
+    assert ppl.same_as_own(ppl.Attention.ALIBI, 0, ck) and not ppl.same_as_own(ppl.Attention.POSLSH, 2, ck)
+    model, own = ppl._model(ctx, ck)
+    swap = ppl.scheme_for(spec, ppl.Attention.ALIBI, 0, own, 0)
+    a, b = (evaluate(model, st, ck.tokens, 64, None, 2048, 4, key="perplexity", own=own, token_bytes=ck.token_bytes)
+            for st in (own, swap))
+    assert a.loss == b.loss and a.predicted == b.predicted and b.kl == 0.0
+    assert poslsh("plot", out).exit_code == 0
+    assert {"bpb_vs_length.png", "bpb_swapped.png", "bpb_vs_s.png"} <= {p.name for p in (out / "figures").iterdir()}
+    r = poslsh("report", out)
+    assert r.exit_code == 0 and "Language modelling" in (out / "report.md").read_text()
+
+
+def test_perplexity_bad_input(tmp_path):
+    r = poslsh("perplexity", tmp_path / "nope", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and r.stderr.strip().endswith("nope does not exist") and not (tmp_path / "o").exists()
+    (tmp_path / "plain").mkdir()
+    r = poslsh("perplexity", tmp_path / "plain", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "neither a checkpoint directory" in r.stderr
+    r = poslsh("perplexity", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "give at least one train run" in r.stderr
+
+
+def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{broken")
+    (ck / "model.safetensors").write_bytes(b"\0" * 16)
+    r = poslsh("perplexity", ck, f"out={tmp_path / 'p'}")
+    assert one_line(r) and "config.json is not valid JSON" in r.stderr, r.output
+    assert not (tmp_path / "p").exists()

@@ -1,6 +1,6 @@
 """poslsh report: the report of real (small) runs end to end, and what it refuses. The verdicts
 themselves are tested beside their commands (tests/test_<command>.py) on synthetic tables."""
-from conftest import poslsh
+from conftest import one_line, poslsh, small_run
 
 
 def test_report_from_runs(tmp_path):
@@ -30,3 +30,13 @@ def test_report_from_runs(tmp_path):
 def test_report_rejects_non_runs(tmp_path):
     r = poslsh("report", tmp_path)
     assert r.exit_code == 2 and "no poslsh run" in r.stderr
+
+
+def test_report_to_an_existing_file_or_of_a_file_is_one_line(tmp_path):
+    run = small_run(tmp_path)
+    (tmp_path / "x.md").write_text("mine")
+    r = poslsh("report", run, "-o", tmp_path / "x.md")
+    assert one_line(r) and "is a file: -o names the folder" in r.stderr, r.output
+    assert (tmp_path / "x.md").read_text() == "mine"
+    r = poslsh("report", tmp_path / "x.md")
+    assert one_line(r) and "x.md is not a run" in r.stderr and "does not exist" not in r.stderr, r.output

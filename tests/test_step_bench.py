@@ -2,7 +2,7 @@
 judged on synthetic tables."""
 import pandas as pd
 
-from conftest import RUN, status_of
+from conftest import RUN, poslsh, status_of
 from poslsh_cli.verdicts.claims import Status
 
 # ---------------------------------------------------------------------------------------------
@@ -56,3 +56,25 @@ def test_the_paper_setting_claim_reads_the_rows_at_its_setting_only():
     assert status_of(step_bench.report(RUN, table(1.1, 1.1, sigmas="standard")), claim) is Status.NOT_MEASURED
     assert status_of(step_bench.report(RUN, table(1.1, 1.1, s=10)), claim) is Status.NOT_MEASURED
     assert status_of(step_bench.report(RUN, table(1.1, 1.1).drop(columns="sigmas")), claim) is Status.NOT_MEASURED
+
+
+# ---------------------------------------------------------------------------------------------
+# poslsh step-bench end to end
+
+
+def test_step_bench_compares_paths_in_one_run(tmp_path):
+    r = poslsh("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
+               "intermediate=64", "batch=2", "steps=1", "warmup=0", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    paths = set(zip(df.position, df.attention_path))
+    assert {("rope", "sdpa+rope"), ("alibi", "rank1"), ("alibi", "dense"), ("poslsh", "dense")} <= paths
+    assert len(df[df.position == "poslsh"]) == 2  # s=10 and s=20; auto and dense are one path here
+    assert len(df[df.position == "alibi"]) == 2  # auto and dense are one path; rank1 the other
+    assert (df.step_seconds > 0).all()
+    assert set(df[df.position != "rope"].sigmas) == {"standard"}
+    r = poslsh("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
+               "intermediate=64", "batch=2", "steps=1", "warmup=0", "position=[alibi,poslsh]", "s=[4]",
+               "backend=[auto]", "sigma=16", f"out={tmp_path / 'constant'}")
+    assert r.exit_code == 0, r.output
+    assert set(pd.read_csv(tmp_path / "constant" / "results.csv").sigmas) == {"sigma=16 every head"}

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import poslsh, status_of
+from conftest import TINY, poslsh, status_of
 from poslsh_cli.verdicts.claims import Status
 from poslsh_cli.app import registry
 from poslsh_cli import attention as A
@@ -25,8 +25,7 @@ from poslsh_cli.lm.positions import Position, PositionState
 from poslsh_cli.lm.loading import Arch, build_model, load_model
 from poslsh_cli.numerics.sampling import alibi_sigmas, sample_partitions
 
-TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32",
-        "batch=4", "eval_tokens=2048", "warmup=2"]
+TRAIN = [*TINY, "seq_len=32", "batch=4", "eval_tokens=2048", "warmup=2"]
 
 
 def qkv(B=2, H=4, n=80, d=8, seed=0, grad=False):
@@ -215,16 +214,7 @@ def test_eval_windows_predict_every_byte_once():
 
 
 # ---------------------------------------------------------------------------------------------
-# poslsh train, perplexity, step-bench end to end
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "run"
-    r = poslsh("train", *TINY, "position=[none,alibi,poslsh,fixed_block,windowed,rope]", "s=[3]", "steps=6",
-               "eval_every=3", "checkpoint_every=4", f"out={out}")
-    assert r.exit_code == 0, r.output
-    return out
+# poslsh train end to end (perplexity: tests/test_perplexity.py; step-bench: tests/test_step_bench.py)
 
 
 def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
@@ -290,77 +280,6 @@ def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(traine
     assert old["train measured by"].str.startswith("loss of the last tenth of steps").all()
 
 
-def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    df = pd.read_csv(trained / "results.csv")
-    ck = trained / df[df.position == "rope"].checkpoint.iloc[0]
-    out = tmp_path / "ppl"
-    r = poslsh("perplexity", ck, "lengths=[32,64]", "max_tokens=2048", f"out={out}")
-    assert r.exit_code == 0, r.output
-    res = pd.read_csv(out / "results.csv")
-    model = AutoModelForCausalLM.from_pretrained(ck, local_files_only=True).eval()
-    val = load_corpus("builtin", 0.1).val
-    for length in (32, 64):
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for w in eval_windows(val, length, max_tokens=2048):
-                x = torch.as_tensor(w.tokens)[None]
-                logits = model(input_ids=x).logits[0, :-1]
-                total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-                count += length - 1
-        row = res[res.length == length].iloc[0]
-        assert row.tokens == count
-        assert row.loss == pytest.approx(total / count, rel=1e-5)
-        assert row.bits_per_byte == pytest.approx(total / count / math.log(2), rel=1e-5)
-
-
-@pytest.mark.slow
-def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
-    out = tmp_path / "ppl"
-    r = poslsh("perplexity", trained, "attention=[own,alibi,poslsh]", "s=[2,4]", "max_tokens=2048", f"out={out}")
-    assert r.exit_code == 0, r.output
-    res = pd.read_csv(out / "results.csv")
-    assert sorted(res.length.unique()) == [32, 64, 128, 256]
-    assert set(res.attention) == {"own", "alibi", "poslsh"} and set(res[res.attention == "poslsh"].s) == {2, 4}
-    own = res[(res.attention == "own")]
-    # five deterministic schemes once per length; the Positional-LSH model over 3 mask draws (the default)
-    assert len(own) == (5 + 3) * 4 and (own.bits_per_byte > 0).all()
-    drawn = own[own.position == "poslsh"]
-    assert sorted(drawn.trial.unique()) == [0, 1, 2] and drawn.groupby("length").seed.nunique().eq(3).all()
-    assert (own[own.position != "poslsh"].seed == -1).all()
-    # swapped in at the training length only (swapped_at=trained), and not where it is the model's own
-    swapped = res[res.attention != "own"]
-    assert set(swapped.length) == {32}
-    assert not ((swapped.position == "alibi") & (swapped.attention == "alibi")).any()
-    trained_s = int(res[res.position == "poslsh"].trained_s.iloc[0])
-    assert not ((swapped.position == "poslsh") & (swapped.attention == "poslsh") & (swapped.s == trained_s)).any()
-    # six models: alibi swapped into five (not the ALiBi model), poslsh s=2 and s=4 into six (one of them is
-    # the Positional-LSH model's own s when it was trained with 2 or 4), three draws each
-    per_s = {s: 6 - int(s == trained_s) for s in (2, 4)}
-    assert len(swapped[swapped.attention == "alibi"]) == 5
-    assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
-    # the swap skipped on the ALiBi model is the same computation as its own forward
-    from poslsh_cli.core.config import build_spec
-    from poslsh_cli.experiments import perplexity as ppl
-    from poslsh_cli.lm.evaluate import evaluate
-
-    spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})
-    ctx = ppl.prepare(spec)
-    (name,) = [n for n, ck in ctx.checkpoints.items() if ck.position == "alibi"]
-    ck = ctx.checkpoints[name]
-    assert ppl.same_as_own(ppl.Attention.ALIBI, 0, ck) and not ppl.same_as_own(ppl.Attention.POSLSH, 2, ck)
-    model, own = ppl._model(ctx, ck)
-    swap = ppl.scheme_for(spec, ppl.Attention.ALIBI, 0, own, 0)
-    a, b = (evaluate(model, st, ck.tokens, 64, None, 2048, 4, key="perplexity", own=own, token_bytes=ck.token_bytes)
-            for st in (own, swap))
-    assert a.loss == b.loss and a.predicted == b.predicted and b.kl == 0.0
-    assert poslsh("plot", out).exit_code == 0
-    assert {"bpb_vs_length.png", "bpb_swapped.png", "bpb_vs_s.png"} <= {p.name for p in (out / "figures").iterdir()}
-    r = poslsh("report", out)
-    assert r.exit_code == 0 and "Language modelling" in (out / "report.md").read_text()
-
-
 @pytest.mark.parametrize("args,needle", [
     (["position=[magic]"], "unknown position 'magic'"),
     (["position=[poslsh]", "s=[0]"], "s must be >= 1, got 0"),
@@ -375,20 +294,10 @@ def test_train_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("too short for one window of 32 bytes")
     out = tmp_path / "out"
-    r = poslsh("train", *TINY, "steps=2", *[a.format(tmp=tmp_path) for a in args], f"out={out}")
+    r = poslsh("train", *TRAIN, "steps=2", *[a.format(tmp=tmp_path) for a in args], f"out={out}")
     assert r.exit_code == 2, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
     assert not out.exists()
-
-
-def test_perplexity_bad_input(tmp_path):
-    r = poslsh("perplexity", tmp_path / "nope", f"out={tmp_path / 'o'}")
-    assert r.exit_code == 2 and r.stderr.strip().endswith("nope does not exist") and not (tmp_path / "o").exists()
-    (tmp_path / "plain").mkdir()
-    r = poslsh("perplexity", tmp_path / "plain", f"out={tmp_path / 'o'}")
-    assert r.exit_code == 2 and "neither a checkpoint directory" in r.stderr
-    r = poslsh("perplexity", f"out={tmp_path / 'o'}")
-    assert r.exit_code == 2 and "give at least one train run" in r.stderr
 
 
 @pytest.mark.slow
@@ -397,7 +306,7 @@ def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
     checkpoint and ends with the uninterrupted run's losses and weights, bit for bit (CPU)."""
     from safetensors.torch import load_file
 
-    args = [*TINY, "position=[poslsh]", "s=[4]", "steps=12", "eval_every=4", "checkpoint_every=3"]
+    args = [*TRAIN, "position=[poslsh]", "s=[4]", "steps=12", "eval_every=4", "checkpoint_every=3"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "poslsh_cli", "train", *args]
     ref = subprocess.run(cmd + [f"out={tmp_path / 'ref'}"], capture_output=True, env=env, timeout=600)
@@ -430,7 +339,7 @@ def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
 
 def test_finetuning_shares_one_pretraining_stage(tmp_path):
     out = tmp_path / "ft"
-    r = poslsh("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",
+    r = poslsh("train", *TRAIN, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",
                "eval_every=0", f"out={out}")
     assert r.exit_code == 0, r.output
     stages = sorted(p.name for p in (out / "work").iterdir())
@@ -456,7 +365,7 @@ def test_finetuning_continues_the_batch_stream_instead_of_replaying_pretraining(
 
     monkeypatch.setattr(windows, "train_batch", spy)
     out = tmp_path / "ft"
-    r = poslsh("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=3",
+    r = poslsh("train", *TRAIN, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=3",
                "eval_every=0", f"out={out}")
     assert r.exit_code == 0, r.output
     assert len(seen) == 9
@@ -468,30 +377,12 @@ def test_finetuning_continues_the_batch_stream_instead_of_replaying_pretraining(
     np.testing.assert_allclose(df.passes, (3 + 3) * 4 * 32 / len(corpus.train))
 
 
-def test_step_bench_compares_paths_in_one_run(tmp_path):
-    r = poslsh("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
-               "intermediate=64", "batch=2", "steps=1", "warmup=0", f"out={tmp_path}")
-    assert r.exit_code == 0, r.output
-    df = pd.read_csv(tmp_path / "results.csv")
-    paths = set(zip(df.position, df.attention_path))
-    assert {("rope", "sdpa+rope"), ("alibi", "rank1"), ("alibi", "dense"), ("poslsh", "dense")} <= paths
-    assert len(df[df.position == "poslsh"]) == 2  # s=10 and s=20; auto and dense are one path here
-    assert len(df[df.position == "alibi"]) == 2  # auto and dense are one path; rank1 the other
-    assert (df.step_seconds > 0).all()
-    assert set(df[df.position != "rope"].sigmas) == {"standard"}
-    r = poslsh("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
-               "intermediate=64", "batch=2", "steps=1", "warmup=0", "position=[alibi,poslsh]", "s=[4]",
-               "backend=[auto]", "sigma=16", f"out={tmp_path / 'constant'}")
-    assert r.exit_code == 0, r.output
-    assert set(pd.read_csv(tmp_path / "constant" / "results.csv").sigmas) == {"sigma=16 every head"}
-
-
 def test_attention_dropout_runs_replay(tmp_path):
     """The regulariser control is reproducible: dropout masks are drawn from a generator seeded per
     step, so the same command gives the same losses, and they differ from the run without dropout."""
     def losses(name, p):
         out = tmp_path / name
-        r = poslsh("train", *TINY, "position=[alibi]", f"attn_dropout=[{p}]", "dropout_positions=[alibi]",
+        r = poslsh("train", *TRAIN, "position=[alibi]", f"attn_dropout=[{p}]", "dropout_positions=[alibi]",
                    "steps=4", "eval_every=4", "checkpoint_every=100", f"out={out}")
         assert r.exit_code == 0, r.output
         df = pd.read_csv(out / "results.csv")
@@ -511,7 +402,7 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     import json
 
     out = tmp_path / "run"
-    r = poslsh("train", *TINY, "position=[alibi,poslsh]", "s=[3]", "steps=4", "sigma=2", f"out={out}")
+    r = poslsh("train", *TRAIN, "position=[alibi,poslsh]", "s=[3]", "steps=4", "sigma=2", f"out={out}")
     assert r.exit_code == 0, r.output
     res = pd.read_csv(out / "results.csv")
     assert set(res.sigmas) == {"sigma=2 every head"}
@@ -600,7 +491,7 @@ def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    args = ["train", *TINY, "position=[alibi]", "steps=6", "eval_every=3", "checkpoint_every=3", f"logger={logger}",
+    args = ["train", *TRAIN, "position=[alibi]", "steps=6", "eval_every=3", "checkpoint_every=3", f"logger={logger}",
             f"out={out}"]
     from poslsh_cli.core import files
 
@@ -627,7 +518,7 @@ def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monk
         assert np.allclose([hist[s]["loss"] for s in range(1, 7)], m.loss, rtol=1e-6)
         assert np.allclose([first[s]["loss"] for s in (4, 5)], [resumed[s]["loss"] for s in (4, 5)], rtol=1e-6)
         assert len({f.parent.name.rsplit("-", 1)[-1] for f in (cell / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
-    res = poslsh("train", *TINY, "logger=mlflow", f"out={tmp_path / 'bad'}")
+    res = poslsh("train", *TRAIN, "logger=mlflow", f"out={tmp_path / 'bad'}")
     assert res.exit_code != 0 and "logger" in res.stderr
 
 
@@ -650,7 +541,7 @@ def test_a_one_step_run_trains_and_records_its_final_losses(tmp_path):
     """steps=1: the last step is the first, so the final evaluation writes into the cell's work folder
     before any metrics line made it."""
     out = tmp_path / "one"
-    res = poslsh("train", *TINY, "steps=1", "position=[alibi]", "seed=[0]", "device=cpu", f"out={out}")
+    res = poslsh("train", *TRAIN, "steps=1", "position=[alibi]", "seed=[0]", "device=cpu", f"out={out}")
     assert res.exit_code == 0, res.output
     df = pd.read_csv(out / "results.csv")
     assert len(df) == 1 and np.isfinite(df.val_loss).all()
