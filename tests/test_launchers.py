@@ -71,29 +71,6 @@ def test_joblib_sweep_collects_one_table_equal_to_one_process(tmp_path):
     assert poslsh("report", str(sweep)).exit_code == 0 and (sweep / "report.html").exists()
 
 
-def test_collect_names_a_missing_job(tmp_path):
-    sweep = tmp_path / "sweep"
-    r = poslsh("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={sweep}")
-    assert r.exit_code == 0, r.output
-    import shutil
-
-    shutil.rmtree(sweep / "1")
-    r = poslsh("collect", str(sweep))
-    assert r.exit_code == 1 and "job 1 (n=128 sigma=2 s=4 trials=2) has no run directory" in r.stderr
-    assert len(pd.read_csv(sweep / "results.csv")) == 2  # what there is, is still collected
-    r = poslsh("collect", str(tmp_path))
-    assert r.exit_code == 2 and "not a multirun directory" in r.stderr
-
-
-def test_collect_names_cells_run_by_two_jobs(tmp_path):
-    sweep = tmp_path / "sweep"
-    r = poslsh("block-stats", "-m", "n=64,64", "sigma=2", "s=4", "trials=2", f"out={sweep}")
-    assert r.exit_code == 0, r.output
-    assert "2 cells were run by more than one job (jobs 0, 1)" in r.stderr
-    r = poslsh("collect", str(sweep))
-    assert r.exit_code == 1 and "2 cells were run by more than one job" in r.stderr
-
-
 @pytest.mark.slow
 def test_submitit_local_job_killed_and_rerun_resumes_without_repeating_a_cell(tmp_path):
     """submitit's local executor is SLURM's code path on one machine: each job is its own process
