@@ -1,6 +1,7 @@
-"""Training paths and ``poslsh train`` / ``perplexity`` / ``step-bench``: float64 references for
-the training attention paths, position schemes inside a real transformers model, resume after
-SIGKILL with identical results, perplexity equal to transformers' own forward, bad input."""
+"""Training paths and ``poslsh train``: float64 references for the training attention paths,
+position schemes inside a real transformers model, resume after SIGKILL with identical results,
+bad input, and train's claim on the gap to ALiBi. (Perplexity of the trained checkpoints:
+tests/test_perplexity.py; step-bench: tests/test_step_bench.py.)"""
 import json
 import math
 import os
