@@ -8,19 +8,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from typer.testing import CliRunner
 
+from conftest import poslsh
 from poslsh_cli.attention import laplacian_weight, reference_attention
 from poslsh_cli.lm.capture import capture_qkv
 from poslsh_cli.lm.documents import builtin_text, tokenize
 from poslsh_cli.lm.pretrained import load
-from poslsh_cli.app.cli import app
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
 from poslsh_cli.numerics.sampling import standard_alibi_slopes
 
 H, N = 6, 80
-runner = CliRunner()
 
 
 def tiny_alibi(family, **over):
@@ -111,15 +109,15 @@ def test_falcon_adds_its_bias_before_scaling_and_rounds_it_to_bfloat16(tmp_path)
 def test_output_error_uses_the_models_own_slopes_and_reports_its_own_attention(tmp_path):
     path = save_alibi("bloom", tmp_path / "bloom")
     out = tmp_path / "run"
-    r = runner.invoke(app, ["output-error", f"model={path}", f"n={N}", "s=[2,8]", "trials=1", f"out={out}"])
+    r = poslsh("output-error", f"model={path}", f"n={N}", "s=[2,8]", "trials=1", f"out={out}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv")
     assert df.causal.all()
     own = df[df.method == "model_own"]
     assert len(own) == 2 * H and (own.rel_fro < 1e-5).all()  # its own attention is exact ALiBi
     np.testing.assert_allclose(sorted(df.sigma.unique()), sorted(1 / standard_alibi_slopes(H)), rtol=1e-6)
-    r = runner.invoke(app, ["output-error", f"model={path}", f"n={N}", "s=[2]", "trials=1", "alibi=standard",
-                            "layers=[0]", f"out={tmp_path / 'std'}"])
+    r = poslsh("output-error", f"model={path}", f"n={N}", "s=[2]", "trials=1", "alibi=standard",
+               "layers=[0]", f"out={tmp_path / 'std'}")
     assert r.exit_code == 0 and "model_own" not in set(pd.read_csv(tmp_path / "std" / "results.csv").method)
 
 
@@ -131,13 +129,13 @@ def test_bad_alibi_checkpoints(tmp_path):
     rotary = save_alibi("falcon", tmp_path / "rotary", alibi=False)
     with pytest.raises(ConfigError, match="alibi=false uses rotary embeddings"):
         load(rotary)
-    r = runner.invoke(app, ["output-error", f"model={rotary}", "n=32", "s=[1]", f"out={tmp_path / 'x'}"])
+    r = poslsh("output-error", f"model={rotary}", "n=32", "s=[1]", f"out={tmp_path / 'x'}")
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "rotary" in r.stderr
     assert not (tmp_path / "x").exists()
-    r = runner.invoke(app, ["output-error", f"model={broken}", "n=32", "s=[1]", f"out={tmp_path / 'y'}"])
+    r = poslsh("output-error", f"model={broken}", "n=32", "s=[1]", f"out={tmp_path / 'y'}")
     assert r.exit_code == 2 and "model.safetensors cannot be read" in r.stderr
     for model, reason in ((broken, "model.safetensors cannot be read"), (rotary, "rotary")):
-        r = runner.invoke(app, ["perplexity", str(model), "lengths=[32]", f"out={tmp_path / 'p'}"])
+        r = poslsh("perplexity", str(model), "lengths=[32]", f"out={tmp_path / 'p'}")
         assert r.exit_code == 2 and reason in r.stderr, r.output
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line, no tokenizer chatter before it
         assert not (tmp_path / "p").exists()
@@ -150,8 +148,8 @@ def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(famil
     exact ALiBi with the model's own slopes: the same loss (Falcon: up to its bfloat16 bias)."""
     path = save_alibi(family, tmp_path / family)
     out = tmp_path / "ppl"
-    r = runner.invoke(app, ["perplexity", str(path), "lengths=[32,64]", "attention=[own,alibi,poslsh]", "s=[4]",
-                            "swapped_at=every", "max_tokens=3000", f"out={out}"])
+    r = poslsh("perplexity", str(path), "lengths=[32,64]", "attention=[own,alibi,poslsh]", "s=[4]",
+               "swapped_at=every", "max_tokens=3000", f"out={out}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv").set_index(["attention", "length"])
     assert set(df.position) == {"alibi"} and (df.bits_per_token > 0).all()

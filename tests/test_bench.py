@@ -5,18 +5,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from typer.testing import CliRunner
 
-from poslsh_cli.app.cli import app
+from conftest import RUN, poslsh, status_of
+from poslsh_cli.app import registry
 from poslsh_cli.experiments.bench import _band_pairs
 from poslsh_cli.experiments.bench_report import crossover
-
-runner = CliRunner()
+from poslsh_cli.verdicts.claims import Status
 
 
 def test_bench_rows_and_plots(tmp_path):
-    r = runner.invoke(app, ["bench", "n=[128,512]", "heads=4", "head_dim=16", "s=[1,4]", "window_sigmas=[1,64]",
-                            "causal=[false,true]", "repeats=1", "warmup=0", f"out={tmp_path}"])
+    r = poslsh("bench", "n=[128,512]", "heads=4", "head_dim=16", "s=[1,4]", "window_sigmas=[1,64]",
+               "causal=[false,true]", "repeats=1", "warmup=0", f"out={tmp_path}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(tmp_path / "results.csv")
     for col in ["method", "n", "head_dim", "heads", "s", "causal", "seconds", "peak_mem_mb", "rel_fro"]:
@@ -33,7 +32,7 @@ def test_bench_rows_and_plots(tmp_path):
     # more samples, smaller error (median over heads, same inputs)
     p = df[df.method == "poslsh"].pivot_table(index=["n", "causal"], columns="s", values="rel_fro")
     assert (p[4] < p[1]).all()
-    r = runner.invoke(app, ["plot", str(tmp_path)])
+    r = poslsh("plot", str(tmp_path))
     assert r.exit_code == 0, r.output
     for name in ("bench_time_vs_n_bidir", "bench_time_vs_n_causal", "bench_pareto_bidir", "bench_pareto_causal"):
         assert (tmp_path / "figures" / f"{name}.png").exists()
@@ -58,7 +57,7 @@ def test_crossover_is_the_first_n_from_which_a_method_stays_faster():
 def test_bench_bad_input(tmp_path):
     for args, needle in ((["methods=[exact,magic]"], "unknown method"), (["causal=[maybe]"], "causal must be"),
                          (["repeats=0"], "repeats must be"), (["device=cuda"], "CUDA is not available")):
-        r = runner.invoke(app, ["bench", "n=[64]", *args, f"out={tmp_path / 'x'}"])
+        r = poslsh("bench", "n=[64]", *args, f"out={tmp_path / 'x'}")
         if "CUDA" in needle and r.exit_code == 0:
             continue  # a machine with a GPU
         assert r.exit_code == 2 and needle in r.stderr, (args, r.stderr)
@@ -298,9 +297,9 @@ LOAD = ["threads", "cores", "load_others", "loadavg", "overloaded"]
 
 
 def test_bench_cli_times_each_row_beside_exact_and_records_the_load(tmp_path):
-    r = runner.invoke(app, ["bench", "n=[128]", "heads=2", "head_dim=8", "s=[2]", "window_sigmas=[1]",
-                            "methods=[exact,poslsh,windowed]", "causal=[true]", "repeats=2", "warmup=0",
-                            f"out={tmp_path}"])
+    r = poslsh("bench", "n=[128]", "heads=2", "head_dim=8", "s=[2]", "window_sigmas=[1]",
+               "methods=[exact,poslsh,windowed]", "causal=[true]", "repeats=2", "warmup=0",
+               f"out={tmp_path}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(tmp_path / "results.csv").set_index("method")
     for col in ["exact_seconds", *LOAD]:
@@ -314,18 +313,55 @@ def test_bench_cli_times_each_row_beside_exact_and_records_the_load(tmp_path):
 
 def test_step_and_decode_bench_cli_time_each_row_beside_its_reference(tmp_path):
     tiny = ["hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8", "intermediate=64"]
-    r = runner.invoke(app, ["step-bench", "seq_len=[32]", *tiny, "batch=1", "steps=2", "warmup=0", "s=[2]",
-                            "backend=[auto]", f"out={tmp_path / 'step'}"])
+    r = poslsh("step-bench", "seq_len=[32]", *tiny, "batch=1", "steps=2", "warmup=0", "s=[2]",
+               "backend=[auto]", f"out={tmp_path / 'step'}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(tmp_path / "step" / "results.csv").set_index("position")
     for col in ["ref_position", "ref_step_seconds", *LOAD]:
         assert col in df.columns, col
     assert df.ref_position["alibi"] == "rope" and df.ref_position["poslsh"] == "alibi"
     assert math.isnan(df.ref_step_seconds["rope"]) and (df.ref_step_seconds.drop("rope") > 0).all()
-    r = runner.invoke(app, ["decode-bench", "context=[32]", "new_tokens=2", *tiny, "sigma=4",
-                            f"out={tmp_path / 'decode'}"])
+    r = poslsh("decode-bench", "context=[32]", "new_tokens=2", *tiny, "sigma=4",
+               f"out={tmp_path / 'decode'}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(tmp_path / "decode" / "results.csv").set_index("position")
     for col in ["ref_token_seconds", *LOAD]:
         assert col in df.columns, col
     assert math.isnan(df.ref_token_seconds["alibi"]) and (df.ref_token_seconds.drop("alibi") > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench: near-linear time
+
+
+def bench_table(power, base=0.0, causal=(False,)):
+    rows = []
+    for c in causal:
+        for n in (1024, 2048, 4096, 8192, 16384, 32768):
+            rows.append(dict(method="exact", n=n, s=0, causal=c, seconds=1e-9 * n**2, rel_fro=np.nan, window_sigmas=np.nan,
+                             device="cpu", backend="chunked-sdpa", heads=8, head_dim=64, dtype="float32",
+                             sample_seconds=0.0))
+            for s in (2, 8):
+                t = base + 1e-6 * s * n**power
+                rows.append(dict(method="poslsh", n=n, s=s, causal=c, seconds=t, rel_fro=0.3 / np.sqrt(s),
+                                 window_sigmas=np.nan, device="cpu", backend="block-flash-cpu", heads=8, head_dim=64,
+                                 dtype="float32", sample_seconds=0.1 * t))
+            rows.append(dict(method="windowed", n=n, s=0, causal=c, seconds=2e-6 * n, rel_fro=0.05, window_sigmas=2.0,
+                             device="cpu", backend="chunked-sdpa", heads=8, head_dim=64, dtype="float32", sample_seconds=0.0))
+    return pd.DataFrame(rows)
+
+
+def test_time_verdict_supported_not_supported_and_overhead_dominated():
+    assert status_of(registry.get('bench').report(RUN, bench_table(1.0)), "near-linearly") is Status.SUPPORTED
+    assert status_of(registry.get('bench').report(RUN, bench_table(2.0)), "near-linearly") is Status.NOT_SUPPORTED
+    # a fixed cost of 10 s swamps the growth: a slope near 0 is not evidence of linear time
+    flat = registry.get('bench').report(RUN, bench_table(1.0, base=10.0))
+    assert status_of(flat, "near-linearly") is Status.INCONCLUSIVE
+
+
+def test_bench_report_groups_by_causal():
+    sec = registry.get('bench').report(RUN, bench_table(1.0, causal=(False, True)))
+    assert status_of(sec, "near-linearly") is Status.SUPPORTED
+    assert any(p.startswith("causal:") for p in sec.paragraphs) and any(p.startswith("bidirectional:") for p in sec.paragraphs)
+    assert any("of the end-to-end" in p for p in sec.paragraphs)
+    assert any("matched by a windowed exact ALiBi point" in p for p in sec.paragraphs)

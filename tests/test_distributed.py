@@ -3,7 +3,6 @@ torchrun give the losses of one process with the same global batch, step by step
 weights; so do FSDP, gradient accumulation and a multi-task submitit job (the SLURM code path);
 a killed torchrun job resumes as one process does; bad input is one line from rank 0."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,25 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
-TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=48",
-        "batch=8", "eval_tokens=2048", "warmup=2", "steps=8", "checkpoint_every=3", "eval_every=4",
-        "position=[poslsh]", "s=[4]", "data=pydoc-topics", "device=cpu"]
-ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-ENV.pop("POSLSH_FAULT", None)
+from conftest import ENV, TINY, poslsh, poslsh_process
+
+TRAIN = [*TINY, "seq_len=48", "batch=8", "eval_tokens=2048", "warmup=2", "steps=8", "checkpoint_every=3",
+         "eval_every=4", "position=[poslsh]", "s=[4]", "data=pydoc-topics", "device=cpu"]
+#: ``poslsh`` in two processes on this machine
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "poslsh_cli"]
-
-
-def run(cmd, fault=None, timeout=600):
-    env = dict(ENV, **({"POSLSH_FAULT": fault} if fault else {}))
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def one(*args, **kw):
-    return run([sys.executable, "-m", "poslsh_cli", *args], **kw)
-
-
-def two(*args, **kw):
-    return run([*TORCHRUN, *args], **kw)
 
 
 def metrics_of(out):
@@ -63,14 +49,14 @@ def assert_same_weights(a, b):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "one"
-    r = one("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}")
     assert r.returncode == 0, r.stderr
     return out
 
 
 def test_two_processes_equal_one_process_with_the_same_global_batch(single, tmp_path):
     out = tmp_path / "ddp"
-    r = two("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}", launcher=TORCHRUN)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_losses(single, out)
     assert_same_weights(single, out)
@@ -84,10 +70,10 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(single, tmp_
 
 @pytest.mark.slow
 def test_accumulation_and_fsdp_equal_one_process(single, tmp_path):
-    r = one("train", *TINY, "accumulate=4", f"out={tmp_path / 'acc'}")
+    r = poslsh_process("train", *TRAIN, "accumulate=4", f"out={tmp_path / 'acc'}")
     assert r.returncode == 0, r.stderr
     assert_same_losses(single, tmp_path / "acc")
-    r = two("train", *TINY, "parallel=fsdp", "accumulate=2", f"out={tmp_path / 'fsdp'}")
+    r = poslsh_process("train", *TRAIN, "parallel=fsdp", "accumulate=2", f"out={tmp_path / 'fsdp'}", launcher=TORCHRUN)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_losses(single, tmp_path / "fsdp")
     assert_same_weights(single, tmp_path / "fsdp")
@@ -96,10 +82,10 @@ def test_accumulation_and_fsdp_equal_one_process(single, tmp_path):
 @pytest.mark.slow
 def test_killed_torchrun_job_resumes_to_the_uninterrupted_run(single, tmp_path):
     out = tmp_path / "killed"
-    r = two("train", *TINY, f"out={out}", fault="step:5")  # after the step-3 checkpoint
+    r = poslsh_process("train", *TRAIN, f"out={out}", fault="step:5", launcher=TORCHRUN)  # after the step-3 checkpoint
     assert r.returncode != 0
     assert len(metrics_of(out)) == 5
-    r = two("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}", launcher=TORCHRUN)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_losses(single, out)
     assert_same_weights(single, out)
@@ -110,8 +96,8 @@ def test_killed_torchrun_job_resumes_to_the_uninterrupted_run(single, tmp_path):
 @pytest.mark.slow
 def test_multi_task_submitit_job_runs_data_parallel(single, tmp_path):
     out = tmp_path / "sweep"
-    r = one("train", "-m", "seed=0", *TINY, "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
-            f"out={out}")
+    r = poslsh_process("train", "-m", "seed=0", *TRAIN, "hydra/launcher=submitit_local",
+                       "hydra.launcher.tasks_per_node=2", f"out={out}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "0" / "meta.json").read_text())["world_size"] == 2
     assert_same_losses(single, out / "0")
@@ -119,7 +105,8 @@ def test_multi_task_submitit_job_runs_data_parallel(single, tmp_path):
 
 def test_a_batch_that_does_not_divide_is_one_line_from_rank_zero(tmp_path):
     out = tmp_path / "bad"
-    r = two("train", *[a for a in TINY if not a.startswith("batch=")], "batch=6", "accumulate=2", f"out={out}")
+    r = poslsh_process("train", *[a for a in TRAIN if not a.startswith("batch=")], "batch=6", "accumulate=2",
+                       f"out={out}", launcher=TORCHRUN)
     assert r.returncode != 0
     errors = [x for x in r.stderr.splitlines() if "poslsh train: error:" in x]
     assert errors == ["poslsh train: error: batch=6 does not divide into 2 process(es) x accumulate=2 "
@@ -129,7 +116,7 @@ def test_a_batch_that_does_not_divide_is_one_line_from_rank_zero(tmp_path):
 
 @pytest.mark.slow
 def test_commands_other_than_train_refuse_torchrun(tmp_path):
-    r = two("matrix-error", "n=64", "s=[1]", f"out={tmp_path / 'm'}")
+    r = poslsh_process("matrix-error", "n=64", "s=[1]", f"out={tmp_path / 'm'}", launcher=TORCHRUN)
     errors = [x for x in r.stderr.splitlines() if ": error:" in x]
     assert r.returncode != 0 and errors and "only train runs under torchrun" in errors[0]
     assert not (tmp_path / "m").exists()
@@ -137,15 +124,15 @@ def test_commands_other_than_train_refuse_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_gradient_checkpointing_and_bf16(single, tmp_path):
-    r = one("train", *TINY, "gradient_checkpointing=true", f"out={tmp_path / 'gc'}")
+    r = poslsh_process("train", *TRAIN, "gradient_checkpointing=true", f"out={tmp_path / 'gc'}")
     assert r.returncode == 0, r.stderr
     assert_same_losses(single, tmp_path / "gc", rel=1e-5)
-    r = one("train", *TINY, "precision=bf16", "steps=8", f"out={tmp_path / 'bf16'}")
+    r = poslsh_process("train", *TRAIN, "precision=bf16", "steps=8", f"out={tmp_path / 'bf16'}")
     assert r.returncode == 0, r.stderr
     a, b = metrics_of(single), metrics_of(tmp_path / "bf16")
     np.testing.assert_allclose(b.loss, a.loss, rtol=3e-2)  # bfloat16 logits: 8 bits of mantissa
     assert not np.array_equal(b.loss.to_numpy(), a.loss.to_numpy())  # autocast ran: not float32's bits
-    r = one("train", *TINY, "precision=fp16", f"out={tmp_path / 'fp16'}")
+    r = poslsh_process("train", *TRAIN, "precision=fp16", f"out={tmp_path / 'fp16'}")
     assert r.returncode == 2 and "precision=fp16 needs CUDA" in r.stderr
 
 
@@ -155,8 +142,8 @@ def test_cuda_training_with_autocast_follows_the_float32_cpu_run(single, tmp_pat
     """On a CUDA device (scripts/gpu_check.sh): bf16 / fp16 autocast (fp16 with loss scaling) with
     gradient checkpointing trains to the float32 CPU losses within half-precision rounding."""
     out = tmp_path / precision
-    r = one("train", *[a for a in TINY if a != "device=cpu"], "device=cuda", f"precision={precision}",
-            "gradient_checkpointing=true", f"out={out}")
+    r = poslsh_process("train", *[a for a in TRAIN if a != "device=cpu"], "device=cuda", f"precision={precision}",
+                       "gradient_checkpointing=true", f"out={out}")
     assert r.returncode == 0, r.stderr[-3000:]
     np.testing.assert_allclose(metrics_of(out).loss, metrics_of(single).loss, rtol=3e-2)
 
@@ -191,7 +178,7 @@ def test_a_follower_failure_stops_rank_zero_at_once_naming_it(tmp_path):
     checkpoint written before, instead of waiting in a collective (default timeout 2 h)."""
     out = tmp_path / "sweep"
     env = {"POSLSH_FAULT": "step:5", "POSLSH_FAULT_RANK": "1", "POSLSH_FAULT_SIGNAL": "RAISE"}
-    r = subprocess.run([sys.executable, "-m", "poslsh_cli", "train", "-m", "seed=0", *TINY,
+    r = subprocess.run([sys.executable, "-m", "poslsh_cli", "train", "-m", "seed=0", *TRAIN,
                         "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", f"out={out}"],
                        capture_output=True, text=True, env=dict(ENV, **env), timeout=300)
     errors = [x for x in r.stderr.splitlines() if "poslsh train: error:" in x]
@@ -231,9 +218,6 @@ def test_gradient_checkpointing_recomputes_every_layer_and_autocast_computes_in_
     training micro-batch (the forward, and its recomputation in the backward), once without; under
     precision=bf16 the layers' matmuls return bfloat16."""
     from transformers.models.qwen3 import modeling_qwen3
-    from typer.testing import CliRunner
-
-    from poslsh_cli.app.cli import app
 
     calls = {"grad": 0, "dtypes": set()}
     forward = modeling_qwen3.Qwen3MLP.forward
@@ -249,12 +233,12 @@ def test_gradient_checkpointing_recomputes_every_layer_and_autocast_computes_in_
         return out
 
     monkeypatch.setattr(modeling_qwen3.Qwen3MLP, "forward", counted)
-    base = [a for a in TINY if not a.startswith(("steps=", "checkpoint_every=", "eval_every="))]
+    base = [a for a in TRAIN if not a.startswith(("steps=", "checkpoint_every=", "eval_every="))]
     base += ["steps=3", "checkpoint_every=3", "eval_every=3"]
     seen = {}
     for name, extra in (("gc", ["gradient_checkpointing=true"]), ("plain", []), ("bf16", ["precision=bf16"])):
         calls["grad"], calls["dtypes"] = 0, set()
-        r = CliRunner().invoke(app, ["train", *base, *extra, f"out={tmp_path / name}"])
+        r = poslsh("train", *base, *extra, f"out={tmp_path / name}")
         assert r.exit_code == 0, r.output
         seen[name] = (calls["grad"], set(calls["dtypes"]))
     layers = 2
@@ -263,7 +247,7 @@ def test_gradient_checkpointing_recomputes_every_layer_and_autocast_computes_in_
     assert seen["bf16"] == (3 * layers, {torch.bfloat16})
 
 
-BLOCK_PATH = [a for a in TINY if not a.startswith(("seq_len=", "batch=", "steps=", "checkpoint_every=", "eval_every=",
+BLOCK_PATH = [a for a in TRAIN if not a.startswith(("seq_len=", "batch=", "steps=", "checkpoint_every=", "eval_every=",
                                                    "eval_tokens="))] + [
     "seq_len=512", "batch=4", "steps=3", "checkpoint_every=3", "eval_every=3", "eval_tokens=2048"]
 
@@ -274,12 +258,12 @@ def test_two_processes_equal_one_on_the_block_path(tmp_path):
     not the dense bias of L=48: two processes still give one process's losses and weights."""
     from poslsh_cli.attention.plan import Backend, Method, choose
 
-    for n, backend in ((48, Backend.DENSE), (512, Backend.BLOCKS)):  # TINY's L, and this test's
+    for n, backend in ((48, Backend.DENSE), (512, Backend.BLOCKS)):  # TRAIN's L, and this test's
         assert choose(Method.POSLSH, device=torch.device("cpu"), dtype=torch.float32, n=n, causal=True,
                       grad=True).backend is backend
-    r = one("train", *BLOCK_PATH, f"out={tmp_path / 'one'}")
+    r = poslsh_process("train", *BLOCK_PATH, f"out={tmp_path / 'one'}")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = two("train", *BLOCK_PATH, f"out={tmp_path / 'two'}")
+    r = poslsh_process("train", *BLOCK_PATH, f"out={tmp_path / 'two'}", launcher=TORCHRUN)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = metrics_of(tmp_path / "one"), metrics_of(tmp_path / "two")
     assert list(a.step) == list(b.step) == [1, 2, 3]
@@ -291,12 +275,12 @@ def test_two_processes_equal_one_on_the_block_path(tmp_path):
 def test_ddp_with_attention_dropout_replays_itself_not_one_process(tmp_path):
     """The stated exception (docs/THEORY.md): dropout masks are drawn per rank, so two processes
     with attention dropout replay each other exactly and differ from one process."""
-    args = [a for a in TINY if not a.startswith(("position=", "s=", "steps=", "checkpoint_every=", "eval_every="))] + [
+    args = [a for a in TRAIN if not a.startswith(("position=", "s=", "steps=", "checkpoint_every=", "eval_every="))] + [
         "position=[alibi]", "attn_dropout=[0.1]", "steps=2", "checkpoint_every=2", "eval_every=2"]
     for name in ("a", "b"):
-        r = two("train", *args, f"out={tmp_path / name}")
+        r = poslsh_process("train", *args, f"out={tmp_path / name}", launcher=TORCHRUN)
         assert r.returncode == 0, r.stderr[-3000:]
-    r = one("train", *args, f"out={tmp_path / 'one'}")
+    r = poslsh_process("train", *args, f"out={tmp_path / 'one'}")
     assert r.returncode == 0, r.stderr[-3000:]
     a, b, single = (metrics_of(tmp_path / n).loss.to_numpy() for n in ("a", "b", "one"))
     np.testing.assert_array_equal(a, b)

@@ -21,42 +21,19 @@ import pandas as pd
 import pytest
 import torch
 
-TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32",
-        "batch=4", "eval_tokens=1024", "warmup=2", "position=[poslsh]", "s=[4]", "steps=10",
-        "checkpoint_every=4", "eval_every=5"]
+from conftest import ENV, POSLSH, TINY, ctrl_c_as_in_a_terminal, fault_env, poslsh_process
+
+TRAIN = [*TINY, "seq_len=32", "batch=4", "eval_tokens=1024", "warmup=2", "position=[poslsh]", "s=[4]", "steps=10",
+         "checkpoint_every=4", "eval_every=5"]
 MATRIX = ["matrix-error", "n=[300,600]", "sigma=[4]", "s=[2,8]", "trials=2"]
 TIMING = {"seconds", "tokens_per_s", "wall_seconds", "step_seconds", "peak_mem_mb"}
 #: Exit code of a run stopped by the signal (128 + its number, the shell's convention)
 STOPPED = {"TERM": 143, "INT": 130}
-ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-
-
-def ctrl_c_as_in_a_terminal():
-    """The child takes SIGINT as a command typed in a terminal does. A test session started in the
-    background by a non-interactive shell (``make test &``, a CI script) has SIGINT ignored, and its
-    children inherit that: Ctrl-C would do nothing to them."""
-    import signal as signals
-
-    signals.signal(signals.SIGINT, signals.SIG_DFL)
-
-
-def fault_env(fault=None, signal=None, hold=None):
-    env = {k: v for k, v in ENV.items() if not k.startswith("POSLSH_FAULT")}
-    for k, v in (("POSLSH_FAULT", fault), ("POSLSH_FAULT_SIGNAL", signal), ("POSLSH_FAULT_HOLD", hold)):
-        if v:
-            env[k] = str(v)
-    return env
-
-
-def poslsh(*args, fault=None, signal=None, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "poslsh_cli", *map(str, args)], capture_output=True, text=True,
-                          env=fault_env(fault, signal), cwd=cwd, timeout=timeout, preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def start(*args, cwd=None, fault=None, hold=None):
-    return subprocess.Popen([sys.executable, "-m", "poslsh_cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=fault_env(fault, hold=hold), cwd=cwd,
-                            preexec_fn=ctrl_c_as_in_a_terminal)
+    return subprocess.Popen([*POSLSH, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=fault_env(fault, hold=hold), cwd=cwd, preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def held(proc, hold, timeout=600):
@@ -127,9 +104,9 @@ def assert_same_results(run, ref, key=None):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    r = poslsh("train", *TINY, f"out={root / 'train'}")
+    r = poslsh_process("train", *TRAIN, f"out={root / 'train'}")
     assert r.returncode == 0, r.stderr
-    r = poslsh(*MATRIX, f"out={root / 'matrix'}")
+    r = poslsh_process(*MATRIX, f"out={root / 'matrix'}")
     assert r.returncode == 0, r.stderr
     return root
 
@@ -154,11 +131,11 @@ def SLOW(*values):
 ])
 def test_killed_training_cell_resumes_to_the_uninterrupted_run(reference, tmp_path, fault):
     out = tmp_path / "run"
-    r = poslsh("train", *TINY, f"out={out}", fault=fault)
+    r = poslsh_process("train", *TRAIN, f"out={out}", fault=fault)
     assert r.returncode == -9, (fault, r.returncode, r.stderr[-2000:])
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "running"  # what a dead process leaves
-    r = poslsh("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}")
     assert r.returncode == 0, r.stderr
     assert_same_training(out, reference / "train")
     history = json.loads((out / "meta.json").read_text())["history"]
@@ -179,7 +156,7 @@ def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, 
     uninterrupted run (resumed after SIGTERM only: SIGINT reaches the same handler, so after it the
     test checks what is kept: the metrics log, and every checkpoint written before the signal)."""
     out = tmp_path / "run"
-    r = interrupt("train", *TINY, f"out={out}", fault=fault, sig=sig, hold=tmp_path / "held")
+    r = interrupt("train", *TRAIN, f"out={out}", fault=fault, sig=sig, hold=tmp_path / "held")
     assert r.returncode == STOPPED[sig], (fault, sig, r.returncode, r.stderr[-2000:])
     assert out.is_dir() and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"kept in {out}" in r.stderr and "removed" not in r.stderr, r.stderr[-2000:]
@@ -191,7 +168,7 @@ def test_sigterm_and_ctrl_c_in_the_first_cell_keep_the_run(reference, tmp_path, 
         if fault != "step:3":  # the step-4 checkpoint was written before the signal
             assert finished or list(out.glob("work/*/checkpoints/step-00000004")), sorted(map(str, out.rglob("*")))
         return
-    r = poslsh("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}")
     assert r.returncode == 0, r.stderr
     assert_same_training(out, reference / "train")
 
@@ -205,9 +182,9 @@ def test_ctrl_c_reaches_a_run_whose_parent_ignored_it(reference, tmp_path):
 
     before = signals.signal(signals.SIGINT, signals.SIG_IGN)
     try:
-        r = interrupt("train", *TINY, f"out={tmp_path / 'run'}", fault="step:3", sig="INT", hold=tmp_path / "held")
+        r = interrupt("train", *TRAIN, f"out={tmp_path / 'run'}", fault="step:3", sig="INT", hold=tmp_path / "held")
         assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
-        r = subprocess.run([sys.executable, "-m", "poslsh_cli", "train", *TINY, f"out={tmp_path / 'b'}"],
+        r = subprocess.run([sys.executable, "-m", "poslsh_cli", "train", *TRAIN, f"out={tmp_path / 'b'}"],
                            capture_output=True, text=True, env=fault_env("step:3", "INT"))  # SIGINT stays ignored
     finally:
         signals.signal(signals.SIGINT, before)
@@ -217,7 +194,7 @@ def test_ctrl_c_reaches_a_run_whose_parent_ignored_it(reference, tmp_path):
 def test_an_interrupt_before_any_work_removes_only_what_it_created(tmp_path):
     """Interrupted while the run directory is set up (nothing computed yet): nothing is left."""
     out = tmp_path / "a" / "run"
-    r = interrupt("train", *TINY, f"out={out}", fault="write:meta.json", sig="TERM", hold=tmp_path / "held")
+    r = interrupt("train", *TRAIN, f"out={out}", fault="write:meta.json", sig="TERM", hold=tmp_path / "held")
     assert r.returncode == 143 and "before anything was computed" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "a").exists()
 
@@ -227,7 +204,7 @@ def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
     out = tmp_path / "m"
     r = interrupt(*MATRIX, f"out={out}", fault="cell@2", sig=sig, hold=tmp_path / "held")
     assert r.returncode == STOPPED[sig] and "2/8 cells finished" in r.stderr, r.stderr[-2000:]
-    r = poslsh(*MATRIX, f"out={out}")
+    r = poslsh_process(*MATRIX, f"out={out}")
     assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
     assert_same_results(out, reference / "matrix")
 
@@ -237,9 +214,9 @@ def test_sigterm_in_a_sweep_keeps_its_finished_cells(reference, tmp_path, sig):
 @pytest.mark.parametrize("fault", ["cell@2", SLOW("write:results.csv@2"), SLOW("write:meta.json@4")])
 def test_killed_matrix_sweep_resumes_to_the_uninterrupted_run(reference, tmp_path, fault):
     out = tmp_path / "m"
-    r = poslsh(*MATRIX, f"out={out}", fault=fault)
+    r = poslsh_process(*MATRIX, f"out={out}", fault=fault)
     assert r.returncode == -9, r.stderr
-    r = poslsh(*MATRIX, f"out={out}")
+    r = poslsh_process(*MATRIX, f"out={out}")
     assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
     assert_same_results(out, reference / "matrix")
 
@@ -248,10 +225,10 @@ def test_killed_matrix_sweep_resumes_to_the_uninterrupted_run(reference, tmp_pat
 def test_killed_perplexity_run_resumes(reference, tmp_path):
     args = ["perplexity", reference / "train", "lengths=[32,64]", "attention=[own,alibi]", "max_tokens=512"]
     ref = tmp_path / "ref"
-    assert poslsh(*args, f"out={ref}").returncode == 0
-    r = poslsh(*args, f"out={tmp_path / 'p'}", fault="cell@2")
+    assert poslsh_process(*args, f"out={ref}").returncode == 0
+    r = poslsh_process(*args, f"out={tmp_path / 'p'}", fault="cell@2")
     assert r.returncode == -9
-    r = poslsh(*args, f"out={tmp_path / 'p'}")
+    r = poslsh_process(*args, f"out={tmp_path / 'p'}")
     assert r.returncode == 0, r.stderr
     assert_same_results(tmp_path / "p", ref)
 
@@ -267,10 +244,10 @@ def test_two_processes_on_one_run_directory(reference, tmp_path, when):
     directory ends equal to an uninterrupted run. Started together, either may win; started while
     the first stands at training step 3, the first is the holder."""
     out, hold = tmp_path / "run", tmp_path / "held"
-    a = start("train", *TINY, f"out={out}", **({"fault": "step:3", "hold": hold} if when != "together" else {}))
+    a = start("train", *TRAIN, f"out={out}", **({"fault": "step:3", "hold": hold} if when != "together" else {}))
     if when != "together":
         held(a, hold)
-    b = start("train", *TINY, f"out={out}")
+    b = start("train", *TRAIN, f"out={out}")
     rb = b.communicate(timeout=600)
     hold.unlink(missing_ok=True)  # the first goes on
     ra = a.communicate(timeout=600)
@@ -291,7 +268,7 @@ def test_a_second_sweep_on_one_directory_is_refused(tmp_path):
     a = start("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}",
               fault="cell", hold=hold)
     held(a, hold)
-    r = poslsh("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}")
+    r = poslsh_process("matrix-error", "-m", "n=3000,6000", "sigma=[4]", "s=[2,4,8,16]", "trials=3", f"out={out}")
     hold.unlink()
     a.communicate(timeout=600)
     assert a.returncode == 0
@@ -316,16 +293,16 @@ def test_cut_results_csv_is_read_from_the_cells_and_rewritten_by_its_owner(refer
     good = (run / "results.csv").read_text()
     cut = good[: len(good) - 40]
     (run / "results.csv").write_text(cut)  # cut mid-line
-    r = poslsh("plot", run)
+    r = poslsh_process("plot", run)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "results.csv is cut mid-line; read from its 1 cell in" in r.stderr
     assert (run / "results.csv").read_text() == cut  # the reader wrote nothing
     (run / "results.csv").write_text(good.splitlines()[0] + "\n")  # rows lost
-    r = poslsh("report", run)
+    r = poslsh_process("report", run)
     assert r.returncode == 0 and "read from its 1 cell in" in r.stderr, r.stderr
     assert "read from its 1 cell in" in (run / "report.md").read_text()
     assert "0.0" in (run / "report.md").read_text()  # the report has the cell's numbers
-    r = poslsh("train", *TINY, f"out={run}")  # the owner: every cell done, the tables rewritten
+    r = poslsh_process("train", *TRAIN, f"out={run}")  # the owner: every cell done, the tables rewritten
     assert r.returncode == 0, r.stderr
     assert (run / "results.csv").read_text() == good
 
@@ -334,13 +311,13 @@ def test_cut_cell_file_is_named_and_computed_again(reference, tmp_path):
     run = copy_run(reference / "matrix", tmp_path / "m")
     cell = sorted((run / "cells").glob("*.json"))[0]
     cell.write_text(cell.read_text()[:30])
-    r = poslsh("report", run)
+    r = poslsh_process("report", run)
     assert r.returncode == 0 and f"{cell.name} is unreadable" in r.stderr, r.stderr
     # 8 cells, one unreadable: the report reads the 7 others (not a wrong row) and, being a reader,
     # leaves results.csv as the owner wrote it
     assert "read from its 7 cells" in r.stderr, r.stderr
     assert len(pd.read_csv(run / "results.csv")) == 8
-    r = poslsh(*MATRIX, f"out={run}")
+    r = poslsh_process(*MATRIX, f"out={run}")
     assert r.returncode == 0 and "will be computed again" in r.stderr, r.stderr
     assert_same_results(run, reference / "matrix")
 
@@ -348,13 +325,13 @@ def test_cut_cell_file_is_named_and_computed_again(reference, tmp_path):
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
     out = tmp_path / "run"
-    r = poslsh("train", *TINY, f"out={out}", fault="step:9")
+    r = poslsh_process("train", *TRAIN, f"out={out}", fault="step:9")
     assert r.returncode == -9
     ckpts = sorted((out / "work").glob("*/checkpoints/step-*"))
     assert [p.name for p in ckpts] == ["step-00000004", "step-00000008"]
     weights = ckpts[-1] / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    r = poslsh("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}")
     assert r.returncode == 0, r.stderr
     assert sum("is unusable" in line and "step-00000008" in line for line in r.stderr.splitlines()) == 1
     assert "resuming from step-00000004" in r.stderr
@@ -364,10 +341,10 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp
 @pytest.mark.slow
 def test_no_usable_checkpoint_is_one_line_naming_the_file(tmp_path):
     out = tmp_path / "run"
-    assert poslsh("train", *TINY, f"out={out}", fault="step:9").returncode == -9
+    assert poslsh_process("train", *TRAIN, f"out={out}", fault="step:9").returncode == -9
     for ck in (out / "work").glob("*/checkpoints/step-*"):
         (ck / "model.safetensors").write_bytes(b"\0" * 10)
-    r = poslsh("train", *TINY, f"out={out}")
+    r = poslsh_process("train", *TRAIN, f"out={out}")
     assert r.returncode == 2 and one_error(r.stderr) and "model.safetensors has 10 bytes" in r.stderr, r.stderr
     assert (out / "cells").is_dir()  # nothing was deleted
 
@@ -375,11 +352,11 @@ def test_no_usable_checkpoint_is_one_line_naming_the_file(tmp_path):
 def test_empty_meta_json_is_named_and_the_run_still_reads(reference, tmp_path):
     run = copy_run(reference / "matrix", tmp_path / "m")
     (run / "meta.json").write_text("")
-    r = poslsh("plot", run)
+    r = poslsh_process("plot", run)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    r = poslsh("report", run)
+    r = poslsh_process("report", run)
     assert r.returncode == 0, r.stderr
-    r = poslsh(*MATRIX, f"out={run}")
+    r = poslsh_process(*MATRIX, f"out={run}")
     assert r.returncode == 0 and "meta.json was unreadable" in r.stderr, r.stderr
 
 
@@ -387,7 +364,7 @@ def test_truncated_final_model_is_refused_by_perplexity_in_one_line(reference, t
     run = copy_run(reference / "train", tmp_path / "run")
     w = next(run.glob("work/*/final/model.safetensors"))
     w.write_bytes(w.read_bytes()[:-8])
-    r = poslsh("perplexity", run, "lengths=[32]", f"out={tmp_path / 'p'}")
+    r = poslsh_process("perplexity", run, "lengths=[32]", f"out={tmp_path / 'p'}")
     assert r.returncode == 2 and one_line(r.stderr) and "is corrupt" in r.stderr and "model.safetensors" in r.stderr
     assert not (tmp_path / "p").exists()
 
@@ -408,7 +385,7 @@ def test_truncated_final_model_is_refused_by_perplexity_in_one_line(reference, t
 ])
 def test_bad_input_leaves_nothing_behind(tmp_path, args, needle):
     (tmp_path / "empty.txt").write_text("")
-    r = poslsh(*args, cwd=tmp_path)
+    r = poslsh_process(*args, cwd=tmp_path)
     assert r.returncode == 2 and one_line(r.stderr) and needle in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
 
@@ -416,17 +393,17 @@ def test_bad_input_leaves_nothing_behind(tmp_path, args, needle):
 @pytest.mark.slow
 def test_collect_rebuilds_a_cut_job_table_and_names_a_dead_job(tmp_path):
     out = tmp_path / "sweep"
-    r = poslsh("matrix-error", "-m", "n=300,600", "sigma=[4]", "s=[2,8]", "trials=1", f"out={out}")
+    r = poslsh_process("matrix-error", "-m", "n=300,600", "sigma=[4]", "s=[2,8]", "trials=1", f"out={out}")
     assert r.returncode == 0, r.stderr
     whole = pd.read_csv(out / "results.csv")
     table = out / "0" / "results.csv"
     table.write_text(table.read_text()[:-25])
-    r = poslsh("collect", out)
+    r = poslsh_process("collect", out)
     assert r.returncode == 0 and "cut mid-line; read from its 2 cells" in r.stderr, r.stderr
     pd.testing.assert_frame_equal(pd.read_csv(out / "results.csv"), whole)
     meta = json.loads((out / "1" / "meta.json").read_text())
     (out / "1" / "meta.json").write_text(json.dumps({**meta, "status": "running"}))  # its process was killed
-    r = poslsh("collect", out)
+    r = poslsh_process("collect", out)
     assert r.returncode == 1 and "job 1 (n=600 sigma=[4] s=[2,8] trials=1) died" in r.stderr, r.stderr
 
 

@@ -16,13 +16,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from poslsh_cli.app.cli import app
+from conftest import poslsh
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
 
-runner = CliRunner()
 SCHEMES = ["rope", "none", "alibi", "poslsh", "fixed_block", "windowed"]
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 COMMON = ["seq_len=32", "batch=4", "steps=3", "warmup=1", "eval_every=3", "eval_tokens=1024", "checkpoint_every=2",
@@ -46,11 +44,6 @@ def save_llama(path, vocab=30522, tokenizer=True):
     return with_tokenizer(path) if tokenizer else path
 
 
-def cli(*args):
-    r = runner.invoke(app, list(args))
-    return r.exit_code, r.output
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return save_llama(tmp_path_factory.mktemp("models") / "llama")
@@ -59,8 +52,8 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finetuned(llama, tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("ft") / "run"
-    code, text = cli("train", f"init={llama}", f"position=[{','.join(SCHEMES)}]", "s=[2]", *COMMON, f"out={out}")
-    assert code == 0, text
+    r = poslsh("train", f"init={llama}", f"position=[{','.join(SCHEMES)}]", "s=[2]", *COMMON, f"out={out}")
+    assert r.exit_code == 0, r.output
     return out
 
 
@@ -133,8 +126,8 @@ def test_perplexity_restores_each_scheme_and_equals_an_independent_forward(finet
     from poslsh_cli.numerics.sampling import derive_seed
 
     out = tmp_path / "ppl"
-    code, text = cli("perplexity", str(finetuned), "lengths=[32,64]", "trials=2", "max_tokens=1024", f"out={out}")
-    assert code == 0, text
+    r = poslsh("perplexity", str(finetuned), "lengths=[32,64]", "trials=2", "max_tokens=1024", f"out={out}")
+    assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv")
     assert len(df) == 2 * (len(SCHEMES) + 1)  # Positional LSH twice: two mask draws
     tf.AttentionInterface.register("poslsh_reference", reference_attention_forward)
@@ -168,17 +161,17 @@ def test_lora_merged_and_adapter(llama, tmp_path, monkeypatch):
     monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
     for save in ("merged", "adapter"):
         out = tmp_path / save
-        code, text = cli("train", f"init={llama}", "position=[poslsh]", "s=[2]", "lora_rank=4", f"lora_save={save}",
-                         *COMMON, f"out={out}")
-        assert code == 0, text
+        r = poslsh("train", f"init={llama}", "position=[poslsh]", "s=[2]", "lora_rank=4", f"lora_save={save}",
+                   *COMMON, f"out={out}")
+        assert r.exit_code == 0, r.output
         row = pd.read_csv(out / "results.csv").iloc[0]
         assert row.trainable == 2 * 4 * (2 * (32 + 32) + 2 * (32 + 16))  # rank 4; q, o: 32->32; k, v: 32->16; 2 layers
         path = out / row.checkpoint
         # merged: the checkpoint's modeling files (trust_remote_code); an adapter through transformers' peft
         model = tf.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=save == "merged")
         assert hasattr(model, "peft_config") == (save == "adapter")
-        code, text = cli("perplexity", str(path), "lengths=[32]", "trials=1", "max_tokens=512", f"out={tmp_path / ('p' + save)}")
-        assert code == 0, text
+        r = poslsh("perplexity", str(path), "lengths=[32]", "trials=1", "max_tokens=512", f"out={tmp_path / ('p' + save)}")
+        assert r.exit_code == 0, r.output
         p = pd.read_csv(tmp_path / ("p" + save) / "results.csv").iloc[0]
         assert p.position == "poslsh" and np.isfinite(p.bits_per_byte)
     base = tf.AutoModelForCausalLM.from_pretrained(llama).state_dict()
@@ -198,18 +191,18 @@ def test_alibi_checkpoint_keeps_its_own_slopes(tmp_path, monkeypatch):
     monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
     bloom = save_alibi("bloom", tmp_path / "bloom")
     out = tmp_path / "run"
-    code, text = cli("train", f"init={bloom}", "position=[alibi,poslsh]", "s=[2]", "alibi=model", *COMMON, f"out={out}")
-    assert code == 0, text
+    r = poslsh("train", f"init={bloom}", "position=[alibi,poslsh]", "s=[2]", "alibi=model", *COMMON, f"out={out}")
+    assert r.exit_code == 0, r.output
     own = load(bloom).alibi_sigmas
     for position, path in finals(out).items():
         model, state = load_model(path)
         np.testing.assert_allclose(state.sigmas, own)
         assert state.native == (position == "alibi")
-    code, text = cli("train", f"init={bloom}", "position=[rope]", *COMMON, f"out={tmp_path / 'r'}")
-    assert code == 2 and "no rotary embedding" in text
+    r = poslsh("train", f"init={bloom}", "position=[rope]", *COMMON, f"out={tmp_path / 'r'}")
+    assert r.exit_code == 2 and "no rotary embedding" in r.output
     rotary = save_alibi("falcon", tmp_path / "rotary", alibi=False)
-    code, text = cli("train", f"init={rotary}", "position=[alibi]", "alibi=model", *COMMON, f"out={tmp_path / 'f'}")
-    assert code == 2 and "rotary embeddings (alibi=false) has no ALiBi slopes for alibi=model" in text
+    r = poslsh("train", f"init={rotary}", "position=[alibi]", "alibi=model", *COMMON, f"out={tmp_path / 'f'}")
+    assert r.exit_code == 2 and "rotary embeddings (alibi=false) has no ALiBi slopes for alibi=model" in r.output
     assert not (tmp_path / "f").exists() and not (tmp_path / "r").exists()
 
 
@@ -218,8 +211,8 @@ def test_arch_trains_a_configuration_from_scratch(llama, tmp_path, monkeypatch):
 
     monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    code, text = cli("train", f"arch={llama}", "position=[alibi]", *COMMON, f"out={out}")
-    assert code == 0, text
+    r = poslsh("train", f"arch={llama}", "position=[alibi]", *COMMON, f"out={out}")
+    assert r.exit_code == 0, r.output
     row = pd.read_csv(out / "results.csv").iloc[0]
     trained = load_file(out / row.checkpoint / "model.safetensors")
     base = load_file(llama / "model.safetensors")
@@ -259,9 +252,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, monkeypatch):
         needle = "lora_rank= fine-tunes pretrained weights: give init="
     if case in ("no_field", "offline"):  # their own data= replaces the common one
         args.remove("data=pydoc-topics")
-    code, text = cli("train", *args, f"out={tmp_path / 'out'}")
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    assert code == 2 and len(lines) == 1 and needle in lines[0], text
+    r = poslsh("train", *args, f"out={tmp_path / 'out'}")
+    lines = [x for x in r.output.strip().splitlines() if x.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
     assert not (tmp_path / "out").exists()
 
 

@@ -1,62 +1,25 @@
-"""lm-evaluation-harness on checkpoints (``poslsh eval``, lm-eval's ``--model poslsh``): a local
-multiple-choice task (no download), the peer check against lm-eval's own ``HFLM`` on a RoPE
-checkpoint (the same metrics and the same per-choice log-likelihoods), a Positional-LSH byte-level
-checkpoint whose batched scores equal a direct forward of each request alone, and every bad input
-as one line."""
-import json
+"""lm-evaluation-harness on checkpoints (lm-eval's ``--model poslsh``, the model ``poslsh eval``
+runs: the command's own tests are in tests/test_eval.py): a local multiple-choice task (no
+download), the peer check against lm-eval's own ``HFLM`` on a RoPE checkpoint (the same metrics and
+the same per-choice log-likelihoods), a Positional-LSH byte-level checkpoint whose batched scores
+equal a direct forward of each request alone, and a Sobol-sampled checkpoint that keeps its
+sampler."""
 import math
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 pytest.importorskip("lm_eval")
 
-from poslsh_cli.app.cli import app  # noqa: E402
+from conftest import poslsh  # noqa: E402
 from poslsh_cli.lm.convert import save  # noqa: E402
 from poslsh_cli.lm.loading import Arch, build_model  # noqa: E402
 from poslsh_cli.lm.models import minilm_path  # noqa: E402
 from poslsh_cli.lm.positions import PositionState  # noqa: E402
 
-runner = CliRunner()
 ARCH = Arch(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, head_dim=16, max_positions=4096)
-ANIMALS = ["cat", "dog", "cow", "hen", "pig", "fox", "owl", "bee"]
-COLORS = ["red", "blue", "green", "black", "white"]
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    """A multiple-choice task of 20 documents as lm-eval task YAML + JSON lines."""
-    d = tmp_path_factory.mktemp("tasks")
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(20):
-        a, c = rng.choice(ANIMALS), rng.choice(COLORS)
-        choices = [c, *rng.choice([x for x in COLORS if x != c], 2, replace=False)]
-        rng.shuffle(choices)
-        rows.append({"query": f"The {a} is {c}. The {a} is", "choices": [" " + str(x) for x in choices],
-                     "gold": choices.index(c)})
-    (d / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {d / 'tiny.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{query}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n"
-        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
-    return d
-
-
-@pytest.fixture(scope="module")
-def byte_ck(tmp_path_factory):
-    """A byte-level Positional-LSH checkpoint (no tokenizer of its own)."""
-    state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), num_samples=8, seed=3)
-    model = build_model(ARCH, state, seed=1).eval()
-    path = tmp_path_factory.mktemp("ck") / "poslsh"
-    save(model, path, {"scheme": model.poslsh_position.to_json(), "seq_len": 128}, None)
-    return path
 
 
 def test_byte_tokenizer_ids_are_the_bytes():
@@ -101,7 +64,7 @@ def test_plain_hflm_and_poslsh_agree_on_a_rope_checkpoint(task_dir, tmp_path):
     assert a.shape == (20, 3) and np.isfinite(a).all() and np.abs(a - b).max() < 1e-4
 
 
-def test_batched_scores_equal_a_direct_forward(byte_ck):
+def test_batched_scores_equal_a_direct_forward(poslsh_checkpoint):
     """PoslshLM scores (context, continuation) pairs in right-padded batches; each equals the
     summed log-probability of the continuation's bytes in a forward of that request alone, under
     the same masks; an empty context starts from the newline prefix token."""
@@ -112,9 +75,9 @@ def test_batched_scores_equal_a_direct_forward(byte_ck):
 
     pairs = [("The sky is", " blue"), ("Once upon a time there was a", " fox that ran"), ("", "abc"),
              ("x" * 300, " and a long context"), ("Hello", " world")]
-    lm = PoslshLM(pretrained=str(byte_ck), device="cpu", batch_size=4)
+    lm = PoslshLM(pretrained=str(poslsh_checkpoint), device="cpu", batch_size=4)
     got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
-    model, _ = load_model(byte_ck)
+    model, _ = load_model(poslsh_checkpoint)
     for (ctx, cont), (ll, greedy) in zip(pairs, got):
         c = list(ctx.encode()) or [NEWLINE]
         ids = torch.tensor([c + list(cont.encode())])
@@ -125,34 +88,6 @@ def test_batched_scores_equal_a_direct_forward(byte_ck):
         want = float(logp[-n - 1:-1].gather(1, target[:, None]).sum())
         assert math.isclose(ll, want, rel_tol=0, abs_tol=1e-3), (ctx[:20], ll, want)
         assert greedy == bool((logp[-n - 1:-1].argmax(-1) == target).all())
-
-
-def test_eval_command_runs_draws_and_refuses_bad_input(byte_ck, task_dir, tmp_path):
-    import pandas as pd
-
-    out = tmp_path / "run"
-    res = runner.invoke(app, ["eval", str(byte_ck), "tasks=[tiny_mc]", f"include_path={task_dir}",
-                              "attention=[own,alibi]", "trials=2", "batch_size=4", "device=cpu", f"out={out}"])
-    assert res.exit_code == 0, res.output
-    df = pd.read_csv(out / "results.csv")
-    own, alibi = df[df.attention == "own"], df[df.attention == "alibi"]
-    assert sorted(set(df.metric)) == ["acc", "acc_norm"] and (df.documents == 20).all()
-    assert sorted(set(own.draw)) == [0, 1] and own.seed.nunique() == 2 and (own.position == "poslsh").all()
-    assert len(alibi) == 2 and (alibi.seed == -1).all() and (alibi.s == 0).all()
-    assert ((df.value >= 0) & (df.value <= 1)).all() and (df.stderr > 0).all()
-    res = runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "report")])
-    assert res.exit_code == 0, res.output
-    text = (tmp_path / "report" / "report.md").read_text()
-    assert "lm-evaluation-harness tasks" in text and "mean over 2 mask draw(s)" in text
-    for args, why in ((["tasks=[nope]", f"include_path={task_dir}"], "unknown task 'nope'"),
-                      (["tasks=[]"], "give the tasks to run"),
-                      (["tasks=[tiny_mc]", "attention=[bogus]"], "unknown attention 'bogus'"),
-                      (["tasks=[tiny_mc]", f"include_path={tmp_path / 'none'}"], "not a directory")):
-        res = runner.invoke(app, ["eval", str(byte_ck), *args, f"out={tmp_path / 'bad'}"])
-        assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    res = runner.invoke(app, ["eval", str(tmp_path / "missing"), "tasks=[tiny_mc]", f"include_path={task_dir}"])
-    assert res.exit_code != 0 and "does not exist" in res.stderr
-    assert not (tmp_path / "bad").exists()
 
 
 @pytest.fixture(scope="module")
@@ -180,31 +115,11 @@ def test_poslsh_lm_and_eval_keep_the_checkpoints_sampler_and_backend(sobol_ck, t
     assert (state.sampler, state.backend) == ("stratified", "blocks")
     for extra, sampler in (([], "sobol"), (["sampler=iid"], "iid")):
         out = tmp_path / sampler
-        res = runner.invoke(app, ["eval", str(sobol_ck), "tasks=[tiny_mc]", f"include_path={task_dir}", "limit=4",
-                                  "attention=[own,poslsh]", "s=4", "batch_size=4", "device=cpu", *extra, f"out={out}"])
+        res = poslsh("eval", str(sobol_ck), "tasks=[tiny_mc]", f"include_path={task_dir}", "limit=4",
+                     "attention=[own,poslsh]", "s=4", "batch_size=4", "device=cpu", *extra, f"out={out}")
         assert res.exit_code == 0, res.output
         df = pd.read_csv(out / "results.csv")
         assert len(df) == 4 and (df.sampler == sampler).all() and (df.position == "poslsh").all(), df
-
-
-def test_a_task_whose_data_is_on_an_unreachable_hub_is_one_line(byte_ck, tmp_path, monkeypatch):
-    """A task that reads its dataset from the hub, without a network: refused before the run
-    directory exists, in one line with a hint, without the hub client's retry warnings."""
-    from test_data import unreachable_hub
-
-    records = unreachable_hub(monkeypatch)
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "hub.yaml").write_text(
-        "task: hub_task\ndataset_path: wikitext\ndataset_name: wikitext-2-raw-v1\ntest_split: test\n"
-        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{page}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n")
-    out = tmp_path / "run"
-    res = runner.invoke(app, ["eval", str(byte_ck), "tasks=[hub_task]", f"include_path={tmp_path / 'tasks'}",
-                              f"out={out}"])
-    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "hub_task" in res.stderr and "the Hugging Face hub is not reachable" in res.stderr, res.stderr
-    assert "HF_HUB_OFFLINE=1" in res.stderr and not out.exists()
-    assert not records, [r.getMessage() for r in records]
 
 
 def test_registered_for_lm_eval():

@@ -11,21 +11,15 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
 
-from poslsh_cli.app.cli import app
+from conftest import poslsh, poslsh_process
 
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-runner = CliRunner()
 METRICS = ["n", "sigma", "s", "trial", "seed", "method", "spectral_err", "spectral_rel", "max_err", "b_max"]
+#: The environment of the sweeps: unbuffered output, the threads this machine gives
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
-
-
-def poslsh(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "poslsh_cli", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
 
 
 def descendants(pid):
@@ -47,7 +41,7 @@ def descendants(pid):
 
 def one_process(tmp_path, *grid):
     out = tmp_path / "single"
-    r = runner.invoke(app, ["matrix-error", *grid, f"out={out}"])
+    r = poslsh("matrix-error", *grid, f"out={out}")
     assert r.exit_code == 0, r.output
     return pd.read_csv(out / "results.csv")
 
@@ -62,8 +56,8 @@ def same_cells(collected, single):
 @pytest.mark.slow
 def test_joblib_sweep_collects_one_table_equal_to_one_process(tmp_path):
     sweep = tmp_path / "sweep"
-    r = poslsh("matrix-error", "-m", "n=64,128", "sigma=2,4", "s=[1,8]", "trials=2", "hydra/launcher=joblib",
-               "hydra.launcher.n_jobs=2", f"out={sweep}")
+    r = poslsh_process("matrix-error", "-m", "n=64,128", "sigma=2,4", "s=[1,8]", "trials=2", "hydra/launcher=joblib",
+                       "hydra.launcher.n_jobs=2", f"out={sweep}", env=ENV)
     assert r.returncode == 0, r.stderr
     assert "collected 16 rows of 4 jobs" in r.stdout  # the callback at the end of the multirun
     df = pd.read_csv(sweep / "results.csv")
@@ -73,31 +67,8 @@ def test_joblib_sweep_collects_one_table_equal_to_one_process(tmp_path):
     meta = json.loads((sweep / "2" / "meta.json").read_text())
     assert meta["argv"].startswith("poslsh matrix-error -m ") and meta["job"] == 2 and "n=128" in meta["job_overrides"]
     # plot and report take the sweep root directly
-    assert runner.invoke(app, ["plot", str(sweep)]).exit_code == 0
-    assert runner.invoke(app, ["report", str(sweep)]).exit_code == 0 and (sweep / "report.html").exists()
-
-
-def test_collect_names_a_missing_job(tmp_path):
-    sweep = tmp_path / "sweep"
-    r = runner.invoke(app, ["block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={sweep}"])
-    assert r.exit_code == 0, r.output
-    import shutil
-
-    shutil.rmtree(sweep / "1")
-    r = runner.invoke(app, ["collect", str(sweep)])
-    assert r.exit_code == 1 and "job 1 (n=128 sigma=2 s=4 trials=2) has no run directory" in r.stderr
-    assert len(pd.read_csv(sweep / "results.csv")) == 2  # what there is, is still collected
-    r = runner.invoke(app, ["collect", str(tmp_path)])
-    assert r.exit_code == 2 and "not a multirun directory" in r.stderr
-
-
-def test_collect_names_cells_run_by_two_jobs(tmp_path):
-    sweep = tmp_path / "sweep"
-    r = runner.invoke(app, ["block-stats", "-m", "n=64,64", "sigma=2", "s=4", "trials=2", f"out={sweep}"])
-    assert r.exit_code == 0, r.output
-    assert "2 cells were run by more than one job (jobs 0, 1)" in r.stderr
-    r = runner.invoke(app, ["collect", str(sweep)])
-    assert r.exit_code == 1 and "2 cells were run by more than one job" in r.stderr
+    assert poslsh("plot", str(sweep)).exit_code == 0
+    assert poslsh("report", str(sweep)).exit_code == 0 and (sweep / "report.html").exists()
 
 
 @pytest.mark.slow
@@ -131,7 +102,7 @@ def test_submitit_local_job_killed_and_rerun_resumes_without_repeating_a_cell(tm
     before = {p.name for job in ("0", "1") for p in (sweep / job / "cells").glob("*.json")} \
         if (sweep / "0" / "cells").exists() else set()
     assert 0 < len(before) < 60
-    r = poslsh(*args)
+    r = poslsh_process(*args, env=ENV)
     assert r.returncode == 0, r.stderr
     df = pd.read_csv(sweep / "results.csv")
     assert len(df) == 60 and not df.duplicated(["n", "sigma", "s", "trial"]).any()
@@ -143,9 +114,9 @@ def test_submitit_local_job_killed_and_rerun_resumes_without_repeating_a_cell(tm
 @pytest.mark.slow
 def test_train_and_reproduce_run_under_a_launcher(tmp_path):
     sweep = tmp_path / "train"
-    r = poslsh("train", "-m", "position=[alibi],[rope]", "hidden=32", "layers=1", "heads=4", "kv_heads=4",
-               "head_dim=8", "intermediate=64", "seq_len=32", "batch=2", "steps=3", "eval_every=0",
-               "eval_tokens=512", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"out={sweep}")
+    r = poslsh_process("train", "-m", "position=[alibi],[rope]", "hidden=32", "layers=1", "heads=4", "kv_heads=4",
+                       "head_dim=8", "intermediate=64", "seq_len=32", "batch=2", "steps=3", "eval_every=0",
+                       "eval_tokens=512", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"out={sweep}", env=ENV)
     assert r.returncode == 0, r.stderr
     df = pd.read_csv(sweep / "results.csv")
     assert sorted(df.position) == ["alibi", "rope"] and (df.val_bpb > 0).all()

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from poslsh_cli.app.cli import app
+from conftest import poslsh
 from poslsh_cli.app.publish import BEGIN, END, local_paths_cut
 
-runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,7 +35,7 @@ def _same_figures(a: Path, b: Path) -> None:
 
 
 def _publish(runs, out: Path, readme: Path) -> None:
-    r = runner.invoke(app, ["report", *map(str, runs), "--publish", str(out), "--readme", str(readme)])
+    r = poslsh("report", *map(str, runs), "--publish", str(out), "--readme", str(readme))
     assert r.exit_code == 0, r.output
 
 
@@ -48,7 +46,7 @@ def runs(tmp_path_factory):
                  ["block-stats", "n=[1024,8192]", "sigma=4", "s=8", "trials=10", f"out={root / 'b'}"],
                  ["bench", "n=[256,512]", "heads=2", "head_dim=8", "s=[2]", "window_sigmas=[2]", "repeats=1",
                   "warmup=0", "causal=[false,true]", f"out={root / 'x'}"]):
-        r = runner.invoke(app, args)
+        r = poslsh(*args)
         assert r.exit_code == 0, (args, r.output)
     return root
 
@@ -99,24 +97,24 @@ def test_publish_stamps_every_section_and_republishing_the_snapshot_gives_the_sa
     notes.mkdir()
     (notes / "todo.txt").write_text("keep me\n")
     mine.write_bytes(b"not a published figure")
-    r = runner.invoke(app, ["report", str(docs / "results" / "b"), "--publish", str(docs), "--readme", str(readme)])
+    r = poslsh("report", str(docs / "results" / "b"), "--publish", str(docs), "--readme", str(readme))
     assert r.exit_code == 2 and "notes" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
     assert (notes / "todo.txt").read_text() == "keep me\n" and (docs / "RESULTS.md").read_text() != ""
     shutil.move(str(notes), tmp_path / "notes")
     _publish([docs / "results" / "b"], docs, readme)
     assert mine.read_bytes() == b"not a published figure"
     (docs / "figures" / "b--my-own.png").write_bytes(b"named like a published figure")
-    r = runner.invoke(app, ["report", str(docs / "results" / "b"), "--publish", str(docs)])
+    r = poslsh("report", str(docs / "results" / "b"), "--publish", str(docs))
     assert r.exit_code == 2 and "b--my-own.png" in r.stderr, r.output
 
 
 def test_publish_refuses_a_readme_without_markers_and_readme_without_publish(runs, tmp_path):
     bare = tmp_path / "README.md"
     bare.write_text("# no block here\n")
-    r = runner.invoke(app, ["report", str(runs / "b"), "--publish", str(tmp_path / "docs"), "--readme", str(bare)])
+    r = poslsh("report", str(runs / "b"), "--publish", str(tmp_path / "docs"), "--readme", str(bare))
     assert r.exit_code == 2 and "has no results block" in r.stderr
     assert bare.read_text() == "# no block here\n" and not (tmp_path / "docs").exists()
-    r = runner.invoke(app, ["report", str(runs / "b"), "--readme", str(bare)])
+    r = poslsh("report", str(runs / "b"), "--readme", str(bare))
     assert r.exit_code == 2 and "--readme goes with --publish" in r.stderr
 
 
@@ -159,10 +157,10 @@ def test_publishing_one_run_beside_another_refuses_and_removes_no_run(tmp_path):
     (it refuses in one line, writing nothing), and a run published in place keeps its figures."""
     pub = tmp_path / "pub"
     for name, sigma in (("run_a", 2), ("run_b", 4)):
-        r = runner.invoke(app, ["matrix-error", "n=[64]", f"sigma=[{sigma}]", "s=[1,2]", "trials=1",
-                                f"out={pub / 'results' / name}"])
+        r = poslsh("matrix-error", "n=[64]", f"sigma=[{sigma}]", "s=[1,2]", "trials=1",
+                   f"out={pub / 'results' / name}")
         assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["plot", str(pub / "results" / "run_a")])
+    r = poslsh("plot", str(pub / "results" / "run_a"))
     assert r.exit_code == 0, r.output
 
     def files(run: Path) -> dict:
@@ -170,13 +168,13 @@ def test_publishing_one_run_beside_another_refuses_and_removes_no_run(tmp_path):
 
     before = {name: files(pub / "results" / name) for name in ("run_a", "run_b")}
     assert any(p.parts[0] == "figures" for p in before["run_a"])
-    r = runner.invoke(app, ["report", str(pub / "results" / "run_a"), "--publish", str(pub)])
+    r = poslsh("report", str(pub / "results" / "run_a"), "--publish", str(pub))
     assert r.exit_code == 2 and "run_b" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
     assert files(pub / "results" / "run_b") == before["run_b"]
     assert not (pub / "RESULTS.md").exists() and not (pub / "figures").exists()
     # both published in place: each run stays whole, figures included
-    r = runner.invoke(app, ["report", str(pub / "results" / "run_a"), str(pub / "results" / "run_b"),
-                            "--publish", str(pub)])
+    r = poslsh("report", str(pub / "results" / "run_a"), str(pub / "results" / "run_b"),
+               "--publish", str(pub))
     assert r.exit_code == 0, r.output
     for name in ("run_a", "run_b"):
         assert before[name].items() <= files(pub / "results" / name).items(), name

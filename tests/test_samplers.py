@@ -4,6 +4,7 @@ and the two that spread their draws lower the mean-mask error at the same s."""
 import numpy as np
 import pytest
 
+from conftest import poslsh
 from poslsh_cli.numerics.sampling import Sampler, sample_partitions
 
 SAMPLERS = [s.value for s in Sampler]
@@ -114,32 +115,28 @@ def test_matrix_error_runs_the_samplers_side_by_side_and_sample_replays_a_row(tm
     report's sampler sentences and figure; ``poslsh sample ... sampler= seed=`` gives the masks of a
     sobol row (its b_max); a wrong sampler is one error line."""
     import pandas as pd
-    from typer.testing import CliRunner
 
-    from poslsh_cli.app.cli import app
-
-    run = CliRunner()
     out = tmp_path / "me"
-    r = run.invoke(app, ["matrix-error", "n=[512]", "sigma=[16]", "s=[4,8,16]", "trials=2",
-                         "sampler=[iid,stratified,sobol]", f"out={out}"])
+    r = poslsh("matrix-error", "n=[512]", "sigma=[16]", "s=[4,8,16]", "trials=2",
+               "sampler=[iid,stratified,sobol]", f"out={out}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv")
     assert sorted(df.sampler.unique()) == ["iid", "sobol", "stratified"] and len(df) == 18
     assert df.groupby(["s", "trial"]).seed.nunique().eq(1).all()  # a sampler changes how the seed is used
     rep = tmp_path / "rep.md"
-    assert run.invoke(app, ["report", str(out), "-o", str(rep)]).exit_code == 0
+    assert poslsh("report", str(out), "-o", str(rep)).exit_code == 0
     assert (out / "figures" / "matrix_error_samplers.png").exists()
     text = (rep / "report.md").read_text()
     assert "sobol against iid at equal s" in text and "matches iid s" in text
     row = df[df.sampler == "sobol"].iloc[0]
     smp = tmp_path / "smp"
-    r = run.invoke(app, ["sample", f"n={int(row.n)}", f"sigma={row.sigma}", f"s={int(row.s)}", "sampler=sobol",
-                         f"seed={int(row.seed)}", f"out={smp}"])
+    r = poslsh("sample", f"n={int(row.n)}", f"sigma={row.sigma}", f"s={int(row.s)}", "sampler=sobol",
+               f"seed={int(row.seed)}", f"out={smp}")
     assert r.exit_code == 0, r.output
     masks = np.load(smp / "masks.npz")
     want = sample_partitions(int(row.n), float(row.sigma), int(row.s), np.random.default_rng(int(row.seed)), "sobol")
     assert np.array_equal(masks["widths"], want.widths) and want.b_max == row.b_max
-    bad = run.invoke(app, ["matrix-error", "sampler=halton", f"out={tmp_path / 'bad'}"])
+    bad = poslsh("matrix-error", "sampler=halton", f"out={tmp_path / 'bad'}")
     assert bad.exit_code == 2 and "halton" in bad.output and not (tmp_path / "bad").exists()
 
 
@@ -147,23 +144,19 @@ def test_output_error_and_bench_compare_the_samplers(tmp_path):
     """output-error on MiniLM and bench with two samplers: Positional-LSH rows per sampler (baselines
     and exact without one), every table but the samplers' on iid, the comparison sentences."""
     import pandas as pd
-    from typer.testing import CliRunner
 
-    from poslsh_cli.app.cli import app
-
-    run = CliRunner()
     oe, be = tmp_path / "oe", tmp_path / "be"
-    r = run.invoke(app, ["output-error", "model=minilm", "n=128", "layers=[0]", "s=[4,8,16]", "trials=2",
-                         "sampler=[iid,sobol]", "baselines=[no_bias]", f"out={oe}"])
+    r = poslsh("output-error", "model=minilm", "n=128", "layers=[0]", "s=[4,8,16]", "trials=2",
+               "sampler=[iid,sobol]", "baselines=[no_bias]", f"out={oe}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(oe / "results.csv", keep_default_na=False)
     assert set(df[df.method == "poslsh"].sampler) == {"iid", "sobol"} and set(df[df.method != "poslsh"].sampler) == {""}
-    r = run.invoke(app, ["bench", "n=[640]", "heads=2", "head_dim=16", "methods=[exact,poslsh]", "s=[2,4,8]",
-                         "sampler=[iid,sobol]", "repeats=1", "warmup=0", f"out={be}"])
+    r = poslsh("bench", "n=[640]", "heads=2", "head_dim=16", "methods=[exact,poslsh]", "s=[2,4,8]",
+               "sampler=[iid,sobol]", "repeats=1", "warmup=0", f"out={be}")
     assert r.exit_code == 0, r.output
     b = pd.read_csv(be / "results.csv", keep_default_na=False)
     assert len(b[b.method == "poslsh"]) == 6 and set(b[b.method == "exact"].sampler) == {""}
     for run_dir, want in ((oe, "output error, sobol against iid"), (be, "rel_fro, median over heads), sobol")):
         rep = tmp_path / f"rep-{run_dir.name}"
-        assert run.invoke(app, ["report", str(run_dir), "-o", str(rep)]).exit_code == 0
+        assert poslsh("report", str(run_dir), "-o", str(rep)).exit_code == 0
         assert want in (rep / "report.md").read_text()

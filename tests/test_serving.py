@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import poslsh
 from poslsh_cli.attention import AttentionSpec, reference_weight
 from poslsh_cli.attention.positioned import (allowed_from_mask, is_causal_padding, positioned_attention,
                                              positions_from_padding)
@@ -314,45 +315,16 @@ def test_plain_loading_is_the_same_function_or_refuses(position, tmp_path, token
         assert out["plain"].startswith("refused:") and "custom code" in out["plain"]
 
 
-def test_registered_on_import_plain_loading_is_the_same_function(tmp_path, tokens):
+def test_registered_on_import_plain_loading_is_the_same_function(poslsh_checkpoint, tokens):
     import transformers as tf
 
     import poslsh_cli.lm.hf  # noqa: F401  registers the poslsh model type
 
-    model = _model("poslsh")
-    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
     x = tokens[0][:, :150]
     with torch.no_grad():
-        ref = load_model(tmp_path / "ck")[0](x, use_cache=False).logits
-        plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ck")(x, use_cache=False).logits
+        ref = load_model(poslsh_checkpoint)[0](x, use_cache=False).logits
+        plain = tf.AutoModelForCausalLM.from_pretrained(poslsh_checkpoint)(x, use_cache=False).logits
     assert (plain - ref).abs().max().item() < TOL
-
-
-def test_generate_command(tmp_path):
-    """poslsh generate: the prompt continued, the same text with and without the cache (greedy),
-    a swapped scheme, and one error line for a wrong key or a missing checkpoint."""
-    from typer.testing import CliRunner
-
-    from poslsh_cli.app.cli import app
-
-    model = _model("poslsh")
-    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
-    runner = CliRunner()
-    texts = []
-    for cache in ("true", "false"):
-        res = runner.invoke(app, ["generate", str(tmp_path / "ck"), "prompt=Once upon a time", "max_new_tokens=12",
-                                  f"cache={cache}"])
-        assert res.exit_code == 0, res.output
-        texts.append(res.stdout)
-        assert "12 new tokens" in res.stderr and "poslsh s=8" in res.stderr
-    assert texts[0] == texts[1] and texts[0].startswith("Once upon a time")
-    res = runner.invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=4", "attention=alibi"])
-    assert res.exit_code == 0 and "alibi" in res.stderr and "positioned" in res.stderr
-    for args, why in ((["max_tokens=3"], "unknown key 'max_tokens'"), (["attention=bogus"], "attention='bogus'")):
-        res = runner.invoke(app, ["generate", str(tmp_path / "ck"), *args])
-        assert res.exit_code != 0 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    res = runner.invoke(app, ["generate", str(tmp_path / "missing")])
-    assert res.exit_code != 0 and "does not exist" in res.stderr
 
 
 def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(tmp_path):
@@ -360,9 +332,7 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
     re-drawn, Positional LSH or another method swapped in: the masks drawn are the Sobol ones) and
     through poslsh generate, unless the user gives others; a swapped method that does not run on
     the checkpoint's backend takes auto."""
-    from typer.testing import CliRunner
 
-    from poslsh_cli.app.cli import app
     from poslsh_cli.lm.loading import with_scheme
 
     trained = PositionState("poslsh", SIGMAS, num_samples=8, seed=3, sampler="sobol", backend="dense")
@@ -385,10 +355,10 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
     state = with_scheme(model, own, "poslsh", 4, sampler="stratified", backend="blocks")
     assert (state.sampler, state.backend) == ("stratified", "blocks")
     assert with_scheme(model, own, "own", sampler="iid").sampler == "iid"
-    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4"])
+    res = poslsh("generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4")
     assert res.exit_code == 0 and "poslsh s=4 sobol" in res.stderr, res.output
-    res = CliRunner().invoke(app, ["generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4",
-                                   "sampler=iid"])
+    res = poslsh("generate", str(tmp_path / "ck"), "prompt=abc", "max_new_tokens=3", "s=4",
+                 "sampler=iid")
     assert res.exit_code == 0 and "poslsh s=4," in res.stderr, res.output
 
 
@@ -485,61 +455,3 @@ def test_a_refused_crop_leaves_every_layer_of_the_forgetting_cache_as_it_was(tok
         assert _same_layers(_layer_state(cache), before)
         steps = [model(a[:, t:t + 1], cache=cache, use_cache=True).logits[0] for t in range(300, 320)]
     assert (torch.cat(steps) - full[300:]).abs().max().item() < TOL
-
-
-def test_decode_bench_runs_and_judges_its_goals(tmp_path):
-    import pandas as pd
-
-    from poslsh_cli.experiments import decode_bench
-    from poslsh_cli.verdicts.claims import Status
-    from typer.testing import CliRunner
-
-    from poslsh_cli.app.cli import app
-
-    res = CliRunner().invoke(app, ["decode-bench", "context=[64,512]", "new_tokens=3", "hidden=32", "heads=4",
-                                   "kv_heads=4", "head_dim=8", "intermediate=64", "sigma=4", f"out={tmp_path / 'd'}"])
-    assert res.exit_code == 0, res.output
-    df = pd.read_csv(tmp_path / "d" / "results.csv")
-    assert len(df) == 6 and set(df.position) == {"alibi", "windowed", "poslsh"}
-    long = df[df.context == 512].set_index("position")
-    assert long.kv_tokens["alibi"] == 512 + 3 and long.kv_tokens["poslsh"] < 128  # sigma=4: blocks of tens
-    assert long.kv_bytes["alibi"] == long.full_kv_bytes["alibi"] > 4 * long.kv_bytes["poslsh"]
-    assert all(v.status is Status.NOT_MEASURED for v in decode_bench.claims(df))  # no 64k context here
-
-    def table(speed: float, kv: float) -> pd.DataFrame:
-        return pd.DataFrame([dict(context=65536, position="alibi", s=0, tokens_per_s=10.0, kv_bytes=800.0),
-                             dict(context=65536, position="poslsh", s=8, tokens_per_s=10.0 * speed, kv_bytes=800.0 * kv)])
-
-    good, slow = decode_bench.claims(table(5.0, 0.1)), decode_bench.claims(table(3.0, 0.2))
-    assert [v.status for v in good] == [Status.SUPPORTED] * 2
-    assert [v.status for v in slow] == [Status.NOT_SUPPORTED] * 2
-
-
-def test_passkey_prompts_and_run(tmp_path):
-    """The prompt is exactly `length` tokens with the needle at its depth and the answer last; the
-    command scores every (length, depth, key) of a checkpoint and refuses a length too short."""
-    import pandas as pd
-    from typer.testing import CliRunner
-
-    from poslsh_cli.app.cli import app
-    from poslsh_cli.core.errors import ConfigError
-    from poslsh_cli.experiments.passkey import NEEDLE, prompt
-
-    encode = lambda text: list(text.encode())  # noqa: E731
-    for depth in (0.0, 0.5, 1.0):
-        ids, m = prompt(encode, 300, depth, "12345")
-        text = bytes(ids).decode()
-        assert len(ids) == 300 and m == 6 and text.endswith("The pass key is 12345")
-        at = text.index(NEEDLE.format(key="12345"))
-        room = 300 - len(NEEDLE.format(key="12345")) - len("What is the pass key? The pass key is 12345")
-        assert at == round(depth * room)
-    with pytest.raises(ConfigError, match="too short"):
-        prompt(encode, 40, 0.5, "12345")
-    model = _model("poslsh")
-    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json(), "seq_len": 128}, None)
-    res = CliRunner().invoke(app, ["passkey", str(tmp_path / "ck"), "depths=[0,1]", "trials=2", f"out={tmp_path / 'p'}"])
-    assert res.exit_code == 0, res.output
-    df = pd.read_csv(tmp_path / "p" / "results.csv")
-    assert sorted(set(df.length)) == [128, 256, 512] and len(df) == 3 * 2 * 2
-    assert ((df.correct == 1) == (df.answer_top1 == 1.0)).all() and (df.answer_nll > 0).all()
-    assert df.groupby("length").key.nunique().min() >= 2  # a new key per trial

@@ -1,6 +1,7 @@
-"""Training paths and ``poslsh train`` / ``perplexity`` / ``step-bench``: float64 references for
-the training attention paths, position schemes inside a real transformers model, resume after
-SIGKILL with identical results, perplexity equal to transformers' own forward, bad input."""
+"""Training paths and ``poslsh train``: float64 references for the training attention paths,
+position schemes inside a real transformers model, resume after SIGKILL with identical results,
+bad input, and train's claim on the gap to ALiBi. (Perplexity of the trained checkpoints:
+tests/test_perplexity.py; step-bench: tests/test_step_bench.py.)"""
 import json
 import math
 import os
@@ -13,24 +14,19 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from typer.testing import CliRunner
 
+from conftest import TINY, poslsh, status_of
+from poslsh_cli.verdicts.claims import Status
+from poslsh_cli.app import registry
 from poslsh_cli import attention as A
 from poslsh_cli.attention import AttentionSpec, Backend, Method, attend, choose, reference_attention
-from poslsh_cli.app.cli import app
 from poslsh_cli.lm.data import load_corpus
 from poslsh_cli.lm.windows import count_predicted, eval_windows
 from poslsh_cli.lm.positions import Position, PositionState
 from poslsh_cli.lm.loading import Arch, build_model, load_model
 from poslsh_cli.numerics.sampling import alibi_sigmas, sample_partitions
 
-runner = CliRunner()
-TINY = ["hidden=32", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "intermediate=64", "seq_len=32",
-        "batch=4", "eval_tokens=2048", "warmup=2"]
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
+TRAIN = [*TINY, "seq_len=32", "batch=4", "eval_tokens=2048", "warmup=2"]
 
 
 def qkv(B=2, H=4, n=80, d=8, seed=0, grad=False):
@@ -219,16 +215,7 @@ def test_eval_windows_predict_every_byte_once():
 
 
 # ---------------------------------------------------------------------------------------------
-# poslsh train, perplexity, step-bench end to end
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "run"
-    r = invoke("train", *TINY, "position=[none,alibi,poslsh,fixed_block,windowed,rope]", "s=[3]", "steps=6",
-               "eval_every=3", "checkpoint_every=4", f"out={out}")
-    assert r.exit_code == 0, r.output
-    return out
+# poslsh train end to end (perplexity: tests/test_perplexity.py; step-bench: tests/test_step_bench.py)
 
 
 def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
@@ -250,7 +237,7 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
         assert model.config.poslsh["position"] == r.position
         model2, state = load_model(final)
         assert state.position.value == r.position
-    assert invoke("plot", trained).exit_code == 0 and (trained / "figures" / "learning_curves.png").exists()
+    assert poslsh("plot", trained).exit_code == 0 and (trained / "figures" / "learning_curves.png").exists()
 
 
 def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(trained):
@@ -294,77 +281,6 @@ def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(traine
     assert old["train measured by"].str.startswith("loss of the last tenth of steps").all()
 
 
-def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    df = pd.read_csv(trained / "results.csv")
-    ck = trained / df[df.position == "rope"].checkpoint.iloc[0]
-    out = tmp_path / "ppl"
-    r = invoke("perplexity", ck, "lengths=[32,64]", "max_tokens=2048", f"out={out}")
-    assert r.exit_code == 0, r.output
-    res = pd.read_csv(out / "results.csv")
-    model = AutoModelForCausalLM.from_pretrained(ck, local_files_only=True).eval()
-    val = load_corpus("builtin", 0.1).val
-    for length in (32, 64):
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for w in eval_windows(val, length, max_tokens=2048):
-                x = torch.as_tensor(w.tokens)[None]
-                logits = model(input_ids=x).logits[0, :-1]
-                total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-                count += length - 1
-        row = res[res.length == length].iloc[0]
-        assert row.tokens == count
-        assert row.loss == pytest.approx(total / count, rel=1e-5)
-        assert row.bits_per_byte == pytest.approx(total / count / math.log(2), rel=1e-5)
-
-
-@pytest.mark.slow
-def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
-    out = tmp_path / "ppl"
-    r = invoke("perplexity", trained, "attention=[own,alibi,poslsh]", "s=[2,4]", "max_tokens=2048", f"out={out}")
-    assert r.exit_code == 0, r.output
-    res = pd.read_csv(out / "results.csv")
-    assert sorted(res.length.unique()) == [32, 64, 128, 256]
-    assert set(res.attention) == {"own", "alibi", "poslsh"} and set(res[res.attention == "poslsh"].s) == {2, 4}
-    own = res[(res.attention == "own")]
-    # five deterministic schemes once per length; the Positional-LSH model over 3 mask draws (the default)
-    assert len(own) == (5 + 3) * 4 and (own.bits_per_byte > 0).all()
-    drawn = own[own.position == "poslsh"]
-    assert sorted(drawn.trial.unique()) == [0, 1, 2] and drawn.groupby("length").seed.nunique().eq(3).all()
-    assert (own[own.position != "poslsh"].seed == -1).all()
-    # swapped in at the training length only (swapped_at=trained), and not where it is the model's own
-    swapped = res[res.attention != "own"]
-    assert set(swapped.length) == {32}
-    assert not ((swapped.position == "alibi") & (swapped.attention == "alibi")).any()
-    trained_s = int(res[res.position == "poslsh"].trained_s.iloc[0])
-    assert not ((swapped.position == "poslsh") & (swapped.attention == "poslsh") & (swapped.s == trained_s)).any()
-    # six models: alibi swapped into five (not the ALiBi model), poslsh s=2 and s=4 into six (one of them is
-    # the Positional-LSH model's own s when it was trained with 2 or 4), three draws each
-    per_s = {s: 6 - int(s == trained_s) for s in (2, 4)}
-    assert len(swapped[swapped.attention == "alibi"]) == 5
-    assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
-    # the swap skipped on the ALiBi model is the same computation as its own forward
-    from poslsh_cli.core.config import build_spec
-    from poslsh_cli.experiments import perplexity as ppl
-    from poslsh_cli.lm.evaluate import evaluate
-
-    spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})
-    ctx = ppl.prepare(spec)
-    (name,) = [n for n, ck in ctx.checkpoints.items() if ck.position == "alibi"]
-    ck = ctx.checkpoints[name]
-    assert ppl.same_as_own(ppl.Attention.ALIBI, 0, ck) and not ppl.same_as_own(ppl.Attention.POSLSH, 2, ck)
-    model, own = ppl._model(ctx, ck)
-    swap = ppl.scheme_for(spec, ppl.Attention.ALIBI, 0, own, 0)
-    a, b = (evaluate(model, st, ck.tokens, 64, None, 2048, 4, key="perplexity", own=own, token_bytes=ck.token_bytes)
-            for st in (own, swap))
-    assert a.loss == b.loss and a.predicted == b.predicted and b.kl == 0.0
-    assert invoke("plot", out).exit_code == 0
-    assert {"bpb_vs_length.png", "bpb_swapped.png", "bpb_vs_s.png"} <= {p.name for p in (out / "figures").iterdir()}
-    r = invoke("report", out)
-    assert r.exit_code == 0 and "Language modelling" in (out / "report.md").read_text()
-
-
 @pytest.mark.parametrize("args,needle", [
     (["position=[magic]"], "unknown position 'magic'"),
     (["position=[poslsh]", "s=[0]"], "s must be >= 1, got 0"),
@@ -379,20 +295,10 @@ def test_train_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("too short for one window of 32 bytes")
     out = tmp_path / "out"
-    r = invoke("train", *TINY, "steps=2", *[a.format(tmp=tmp_path) for a in args], f"out={out}")
+    r = poslsh("train", *TRAIN, "steps=2", *[a.format(tmp=tmp_path) for a in args], f"out={out}")
     assert r.exit_code == 2, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
     assert not out.exists()
-
-
-def test_perplexity_bad_input(tmp_path):
-    r = invoke("perplexity", tmp_path / "nope", f"out={tmp_path / 'o'}")
-    assert r.exit_code == 2 and r.stderr.strip().endswith("nope does not exist") and not (tmp_path / "o").exists()
-    (tmp_path / "plain").mkdir()
-    r = invoke("perplexity", tmp_path / "plain", f"out={tmp_path / 'o'}")
-    assert r.exit_code == 2 and "neither a checkpoint directory" in r.stderr
-    r = invoke("perplexity", f"out={tmp_path / 'o'}")
-    assert r.exit_code == 2 and "give at least one train run" in r.stderr
 
 
 @pytest.mark.slow
@@ -401,7 +307,7 @@ def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
     checkpoint and ends with the uninterrupted run's losses and weights, bit for bit (CPU)."""
     from safetensors.torch import load_file
 
-    args = [*TINY, "position=[poslsh]", "s=[4]", "steps=12", "eval_every=4", "checkpoint_every=3"]
+    args = [*TRAIN, "position=[poslsh]", "s=[4]", "steps=12", "eval_every=4", "checkpoint_every=3"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "poslsh_cli", "train", *args]
     ref = subprocess.run(cmd + [f"out={tmp_path / 'ref'}"], capture_output=True, env=env, timeout=600)
@@ -434,7 +340,7 @@ def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
 
 def test_finetuning_shares_one_pretraining_stage(tmp_path):
     out = tmp_path / "ft"
-    r = invoke("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",
+    r = poslsh("train", *TRAIN, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",
                "eval_every=0", f"out={out}")
     assert r.exit_code == 0, r.output
     stages = sorted(p.name for p in (out / "work").iterdir())
@@ -460,7 +366,7 @@ def test_finetuning_continues_the_batch_stream_instead_of_replaying_pretraining(
 
     monkeypatch.setattr(windows, "train_batch", spy)
     out = tmp_path / "ft"
-    r = invoke("train", *TINY, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=3",
+    r = poslsh("train", *TRAIN, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=3",
                "eval_every=0", f"out={out}")
     assert r.exit_code == 0, r.output
     assert len(seen) == 9
@@ -472,30 +378,12 @@ def test_finetuning_continues_the_batch_stream_instead_of_replaying_pretraining(
     np.testing.assert_allclose(df.passes, (3 + 3) * 4 * 32 / len(corpus.train))
 
 
-def test_step_bench_compares_paths_in_one_run(tmp_path):
-    r = invoke("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
-               "intermediate=64", "batch=2", "steps=1", "warmup=0", f"out={tmp_path}")
-    assert r.exit_code == 0, r.output
-    df = pd.read_csv(tmp_path / "results.csv")
-    paths = set(zip(df.position, df.attention_path))
-    assert {("rope", "sdpa+rope"), ("alibi", "rank1"), ("alibi", "dense"), ("poslsh", "dense")} <= paths
-    assert len(df[df.position == "poslsh"]) == 2  # s=10 and s=20; auto and dense are one path here
-    assert len(df[df.position == "alibi"]) == 2  # auto and dense are one path; rank1 the other
-    assert (df.step_seconds > 0).all()
-    assert set(df[df.position != "rope"].sigmas) == {"standard"}
-    r = invoke("step-bench", "seq_len=[64]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
-               "intermediate=64", "batch=2", "steps=1", "warmup=0", "position=[alibi,poslsh]", "s=[4]",
-               "backend=[auto]", "sigma=16", f"out={tmp_path / 'constant'}")
-    assert r.exit_code == 0, r.output
-    assert set(pd.read_csv(tmp_path / "constant" / "results.csv").sigmas) == {"sigma=16 every head"}
-
-
 def test_attention_dropout_runs_replay(tmp_path):
     """The regulariser control is reproducible: dropout masks are drawn from a generator seeded per
     step, so the same command gives the same losses, and they differ from the run without dropout."""
     def losses(name, p):
         out = tmp_path / name
-        r = invoke("train", *TINY, "position=[alibi]", f"attn_dropout=[{p}]", "dropout_positions=[alibi]",
+        r = poslsh("train", *TRAIN, "position=[alibi]", f"attn_dropout=[{p}]", "dropout_positions=[alibi]",
                    "steps=4", "eval_every=4", "checkpoint_every=100", f"out={out}")
         assert r.exit_code == 0, r.output
         df = pd.read_csv(out / "results.csv")
@@ -515,7 +403,7 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     import json
 
     out = tmp_path / "run"
-    r = invoke("train", *TINY, "position=[alibi,poslsh]", "s=[3]", "steps=4", "sigma=2", f"out={out}")
+    r = poslsh("train", *TRAIN, "position=[alibi,poslsh]", "s=[3]", "steps=4", "sigma=2", f"out={out}")
     assert r.exit_code == 0, r.output
     res = pd.read_csv(out / "results.csv")
     assert set(res.sigmas) == {"sigma=2 every head"}
@@ -525,7 +413,7 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
         info = json.loads((out / ck / "poslsh_train.json").read_text())
         assert info["scheme"]["sigmas"] == [2.0] * 4
     ppl = tmp_path / "ppl"
-    r = invoke("perplexity", out, "lengths=[32,64]", "protocol=[nonoverlapping,sliding]", "trials=1",
+    r = poslsh("perplexity", out, "lengths=[32,64]", "protocol=[nonoverlapping,sliding]", "trials=1",
                "max_tokens=1024", f"out={ppl}")
     assert r.exit_code == 0, r.output
     p = pd.read_csv(ppl / "results.csv")
@@ -538,12 +426,12 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     assert (long.xs("sliding", level="protocol").tokens == windows * 32).all()
     assert (long.xs("nonoverlapping", level="protocol").tokens == (1024 // 64) * 63).all()
     assert ((p[["top1", "top10", "top100", "mrr"]] > 0) & (p[["top1", "top10", "top100", "mrr"]] <= 1)).all(axis=None)
-    r = invoke("report", ppl)
+    r = poslsh("report", ppl)
     md = (ppl / "report.md").read_text()
     assert r.exit_code == 0 and "sliding bpb" in md and "top-1 %" in md
     assert "reaches the top-1 accuracy of exact ALiBi" in md
     # stride and protocol=sliding both choose windows
-    r = invoke("perplexity", out, "stride=16", "protocol=[sliding]", f"out={tmp_path / 'bad'}")
+    r = poslsh("perplexity", out, "stride=16", "protocol=[sliding]", f"out={tmp_path / 'bad'}")
     assert r.exit_code == 2 and "give one" in r.stderr and not (tmp_path / "bad").exists()
 
 
@@ -604,16 +492,16 @@ def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    args = ["train", *TINY, "position=[alibi]", "steps=6", "eval_every=3", "checkpoint_every=3", f"logger={logger}",
+    args = ["train", *TRAIN, "position=[alibi]", "steps=6", "eval_every=3", "checkpoint_every=3", f"logger={logger}",
             f"out={out}"]
     from poslsh_cli.core import files
 
     monkeypatch.setattr(files, "_FAULT_COUNTS", {})  # the fault fires at its first pass in this process
     monkeypatch.setenv("POSLSH_FAULT", "step:5")
     monkeypatch.setenv("POSLSH_FAULT_SIGNAL", "RAISE")
-    assert invoke(*args).exit_code != 0
+    assert poslsh(*args).exit_code != 0
     monkeypatch.delenv("POSLSH_FAULT")
-    r = invoke(*args)
+    r = poslsh(*args)
     assert r.exit_code == 0, r.output
     cell = next((out / "work").glob("*/metrics.csv")).parent
     m = pd.read_csv(cell / "metrics.csv")
@@ -631,7 +519,7 @@ def test_experiment_tracking_logs_every_step_once_across_a_resume(tmp_path, monk
         assert np.allclose([hist[s]["loss"] for s in range(1, 7)], m.loss, rtol=1e-6)
         assert np.allclose([first[s]["loss"] for s in (4, 5)], [resumed[s]["loss"] for s in (4, 5)], rtol=1e-6)
         assert len({f.parent.name.rsplit("-", 1)[-1] for f in (cell / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
-    res = invoke("train", *TINY, "logger=mlflow", f"out={tmp_path / 'bad'}")
+    res = poslsh("train", *TRAIN, "logger=mlflow", f"out={tmp_path / 'bad'}")
     assert res.exit_code != 0 and "logger" in res.stderr
 
 
@@ -654,7 +542,47 @@ def test_a_one_step_run_trains_and_records_its_final_losses(tmp_path):
     """steps=1: the last step is the first, so the final evaluation writes into the cell's work folder
     before any metrics line made it."""
     out = tmp_path / "one"
-    res = invoke("train", *TINY, "steps=1", "position=[alibi]", "seed=[0]", "device=cpu", f"out={out}")
+    res = poslsh("train", *TRAIN, "steps=1", "position=[alibi]", "seed=[0]", "device=cpu", f"out={out}")
     assert res.exit_code == 0, res.output
     df = pd.read_csv(out / "results.csv")
     assert len(df) == 1 and np.isfinite(df.val_loss).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the gap to ALiBi against tokens (train's claim)
+
+
+def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002):
+    """A train run on disk with only what the gap claim reads: results rows and each cell's metrics."""
+    g = np.random.default_rng(0)
+    rows = []
+    for seed in seeds:
+        for pos, s in (("alibi", 0), ("poslsh", 10)):
+            cell = tmp_path / "work" / f"{pos}-{seed}"
+            (cell / "final").mkdir(parents=True)
+            steps = np.arange(100, 1100, 100)
+            base = 3.0 - 0.5 * np.log(steps / 100)
+            bpb = base + (gap_of_step(steps) + noise * g.standard_normal(len(steps)) if pos == "poslsh" else 0)
+            pd.DataFrame({"step": steps, "tokens": steps * 4096, "loss": bpb, "val_loss": bpb, "val_bpb": bpb}
+                         ).to_csv(cell / "metrics.csv", index=False)
+            rows.append(dict(position=pos, s=s, seed=seed, seq_len=256, steps=1000, tokens=4096000, params=1,
+                             train_loss=1.0, val_loss=1.0, val_bpb=float(bpb[-1]), val_ppl=2.7, seconds=1.0,
+                             tokens_per_s=1.0, pretrain="", init="", checkpoint=f"work/{pos}-{seed}/final",
+                             step_seconds=0.1, attn_dropout=0.0, passes=1.0, sigmas="standard"))
+    return pd.DataFrame(rows)
+
+
+def test_gap_to_alibi_against_tokens_shrinks_grows_or_says_it_cannot_tell(tmp_path):
+    from poslsh_cli.experiments import train_report as tr
+
+    shrinking = _train_run(tmp_path / "a", lambda st: 0.3 / np.sqrt(st / 100))
+    sec = registry.get("train").report(tmp_path / "a", shrinking)
+    v = [v for v in sec.verdicts if "shrinks" in v.claim]
+    assert len(v) == 1 and v[0].status is Status.SUPPORTED and "3 seeds, one slope each" in v[0].evidence
+    assert "poslsh s=10" in v[0].claim and "first evaluation +0.2996" in v[0].evidence
+    growing = _train_run(tmp_path / "b", lambda st: 0.01 * np.log(st))
+    assert status_of(registry.get("train").report(tmp_path / "b", growing), "shrinks") is Status.NOT_SUPPORTED
+    flat = _train_run(tmp_path / "c", lambda st: 0.1 + 0 * st, noise=0.05)
+    assert status_of(registry.get("train").report(tmp_path / "c", flat), "shrinks") is Status.INCONCLUSIVE
+    paths = tr.plot_gap(tmp_path / "a", shrinking)
+    assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]

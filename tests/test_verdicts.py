@@ -34,7 +34,9 @@ def test_groups_combine_honestly(groups, expected):
 
 
 def test_every_verdict_over_groups_says_how_groups_combine():
-    from test_report import block_table, matrix_table, output_table
+    from test_block_stats import block_table
+    from test_matrix_error import matrix_table
+    from test_output_error import output_table
 
     sections = [registry.get("matrix-error").report(RUN, matrix_table(-0.5, 0.03)),
                 registry.get("output-error").report(RUN, output_table(0.05)),
@@ -99,7 +101,7 @@ def test_a_clear_speed_up_over_several_seeds_is_supported_and_states_its_interva
 
 def widths_table(wider, trials, g):
     """block-stats rows whose largest widths follow the exact law with sigma times ``wider``."""
-    from test_report import block_table
+    from test_block_stats import block_table
 
     df = block_table(grow=False, trials=trials)
     return df.assign(max_width=[g.gamma(2.0, wider * r.sigma, size=int(r.s)).max() for r in df.itertuples()])

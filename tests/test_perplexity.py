@@ -1,0 +1,392 @@
+"""poslsh perplexity: bits per byte of trained checkpoints equal transformers' own forward, swapped
+attention, bad input, and the downstream claims judged on synthetic runs (reaching ALiBi,
+fine-tuning, extrapolation, the paper's baselines)."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import one_line, poslsh, status_of, verdicts
+from poslsh_cli.app import registry
+from poslsh_cli.lm.data import load_corpus
+from poslsh_cli.lm.windows import eval_windows
+from poslsh_cli.verdicts.claims import Status
+
+# ---------------------------------------------------------------------------------------------
+# perplexity: the downstream claims
+
+
+def ppl_run(tmp_path, scratch=None, tuned=None, seeds=(0, 1, 2), seed_sd=0.002, window_sd=0.01, W=64, draws=3,
+            degrade=None, name="run", far=1024):
+    """A perplexity run directory with results.csv rows and windows.csv (per-window bits) drawn from
+    stated effects: ``scratch`` / ``tuned`` map (position, s, dropout) -> bits per byte at L; each
+    training seed shifts a scheme by N(0, seed_sd), each mask draw by N(0, seed_sd / 4), each window
+    by N(0, window_sd); ``degrade`` maps a scheme to its bits per byte at 4L minus at L."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    rows, wins = [], []
+    degrade = degrade or {}
+
+    def add(scheme, value, finetuned, lengths):
+        pos, s, drop = scheme
+        for seed in seeds if finetuned == "no" or len(seeds) > 1 else seeds[:1]:
+            shift = g.normal(0, seed_sd)
+            ck = f"{pos}{s}-{drop}-{seed}-{finetuned}"
+            for length in lengths:
+                base = value + shift + (degrade.get(scheme, 0.0) if length > 256 else 0.0)
+                for trial in range(draws if pos == "poslsh" else 1):
+                    bpb_w = base + g.normal(0, seed_sd / 4 if pos == "poslsh" else 0) + g.normal(0, window_sd, W)
+                    bpb = float(bpb_w.mean())
+                    rows.append(dict(checkpoint=ck, position=pos, attention="own", s=s, length=length, trial=trial,
+                                     seed=-1, tokens=W * 255, loss=bpb * np.log(2), bits_per_byte=bpb, ppl=1.0,
+                                     seconds=0.1, trained_len=256, trained_s=s, finetuned=finetuned, run_seed=seed,
+                                     bits_per_token=bpb, kl=0.0, bytes=W * 256, attn_dropout=drop))
+                    wins.extend(dict(checkpoint=ck, attention="own", s=s, length=length, trial=trial, window=i,
+                                     bits=float(b) * 256, bytes=256) for i, b in enumerate(bpb_w))
+
+    for scheme, value in (scratch or {}).items():
+        add(scheme, value, "no", (256, far))
+    for scheme, value in (tuned or {}).items():
+        add(scheme, value, "yes", (256,))
+    run = tmp_path / name
+    run.mkdir(parents=True)
+    pd.DataFrame(wins).to_csv(run / "windows.csv", index=False)
+    return run, pd.DataFrame(rows)
+
+
+def ppl_report(tmp_path, **kw):
+    run, df = ppl_run(tmp_path, **kw)
+    return registry.get("perplexity").report(run, df)
+
+
+A, P10, P20, NONE, ROPE, AD = ("alibi", 0, 0.0), ("poslsh", 10, 0.0), ("poslsh", 20, 0.0), ("none", 0, 0.0), \
+    ("rope", 0, 0.0), ("alibi", 0, 0.1)
+
+
+def test_reaches_alibi_is_an_equivalence_test(tmp_path):
+    sec = ppl_report(tmp_path / "a", scratch={A: 1.8, P10: 1.801})
+    assert status_of(sec, "s=10 reaches") is Status.SUPPORTED
+    sec = ppl_report(tmp_path / "b", scratch={A: 1.8, P10: 1.9})
+    assert status_of(sec, "s=10 reaches") is Status.NOT_SUPPORTED
+    sec = ppl_report(tmp_path / "c", scratch={A: 1.8, P10: 1.81}, seeds=(0,), window_sd=0.3)
+    v = [v for v in sec.verdicts if "s=10 reaches" in v.claim][0]
+    assert v.status is Status.INCONCLUSIVE and "evaluation noise only" in v.evidence
+    sec = ppl_report(tmp_path / "d", scratch={P10: 1.8})
+    assert status_of(sec, "s=10 reaches") is Status.NOT_MEASURED
+
+
+@pytest.mark.parametrize("lo,hi,expected", [
+    (-0.015, 0.015, Status.SUPPORTED), (-0.03, 0.005, Status.SUPPORTED),   # a better scheme reaches it too
+    (-0.08, -0.03, Status.SUPPORTED), (-0.01, 0.0199, Status.SUPPORTED),
+    (-0.01, 0.02, Status.INCONCLUSIVE), (0.0, 0.05, Status.INCONCLUSIVE),  # the upper end at or past the margin
+    (0.02, 0.05, Status.NOT_SUPPORTED), (0.03, 0.04, Status.NOT_SUPPORTED),
+    (-0.1, 0.1, Status.INCONCLUSIVE),
+])
+def test_reaches_is_non_inferiority_at_its_edges(lo, hi, expected):
+    from poslsh_cli.verdicts.stats import Interval, equivalence
+
+    assert equivalence(Interval((lo + hi) / 2, lo, hi, 3, 0.9, "seeds"))[0] is expected
+
+
+def test_a_better_scheme_reaches_alibi(tmp_path):
+    """Positional LSH clearly better than ALiBi (by 0.01 with a 90% interval reaching below -0.02):
+    under the old two-sided rule this was INCONCLUSIVE, stricter than for an equal scheme."""
+    sec = ppl_report(tmp_path, scratch={A: 1.8, P10: 1.79}, seed_sd=0.01)
+    v = [v for v in sec.verdicts if "s=10 reaches" in v.claim][0]
+    assert v.status is Status.SUPPORTED, v.evidence
+
+
+def test_better_rules_need_the_interval_to_exclude_zero(tmp_path):
+    sec = ppl_report(tmp_path / "a", scratch={A: 1.85, P10: 1.80, NONE: 2.8, AD: 1.83})
+    assert status_of(sec, "without positional information") is Status.SUPPORTED
+    assert status_of(sec, "is better than exact ALiBi trained with attention dropout") is Status.SUPPORTED
+    assert verdicts(sec)["from scratch, Positional LSH s=10 is better than exact ALiBi"] is Status.SUPPORTED
+    sec = ppl_report(tmp_path / "b", scratch={A: 1.8, P10: 1.85, NONE: 1.7, AD: 1.75})
+    assert status_of(sec, "without positional information") is Status.NOT_SUPPORTED
+    assert status_of(sec, "trained with attention dropout") is Status.NOT_SUPPORTED
+    sec = ppl_report(tmp_path / "c", scratch={A: 1.8, P10: 1.799, NONE: 1.801, AD: 1.8}, seeds=(0,), window_sd=0.3)
+    for claim in ("without positional information", "trained with attention dropout"):
+        v = [v for v in sec.verdicts if claim in v.claim][0]
+        assert v.status is Status.INCONCLUSIVE and "evaluation noise only" in v.evidence
+    sec = ppl_report(tmp_path / "d", scratch={A: 1.8, P10: 1.8})
+    assert status_of(sec, "without positional information") is Status.NOT_MEASURED
+    assert status_of(sec, "trained with attention dropout") is Status.NOT_MEASURED
+
+
+def test_fine_tuning_needs_a_negative_slope_and_closeness(tmp_path):
+    ft = lambda gaps: {A: 2.0, ("fixed_block", 0, 0.0): 2.4, **{("poslsh", s, 0.0): 2.0 + g  # noqa: E731
+                                                                for s, g in zip((1, 2, 5, 10, 20), gaps)}}
+    sec = ppl_report(tmp_path / "a", tuned=ft((0.3, 0.2, 0.1, 0.05, 0.005)))
+    assert status_of(sec, "falls as s grows") is Status.SUPPORTED
+    assert status_of(sec, "largest s (s=20) reaches") is Status.SUPPORTED
+    assert status_of(sec, "better than fixed blocks") is Status.SUPPORTED
+    sec = ppl_report(tmp_path / "b", tuned=ft((0.01, 0.05, 0.1, 0.2, 0.5)))
+    assert status_of(sec, "falls as s grows") is Status.NOT_SUPPORTED
+    assert status_of(sec, "largest s (s=20) reaches") is Status.NOT_SUPPORTED
+    assert status_of(sec, "better than fixed blocks") is Status.NOT_SUPPORTED
+    sec = ppl_report(tmp_path / "c", tuned=ft((0.1, 0.1, 0.1, 0.1, 0.1)), seeds=(0,), seed_sd=0.0, window_sd=0.05)
+    assert status_of(sec, "falls as s grows") is Status.INCONCLUSIVE
+    sec = ppl_report(tmp_path / "d", scratch={A: 1.8, P10: 1.8})
+    assert status_of(sec, "falls as s grows") is Status.NOT_MEASURED
+    assert status_of(sec, "better than fixed blocks") is Status.NOT_MEASURED
+
+
+def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
+    """Every gap of a seed shares that seed's ALiBi value: with seed-to-seed shifts of ALiBi alone,
+    15 (s, seed) points fitted as independent give a tight slope; one slope per seed (each exactly
+    the same here) gives the interval over 3 seeds, and the evidence lists the per-seed slopes."""
+    from poslsh_cli.experiments.perplexity_claims import Data, Scheme, claim_finetune_approaches_alibi
+    from poslsh_cli.verdicts.stats import t_interval
+
+    gaps = {1: 0.3, 2: 0.2, 5: 0.1, 10: 0.05, 20: 0.01}
+    ft = {A: 2.0, **{("poslsh", s, 0.0): 2.0 + g for s, g in gaps.items()}}
+    run, df = ppl_run(tmp_path, tuned=ft, seed_sd=0.05, window_sd=0.001, draws=1)
+    d = Data(df[df.attention == "own"], pd.read_csv(run / "windows.csv"), 256)
+    v = claim_finetune_approaches_alibi(d)[0]
+    assert "one slope per seed" in v.evidence and "seed 2:" in v.evidence, v.evidence
+    a = d.per_seed(Scheme("alibi"), 256)
+    slopes = []
+    for seed in (0, 1, 2):
+        x = [np.log(s) for s in gaps]
+        y = [d.per_seed(Scheme("poslsh", s), 256)[seed] - a[seed] for s in gaps]
+        slopes.append(np.polyfit(x, y, 1)[0])
+    iv = t_interval(slopes)
+    assert f"{iv.estimate:+.4f} [{iv.low:+.4f}, {iv.high:+.4f}] (95%, 3 seeds)" in v.evidence, v.evidence
+    assert v.status is (Status.SUPPORTED if iv.high < 0 else Status.INCONCLUSIVE)
+    one = claim_finetune_approaches_alibi(Data(d.rows[d.rows.run_seed == 0], d.windows, 256))[0]
+    assert "evaluation noise only" in one.evidence and "1 seed:" in one.evidence, one.evidence
+
+
+def test_extrapolation_with_two_seeds_uses_evaluation_noise(tmp_path):
+    """Two seeds give a t-interval with one degree of freedom; like every other rule, the robustness
+    claim needs three and otherwise says it rests on evaluation noise."""
+    base = {A: 1.8, P10: 1.8, ROPE: 1.8, NONE: 2.8}
+    sec = ppl_report(tmp_path, scratch=base, degrade={P10: -0.02, ROPE: 0.4, NONE: 0.2}, seeds=(0, 1))
+    v = [v for v in sec.verdicts if "robust at 4x" in v.claim][0]
+    assert "evaluation noise only" in v.evidence and "2 training seeds: evaluation noise only" in v.evidence, v.evidence
+    assert v.status is Status.SUPPORTED  # -0.02 with windows of sd 0.01: the interval ends below 0.05
+
+
+def test_extrapolation_needs_its_contrast_and_intervals(tmp_path):
+    base = {A: 1.8, P10: 1.8, ROPE: 1.8, NONE: 2.8}
+    sec = ppl_report(tmp_path / "a", scratch=base, degrade={P10: -0.02, ROPE: 0.4, NONE: 0.2})
+    assert status_of(sec, "robust at 4x") is Status.SUPPORTED
+    assert status_of(sec, "rope degrades more") is Status.SUPPORTED
+    sec = ppl_report(tmp_path / "b", scratch=base, degrade={P10: 0.3, ROPE: 0.0, NONE: 0.0})
+    assert status_of(sec, "robust at 4x") is Status.NOT_SUPPORTED
+    assert status_of(sec, "rope degrades more") is Status.NOT_SUPPORTED
+    sec = ppl_report(tmp_path / "c", scratch=base, degrade={P10: 0.0, ROPE: 0.0}, seeds=(0,), window_sd=0.3)
+    assert status_of(sec, "robust at 4x") is Status.INCONCLUSIVE
+    assert status_of(sec, "rope degrades more") is Status.INCONCLUSIVE
+    sec = ppl_report(tmp_path / "d", scratch={A: 1.8, P10: 1.8}, degrade={P10: 0.0})
+    assert status_of(sec, "robust at 4x") is Status.NOT_MEASURED  # nothing to contrast it with
+
+
+def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
+    """Swapped rows at the training length: the mean over seeds of each seed's mean over draws, and the
+    seed-paired difference from the same models' own attention, recomputed here from the rows."""
+    from poslsh_cli.experiments.perplexity_report import swapped_table
+    from poslsh_cli.verdicts.stats import t_interval
+
+    _, df = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.9})
+    g = np.random.default_rng(1)
+    extra = []
+    for _, r in df[(df.position == "poslsh") & (df.length == 256)].drop_duplicates("run_seed").iterrows():
+        extra.append({**r.to_dict(), "attention": "alibi", "s": 0, "trial": 0, "seed": -1,
+                      "bits_per_byte": 1.85 + g.normal(0, 0.01), "kl": 0.05})
+    for _, r in df[(df.position == "alibi") & (df.length == 256)].iterrows():
+        for trial in range(3):
+            extra.append({**r.to_dict(), "attention": "poslsh", "s": 10, "trial": trial, "seed": trial,
+                          "bits_per_byte": 2.0 + g.normal(0, 0.01), "kl": 0.1})
+    extra.append({**extra[0], "length": 1024})  # not at the training length: left out
+    df = pd.concat([df, pd.DataFrame(extra)], ignore_index=True)
+    t = swapped_table(df).set_index(["trained", "attention"])
+    assert list(t.index) == [("alibi", "poslsh s=10"), ("poslsh s=10", "alibi")]
+    for (trained, att), pos, swap in ((("poslsh s=10", "alibi"), "poslsh", "alibi"),
+                                      (("alibi", "poslsh s=10"), "alibi", "poslsh")):
+        rows = df[(df.position == pos) & (df.length == 256)]
+        sw = rows[rows.attention == swap].groupby("run_seed").bits_per_byte.mean()
+        own = rows[rows.attention == "own"].groupby("run_seed").bits_per_byte.mean()
+        row = t.loc[(trained, att)]
+        assert row["seeds"] == 3 and row["bits/byte"] == round(sw.mean(), 4)
+        assert row["own"] == round(own.mean(), 4)
+        iv = t_interval((sw - own).values)
+        assert row["swapped - own"] == round(iv.estimate, 4)
+        assert row["difference 95%"] == f"[{iv.low:.4f}, {iv.high:.4f}]"
+    assert t.loc[("alibi", "poslsh s=10")]["draws/seed"] == 3 and t.loc[("alibi", "poslsh s=10")]["KL"] == 0.1
+
+
+def captured_figures(monkeypatch):
+    """Figures handed to plotting.save, kept open for inspection instead of written."""
+    import poslsh_cli.verdicts.plotting as plotting
+
+    figs = {}
+    monkeypatch.setattr(plotting, "save", lambda fig, run, name: figs.setdefault(name, fig) and [])
+    return figs
+
+
+def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monkeypatch):
+    """Exact ALiBi and exact ALiBi trained with attention dropout (and a model with one sigma for
+    every head) are different models: their own rows in the console table, their own curves in
+    bits per byte against length, their own legend entries and colours in the learning curves."""
+    from poslsh_cli.experiments import perplexity_report, train_report
+
+    run, df = ppl_run(tmp_path / "p", scratch={A: 1.8, AD: 1.9})
+    df = pd.concat([df, df[(df.position == "alibi") & (df.attn_dropout == 0)].assign(
+        sigmas="sigma=256 every head", bits_per_byte=lambda x: x.bits_per_byte + 0.5,
+        checkpoint=lambda x: x.checkpoint + "-256")])
+    df["sigmas"] = df.sigmas.fillna("")
+    head, rows = perplexity_report.summary(df)
+    by = {r[0]: r for r in rows}
+    assert set(by) == {"alibi", "alibi +dropout 0.1", "alibi (sigma=256 every head)"}, rows
+    col = head.index("L=256")
+    for label, sel in (("alibi", (df.attn_dropout == 0) & (df.sigmas == "")), ("alibi +dropout 0.1", df.attn_dropout > 0)):
+        assert by[label][col] == f"{df[sel & (df.length == 256)].bits_per_byte.mean():.4f}"
+        assert by[label][head.index("seeds")] == "3"
+    figs = captured_figures(monkeypatch)
+    perplexity_report.plot(run, df)
+    ax = figs["bpb_vs_length"].axes[0]
+    curves = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    assert set(curves) == {"alibi", "alibi +dropout 0.1", "alibi (sigma=256 every head)"}
+    assert abs(curves["alibi +dropout 0.1"].get_ydata()[0]
+               - df[(df.attn_dropout > 0) & (df.length == 256)].bits_per_byte.mean()) < 1e-12
+
+    runs = []
+    for drop in (0.0, 0.1):
+        work = tmp_path / "t" / f"work/alibi-{drop}"
+        (work / "final").mkdir(parents=True)
+        pd.DataFrame({"step": [1, 2], "loss": [3.0, 2.0 + drop], "val_bpb": [4.0, 3.0 + drop]}).to_csv(
+            work / "metrics.csv", index=False)
+        runs.append(dict(position="alibi", s=0, seed=0, seq_len=256, attn_dropout=drop, sigmas="standard",
+                         checkpoint=f"work/alibi-{drop}/final", params=1, train_loss=2.0, val_bpb=3.0 + drop,
+                         val_ppl=1.0, tokens_per_s=1.0, seconds=1.0))
+    tdf = pd.DataFrame(runs)
+    assert [r[0] for r in train_report.summary(tdf)[1]] == ["alibi", "alibi +dropout 0.1"]
+    train_report.plot_learning_curves(tmp_path / "t", tdf)
+    lines = [ln for ln in figs["learning_curves"].axes[1].get_lines()]
+    assert [ln.get_label() for ln in lines] == ["alibi seed=0", "alibi +dropout 0.1 seed=0"]
+    assert lines[0].get_color() != lines[1].get_color()
+
+
+def test_papers_baselines_the_2L_multiple_and_the_side_by_side_table(tmp_path):
+    from poslsh_cli.app.report import side_by_side
+
+    FB = ("fixed_block", 0, 0.0)
+    scheme = {A: 1.8, P10: 1.8, ROPE: 1.9, FB: 1.95, NONE: 2.8}
+    run_a, df_a = ppl_run(tmp_path, scratch=scheme, degrade={P10: -0.02, ROPE: 0.4}, name="perplexity")
+    sec_a = registry.get("perplexity").report(run_a, df_a)
+    assert status_of(sec_a, "better than the original RoPE model") is Status.SUPPORTED
+    assert status_of(sec_a, "s=10 is better than fixed blocks") is Status.SUPPORTED
+    assert status_of(sec_a, "robust at 4x") is Status.SUPPORTED
+    # evaluated at L and 2L only (the paper's longest multiple here): the claims say 2x / 2L
+    run_b, df_b = ppl_run(tmp_path, scratch={**scheme, ROPE: 1.7}, degrade={P10: 0.3, ROPE: 0.4},
+                          name="perplexity_official", far=512)
+    sec_b = registry.get("perplexity").report(run_b, df_b)
+    assert status_of(sec_b, "robust at 2x") is Status.NOT_SUPPORTED
+    assert any("rope degrades more at 2L" in v.claim for v in sec_b.verdicts)
+    assert status_of(sec_b, "better than the original RoPE model") is Status.NOT_SUPPORTED
+    table = side_by_side([(sec_a, df_a), (sec_b, df_b)]).tables[0]
+    assert list(table.columns) == ["claim", "perplexity", "perplexity_official"]
+    # both runs scored one protocol: the extrapolation claims carry its tag, so they line up with a run scoring both
+    row = table[table.claim == "Positional LSH stays robust at kx the training length [nonoverlapping]"].iloc[0]
+    assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
+    row = table[table.claim.str.contains("better than the original RoPE")].iloc[0]
+    assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
+
+
+# ---------------------------------------------------------------------------------------------
+# poslsh perplexity end to end, on the checkpoints of a training run
+
+
+def test_perplexity_of_a_rope_checkpoint_equals_transformers_own_forward(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    df = pd.read_csv(trained / "results.csv")
+    ck = trained / df[df.position == "rope"].checkpoint.iloc[0]
+    out = tmp_path / "ppl"
+    r = poslsh("perplexity", ck, "lengths=[32,64]", "max_tokens=2048", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    model = AutoModelForCausalLM.from_pretrained(ck, local_files_only=True).eval()
+    val = load_corpus("builtin", 0.1).val
+    for length in (32, 64):
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for w in eval_windows(val, length, max_tokens=2048):
+                x = torch.as_tensor(w.tokens)[None]
+                logits = model(input_ids=x).logits[0, :-1]
+                total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+                count += length - 1
+        row = res[res.length == length].iloc[0]
+        assert row.tokens == count
+        assert row.loss == pytest.approx(total / count, rel=1e-5)
+        assert row.bits_per_byte == pytest.approx(total / count / math.log(2), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
+    out = tmp_path / "ppl"
+    r = poslsh("perplexity", trained, "attention=[own,alibi,poslsh]", "s=[2,4]", "max_tokens=2048", f"out={out}")
+    assert r.exit_code == 0, r.output
+    res = pd.read_csv(out / "results.csv")
+    assert sorted(res.length.unique()) == [32, 64, 128, 256]
+    assert set(res.attention) == {"own", "alibi", "poslsh"} and set(res[res.attention == "poslsh"].s) == {2, 4}
+    own = res[(res.attention == "own")]
+    # five deterministic schemes once per length; the Positional-LSH model over 3 mask draws (the default)
+    assert len(own) == (5 + 3) * 4 and (own.bits_per_byte > 0).all()
+    drawn = own[own.position == "poslsh"]
+    assert sorted(drawn.trial.unique()) == [0, 1, 2] and drawn.groupby("length").seed.nunique().eq(3).all()
+    assert (own[own.position != "poslsh"].seed == -1).all()
+    # swapped in at the training length only (swapped_at=trained), and not where it is the model's own
+    swapped = res[res.attention != "own"]
+    assert set(swapped.length) == {32}
+    assert not ((swapped.position == "alibi") & (swapped.attention == "alibi")).any()
+    trained_s = int(res[res.position == "poslsh"].trained_s.iloc[0])
+    assert not ((swapped.position == "poslsh") & (swapped.attention == "poslsh") & (swapped.s == trained_s)).any()
+    # six models: alibi swapped into five (not the ALiBi model), poslsh s=2 and s=4 into six (one of them is
+    # the Positional-LSH model's own s when it was trained with 2 or 4), three draws each
+    per_s = {s: 6 - int(s == trained_s) for s in (2, 4)}
+    assert len(swapped[swapped.attention == "alibi"]) == 5
+    assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
+    # the swap skipped on the ALiBi model is the same computation as its own forward
+    from poslsh_cli.core.config import build_spec
+    from poslsh_cli.experiments import perplexity as ppl
+    from poslsh_cli.lm.evaluate import evaluate
+
+    spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})
+    ctx = ppl.prepare(spec)
+    (name,) = [n for n, ck in ctx.checkpoints.items() if ck.position == "alibi"]
+    ck = ctx.checkpoints[name]
+    assert ppl.same_as_own(ppl.Attention.ALIBI, 0, ck) and not ppl.same_as_own(ppl.Attention.POSLSH, 2, ck)
+    model, own = ppl._model(ctx, ck)
+    swap = ppl.scheme_for(spec, ppl.Attention.ALIBI, 0, own, 0)
+    a, b = (evaluate(model, st, ck.tokens, 64, None, 2048, 4, key="perplexity", own=own, token_bytes=ck.token_bytes)
+            for st in (own, swap))
+    assert a.loss == b.loss and a.predicted == b.predicted and b.kl == 0.0
+    assert poslsh("plot", out).exit_code == 0
+    assert {"bpb_vs_length.png", "bpb_swapped.png", "bpb_vs_s.png"} <= {p.name for p in (out / "figures").iterdir()}
+    r = poslsh("report", out)
+    assert r.exit_code == 0 and "Language modelling" in (out / "report.md").read_text()
+
+
+def test_perplexity_bad_input(tmp_path):
+    r = poslsh("perplexity", tmp_path / "nope", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and r.stderr.strip().endswith("nope does not exist") and not (tmp_path / "o").exists()
+    (tmp_path / "plain").mkdir()
+    r = poslsh("perplexity", tmp_path / "plain", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "neither a checkpoint directory" in r.stderr
+    r = poslsh("perplexity", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "give at least one train run" in r.stderr
+
+
+def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{broken")
+    (ck / "model.safetensors").write_bytes(b"\0" * 16)
+    r = poslsh("perplexity", ck, f"out={tmp_path / 'p'}")
+    assert one_line(r) and "config.json is not valid JSON" in r.stderr, r.output
+    assert not (tmp_path / "p").exists()

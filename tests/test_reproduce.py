@@ -1,0 +1,71 @@
+"""poslsh reproduce: the driver runs the presets (side by side with --jobs), skips what it must and
+keeps the skip in the run directories, resumes, and writes the report."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import poslsh
+
+
+@pytest.mark.slow
+def test_reproduce_quick_subset_resumes_and_keeps_skipped_in_the_runs(tmp_path):
+    """The driver on a shortened experiment list: skips what it must (and says so in the run
+    directory), resumes, and a later `poslsh report` on the same root still lists the skip."""
+    code = (
+        "import sys; import poslsh_cli.app.reproduce as r;"
+        "r.plan = lambda scale: [('block_stats','block-stats','block_stats_quick'),"
+        "('output_error_qwen3_0_6b','output-error','output_error_qwen3_0_6b_quick')];"
+        f"sys.exit(r.main('quick', {str(tmp_path)!r}))"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "POSLSH_MODELS"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "skipped output_error_qwen3_0_6b: POSLSH_MODELS is not set" in res.stdout
+    root = tmp_path / "quick"
+    marker = json.loads((root / "output_error_qwen3_0_6b" / "skipped.json").read_text())
+    assert marker["reason"].startswith("POSLSH_MODELS is not set")
+    assert "skipped output_error_qwen3_0_6b" in (root / "report.html").read_text()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and "resuming" in res.stderr and "60/60 cells already done" in res.stderr
+    # a report written later over the same root (the README's command) keeps the skip and the sessions
+    r = poslsh("report", str(root))
+    assert r.exit_code == 0, r.output
+    md = (root / "report.md").read_text()
+    assert "skipped output_error_qwen3_0_6b: POSLSH_MODELS is not set" in md
+    assert md.count("reproduce --scale quick: session started") == 2
+    # the budget: each experiment's wall time over both sessions, from its meta.json
+    wall = json.loads((root / "block_stats" / "meta.json").read_text())["wall_seconds"]
+    assert wall > 0 and f"wall time per experiment (meta.json, all sessions): block_stats {wall:.0f} s" in md
+    assert f"total {wall:.0f} s" in md
+
+
+def test_reproduce_runs_presets_side_by_side_each_with_its_log_and_core_share(tmp_path):
+    """--jobs 2 with the local launcher: two presets at once, each child with half the cores and
+    its output in logs/<preset>.log; a preset that fails is named with the end of its log, the
+    others finish and the report is written."""
+    import os
+
+    code = (
+        "import sys; import poslsh_cli.app.reproduce as r;"
+        "r.plan = lambda scale: [('output_error_official_minilm','output-error','output_error_official_minilm_quick'),"
+        "('broken','block-stats','no_such_preset_quick')];"
+        "r.skip_reason = lambda *a, **k: None;"
+        f"sys.exit(r.main('quick', {str(tmp_path)!r}, jobs=2))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    root = tmp_path / "quick"
+    assert "== finished output_error_official_minilm" in res.stdout
+    assert re.search(r"== FAILED broken \(exit 2\); the end of \S+broken\.log:", res.stdout)
+    assert "no_such_preset_quick" in res.stdout.split("== FAILED broken", 1)[1]  # the log's error line, shown
+    assert "[22/22] layer=" in (root / "logs" / "output_error_official_minilm.log").read_text()
+    meta = json.loads((root / "output_error_official_minilm" / "meta.json").read_text())
+    assert meta["status"] == "complete"
+    assert meta["device"]["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
+    assert (root / "report.md").exists()
+    r = poslsh("reproduce", "--scale", "quick", "--runs", str(tmp_path), "--jobs", "0")
+    assert r.exit_code == 2 and "--jobs must be at least 1" in r.stderr
