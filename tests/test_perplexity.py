@@ -390,3 +390,24 @@ def test_perplexity_on_a_checkpoint_with_a_broken_config_is_one_line(tmp_path):
     r = poslsh("perplexity", ck, f"out={tmp_path / 'p'}")
     assert one_line(r) and "config.json is not valid JSON" in r.stderr, r.output
     assert not (tmp_path / "p").exists()
+
+
+def test_perplexity_of_a_foreign_rope_checkpoint_runs_its_own_attention_once_and_draws_only_swapped_masks(tmp_path):
+    """A checkpoint this project did not train and without ALiBi (a tiny Llama) runs its own
+    attention in one cell (no mask draws: s 0, seed -1); Positional LSH swapped in gets a cell per s
+    and trial, each with its seed."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama", safe_serialization=True)
+    r = poslsh("perplexity", tmp_path / "llama", "lengths=[64]", "attention=[own,poslsh]", "s=[2,4]", "trials=2",
+               "device=cpu", "memory_check=false", f"out={tmp_path / 'p'}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "p" / "results.csv")
+    own, swapped = df[df.attention == "own"], df[df.attention == "poslsh"]
+    assert len(own) == 1 and own.s.iloc[0] == 0 and own.seed.iloc[0] == -1 and (df.position == "own").all()
+    assert sorted(zip(swapped.s, swapped.trial)) == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    assert (swapped.seed >= 0).all() and swapped.seed.nunique() == 4
+    assert np.isfinite(df.bits_per_byte).all()

@@ -128,7 +128,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
         L = max(spec.lengths) if spec.lengths is not None else 8 * int(info.get("seq_len", 0) or 0)
         hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd") or 64)
         vocab = int(cfg.get("vocab_size") or 256)
-        s = max(spec.s) if Attention.POSLSH in spec.attention else int(info.get("s", 0) or 0)
+        s = max(spec.s) if any(drawn(a) for a in spec.attention) else int(info.get("s", 0) or 0)
         act = spec.batch * L * (3 * 8.0 * vocab + 16 * 4.0 * hidden) + spec.batch * 4.0 * max(1, s) * L * hidden * 2
         b = weights_bytes(path) + act + 2 * 4.0 * CHUNK_ELEMENTS
         if b > need:
@@ -201,8 +201,18 @@ def lengths_of(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
     return spec.lengths if spec.lengths is not None else tuple(ck.trained_len * m for m in (1, 2, 4, 8))
 
 
+def drawn(attention: Attention) -> bool:
+    """Whether a swapped-in attention draws its masks at random (its s and mask draws matter): the
+    method's declaration says; the model's own attention is not swapped in."""
+    return attention is not Attention.OWN and randomized(attention.value)
+
+
 def stochastic(attention: Attention, ck: Checkpoint) -> bool:
-    return randomized(ck.position if attention is Attention.OWN else attention.value)
+    """Whether a cell's attention draws masks: the swapped-in one's, or the scheme the checkpoint was
+    trained with (a checkpoint this project did not train runs its own attention, never drawn)."""
+    if attention is not Attention.OWN:
+        return drawn(attention)
+    return ck.position != Attention.OWN.value and randomized(ck.position)
 
 
 def same_as_own(attention: Attention, s: int, ck: Checkpoint) -> bool:
@@ -212,7 +222,7 @@ def same_as_own(attention: Attention, s: int, ck: Checkpoint) -> bool:
     project trained: a foreign ALiBi model's own forward is its library's code, not ours."""
     if attention is Attention.OWN or attention.value != ck.position or not ck.info:
         return False
-    return attention is not Attention.POSLSH or s == int(ck.info.get("s", 0) or 0)
+    return not drawn(attention) or s == int(ck.info.get("s", 0) or 0)
 
 
 def swapped_lengths(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
@@ -229,7 +239,7 @@ def cells(spec: PerplexitySpec, ctx: PerplexityContext | None = None) -> list[di
     out = []
     for name, ck in (ctx.checkpoints.items() if ctx is not None else []):
         for att in spec.attention:
-            for s in (spec.s if att is Attention.POSLSH else (0,)):
+            for s in (spec.s if drawn(att) else (0,)):
                 if same_as_own(att, s, ck):
                     continue
                 for length in (lengths_of(spec, ck) if att is Attention.OWN else swapped_lengths(spec, ck)):
@@ -294,7 +304,7 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
                   max(spec.max_tokens, length), spec.batch, key="perplexity",
                   own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding)
     loss = ev.loss
-    used_s = s if att is Attention.POSLSH else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
+    used_s = s if drawn(att) else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
     row = {"checkpoint": ck.name, "position": ck.position, "attention": att.value, "s": used_s, "length": length,
            "trial": trial, "seed": seed if stochastic(att, ck) else -1, "tokens": ev.predicted, "loss": loss,
            "bits_per_byte": ev.bits_per_byte, "ppl": math.exp(loss), "seconds": time.perf_counter() - t0,
