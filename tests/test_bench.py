@@ -365,3 +365,20 @@ def test_bench_report_groups_by_causal():
     assert any(p.startswith("causal:") for p in sec.paragraphs) and any(p.startswith("bidirectional:") for p in sec.paragraphs)
     assert any("of the end-to-end" in p for p in sec.paragraphs)
     assert any("matched by a windowed exact ALiBi point" in p for p in sec.paragraphs)
+
+
+def test_the_sampling_share_at_the_largest_n_is_the_median_over_its_rows():
+    """Two Positional-LSH rows of one (s, backend) at the largest n (say iid and sobol masks): the
+    share of drawing the masks is their median, and the sentence says how many rows it rests on."""
+    from poslsh_cli.experiments.bench_claims import claim_near_linear_time
+
+    rows = [dict(device="cpu", causal=True, method="exact", s=0, backend="rank1", n=n, seconds=n * 1e-6,
+                 sample_seconds=0.0) for n in (1024, 2048, 4096)]
+    for n in (1024, 2048, 4096):
+        for share in (0.1, 0.3):
+            rows.append(dict(device="cpu", causal=True, method="poslsh", s=8, backend="union", n=n,
+                             seconds=n * 1e-6, sample_seconds=share * n * 1e-6))
+    _, paragraphs = claim_near_linear_time(pd.DataFrame(rows))
+    said = [p for p in paragraphs if "drawing the masks" in p]
+    assert said == ["causal, s=8 (union), n=4096: drawing the masks and building their layout take 20.0% of the "
+                    "end-to-end 0.0041 s (median of 2 rows)."], said
