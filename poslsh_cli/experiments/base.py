@@ -226,6 +226,26 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     return lm_bytes(shape, batch, n, att, training=False, weights=weights_bytes(path))
 
 
+def largest_checkpoint_need(spec: Any, each: Callable[[Path, str, Any], Any]) -> MemoryNeed | None:
+    """The largest of the (bytes, what) pairs ``each(path, name, device)`` gives for every checkpoint
+    of ``spec.checkpoints`` (directories expanded) on ``spec.device``; None while a checkpoint cannot
+    be read (the command's prepare says why)."""
+    from poslsh_cli.experiments.devices import resolve_device
+    from poslsh_cli.lm.checkpoint import expand_checkpoints
+
+    need = None
+    try:
+        device = resolve_device(spec.device)
+        for entry in spec.checkpoints:
+            for path, name in expand_checkpoints(entry):
+                for b, what in each(path, name, device):
+                    if need is None or b > need.bytes:
+                        need = MemoryNeed(b, what, spec.device)
+    except (ConfigError, OSError, ValueError):
+        return None
+    return need
+
+
 def grid_cells(spec: Any) -> list[dict[str, Any]]:
     """The (n, sigma, s, trial) grid of the matrix experiments, in a fixed order; with a ``sampler``
     key, every point once per sampler (the same seed: a sampler changes how the seed is used)."""

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoint_forward_bytes
+from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoint_forward_bytes, largest_checkpoint_need
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
@@ -126,20 +126,14 @@ def memory(spec: TasksSpec) -> MemoryNeed | None:
     checkpoint cannot be read (prepare says why)."""
     from poslsh_cli.lm.checkpoint import read_config
 
-    need = None
-    try:
-        device = resolve_device(spec.device)
-        for entry in spec.checkpoints:
-            for path, name in expand_checkpoints(entry):
-                n = spec.max_length or min(DEFAULT_LENGTH, int(read_config(path).get("max_position_embeddings")
-                                                               or DEFAULT_LENGTH))
-                for a in spec.attention:
-                    b = checkpoint_forward_bytes(path, spec.batch_size, n, device, a, spec.s)
-                    if need is None or b > need.bytes:
-                        need = MemoryNeed(b, f"{name} ({a}), {spec.batch_size} inputs of {n} tokens", spec.device)
-    except (ConfigError, OSError, ValueError):
-        return None
-    return need
+    def each(path: Path, name: str, device: Any) -> Any:
+        n = spec.max_length or min(DEFAULT_LENGTH, int(read_config(path).get("max_position_embeddings")
+                                                       or DEFAULT_LENGTH))
+        for a in spec.attention:
+            yield (checkpoint_forward_bytes(path, spec.batch_size, n, device, a, spec.s),
+                   f"{name} ({a}), {spec.batch_size} inputs of {n} tokens")
+
+    return largest_checkpoint_need(spec, each)
 
 
 def _scheme_of(own: str, attention: str) -> str:

@@ -20,7 +20,7 @@ from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forward_bytes, checkpoints_skip_reason,
-                                         trained_runs_overrides)
+                                         largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm.positions import model_label, sigma_label
@@ -85,20 +85,13 @@ def memory(spec: PasskeySpec) -> MemoryNeed | None:
     checkpoint cannot be read (prepare says why)."""
     from poslsh_cli.lm.checkpoint import json_file
 
-    need = None
-    try:
-        device = resolve_device(spec.device)
-        for entry in spec.checkpoints:
-            for path, name in expand_checkpoints(entry):
-                info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
-                lengths = lengths_of(spec, int(info.get("seq_len", 0) or 0))
-                if lengths and max(lengths) > 0:
-                    b = checkpoint_forward_bytes(path, 1, max(lengths), device)
-                    if need is None or b > need.bytes:
-                        need = MemoryNeed(b, f"{name} at length {max(lengths)}", spec.device)
-    except (ConfigError, OSError, ValueError):
-        return None
-    return need
+    def each(path: Path, name: str, device: Any) -> Any:
+        info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
+        lengths = lengths_of(spec, int(info.get("seq_len", 0) or 0))
+        if lengths and max(lengths) > 0:
+            yield checkpoint_forward_bytes(path, 1, max(lengths), device), f"{name} at length {max(lengths)}"
+
+    return largest_checkpoint_need(spec, each)
 
 
 def cells(spec: PasskeySpec, ctx: PasskeyContext | None = None) -> list[dict[str, Any]]:
