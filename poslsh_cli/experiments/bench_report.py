@@ -12,7 +12,7 @@ import numpy as np
 from poslsh_cli.experiments.bench_claims import (  # noqa: F401 (the claims' constants, read by tests)
     EXACT, EXACT_ALT, GPU_GOAL_N, GPU_GOAL_S, POSLSH, WINDOWED, claim_near_linear_time, claim_roofline, claims_gpu,
     crossover, exact_time)
-from poslsh_cli.experiments.measure import overload_reason
+from poslsh_cli.experiments.measure import load_paragraphs
 from poslsh_cli.verdicts.claims import Section
 from poslsh_cli.numerics.methods import Method
 
@@ -199,12 +199,9 @@ def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
-
     sec = Section("bench", run, "Speed: Positional-LSH attention against exact and windowed ALiBi")
     df, every = first_sampler(df)
-    head, rows = summary(df)
-    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.add_table(*summary(df))
     raw = df if "backend" in df.columns else df.assign(backend="")
     df = split_exact(df)
     verdict, paragraphs = claim_near_linear_time(df)
@@ -219,9 +216,7 @@ def report(run: Path, df: Any) -> Section:
                               + (" (the reference of rel_fro; the other exact paths are in the table of exact "
                                  "paths)" if (df.method == EXACT_ALT).any() else "")
                               + (", timed interleaved with each row (exact_seconds)" if paired else "") + ".")
-    why = overload_reason(raw)
-    if why:
-        sec.paragraphs.append(f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE.")
+    sec.paragraphs += load_paragraphs(raw)
     if "fraction" in raw.columns and raw.fraction.notna().any():
         sec.tables.append(roofline_table(raw))
         sec.verdicts.append(claim_roofline(raw))

@@ -27,7 +27,7 @@ from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
-from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, overload_reason
+from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.lm.positions import Position, PositionState, model_label, randomized, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
@@ -184,15 +184,10 @@ def plot(run: Path, df: Any) -> list[Path]:
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
-
     sec = Section("decode-bench", run, "Decoding speed and key/value memory against context length")
-    head, rows = summary(df)
-    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.add_table(*summary(df))
     sec.verdicts += claims(df)
-    why = overload_reason(df)
-    if why:
-        sec.paragraphs.append(f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE.")
+    sec.paragraphs += load_paragraphs(df)
     return sec
 
 

@@ -214,11 +214,8 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
-
     sec = Section("eval", run, "lm-evaluation-harness tasks")
-    head, rows = summary(df)
-    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.add_table(*summary(df))
     draws = int(df.groupby(["checkpoint", "attention"]).draw.nunique().max())
     sec.paragraphs.append(f"lm-eval's metrics and standard errors (over documents) on {df.task.nunique()} task(s); "
                           f"Positional-LSH rows are the mean over {draws} mask draw(s) (range in brackets), the "

@@ -189,6 +189,12 @@ class LoadProbe:
                     bool(others == others and others + need > self.cores + OVERLOAD_SLACK))
 
 
+def load_paragraphs(rows: Any) -> list[str]:
+    """The report's sentence on the load while ``rows`` were timed (:func:`overload_reason`), or none."""
+    why = overload_reason(rows)
+    return [f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE."] if why else []
+
+
 def overload_reason(rows: Any) -> Optional[str]:
     """Why the times in ``rows`` (a DataFrame of benchmark rows) cannot decide a speed claim: some
     were measured overloaded (:class:`Load`), said with the worst one's load and what to do; None

@@ -188,11 +188,8 @@ def plot(run: Path, df: Any) -> list[Path]:
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
-
     sec = Section("passkey", run, "Pass-key retrieval against prompt length and needle depth")
-    head, rows = summary(df)
-    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.add_table(*summary(df))
     sec.paragraphs.append(f"Accuracy: the share of keys whose every answer token is the model's top-1 prediction "
                           f"(teacher-forced), over {df.depth.nunique()} depths and "
                           f"{int(df.groupby(['checkpoint', 'length', 'depth']).size().max())} keys each; "

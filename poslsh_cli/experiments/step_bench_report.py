@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from poslsh_cli.attention.plan import Backend
-from poslsh_cli.experiments.measure import judge_load, overload_reason
+from poslsh_cli.experiments.measure import judge_load, load_paragraphs
 from poslsh_cli.lm.positions import Position
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, crossover
 
@@ -92,20 +92,15 @@ def plot(run: Path, df: Any) -> list[Path]:
 
 
 def report(run: Path, df: Any) -> Section:
-    import pandas as pd
-
     sec = Section("step-bench", run, "Training-step cost of each position scheme")
-    head, rows = summary(df)
-    sec.tables.append(pd.DataFrame(rows, columns=head))
+    sec.add_table(*summary(df))
     sec.verdicts += claim_alibi_near_rope(df)
     sec.verdicts += claim_dense_route(df)
     sec.verdicts += claim_long_context(df)
     sec.verdicts += claim_memory(df)
     sec.verdicts += claim_paper_setting(df)
     sec.paragraphs += crossover_findings(df)
-    why = overload_reason(df)
-    if why:
-        sec.paragraphs.append(f"Load: {why}; the speed claims that use these rows are INCONCLUSIVE.")
+    sec.paragraphs += load_paragraphs(df)
     return sec
 
 

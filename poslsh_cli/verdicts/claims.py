@@ -46,6 +46,12 @@ class Section:
     details: list[tuple[str, Any]] = field(default_factory=list)  # (caption, full DataFrame), collapsed
     figures: list[Path] = field(default_factory=list)
 
+    def add_table(self, head: list[str], rows: list[list[Any]]) -> None:
+        """A table from a command's ``summary(df)`` (its header and rows)."""
+        import pandas as pd
+
+        self.tables.append(pd.DataFrame(rows, columns=head))
+
 
 #: How a claim made over several groups ((n, sigma), layers, lengths) is judged from its groups'
 #: verdicts; every such verdict's rule ends with it (:func:`over_groups`).
