@@ -23,7 +23,7 @@ from poslsh_cli.numerics import masks
 from poslsh_cli.attention.merge import merge_by_lse
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import NEG_INF, scale_of
-from poslsh_cli.attention.transfer import to_device
+from poslsh_cli.attention.transfer import drawn_scalars
 from poslsh_cli.numerics.sampling import Partitions, bin_index
 
 #: Upper bound on the bytes of one batch of gathered blocks (q, k, v copies and scores): large
@@ -129,8 +129,7 @@ def device_bins(partitions: Sequence[Partitions], device: torch.device | str) ->
     floor are exact-rounded everywhere, so this equals :meth:`Partitions.bins` bit for bit, without
     moving an (H, s, n) array to the device.
     """
-    widths, shifts = to_device(np.stack([np.stack([p.widths for p in partitions]),
-                                         np.stack([p.shifts for p in partitions])]), device)
+    widths, shifts = drawn_scalars(partitions, device)
     i = torch.arange(partitions[0].seq_len, dtype=torch.float64, device=widths.device)
     raw = bin_index(i, widths[..., None], shifts[..., None]).to(torch.int64)  # (H, s, n)
     return raw - raw[..., :1]

@@ -32,7 +32,7 @@ from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import slopes_from_sigmas, scale_of
 from poslsh_cli.numerics import masks
 from poslsh_cli.numerics.methods import HeadParams, Score, distance_bias
-from poslsh_cli.attention.transfer import to_device
+from poslsh_cli.attention.transfer import drawn_scalars
 from poslsh_cli.numerics.sampling import Partitions, bin_index, longest_block
 
 #: The CUDA kernel's smallest head dimension: narrower heads are zero-padded to it (exact).
@@ -273,7 +273,7 @@ class FlexLayout:
               device: torch.device | str = "cpu") -> "FlexLayout":
         H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
         widths = np.stack([p.widths for p in partitions])  # (H, s)
-        w, u = to_device(np.stack([widths, np.stack([p.shifts for p in partitions])]), device)
+        w, u = drawn_scalars(partitions, device)
         return cls(H, s, n, causal, w, u, tuple(int(x) for x in longest_block(widths.max(0), n)))
 
     def block_mask(self, sample: int, q_blocks: bool = True) -> Any:

@@ -3,8 +3,12 @@ paths: one non-blocking copy from pinned memory, so building a layout never sync
 (docs/ARCHITECTURE.md, "Attention")."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
+
+from poslsh_cli.numerics.sampling import Partitions
 
 
 def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -15,4 +19,11 @@ def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-__all__ = ["to_device"]
+def drawn_scalars(partitions: Sequence[Partitions], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The widths and shifts of every (head, sample), (H, s) float64 each, on ``device`` in one copy."""
+    widths, shifts = to_device(np.stack([np.stack([p.widths for p in partitions]),
+                                         np.stack([p.shifts for p in partitions])]), device)
+    return widths, shifts
+
+
+__all__ = ["to_device", "drawn_scalars"]
