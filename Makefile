@@ -8,7 +8,7 @@ RUNS   ?= runs
 # where make reproduce-* runs its presets: local (one after another), joblib (in parallel on this
 # machine) or slurm (each preset a SLURM job; needs the launchers extra and sbatch)
 LAUNCHER ?= local
-# opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long train_official perplexity_long perplexity_official, or all
+# opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long perplexity_long (the long-context CPU runs), or all
 WITH ?=
 # presets make reproduce-quick runs at once (each with its share of the cores and its own log)
 QUICK_JOBS ?= 2

@@ -130,13 +130,18 @@ def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
 def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
     from poslsh_cli.app import reproduce
 
-    assert set(reproduce.opt_in()) == {"train_long", "perplexity_long", "train_official", "perplexity_official"}
+    assert set(reproduce.opt_in()) == {"train_long", "perplexity_long"}  # the long-context CPU runs only
     assert "--with train_long" in reproduce.not_asked("train_long", "train_long_paper", ())
     assert reproduce.not_asked("train_long", "train_long_paper", ("train_long",)) is None
     assert reproduce.not_asked("train_long", "train_long_quick", ()) is None  # the smoke test runs every preset
-    assert reproduce.not_asked("train", "train_paper", ()) is None
+    for name in ("train", "train_official", "train_finetune"):  # both protocols run by default
+        assert reproduce.not_asked(name, f"{name}_paper", ()) is None
+    for name, command in (("perplexity", "perplexity"), ("perplexity_official", "perplexity"), ("passkey", "passkey"),
+                          ("eval", "eval")):
+        assert reproduce.not_asked(name, f"{name}_paper", ()) is None
+        assert (name, command, f"{name}_paper") in reproduce.plan("paper")
     assert reproduce.check_with(["all"]) == tuple(reproduce.opt_in())
-    with pytest.raises(ConfigError, match="--with must be one of train_long, train_official, perplexity_long, perplexity_official or all, got 'trian'"):
+    with pytest.raises(ConfigError, match="--with must be one of train_long, perplexity_long or all, got 'trian'"):
         reproduce.check_with(["trian"])
     # the driver leaves it out and says why in its run directory, running nothing
     code = ("import sys; import poslsh_cli.app.reproduce as r;"

@@ -54,3 +54,73 @@ def test_a_task_whose_data_is_on_an_unreachable_hub_is_one_line(poslsh_checkpoin
     assert "hub_task" in res.stderr and "the Hugging Face hub is not reachable" in res.stderr, res.stderr
     assert "HF_HUB_OFFLINE=1" in res.stderr and not out.exists()
     assert not records, [r.getMessage() for r in records]
+
+
+def test_the_heldout_task_asks_for_what_follows_in_the_held_out_documents(tmp_path):
+    """poslsh_heldout's documents are exactly the corpus's validation split (the same bytes training
+    held out), and each question's gold choice is the text that follows its context there, the
+    others spans of other held-out documents; the items replay from the documents alone."""
+    import json
+
+    import numpy as np
+
+    from poslsh_cli.core.errors import ConfigError
+    from poslsh_cli.lm import heldout_task
+    from poslsh_cli.lm.data import SEPARATOR, load_corpus
+
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    texts = []
+    for i in range(12):
+        words = rng.choice(["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"], 120 + 10 * i)
+        texts.append(f"document {i}: " + " ".join(words))
+        (folder / f"{i:02d}.txt").write_text(texts[-1])
+    held = heldout_task.heldout_documents(texts, 3)
+    corpus = load_corpus(str(folder), val_every=3)
+    assert bytes(corpus.val.astype(np.uint8)).decode() == "".join(t + SEPARATOR for t in held)
+    assert [t.split(":")[0] for t in held] == ["document 2", "document 5", "document 8", "document 11"]
+
+    items = heldout_task.make_items(held, items=60, context=40, span=12, choices=3, seed=1)
+    assert items == heldout_task.make_items(held, items=60, context=40, span=12, choices=3, seed=1)
+    for it in items:
+        assert len(it["context"]) == 40 and [len(c) for c in it["choices"]] == [12, 12, 12]
+        gold = it["choices"][it["gold"]]
+        home = [t for t in held if it["context"] + gold in t]
+        assert home, it
+        others = [c for k, c in enumerate(it["choices"]) if k != it["gold"]]
+        assert all(any(c in t for t in held if t not in home) for c in others), it
+    assert sorted({it["gold"] for it in items}) == [0, 1, 2]
+    with pytest.raises(ConfigError, match="fewer than the 3 a question needs"):
+        heldout_task.make_items(held[:2], context=40, span=12, choices=3)
+
+    task = heldout_task.write_task(tmp_path / "task", items)
+    rows = [json.loads(line) for line in (task / "poslsh_heldout.jsonl").read_text().splitlines()]
+    assert rows == items and "target_delimiter: ''" in (task / "poslsh_heldout.yaml").read_text()
+
+
+def test_eval_scores_trained_models_on_their_heldout_documents_by_scheme(trained, tmp_path, monkeypatch):
+    """tasks=[poslsh_heldout] on a train run: every checkpoint scored on the same questions, rows
+    carrying the training seed and bandwidths, the report's per-scheme table and the claim against
+    exact ALiBi, INCONCLUSIVE on one seed (the rule needs three)."""
+    import pandas as pd
+
+    monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    res = poslsh("eval", str(trained), "tasks=[poslsh_heldout]", "limit=12", "trials=2", "batch_size=8",
+                 "device=cpu", f"out={out}")
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "results.csv")
+    assert sorted(set(df.position)) == ["alibi", "fixed_block", "none", "poslsh", "rope", "windowed"]
+    assert (df.documents == 12).all() and (df.run_seed == 0).all() and set(df.task) == {"poslsh_heldout"}
+    assert set(df[df.position == "alibi"].sigmas) == {"standard"} and df[df.position == "rope"].sigmas.isna().all()
+    assert df[df.position == "poslsh"].draw.nunique() == 2
+    res = poslsh("report", str(out), "--out", str(tmp_path / "report"))
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "poslsh s=3 reaches exact ALiBi's accuracy on poslsh_heldout" in text
+    assert "**INCONCLUSIVE**" in text and "fewer than 3" in text and "mask draws |" in text
+    # a missing checkpoint beside the good ones: one line, nothing written
+    other = tmp_path / "other"
+    res = poslsh("eval", str(trained), str(tmp_path / "missing_too"), "tasks=[poslsh_heldout]", f"out={other}")
+    assert res.exit_code != 0 and len(res.stderr.strip().splitlines()) == 1 and not other.exists(), res.stderr

@@ -11,21 +11,23 @@ standard error and the number of documents scored.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoint_forward_bytes, largest_checkpoint_need
+from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forward_bytes, checkpoints_skip_reason,
+                                         largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
+from poslsh_cli.lm import heldout_task
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
-from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.verdicts.claims import Section, Status, Verdict
 
 COLUMNS = ("checkpoint", "attention", "position", "s", "sampler", "draw", "seed", "task", "metric", "filter", "value",
-           "stderr", "documents", "num_fewshot")
+           "stderr", "documents", "num_fewshot", "run_seed", "sigmas", "attn_dropout", "finetuned")
 ATTENTIONS = ("own", "alibi", "poslsh", "windowed", "fixed_block", "none", "rope")
 INSTALL = "lm-eval is not installed: pip install 'poslsh[eval]' (or make install)"
 
@@ -34,7 +36,9 @@ INSTALL = "lm-eval is not installed: pip install 'poslsh[eval]' (or make install
 class TasksSpec(Spec):
     checkpoints: tuple[str, ...] = key("train run directories or checkpoint directories (or give them as plain "
                                        "arguments: poslsh eval CKPT...)", [], empty=True)
-    tasks: tuple[str, ...] = key("lm-eval task (or group) names", [], empty=True, noun="task")
+    tasks: tuple[str, ...] = key("lm-eval task (or group) names; poslsh_heldout: continuations of the held-out "
+                                 "documents the checkpoints were trained beside (no download)", [], empty=True,
+                                 noun="task")
     include_path: Optional[str] = key("a directory of lm-eval task YAML files (local tasks)", None)
     attention: tuple[str, ...] = key("own (the checkpoint's scheme) or schemes swapped in: alibi, poslsh, windowed, "
                                      "fixed_block, none (rope: RoPE checkpoints only)", ["own"], noun="attention")
@@ -60,6 +64,7 @@ class TasksContext:
     checkpoints: dict[str, tuple[Path, str]]  # name -> (path, its own position)
     device: Any
     manager: Any  # lm-eval's TaskManager
+    trained: dict[str, dict] = field(default_factory=dict)  # name -> run_seed, sigmas, finetuned (poslsh's own runs)
 
 
 def _lm_eval() -> Any:
@@ -79,25 +84,60 @@ def prepare(spec: TasksSpec) -> TasksContext:
     check(len(spec.tasks) > 0, "give the tasks to run: 'tasks=[name,...]' (lm-eval names, or local ones with "
                                "include_path=DIR)")
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
-    cks = {}
+    cks, trained = {}, {}
     for entry in spec.checkpoints:
         for path, name in expand_checkpoints(entry):
             check_checkpoint(path)
             cks[name] = (path, str((read_config(path).get("poslsh") or {}).get("position", "rope")))
+            trained[name] = _trained_columns(path, cks[name][1])
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    include = [spec.include_path] if spec.include_path else []
+    if heldout_task.TASK in spec.tasks:
+        include.append(str(_heldout_folder([p for p, _ in cks.values()])))
     manager, unknown = None, list(spec.tasks)
-    if spec.include_path:  # local tasks alone first: indexing lm-eval's own thousands of tasks takes a while
-        manager = TaskManager(include_path=spec.include_path, include_defaults=False)
+    if include:  # local tasks alone first: indexing lm-eval's own thousands of tasks takes a while
+        manager = TaskManager(include_path=include, include_defaults=False)
         unknown = [t for t in spec.tasks if t not in set(manager.all_tasks)]
     if unknown:
-        manager = TaskManager(include_path=spec.include_path) if spec.include_path else TaskManager()
+        manager = TaskManager(include_path=include) if include else TaskManager()
         unknown = [t for t in spec.tasks if t not in set(manager.all_tasks)]
     if unknown:
         where = f" (nor in {spec.include_path})" if spec.include_path else " (a local task: include_path=DIR)"
         raise ConfigError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}")
     for task in spec.tasks:
         _check_data(task, manager)
-    return TasksContext(cks, resolve_device(spec.device), manager)
+    return TasksContext(cks, resolve_device(spec.device), manager, trained)
+
+
+def _trained_columns(path: Path, position: str) -> dict:
+    """What the rows say of how a checkpoint was trained: its training seed (-1: not poslsh's),
+    its bandwidths (as perplexity labels them) and whether it was fine-tuned."""
+    from poslsh_cli.lm.checkpoint import json_file
+    from poslsh_cli.lm.positions import Position, sigma_label
+
+    info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").exists() else {}
+    sigmas = ("" if position in (Position.ROPE.value, Position.NONE.value)
+              else sigma_label((info.get("scheme") or {}).get("sigmas")))
+    return {"run_seed": int(info.get("seed", -1)), "sigmas": sigmas,
+            "attn_dropout": float(info.get("attn_dropout", 0.0)), "finetuned": "yes" if info.get("init") else "no"}
+
+
+def _heldout_folder(paths: list[Path]) -> Path:
+    """The ``poslsh_heldout`` task of the corpus every checkpoint was trained on (as each one's
+    ``poslsh_train.json`` records it; a checkpoint poslsh did not train: the builtin corpus)."""
+    from poslsh_cli.lm.checkpoint import json_file
+
+    corpora = set()
+    for path in paths:
+        info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").exists() else {}
+        corpora.add((info.get("data") or "builtin", int(info.get("val_every", 10)), info.get("data_field", "text"),
+                     info.get("encoding", "utf-8")))
+    if len(corpora) != 1:
+        raise ConfigError(f"{heldout_task.TASK} scores every checkpoint on one corpus's held-out documents, and "
+                          f"these were trained on {len(corpora)}: {', '.join(sorted(c[0] for c in corpora))} "
+                          "(evaluate them separately)")
+    data, val_every, field, encoding = corpora.pop()
+    return heldout_task.build(data, val_every, field, encoding)
 
 
 def _check_data(task: str, manager: Any) -> None:
@@ -188,20 +228,29 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
                          "task": task, "metric": metric, "filter": filt, "value": float(value),
                          "stderr": float(se) if isinstance(se, (int, float)) else float("nan"),
                          "documents": -1 if docs is None else int(docs),
-                         "num_fewshot": -1 if shots is None else int(shots)})
+                         "num_fewshot": -1 if shots is None else int(shots),
+                         **ctx.trained.get(name, {"run_seed": -1, "sigmas": "", "attn_dropout": 0.0, "finetuned": "no"})})
     if not rows:
         raise ConfigError(f"lm-eval returned no metrics for tasks {list(spec.tasks)}")
     return rows, {}
 
 
+def _with_trained(df: Any) -> Any:
+    """Rows with the training columns (runs written before they existed: one unknown seed each)."""
+    defaults = {"run_seed": -1, "sigmas": "", "attn_dropout": 0.0, "finetuned": "no"}
+    return df.assign(**{c: df[c] if c in df.columns else v for c, v in defaults.items()}).fillna(
+        {"sigmas": "", "attn_dropout": 0.0, "finetuned": "no"})
+
+
 def _scheme(df: Any) -> Any:
     from poslsh_cli.lm.positions import model_label
 
-    return [model_label(r.position, r.s, 0.0, "") for r in df.itertuples()]
+    return [model_label(r.position, r.s, r.attn_dropout, r.sigmas) for r in df.itertuples()]
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    d = df.assign(scheme=_scheme(df))
+    d = _with_trained(df)
+    d = d.assign(scheme=_scheme(d))
     head = ["checkpoint", "scheme", "task", "metric", "value", "stderr", "draws", "documents"]
     rows = []
     for (ck, scheme, task, metric), g in d.groupby(["checkpoint", "scheme", "task", "metric"], sort=False):
@@ -213,14 +262,89 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def per_seed(d: Any) -> Any:
+    """Each trained model's value (mean over its mask draws) per (scheme, training seed)."""
+    return d.groupby(["finetuned", "sigmas", "scheme", "task", "metric", "run_seed"], sort=False).value.mean()
+
+
+def interval_table(df: Any) -> Any:
+    """Per trained scheme, task and metric under its own attention: the mean over training seeds
+    (each the mean over its mask draws) with its 95% t-interval, and what it rests on."""
+    import pandas as pd
+
+    from poslsh_cli.verdicts.stats import t_interval
+
+    d = _with_trained(df[df.attention == "own"])
+    d = d.assign(scheme=_scheme(d))
+    rows = []
+    for (tuned, sig, scheme, task, metric), g in d.groupby(["finetuned", "sigmas", "scheme", "task", "metric"],
+                                                         sort=False):
+        iv = t_interval(g.groupby("run_seed").value.mean().values)
+        rows.append({"fine-tuned": tuned, "scheme": scheme, "task": task, "metric": metric,
+                     "mean": f"{iv.estimate:.4f}",
+                     "95% interval": f"[{iv.low:.4f}, {iv.high:.4f}]" if iv.finite else "-",
+                     "seeds": iv.n, "mask draws": int(g.groupby("run_seed").draw.nunique().max()),
+                     "documents": int(g.documents.max())})
+    return pd.DataFrame(rows)
+
+
+def claim_reaches_alibi(df: Any) -> list[Verdict]:
+    """Positional LSH (each trained s, per bandwidth setting) reaches exact ALiBi's accuracy on each
+    task: the non-inferiority rule on accuracy in percentage points, paired by training seed."""
+    from poslsh_cli.lm.positions import model_label
+    from poslsh_cli.verdicts.stats import ACCURACY_MARGIN, MIN_SEEDS, equivalence, equivalence_rule, paired
+
+    d = _with_trained(df[(df.attention == "own") & (df.metric == "acc")])
+    d = d[(d.finetuned == "no") & (d.attn_dropout == 0)]
+    out = []
+    for (sig, task), g in d.groupby(["sigmas", "task"], sort=False):
+        ref = g[g.position == "alibi"].groupby("run_seed").value.mean() * 100
+        for s_, h in g[g.position == "poslsh"].groupby("s"):
+            pos = h.groupby("run_seed").value.mean() * 100
+            iv = paired(dict(ref), dict(pos), level=0.90)  # ALiBi minus Positional LSH: smaller is better for poslsh
+            label = model_label("poslsh", s_, 0.0, sig)
+            claim = f"{label} reaches exact ALiBi's accuracy on {task}"
+            if not len(ref) or iv.n < MIN_SEEDS:
+                out.append(Verdict(claim, Status.INCONCLUSIVE,
+                                   f"{iv.n} training seed(s) with both schemes, fewer than {MIN_SEEDS}",
+                                   equivalence_rule(ACCURACY_MARGIN, "accuracy points")))
+                continue
+            status, why = equivalence(iv, ACCURACY_MARGIN)
+            draws = int(h.groupby("run_seed").draw.nunique().max())
+            out.append(Verdict(claim, status, f"ALiBi minus Positional LSH {iv.text(2)} accuracy points ({why}); "
+                               f"{iv.n} training seeds, {draws} mask draws each, {int(h.documents.max())} questions",
+                               equivalence_rule(ACCURACY_MARGIN, "accuracy points")))
+    return out
+
+
 def report(run: Path, df: Any) -> Section:
     sec = Section("eval", run, "lm-evaluation-harness tasks")
+    own = df[df.attention == "own"]
+    if len(own) and (_with_trained(own).run_seed >= 0).any():
+        sec.verdicts += claim_reaches_alibi(df)
+        sec.tables.append(interval_table(df))
+        sec.paragraphs.append("Each trained scheme under its own attention: the mean over training seeds, each seed "
+                              "the mean over its Positional-LSH mask draws, with a 95% t-interval over seeds "
+                              "(the interval covers training seeds and mask draws). poslsh_heldout: multiple-choice "
+                              "continuations of held-out documents, chance 0.25.")
     sec.add_table(*summary(df))
     draws = int(df.groupby(["checkpoint", "attention"]).draw.nunique().max())
-    sec.paragraphs.append(f"lm-eval's metrics and standard errors (over documents) on {df.task.nunique()} task(s); "
-                          f"Positional-LSH rows are the mean over {draws} mask draw(s) (range in brackets), the "
-                          "other schemes are deterministic.")
+    sec.paragraphs.append(f"lm-eval's metrics and standard errors (over documents) on {df.task.nunique()} task(s), "
+                          f"per checkpoint; Positional-LSH rows are the mean over {draws} mask draw(s) (range in "
+                          "brackets), the other schemes are deterministic.")
     return sec
+
+
+def reproduce_overrides(root: Path, spec: TasksSpec) -> list[str]:
+    return trained_runs_overrides(root, spec.checkpoints)
+
+
+def skip_reason(spec: TasksSpec) -> Optional[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        return INSTALL
+    return checkpoints_skip_reason(spec.checkpoints, spec.device)
 
 
 EXPERIMENT = Experiment(
@@ -237,6 +361,9 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     report=report,
     positional="checkpoints",
+    presets=("eval",),
+    skip_reason=skip_reason,
+    reproduce_overrides=reproduce_overrides,
     order=76,
     memory=memory,
 )

@@ -349,7 +349,7 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("perplexity_long", "perplexity", "perplexity_official", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
              "perplexity_official_qwen3_0_6b_gpu", "perplexity_official_mistral_7b_gpu"),
-    opt_in=("perplexity_long", "perplexity_official"),
+    opt_in=("perplexity_long",),
     order=60,
     positional="checkpoints",
     skip_reason=skip_reason,

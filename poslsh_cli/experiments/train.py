@@ -274,7 +274,7 @@ EXPERIMENT = Experiment(
     report=report,
     presets=("train_long", "train", "train_finetune", "train_official", "train_gpu", "train_long_gpu", "finetune_mistral_7b_gpu",
              "train_qwen3_0_6b_gpu", "train_official_qwen3_0_6b_gpu", "finetune_official_mistral_7b_gpu"),
-    opt_in=("train_long", "train_official"),
+    opt_in=("train_long",),
     order=50,
     skip_reason=skip_reason,
     distributed=True,
