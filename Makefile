@@ -10,6 +10,9 @@ RUNS   ?= runs
 LAUNCHER ?= local
 # opt-in presets make reproduce-* runs as well (poslsh reproduce --with): train_long perplexity_long (the long-context CPU runs), or all
 WITH ?=
+# run only these presets, or every preset of these commands (poslsh reproduce --only): e.g.
+# ONLY="train perplexity passkey eval" for the language-model part; empty: every preset
+ONLY ?=
 # presets make reproduce-quick runs at once (each with its share of the cores and its own log)
 QUICK_JOBS ?= 2
 # the reproduce root make publish publishes, and where (docs/RESULTS.md, docs/figures, docs/results)
@@ -52,10 +55,10 @@ publish-again: install
 # runs/reproduce/paper/report.{md,html}. Fixed run directories: interrupted and started again,
 # it resumes where it stopped. Large-model presets run only with their checkpoint and a GPU.
 reproduce-all: install
-	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce --launcher $(LAUNCHER) $(foreach w,$(WITH),--with $(w))
+	$(BIN)/poslsh reproduce --scale paper --runs $(RUNS)/reproduce --launcher $(LAUNCHER) $(foreach w,$(WITH),--with $(w)) $(foreach o,$(ONLY),--only $(o))
 
 reproduce-quick: install
-	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER) --jobs $(QUICK_JOBS) $(foreach w,$(WITH),--with $(w))
+	$(BIN)/poslsh reproduce --scale quick --runs $(RUNS)/reproduce --launcher $(LAUNCHER) --jobs $(QUICK_JOBS) $(foreach w,$(WITH),--with $(w)) $(foreach o,$(ONLY),--only $(o))
 
 # Speed and memory targets, measured side by side in one run each and reported as ratios.
 bench: bench-matrix bench-attention

@@ -186,3 +186,24 @@ def test_every_default_in_the_yaml_is_the_spec_default(command):
     differ = {f.name: (getattr(from_yaml, f.name), getattr(from_spec, f.name)) for f in dataclasses.fields(exp.spec)
               if getattr(from_yaml, f.name) != getattr(from_spec, f.name)}
     assert not differ, f"conf/{exp.config_name}.yaml and {exp.spec.__name__} disagree (yaml, spec): {differ}"
+
+
+def test_reproduce_only_runs_the_presets_named_or_every_preset_of_a_command(tmp_path):
+    from poslsh_cli.app import reproduce
+
+    assert reproduce.check_only(["train_official", "eval"], "paper") == ("train_official", "eval")
+    lm = reproduce.check_only(["train", "perplexity", "passkey", "eval"], "paper")
+    assert {"train", "train_official", "train_finetune", "perplexity", "perplexity_official", "passkey", "eval"} <= set(lm)
+    assert not {"matrix_error", "bench", "output_error_minilm"} & set(lm)
+    with pytest.raises(ConfigError, match="--only takes a preset .* or a command .*, got 'trian'"):
+        reproduce.check_only(["trian"], "paper")
+    res = subprocess.run([sys.executable, "-m", "poslsh_cli", "reproduce", "--only", "trian", "--runs", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1 and "--only takes" in res.stderr
+    assert not any(tmp_path.iterdir())
+    # the driver runs the chosen presets alone
+    code = ("import sys; import poslsh_cli.app.reproduce as r; ran = [];"
+            "r._run_wave = lambda wave, *a, **k: ran.extend(e[0] for e in wave);"
+            f"code = r.main('quick', {str(tmp_path)!r}, only=('block_stats',)); print(ran); sys.exit(code)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "['block_stats']", (res.stdout, res.stderr)

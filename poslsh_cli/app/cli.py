@@ -215,7 +215,11 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
                                                      "share of the cores and its log in <runs>/<scale>/logs/; "
                                                      "joblib: default the cores)"),
                   with_: list[str] = typer.Option([], "--with", help="opt-in presets to run as well: train_long, "
-                                                  "perplexity_long (the long-context CPU runs), or all")) -> None:
+                                                  "perplexity_long (the long-context CPU runs), or all"),
+                  only: list[str] = typer.Option([], "--only", help="run only these presets (run names, e.g. "
+                                                 "train_official) or every preset of these commands (e.g. train, "
+                                                 "perplexity, passkey, eval); the report covers every run of the "
+                                                 "root")) -> None:
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
     from poslsh_cli.app.reproduce import Launcher
     from poslsh_cli.app.reproduce import main as reproduce_main
@@ -230,13 +234,14 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
             fail("reproduce", str(exc))
     if jobs is not None and jobs < 1:
         fail("reproduce", f"--jobs must be at least 1, got {jobs}")
-    from poslsh_cli.app.reproduce import check_with
+    from poslsh_cli.app.reproduce import check_only, check_with
 
     try:
         include = check_with(with_)
+        chosen = check_only(only, scale) if only else None
     except ConfigError as exc:
         fail("reproduce", str(exc))
-    raise SystemExit(reproduce_main(scale, runs, launcher, jobs, include))
+    raise SystemExit(reproduce_main(scale, runs, launcher, jobs, include, chosen))
 
 
 @app.command("generate")

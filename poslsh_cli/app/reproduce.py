@@ -13,7 +13,8 @@ experiment's ``skip_reason``: no checkpoint, a large model without a GPU) is ski
 reason is kept in its run directory (``skipped.json``) so any later report says so. Opt-in presets
 (an experiment's ``opt_in``: the long-context CPU runs) run at the paper scale only when named with
 ``--with NAME`` (``--with all`` for every one); otherwise they are skipped the same way, with that
-reason. The quick scale runs them always (its smoke test covers every preset).
+reason. The quick scale runs them always (its smoke test covers every preset). ``--only`` runs
+some presets (by name, or every preset of a command); the report covers every run of the root.
 """
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ def check_with(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         if n != "all" and n not in known:
             raise ConfigError(f"--with must be one of {', '.join(known)} or all, got {n!r}")
     return tuple(known) if "all" in names else tuple(names)
+
+
+def check_only(names: list[str] | tuple[str, ...], scale: str) -> tuple[str, ...]:
+    """``--only`` values: preset run names (``train_official``) or commands (``perplexity``: all of
+    its presets); anything else is an error. Returned as run names, in plan order."""
+    entries = plan(scale)
+    known_runs, known_commands = [e[0] for e in entries], sorted({e[1] for e in entries})
+    for n in names:
+        if n not in known_runs and n not in known_commands:
+            raise ConfigError(f"--only takes a preset ({', '.join(known_runs)}) or a command "
+                              f"({', '.join(known_commands)}), got {n!r}")
+    return tuple(run for run, command, _ in entries if run in names or command in names)
 
 
 def not_asked(name: str, preset: str, include: tuple[str, ...]) -> str | None:
@@ -110,7 +123,7 @@ def _record_session(root: Path, scale: str, started: str, seconds: float, ran: i
 
 
 def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None,
-         include: tuple[str, ...] = ()) -> int:
+         include: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> int:
     from poslsh_cli.store import ownership
 
     root = Path(root) / scale
@@ -120,12 +133,13 @@ def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = Non
         print(f"poslsh reproduce: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return _main(scale, root, launcher, jobs, include)
+        return _main(scale, root, launcher, jobs, include, only)
     finally:
         ownership.release(root)
 
 
-def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tuple[str, ...] = ()) -> int:
+def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tuple[str, ...] = (),
+          only: tuple[str, ...] | None = None) -> int:
     import datetime as _dt
     import os
 
@@ -136,7 +150,7 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
         limit = jobs or 1
     else:
         limit = (jobs or (os.cpu_count() or 1)) if launcher == "joblib" else 10**6
-    entries = plan(scale)
+    entries = [e for e in plan(scale) if only is None or e[0] in only]
     waves = [[e for e in entries if registry.get(e[1]).reproduce_overrides is None],
              [e for e in entries if registry.get(e[1]).reproduce_overrides is not None]]
     try:
