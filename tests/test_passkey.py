@@ -28,3 +28,31 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
     assert sorted(set(df.length)) == [128, 256, 512] and len(df) == 3 * 2 * 2
     assert ((df.correct == 1) == (df.answer_top1 == 1.0)).all() and (df.answer_nll > 0).all()
     assert df.groupby("length").key.nunique().min() >= 2  # a new key per trial
+
+
+def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_interval_over_seeds():
+    import pandas as pd
+
+    from poslsh_cli.experiments.passkey import summary
+
+    rows = []
+    for run, sigmas in (("train", "standard"), ("train_official", "sigma=8 every head")):
+        for seed, hits in ((0, [1, 1, 0, 0]), (1, [1, 0, 0, 0]), (2, [1, 1, 1, 0])):
+            for tail, drop in (("", 0.0), ("_attn_dropout-0.1", 0.1)):
+                for k, c in enumerate(hits):
+                    rows.append({"checkpoint": f"{run}/work/position-alibi_s-0_seed-{seed}{tail}-abc/final",
+                                 "position": "alibi", "s": 0, "trained_len": 256, "length": 512, "depth": 0.5,
+                                 "trial": k, "seed": k, "key": "1", "correct": c, "answer_tokens": 5,
+                                 "answer_top1": 0.5, "answer_nll": 3.0, "sigmas": sigmas})
+    head, table = summary(pd.DataFrame(rows))
+    got = {(r[0], r[1]): r for r in table}
+    assert set(got) == {("train", "alibi"), ("train", "alibi +dropout 0.1"),
+                        ("train_official", "alibi (sigma=8 every head)"),
+                        ("train_official", "alibi +dropout 0.1 (sigma=8 every head)")}
+    r = got[("train", "alibi")]
+    col = {h: i for i, h in enumerate(head)}
+    # per seed 0.5, 0.25, 0.75: mean 0.5, t(2) 4.303 x 0.25 / sqrt(3) = 0.621, cut to [0, 1]
+    assert r[col["accuracy"]] == "0.50" and r[col["95% interval"]] == "[0.00, 1.00]"
+    r = got[("train_official", "alibi (sigma=8 every head)")]
+    assert r[col["accuracy"]] == "0.50" and r[col["seeds"]] == "3"
+    assert r[col["seeds"]] == "3" and r[col["keys per seed"]] == "4"

@@ -179,3 +179,32 @@ def test_publishing_one_run_beside_another_refuses_and_removes_no_run(tmp_path):
     for name in ("run_a", "run_b"):
         assert before[name].items() <= files(pub / "results" / name).items(), name
     assert sorted(p.name for p in (pub / "figures").glob("*.png"))
+
+
+def test_language_model_runs_publish_their_learning_curves_and_side_by_side_claims_from_the_snapshot(trained, tmp_path):
+    """A train run and two perplexity runs of it: the snapshot keeps each training cell's
+    metrics.csv, so the gap verdicts and figures come back from the snapshot alone; the README's
+    language-model part is the side-by-side table of the perplexity runs' claims, then the other
+    language-model verdicts."""
+    root = tmp_path / "runs"
+    shutil.copytree(trained, root / "train")
+    for name, protocol in (("perplexity", "nonoverlapping"), ("perplexity_sliding", "sliding")):
+        r = poslsh("perplexity", str(root / "train"), "lengths=[32,64]", f"protocol=[{protocol}]", "trials=2",
+                   "max_tokens=512", f"out={root / name}")
+        assert r.exit_code == 0, r.output
+    docs, readme = tmp_path / "docs", _readme(tmp_path / "README.md")
+    _publish([root / "train", root / "perplexity", root / "perplexity_sliding"], docs, readme)
+    kept = sorted(p.relative_to(docs / "results" / "train") for p in (docs / "results" / "train").rglob("metrics.csv"))
+    assert len(kept) == 6 and all(p.parts[0] == "work" for p in kept)
+    assert not list((docs / "results" / "train").rglob("*.safetensors"))
+    md = (docs / "RESULTS.md").read_text()
+    assert "to exact ALiBi shrinks with training" in md and "gap_vs_tokens" in md
+    block = _block(readme.read_text())
+    part = block.split("**Language models: training, extrapolation, retrieval**", 1)[1]
+    assert part.lstrip().startswith("| claim | perplexity: per-head σ (ALiBi's slopes) | perplexity_sliding: per-head σ")
+    assert "The protocols agree on every one of" in part or "Where the protocols disagree" in part
+    assert "| claim | verdict | evidence | run |" in part and "shrinks with training" in part
+    again, readme2 = tmp_path / "again" / "docs", _readme(tmp_path / "again" / "README.md")
+    _publish(sorted((docs / "results").iterdir()), again, readme2)
+    assert (again / "RESULTS.md").read_text() == md and _block(readme2.read_text()) == block
+    _same_figures(docs / "figures", again / "figures")

@@ -40,3 +40,59 @@ def test_report_to_an_existing_file_or_of_a_file_is_one_line(tmp_path):
     assert (tmp_path / "x.md").read_text() == "mine"
     r = poslsh("report", tmp_path / "x.md")
     assert one_line(r) and "x.md is not a run" in r.stderr and "does not exist" not in r.stderr, r.output
+
+
+def _compared(claim, status, a, b, diff):
+    from poslsh_cli.verdicts.claims import Status, Verdict
+
+    side = lambda label, mean, seeds: {"label": label, "mean": mean, "low": mean - 0.01, "high": mean + 0.01,
+                                       "seeds": seeds, "draws": 3 if label.startswith("poslsh") else 1}
+    return Verdict(claim, Status[status], "evidence", "rule",
+                   {"unit": "bits per byte", "length": 256, "a": side(*a), "b": side(*b),
+                    "diff": {"estimate": diff[0], "low": diff[1], "high": diff[2], "n": 3, "source": "seeds",
+                             "level": 0.9}})
+
+
+def test_where_two_protocols_disagree_the_sentence_says_which_scheme_moved_and_which_interval_is_wider():
+    from poslsh_cli.app.report import disagreement
+
+    claim = "from scratch, Positional LSH s=10 reaches the bits per byte of exact ALiBi"
+    ours = _compared(claim, "NOT_SUPPORTED", ("poslsh s=10", 2.50, 3), ("alibi", 2.45, 3), (0.05, 0.03, 0.07))
+    theirs = _compared(claim, "INCONCLUSIVE", ("poslsh s=10", 2.41, 3), ("alibi", 2.40, 3), (0.01, -0.03, 0.05))
+    text = disagreement(claim, ("perplexity", ours), ("perplexity_official", theirs))
+    assert text.startswith(f"*{claim}*: NOT SUPPORTED under perplexity, INCONCLUSIVE under perplexity_official")
+    assert "from +0.0500 [+0.0300, +0.0700] to +0.0100 [-0.0300, +0.0500] bits per byte" in text
+    assert "the baseline moved alibi 2.4500 -> 2.4000 bits per byte (-0.0500" in text
+    assert "Positional LSH poslsh s=10 2.5000 -> 2.4100 bits per byte (-0.0900" in text
+    assert "the larger move is Positional LSH's" in text
+    assert "0.0400 wide under perplexity (3 seeds) and 0.0800 under perplexity_official (3 seeds): wider under " \
+           "perplexity_official" in text
+    # the baseline is found on either side of the comparison ("better than": baseline first)
+    worse = _compared("x", "SUPPORTED", ("rope", 2.60, 3), ("poslsh s=10", 2.50, 3), (0.10, 0.05, 0.15))
+    other = _compared("x", "INCONCLUSIVE", ("rope", 2.45, 3), ("poslsh s=10", 2.44, 3), (0.01, -0.04, 0.06))
+    text = disagreement("x", ("a", worse), ("b", other))
+    assert "the baseline moved rope 2.6000 -> 2.4500" in text and "the larger move is the baseline's" in text
+    from poslsh_cli.verdicts.claims import Status, Verdict
+
+    bare = Verdict("y", Status.SUPPORTED, "e", "r")
+    assert "no two-scheme comparison to take apart" in disagreement("y", ("a", bare), ("b", other))
+
+
+def test_the_readme_shows_the_language_model_claims_side_by_side_with_why_they_disagree(tmp_path):
+    import pandas as pd
+
+    from poslsh_cli.app.publish import side_by_side_markdown
+    from poslsh_cli.app.report import SIDE_BY_SIDE
+    from poslsh_cli.verdicts.claims import Section
+
+    sec = Section("perplexity", tmp_path, SIDE_BY_SIDE)
+    sec.tables.append(pd.DataFrame([
+        {"claim": "c1", "perplexity: per-head σ": "SUPPORTED: L=256: poslsh s=10 2.5 (3 seeds x 3 draws); " + "x" * 200,
+         "perplexity_official: σ = 8 every head": "not judged in this run"}]))
+    sec.paragraphs += ["perplexity: bandwidths standard", "Where the protocols disagree (1 of the 1 claims ...):",
+                       "- *c1*: SUPPORTED under a, INCONCLUSIVE under b. The difference ..."]
+    lines = side_by_side_markdown(sec)
+    assert lines[0] == "| claim | perplexity: per-head σ | perplexity_official: σ = 8 every head |"
+    assert lines[2].startswith("| c1 | **SUPPORTED**: L=256: poslsh s=10 2.5 (3 seeds x 3 draws); …")
+    assert lines[2].endswith("| not judged in this run |")
+    assert "Where the protocols disagree (1 of the 1 claims ...):" in lines and "perplexity: bandwidths standard" not in lines

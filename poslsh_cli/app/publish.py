@@ -2,8 +2,9 @@
 
 Publishing writes, from the runs given:
 
-- ``DIR/results/<run>/``: a snapshot of each run (``config.yaml``, ``meta.json``, ``results.csv``
-  and its auxiliary tables; no cells, checkpoints or figures), small enough to commit;
+- ``DIR/results/<run>/``: a snapshot of each run (``config.yaml``, ``meta.json``, ``results.csv``,
+  its auxiliary tables and the files its report reads besides them, such as each training cell's
+  ``metrics.csv``; no checkpoints or figures), small enough to commit;
 - ``DIR/RESULTS.md``: every section of the report, each stamped with the run, commit, machine,
   torch version, start time and wall time it came from and the command that made it;
 - ``DIR/figures/<run>--<figure>.png``: the figures those sections show;
@@ -26,8 +27,10 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from poslsh_cli.app import registry
+from poslsh_cli.app.report import SIDE_BY_SIDE
 from poslsh_cli.verdicts.claims import Status
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
@@ -98,7 +101,7 @@ def snapshot(runs: list[Path], into: Path) -> list[Path]:
         if dest.resolve() == run.resolve():  # publishing the snapshot (or the run) itself again
             copies.append(dest)
             continue
-        _, _, meta, df = run_table(run, notice=lambda text: None)
+        exp, _, meta, df = run_table(run, notice=lambda text: None)
         tmp = into / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -112,6 +115,9 @@ def snapshot(runs: list[Path], into: Path) -> list[Path]:
         for aux in sorted(run.glob("*.csv")):
             if aux.name != "results.csv":
                 shutil.copy2(aux, tmp / aux.name)
+        for rel in (exp.snapshot_files(run, df) if exp.snapshot_files is not None else []):
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(run / rel, tmp / rel)
         if dest.exists():
             shutil.rmtree(dest)  # a snapshot (checked above)
         tmp.rename(dest)
@@ -264,6 +270,22 @@ def short(evidence: str, limit: int = 120) -> str:
     return (evidence[:cut] if cut > 0 else evidence[:limit].rstrip()) + "; …"
 
 
+def side_by_side_markdown(sec: Any) -> list[str]:
+    """The side-by-side table of the language-model claims (one column per protocol), each cell the
+    verdict and its evidence cut short, then the sentences on where the protocols disagree."""
+    table = sec.tables[0]
+    runs = [c for c in table.columns if c != "claim"]
+    lines = ["| claim | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    for _, row in table.iterrows():
+        cells = []
+        for r in runs:
+            status, _, evidence = str(row[r]).partition(": ")
+            cells.append(f"**{status}**: {short(evidence, 90)}" if evidence else str(row[r]))
+        lines.append(f"| {row['claim']} | " + " | ".join(cells) + " |")
+    said = [p for p in sec.paragraphs if p.startswith(("Where the protocols", "The protocols agree", "- *", "No claim"))]
+    return lines + ([""] + said if said else []) + [""]
+
+
 def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     """The README block: per part, each verdict in one row, one figure, and the link to the rest."""
     link = os.path.relpath(results_md, base)
@@ -272,13 +294,20 @@ def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     for (title, hi), lo in zip(PARTS, bounds):
         part = [s for s in sections if lo <= registry.get(s.command).order < hi]
         lines += [f"**{title}**", ""]
+        paired = next((s for s in part if s.title == SIDE_BY_SIDE), None)
+        if paired is not None:  # its table stands for the verdicts of the runs it sets side by side
+            part = [s for s in part if s is paired or s.command != paired.command]
         rows = [(s, v) for s in part for v in s.verdicts if v.status is not Status.NOT_MEASURED]
         unmeasured = sum(v.status is Status.NOT_MEASURED for s in part for v in s.verdicts)
-        if not rows:
+        if not rows and paired is None:
             lines += ["Not measured in the published runs.", ""]
             continue
-        lines += ["| claim | verdict | evidence | run |", "|---|---|---|---|"]
-        lines += [f"| {v.claim} | **{v.status.value}** | {short(v.evidence)} | {preset_of(s.run)} |" for s, v in rows]
+        if paired is not None:
+            lines += side_by_side_markdown(paired)
+        if rows:
+            lines += ["| claim | verdict | evidence | run |", "|---|---|---|---|"]
+            lines += [f"| {v.claim} | **{v.status.value}** | {short(v.evidence)} | {preset_of(s.run)} |"
+                      for s, v in rows]
         if unmeasured:
             lines += ["", f"{unmeasured} more claim{'s' if unmeasured != 1 else ''} of these runs NOT MEASURED "
                           f"(the run was not made for it; which and why: [{link}]({link}))."]

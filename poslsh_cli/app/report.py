@@ -8,6 +8,8 @@ read from the run directories, so any report over them says what is missing and 
 """
 from __future__ import annotations
 
+import math
+
 import base64
 import datetime as _dt
 import html
@@ -226,25 +228,80 @@ def _claim_key(claim: str, protocols: set[str] = frozenset()) -> str:
     return key
 
 
+#: the title of the section :func:`side_by_side` makes (the README block shows its table)
+SIDE_BY_SIDE = "Language-model claims under each protocol, side by side"
+
+
+def protocol_name(df: Any) -> str:
+    """How a perplexity run's models set their bandwidths, from its rows: ALiBi's per-head slopes
+    (this project's protocol) or one sigma for every head (the paper's)."""
+    from poslsh_cli.lm.positions import with_model_columns
+
+    d = with_model_columns(df)
+    labels = sorted(set(d[d.attention == "own"].sigmas) - {""})
+    return "; ".join("per-head σ (ALiBi's slopes)" if x == "standard" else x.replace("sigma=", "σ = ")
+                     for x in labels) or "no bandwidth"
+
+
+def _moved(x: dict, y: dict, unit: str) -> str:
+    return (f"{x['label']} {x['mean']:.4f} -> {y['mean']:.4f} {unit} ({y['mean'] - x['mean']:+.4f}; "
+            f"{x['seeds']} -> {y['seeds']} seeds x {x['draws']} -> {y['draws']} draws)")
+
+
+def disagreement(claim: str, a: tuple[str, Any], b: tuple[str, Any]) -> str:
+    """One sentence on why two runs' verdicts on ``claim`` differ, computed from their numbers:
+    which scheme's value moved (the baseline's or Positional LSH's) and which interval of the
+    difference is wider."""
+    (na, va), (nb, vb) = a, b
+    head = f"*{claim}*: {va.status.value} under {na}, {vb.status.value} under {nb}"
+    if not (va.numbers and vb.numbers):
+        return head + " (no two-scheme comparison to take apart: the evidence is in each run's section)."
+    x, y = va.numbers, vb.numbers
+    unit = x["unit"]
+    dx, dy = x["diff"], y["diff"]
+    wx, wy = dx["high"] - dx["low"], dy["high"] - dy["low"]
+    sides = [k for k in ("a", "b") if x[k]["label"] == y[k]["label"]]
+    if len(sides) < 2:
+        moves = f"the schemes compared differ ({x['a']['label']} vs {x['b']['label']}; {y['a']['label']} vs {y['b']['label']})"
+    else:
+        base = "b" if x["a"]["label"].startswith("poslsh") else "a"
+        other = "a" if base == "b" else "b"
+        shift = {k: y[k]["mean"] - x[k]["mean"] for k in ("a", "b")}
+        bigger = base if abs(shift[base]) >= abs(shift[other]) else other
+        moves = (f"the baseline moved {_moved(x[base], y[base], unit)}, Positional LSH "
+                 f"{_moved(x[other], y[other], unit)}: the larger move is "
+                 f"{'the baseline' if bigger == base else 'Positional LSH'}'s")
+    if not (math.isfinite(wx) and math.isfinite(wy)):
+        width = "one of the two has no interval"
+    else:
+        wider = na if wx > wy else nb
+        width = (f"the interval of the difference is {wx:.4f} wide under {na} ({dx['n']} {dx['source']}) and {wy:.4f} "
+                 f"under {nb} ({dy['n']} {dy['source']}): wider under {wider}")
+    return (f"{head}. The difference went from {dx['estimate']:+.4f} [{dx['low']:+.4f}, {dx['high']:+.4f}] to "
+            f"{dy['estimate']:+.4f} [{dy['low']:+.4f}, {dy['high']:+.4f}] {unit}; {moves}; {width}.")
+
+
 def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
     """One table of every language-model claim with each perplexity run's verdict beside it (this
-    project's protocol and the paper's), and what each run's protocol was, from its rows."""
+    project's protocol and the paper's, named by each run's bandwidths), what each run's protocol
+    was, from its rows, and for every claim two runs judge differently, why (:func:`disagreement`)."""
     from poslsh_cli.experiments.perplexity_report import protocol_of
     from poslsh_cli.lm.positions import with_model_columns
 
-    sec = Section(_lm_command(), lm_runs[0][0].run.parent, "Language-model claims under each protocol, side by side")
-    names = [s.run.name for s, _ in lm_runs]
+    sec = Section(_lm_command(), lm_runs[0][0].run.parent, SIDE_BY_SIDE)
+    names = [f"{s.run.name}: {protocol_name(protocol_of(df))}" for s, df in lm_runs]
     keys: list[str] = []
-    cells: dict[tuple[str, str], str] = {}
-    for s, df in lm_runs:
+    judged: dict[tuple[str, str], Any] = {}
+    for (s, df), name in zip(lm_runs, names):
         protocols = set(protocol_of(df).protocol)
         for v in s.verdicts:
             k = _claim_key(v.claim, protocols)
             if k not in keys:
                 keys.append(k)
-            cells[(k, s.run.name)] = f"{v.status.value}: {v.evidence}"
-    sec.tables.append(pd.DataFrame([{"claim": k, **{n: cells.get((k, n), "not judged in this run") for n in names}}
-                                    for k in keys]))
+            judged[(k, name)] = v
+    sec.tables.append(pd.DataFrame([{"claim": k, **{n: (f"{judged[(k, n)].status.value}: {judged[(k, n)].evidence}"
+                                                        if (k, n) in judged else "not judged in this run")
+                                                    for n in names}} for k in keys]))
     for s, df in lm_runs:
         d = with_model_columns(protocol_of(df))
         own = d[d.attention == "own"]
@@ -257,6 +314,24 @@ def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
             f"{', '.join(str(int(x)) for x in sorted(set(own.length)))}; protocols {', '.join(sorted(set(own.protocol)))}.")
     sec.paragraphs.append("Each cell is the verdict of that run's rule on its own rows (the rule is in its section); "
                           "\"kx\" is the longest extrapolation multiple that run evaluated (4L or 2L).")
+    measured = [Status.SUPPORTED, Status.NOT_SUPPORTED, Status.INCONCLUSIVE]
+    differ, both = [], 0
+    for k in keys:
+        cells = [(n, judged[(k, n)]) for n in names if (k, n) in judged and judged[(k, n)].status in measured]
+        if len(cells) < 2:
+            continue
+        both += 1
+        first = cells[0]
+        differ += [disagreement(k, first, other) for other in cells[1:] if other[1].status is not first[1].status]
+    if not both:
+        sec.paragraphs.append("No claim was judged under two protocols.")
+    elif not differ:
+        sec.paragraphs.append(f"The protocols agree on every one of the {both} claims judged under more than one.")
+    else:
+        sec.paragraphs.append(f"Where the protocols disagree ({len(differ)} of the {both} claims judged under more than "
+                              "one; scheme values are means over training seeds, the difference is the claim's own "
+                              "interval):")
+        sec.paragraphs += [f"- {line}" for line in differ]
     return sec
 
 

@@ -72,6 +72,9 @@ class Experiment:
     #: runs under torchrun / a multi-task SLURM job (data-parallel; rank 0 writes, see
     #: :mod:`poslsh_cli.core.distributed`); the others refuse to
     distributed: bool = False
+    #: files besides the tables that the report reads from a run (relative to it, e.g. each training
+    #: cell's metrics.csv): ``poslsh report --publish`` copies them into the snapshot
+    snapshot_files: Optional[Callable[[Path, Any], list[Path]]] = None
 
     @property
     def config_name(self) -> str:

@@ -154,17 +154,39 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
     return rows, {}
 
 
+def _trained(df: Any) -> Any:
+    """Rows with what the checkpoint's name says of its training (``<run>/work/<cell>/final``, as
+    :func:`poslsh_cli.lm.checkpoint.expand_checkpoints` names a train run's checkpoints): the run
+    it came from, its training seed and its attention dropout (-1 and 0 when the name says none)."""
+    name = df.checkpoint.astype(str)
+    run = name.str.split("/").str[0].where(name.str.contains("/work/"), "")
+    seed = name.str.extract(r"_seed-(\d+)", expand=False).fillna("-1").astype(int)
+    drop = name.str.extract(r"_attn_dropout-([0-9.]+)", expand=False).fillna("0").astype(float)
+    return df.assign(run=run, run_seed=seed, attn_dropout=drop)
+
+
 def _scheme(df: Any) -> Any:
-    return [model_label(r.position, r.s, 0.0, r.sigmas) for r in df.itertuples()]
+    d = df if "attn_dropout" in df.columns else _trained(df)
+    return [model_label(r.position, r.s, r.attn_dropout, r.sigmas) for r in d.itertuples()]
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    d = df.assign(scheme=_scheme(df))
-    head = ["scheme", "L", "length", "accuracy", "keys", "answer tokens top-1", "answer NLL"]
+    """Per trained model (run and scheme) and prompt length: the pass-key accuracy, mean over
+    training seeds of each seed's share of keys retrieved, with its 95% t-interval over seeds."""
+    from poslsh_cli.verdicts.stats import t_interval
+
+    d = _trained(df)
+    d = d.assign(scheme=_scheme(d))
+    head = ["run", "scheme", "L", "length", "accuracy", "95% interval", "seeds", "keys per seed",
+            "answer tokens top-1", "answer NLL"]
     rows = []
-    for (scheme, L, n), g in d.groupby(["scheme", "trained_len", "length"]):
-        rows.append([scheme, str(int(L)), str(int(n)), f"{g.correct.mean():.2f}", str(len(g)),
-                     f"{g.answer_top1.mean():.2f}", f"{g.answer_nll.mean():.2f}"])
+    for (run, scheme, L, n), g in d.groupby(["run", "scheme", "trained_len", "length"], sort=False):
+        per_seed = g.groupby("run_seed").correct.mean()
+        iv = t_interval(per_seed.values)
+        rows.append([run or "-", scheme, str(int(L)), str(int(n)), f"{iv.estimate:.2f}",
+                     f"[{max(0.0, iv.low):.2f}, {min(1.0, iv.high):.2f}]" if iv.finite else "-", str(iv.n),
+                     str(int(g.groupby("run_seed").size().max())), f"{g.answer_top1.mean():.2f}",
+                     f"{g.answer_nll.mean():.2f}"])
     return head, rows
 
 
@@ -172,18 +194,24 @@ def plot(run: Path, df: Any) -> list[Path]:
     from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
-    d = df.assign(scheme=_scheme(df))
+    d = _trained(df)
+    d = d.assign(scheme=[f"{r} {sc}" if r else sc for r, sc in zip(d.run, _scheme(d))])
     schemes = list(dict.fromkeys(d.scheme))
-    fig, axes = plt.subplots(1, len(schemes), figsize=(3.2 * len(schemes) + 1, 3.2), squeeze=False)
-    for ax, scheme in zip(axes[0], schemes):
+    cols = min(6, len(schemes))
+    rows = -(-len(schemes) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 3.0 * rows), squeeze=False)
+    for ax in axes.flat[len(schemes):]:
+        ax.axis("off")
+    for ax, scheme in zip(axes.flat, schemes):
         g = d[d.scheme == scheme].pivot_table(index="depth", columns="length", values="correct", aggfunc="mean")
         im = ax.imshow(g.values, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set_xticks(range(g.shape[1]), [str(c) for c in g.columns], fontsize=8)
         ax.set_yticks(range(g.shape[0]), [f"{r:g}" for r in g.index], fontsize=8)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_title(scheme, fontsize=9)
-    axes[0][0].set_ylabel("needle depth")
-    fig.colorbar(im, ax=axes[0].tolist(), label="pass-key accuracy")
+    for row in axes:
+        row[0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes.ravel().tolist(), label="pass-key accuracy")
     return save(fig, run, "passkey")
 
 
@@ -192,8 +220,10 @@ def report(run: Path, df: Any) -> Section:
     sec.add_table(*summary(df))
     sec.paragraphs.append(f"Accuracy: the share of keys whose every answer token is the model's top-1 prediction "
                           f"(teacher-forced), over {df.depth.nunique()} depths and "
-                          f"{int(df.groupby(['checkpoint', 'length', 'depth']).size().max())} keys each; "
-                          "chance is about 0 for a key of several digits.")
+                          f"{int(df.groupby(['checkpoint', 'length', 'depth']).size().max())} keys each, per trained "
+                          "model; the table gives the mean over training seeds with a 95% t-interval over seeds "
+                          "(each model under its own attention, one mask draw per key for Positional LSH); chance is "
+                          "about 0 for a key of several digits.")
     return sec
 
 

@@ -150,6 +150,22 @@ def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: s
     return f"L={length}{unit}: {means}; difference {iv.text()}; {basis}"
 
 
+def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval) -> dict:
+    """What a comparison of ``a`` with ``b`` rests on, for a reader that compares two runs' verdicts
+    (:func:`poslsh_cli.app.report.side_by_side`): each scheme's mean over seeds with its 95%
+    t-interval, and the difference ``a - b`` (``iv``) with its interval and what it is over."""
+    from poslsh_cli.verdicts.stats import t_interval
+
+    def scheme(sc: Scheme) -> dict:
+        ti = t_interval(d.per_seed(sc, length).values())
+        return {"label": sc.label, "mean": ti.estimate, "low": ti.low, "high": ti.high, "seeds": ti.n,
+                "draws": _draws(d, sc, length)}
+
+    return {"unit": d.metric.unit, "length": length, "a": scheme(a), "b": scheme(b),
+            "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n, "source": iv.source,
+                     "level": iv.level}}
+
+
 def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) -> Verdict:
     rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.margin, d.metric.unit)
     if not (d.present(a, length) and d.present(b, length)):
@@ -158,7 +174,8 @@ def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) ->
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule)
     status, why = equivalence(iv, d.metric.margin)
-    return Verdict(claim, status, _evidence(d, a, b, length, iv, basis) + f" ({why})", rule)
+    return Verdict(claim, status, _evidence(d, a, b, length, iv, basis) + f" ({why})", rule,
+                   _numbers(d, a, b, length, iv))
 
 
 def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int) -> Verdict:
@@ -169,7 +186,8 @@ def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: in
     iv, basis = d.compare(worse, better, length, 0.95)
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", DIFFERENCE_RULE)
-    return Verdict(claim, difference(iv, "positive"), _evidence(d, worse, better, length, iv, basis), DIFFERENCE_RULE)
+    return Verdict(claim, difference(iv, "positive"), _evidence(d, worse, better, length, iv, basis), DIFFERENCE_RULE,
+                   _numbers(d, worse, better, length, iv))
 
 
 def poslsh_s(d: Data) -> list[int]:

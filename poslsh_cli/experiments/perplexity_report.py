@@ -74,21 +74,67 @@ def _groups(df: Any) -> list[tuple[str, Any]]:
 def plot(run: Path, df: Any) -> list[Path]:
     """bits per byte against evaluation length under each model's own attention, the same models
     with another attention swapped in, and bits per byte against inference-time s."""
+    every = with_model_columns(protocol_of(df))
     df = with_model_columns(main_protocol(df))
     df = df.assign(multi_length=df.trained_len.nunique() > 1)
     schemes = _schemes(df)
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
     paths = plot_length(run, df, schemes, color)
+    protocols = by_protocol(every[every.attention == OWN], None)
+    for name, rows, _ in protocols[1:] if len(protocols) > 1 else []:  # each further protocol its own figure
+        rows = rows.assign(multi_length=rows.trained_len.nunique() > 1)
+        paths += plot_length(run, rows, schemes, color, protocol=name)
     if (df.attention != OWN).any():
         paths += plot_swapped(run, df, schemes, color)
     if df[df.attention == POSLSH].s.nunique() > 1:
         paths += plot_inference_s(run, df)
+    paths += plot_finetune_gap(run, df)
     return paths
 
 
-def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -> list[Path]:
+def plot_finetune_gap(run: Path, df: Any) -> list[Path]:
+    """Fine-tuned models at their training length: the seed-paired gap of Positional LSH to exact
+    ALiBi against the s it was fine-tuned with (mean over seeds, band: 95% t-interval over seeds;
+    each seed the mean over its mask draws), the other fine-tuned schemes as horizontal lines."""
+    import numpy as np
+
+    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
+    from poslsh_cli.verdicts.stats import t_interval
+
+    own = df[(df.attention == OWN) & (df.finetuned == "yes") & (df.length == df.trained_len)]
+    ref = own[(own.position == ALIBI) & (own.attn_dropout == 0)].groupby("run_seed").bits_per_byte.mean()
+    pos = own[own.position == POSLSH]
+    if ref.empty or pos.trained_s.nunique() < 2:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ss, mean, lo, hi, seeds = [], [], [], [], 0
+    for s_, g in pos.groupby("trained_s"):
+        gap = g.groupby("run_seed").bits_per_byte.mean() - ref
+        iv = t_interval(gap.dropna().values)
+        ss.append(int(s_))
+        mean.append(iv.estimate)
+        lo.append(iv.low)
+        hi.append(iv.high)
+        seeds = max(seeds, iv.n)
+    ax.plot(ss, mean, "o-", color="C0", label=f"Positional LSH ({seeds} seed{'s' if seeds != 1 else ''})")
+    if np.isfinite(lo).any():
+        ax.fill_between(ss, lo, hi, color="C0", alpha=0.2, lw=0, label="95% interval over seeds")
+    for i, (position, g) in enumerate(own[~own.position.isin([ALIBI, POSLSH])].groupby("position")):
+        gap = (g.groupby("run_seed").bits_per_byte.mean() - ref).dropna()
+        if len(gap):
+            ax.axhline(float(gap.mean()), color=f"C{i + 1}", ls="--", lw=1, label=f"{position} (mean over seeds)")
+    ax.axhline(0, color="k", lw=0.8)
+    log_axes(ax, "s (masks per head, fine-tuned with)", "bits per byte minus exact ALiBi's", x=2, y=None)
+    ax.set_title(f"Fine-tuned: gap to exact ALiBi at L={int(own.trained_len.max())} against s")
+    ax.legend(fontsize=8)
+    return save(fig, run, "finetune_gap_vs_s")
+
+
+def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str], protocol: str = "") -> list[Path]:
     """One colour per trained scheme (shaded: range over seeds and draws), and a zoom on the curves
-    near the best."""
+    near the best; ``protocol``: the rows are that scoring protocol's (its name in the title and
+    the file name), else the run's main protocol."""
     from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 
     plt = pyplot()
@@ -108,7 +154,7 @@ def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -
             ax.axvline(int(g.trained_len.max()), color="k", lw=0.8, ls=":")
             log_axes(ax, ylabel="bits per byte (own attention)", y=None)
             if row == 0:
-                ax.set_title(f"{title}: length extrapolation")
+                ax.set_title(f"{title}: length extrapolation" + (f" ({protocol} protocol)" if protocol else ""))
             else:
                 ax.set_ylim(*zoom_limits([v for c in curves.values() for v in c["min"]],
                                          [v for c in curves.values() for v in c["max"]], best))
@@ -118,7 +164,7 @@ def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -
     fig.legend([handles[k] for k in schemes if k in handles], [k for k in schemes if k in handles],
                loc="center right", title="trained with", frameon=False)
     fig.tight_layout(rect=(0, 0, 1 - 1.8 / width, 1))
-    return save(fig, run, "bpb_vs_length")
+    return save(fig, run, f"bpb_vs_length_{protocol}" if protocol else "bpb_vs_length")
 
 
 def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -> list[Path]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.experiments.train_report import plot, report, summary
+from poslsh_cli.experiments.train_report import metric_files, plot, report, summary
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
 from poslsh_cli.experiments.devices import cuda_skip_reason
@@ -278,5 +278,6 @@ EXPERIMENT = Experiment(
     order=50,
     skip_reason=skip_reason,
     distributed=True,
+    snapshot_files=metric_files,
     memory=memory,
 )

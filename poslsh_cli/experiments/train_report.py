@@ -34,6 +34,13 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def metric_files(run: Path, df: Any) -> list[Path]:
+    """The learning-curve files the report reads (each finished cell's metrics.csv), relative to
+    the run: what a published snapshot keeps besides the tables."""
+    return [p for p in dict.fromkeys(Path(c).parent / "metrics.csv" for c in df.checkpoint.dropna().astype(str))
+            if (Path(run) / p).is_file()]
+
+
 def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
     """(row, metrics DataFrame) for every finished cell, from its work directory."""
     from poslsh_cli.store.cellwork import read_log

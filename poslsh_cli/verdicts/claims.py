@@ -31,6 +31,9 @@ class Verdict:
     status: Status
     evidence: str  # the numbers the status was computed from
     rule: str  # how the status follows from them
+    #: the same numbers, structured, where a later comparison reads them (a two-scheme comparison:
+    #: each scheme's label, mean and interval over seeds, and the difference's interval)
+    numbers: dict | None = field(default=None, compare=False)
 
 
 @dataclass
