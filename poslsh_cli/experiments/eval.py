@@ -112,10 +112,10 @@ def prepare(spec: TasksSpec) -> TasksContext:
 def _trained_columns(path: Path, position: str) -> dict:
     """What the rows say of how a checkpoint was trained: its training seed (-1: not poslsh's),
     its bandwidths (as perplexity labels them) and whether it was fine-tuned."""
-    from poslsh_cli.lm.checkpoint import json_file
+    from poslsh_cli.lm.checkpoint import train_info
     from poslsh_cli.lm.positions import Position, sigma_label
 
-    info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").exists() else {}
+    info = train_info(path)
     sigmas = ("" if position in (Position.ROPE.value, Position.NONE.value)
               else sigma_label((info.get("scheme") or {}).get("sigmas")))
     return {"run_seed": int(info.get("seed", -1)), "sigmas": sigmas,
@@ -125,11 +125,11 @@ def _trained_columns(path: Path, position: str) -> dict:
 def _heldout_folder(paths: list[Path]) -> Path:
     """The ``poslsh_heldout`` task of the corpus every checkpoint was trained on (as each one's
     ``poslsh_train.json`` records it; a checkpoint poslsh did not train: the builtin corpus)."""
-    from poslsh_cli.lm.checkpoint import json_file
+    from poslsh_cli.lm.checkpoint import train_info
 
     corpora = set()
     for path in paths:
-        info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").exists() else {}
+        info = train_info(path)
         corpora.add((info.get("data") or "builtin", int(info.get("val_every", 10)), info.get("data_field", "text"),
                      info.get("encoding", "utf-8")))
     if len(corpora) != 1:

@@ -60,14 +60,14 @@ class PasskeyContext:
 
 
 def prepare(spec: PasskeySpec) -> PasskeyContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, json_file
+    from poslsh_cli.lm.checkpoint import check_checkpoint, train_info
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh passkey RUN...)")
     cks = {}
     for entry in spec.checkpoints:
         for path, name in expand_checkpoints(entry):
             check_checkpoint(path)
-            info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
+            info = train_info(path)
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
                 raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
@@ -83,10 +83,10 @@ def memory(spec: PasskeySpec) -> MemoryNeed | None:
     """Peak bytes of the longest prompt of the largest checkpoint, one forward pass under its own
     scheme (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
     checkpoint cannot be read (prepare says why)."""
-    from poslsh_cli.lm.checkpoint import json_file
+    from poslsh_cli.lm.checkpoint import train_info
 
     def each(path: Path, name: str, device: Any) -> Any:
-        info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").is_file() else {}
+        info = train_info(path)
         lengths = lengths_of(spec, int(info.get("seq_len", 0) or 0))
         if lengths and max(lengths) > 0:
             yield checkpoint_forward_bytes(path, 1, max(lengths), device), f"{name} at length {max(lengths)}"

@@ -112,7 +112,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
     exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
     from poslsh_cli.attention import CHUNK_ELEMENTS
-    from poslsh_cli.lm.checkpoint import json_file, read_config, weights_bytes
+    from poslsh_cli.lm.checkpoint import read_config, train_info, weights_bytes
 
     need, what = 0.0, ""
     try:
@@ -122,7 +122,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     for path, name in entries:
         try:
             cfg = read_config(path)
-            info = json_file(path / "poslsh_train.json") if (path / "poslsh_train.json").exists() else {}
+            info = train_info(path)
         except (OSError, ValueError, ConfigError):
             return None
         L = max(spec.lengths) if spec.lengths is not None else 8 * int(info.get("seq_len", 0) or 0)
@@ -137,7 +137,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, json_file, read_config, refuse_rotary_falcon
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, refuse_rotary_falcon, train_info
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -150,8 +150,7 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
     for entry in spec.checkpoints:
         for path, name in expand_checkpoints(entry):
             check_checkpoint(path)
-            info_file = path / "poslsh_train.json"
-            info = json_file(info_file) if info_file.exists() else {}
+            info = train_info(path)
             cfg = read_config(path)
             refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
             position = (cfg.get("poslsh") or {}).get("position") or (

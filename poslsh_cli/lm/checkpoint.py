@@ -102,6 +102,16 @@ REMOTE_CODE = {
 }
 
 
+TRAIN_INFO = "poslsh_train.json"
+
+
+def train_info(path: Path) -> dict:
+    """What ``poslsh train`` recorded beside a checkpoint (its ``poslsh_train.json``: the scheme,
+    the data and its split, the seed, the training length); empty for a checkpoint it did not train."""
+    f = Path(path) / TRAIN_INFO
+    return json_file(f) if f.is_file() else {}
+
+
 def read_config(path: Path) -> dict:
     """A checkpoint's config.json as a dict, as its architecture's own (:func:`base_view`); for a
     LoRA adapter, its base's, with the scheme the adapter was trained with (``poslsh`` from its
@@ -109,8 +119,7 @@ def read_config(path: Path) -> dict:
     path = Path(path)
     if is_adapter(path):
         cfg = base_view(json_file(adapter_base(path) / "config.json"))
-        info_file = path / "poslsh_train.json"
-        info = json_file(info_file) if info_file.is_file() else {}
+        info = train_info(path)
         if info.get("scheme"):
             cfg["poslsh"] = info["scheme"]
         return cfg
