@@ -122,6 +122,23 @@ def test_offsets_equal_the_bin_array_boundaries(rng):
             np.testing.assert_array_equal(p.offsets[k], ref)
 
 
+def test_all_samples_at_once_equal_one_sample_at_a_time(rng):
+    """Where s n is small the boundaries of every sample come from one (s, n) bin array; they equal
+    the O(n / delta) walk of each sample, and ``lengths`` is every block length in sample order."""
+    from poslsh_cli.numerics.sampling import VECTOR_ELEMENTS, _block_starts
+
+    for _ in range(150):
+        n, s = int(rng.integers(1, 3000)), int(rng.integers(2, 120))
+        p = sample_partitions(n, float(10 ** rng.uniform(-2, 3.5)), s, rng)
+        assert s * n <= VECTOR_ELEMENTS
+        walked = [_block_starts(n, float(w), float(u)) for w, u in zip(p.widths, p.shifts)]
+        assert len(p.offsets) == s
+        for got, ref in zip(p.offsets, walked):
+            np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(p.lengths, np.concatenate([np.diff(o) for o in walked]))
+        assert p.lengths.sum() == s * n and p.b_max == max(int(np.diff(o).max()) for o in walked)
+
+
 def test_block_length_pmf_matches_realised_blocks():
     sigma, n, s = 2.0, 2048, 20000
     p = sample_partitions(n, sigma, s, np.random.default_rng(3))

@@ -116,7 +116,7 @@ def padded_work(partitions: Sequence[Partitions]) -> tuple[float, float]:
     """(padded pairs, slots) the blocks backend would compute for ``partitions``, from their block
     lengths alone (the plan's cost model): pairs = sum over blocks of the bucket's length squared,
     slots = H s n gathered rows."""
-    lengths = np.concatenate([np.diff(o) for p in partitions for o in p.offsets])
+    lengths = np.concatenate([p.lengths for p in partitions])
     pairs = sum(float(count) * float(L) ** 2 for _, count, L in buckets(lengths))
     return pairs, float(len(partitions) * partitions[0].num_samples * partitions[0].seq_len)
 

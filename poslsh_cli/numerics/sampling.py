@@ -79,6 +79,11 @@ def alibi_sigmas(num_heads: int) -> np.ndarray:
     return 1.0 / standard_alibi_slopes(num_heads)
 
 
+#: Largest s * n for which every sample's boundaries come from one (s, n) bin array at once (a few
+#: vector passes) rather than per sample in O(n / delta) (a Python loop over the samples).
+VECTOR_ELEMENTS = 2**22
+
+
 @dataclass(frozen=True, eq=False)
 class Partitions:
     """``num_samples`` random contiguous partitions of positions ``0..seq_len-1``.
@@ -122,8 +127,31 @@ class Partitions:
         and equal to the boundaries of :meth:`bins_of`: every start is checked against the same
         float64 expression ``floor((i + u) / delta)``.
         """
-        return tuple(_block_starts(self.seq_len, float(w), float(u))
-                     for w, u in zip(self.widths, self.shifts))
+        n, s = self.seq_len, self.num_samples
+        if s * n > VECTOR_ELEMENTS or s < 2:
+            return tuple(_block_starts(n, float(w), float(u)) for w, u in zip(self.widths, self.shifts))
+        starts = self._flat_starts  # every sample at once: one (s, n) bin array, no loop over samples
+        rows = np.searchsorted(starts, np.arange(1, s) * n)
+        return tuple(np.concatenate((part - k * n, [n])) for k, part in enumerate(np.split(starts, rows)))
+
+    @cached_property
+    def _flat_starts(self) -> np.ndarray:
+        """Block starts of every sample in the flattened (s, n) bin array (sample k's at ``k n + i``),
+        increasing: each sample's first position starts a block."""
+        b = bin_index(np.arange(self.seq_len)[None, :], self.widths[:, None], self.shifts[:, None])
+        change = np.ones(b.shape, dtype=bool)
+        change[:, 1:] = b[:, 1:] != b[:, :-1]
+        return np.flatnonzero(change)
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """Length of every block of every sample, concatenated in sample order, int64 (what the
+        plan's cost model and the block layout read; without a Python loop over the samples where
+        the (s, n) bin array is small)."""
+        n, s = self.seq_len, self.num_samples
+        if s * n > VECTOR_ELEMENTS or s < 2:
+            return np.concatenate([np.diff(o) for o in self.offsets])
+        return np.diff(np.concatenate((self._flat_starts, [s * n])))
 
     def block_lengths(self) -> list[np.ndarray]:
         """Length of every block, one int64 array per sample."""
@@ -132,7 +160,7 @@ class Partitions:
     @property
     def b_max(self) -> int:
         """Largest block (number of positions) over all samples."""
-        return int(max(int(np.max(np.diff(o))) for o in self.offsets))
+        return int(self.lengths.max())
 
 
 def _block_starts(n: int, width: float, shift: float) -> np.ndarray:
