@@ -108,6 +108,25 @@ def test_resume_refuses_a_different_config_naming_the_keys(tmp_path):
     assert "sigma" not in r.stderr, r.stderr
 
 
+def test_a_run_made_before_a_key_existed_resumes_while_the_key_keeps_its_default(tmp_path):
+    """A run directory from before a key was added (its config.yaml lacks the key) or before a key
+    became a list sweep (a scalar where a one-element list is written now) resumes; a new key set
+    to another value than its default is a different configuration."""
+    import yaml
+
+    assert poslsh("matrix-error", "n=16", "sigma=2", "s=[2]", "trials=1", f"out={tmp_path}").exit_code == 0
+    cfg = tmp_path / "config.yaml"
+    held = yaml.safe_load(cfg.read_text())
+    assert held["trials"] == 1 and "sampler" in held and held["s"] == [2]
+    del held["sampler"]  # as if the key did not exist when the run was made
+    held["s"] = 2  # as if s had been a scalar key
+    cfg.write_text(yaml.safe_dump(held))
+    r = poslsh("matrix-error", "n=16", "sigma=2", "s=[2]", "trials=1", f"out={tmp_path}")
+    assert r.exit_code == 0, r.stderr
+    r = poslsh("matrix-error", "n=16", "sigma=2", "s=[2]", "trials=1", "sampler=sobol", f"out={tmp_path}")
+    assert r.exit_code == 2 and "sampler: (not set) -> sobol" in r.stderr, r.stderr
+
+
 def test_multirun_writes_one_run_per_job(tmp_path):
     r = poslsh("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={tmp_path}")
     assert r.exit_code == 0, r.output

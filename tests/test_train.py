@@ -395,6 +395,31 @@ def test_attention_dropout_runs_replay(tmp_path):
     assert not np.allclose(a[1:], plain[1:])
 
 
+def test_a_steps_sweep_trains_each_length_with_its_own_schedule(tmp_path):
+    """steps=[3,6] trains a model per length, each with its own warm-up (warmup_fraction of its
+    steps) and its own cosine decay ending at 10% of lr at its last step; the shorter ones first, and
+    the run with one length keeps its cells' keys (no ``steps``)."""
+    from poslsh_cli.experiments.stage import learning_rate
+    from poslsh_cli.experiments.train import cells
+
+    r = poslsh("train", *TRAIN, "position=[alibi]", "steps=[3,6]", "warmup_fraction=0.34", "eval_every=3",
+               "checkpoint_every=100", "lr=0.01", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv").sort_values("steps")
+    assert list(df.steps) == [3, 6]
+    for _, row in df.iterrows():
+        m = pd.read_csv((tmp_path / row.checkpoint).parent / "metrics.csv")
+        assert len(m) == row.steps
+        lrs = m.lr.to_numpy()
+        warm = round(0.34 * row.steps)
+        assert lrs.argmax() == warm - 1 and lrs[warm - 1] == pytest.approx(0.01)
+        assert lrs[-1] == pytest.approx(0.001)
+    spec = registry.compose_spec(registry.experiments()["train"], ["steps=[6,3]", "position=[alibi]"])
+    assert [k["steps"] for k in cells(spec)] == [3, 6]
+    assert all("steps" not in k for k in cells(registry.compose_spec(registry.experiments()["train"], ["steps=5"])))
+    assert learning_rate(registry.compose_spec(registry.experiments()["train"], ["steps=5", "warmup=2"]), 2, 5) == pytest.approx(2e-3)
+
+
 def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     """sigma= gives every head of every scheme one bandwidth (recorded, and used again by
     perplexity); train and perplexity report the accuracy metrics; protocol=[nonoverlapping,sliding]

@@ -45,23 +45,39 @@ def console(stderr: bool = True) -> Any:
                    width=None if stream.isatty() else 160)
 
 
-def config_yaml(spec: Any) -> str:
-    """The resolved configuration as YAML (enums by value, tuples as lists)."""
+def _plain(x: Any) -> Any:
+    """A spec value as YAML writes it: enums by value, tuples as lists, dataclasses as dicts."""
     import dataclasses
     import enum
 
+    if dataclasses.is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def config_yaml(spec: Any) -> str:
+    """The resolved configuration as YAML (enums by value, tuples as lists)."""
     from omegaconf import OmegaConf
 
-    def plain(x: Any) -> Any:
-        if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
-        if isinstance(x, enum.Enum):
-            return x.value
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        return x
+    return OmegaConf.to_yaml(OmegaConf.create(_plain(spec)))
 
-    return OmegaConf.to_yaml(OmegaConf.create(plain(spec)))
+
+def spec_defaults(spec_cls: Any) -> dict[str, Any]:
+    """Every key's default as config.yaml writes it (keys without one left out): what a run made
+    before a key existed is taken to have used (:func:`poslsh_cli.store.rundir.config_changes`)."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(spec_cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = _plain(f.default)
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = _plain(f.default_factory())  # type: ignore[misc]
+    return out
 
 
 def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: str | None = None,
@@ -97,7 +113,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     found: dict[str, Any] = {}
 
     def checked() -> None:  # the other ranks wait for this, then prepare (reading what rank 0 cached)
-        found["run"] = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec))
+        found["run"] = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec),
+                                   spec_defaults(exp.spec))
         check_memory(exp, spec)
         found["ctx"] = exp.prepare(spec) if exp.prepare is not None else None
 

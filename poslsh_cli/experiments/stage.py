@@ -64,12 +64,19 @@ def micro_batch(spec: TrainSpec, world: int) -> int:
 
 
 def learning_rate(spec: TrainSpec, step: int, steps: int) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to 10% of it at the last step."""
-    warm = min(spec.warmup, max(steps - 1, 0))
+    """Linear warm-up to ``lr`` (``warmup`` steps, or ``warmup_fraction`` of the stage's), then
+    cosine decay to 10% of it at the last step."""
+    warm = min(warmup_steps(spec, steps), max(steps - 1, 0))
     if step <= warm:
         return spec.lr * step / max(1, warm)
     frac = (step - warm) / max(1, steps - warm)
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def warmup_steps(spec: TrainSpec, steps: int) -> int:
+    """Warm-up steps of a stage of ``steps`` steps: ``warmup_fraction`` of them (rounded) when set,
+    else ``warmup``."""
+    return spec.warmup if spec.warmup_fraction is None else int(round(spec.warmup_fraction * steps))
 
 
 def eval_interval(spec: TrainSpec, steps: int) -> int:

@@ -89,7 +89,7 @@ def prepare(spec: TrainSpec) -> TrainContext:
 def corpus_meta(corpus: Any, spec: TrainSpec) -> dict:
     """What meta.json records of the corpus: source and hashes, split, sizes, and the passes every
     cell makes over its training tokens."""
-    read = spec.steps * spec.batch * (max(spec.seq_len) + 1)
+    read = max(spec.steps) * spec.batch * (max(spec.seq_len) + 1)
     return {**corpus.meta, "sha256": corpus.sha256, "documents": corpus.documents,
             "val_documents": corpus.val_documents, "train_tokens": len(corpus.train), "val_tokens": len(corpus.val),
             "train_text_bytes": corpus.train_text_bytes, "val_every": spec.val_every,
@@ -97,20 +97,23 @@ def corpus_meta(corpus: Any, spec: TrainSpec) -> dict:
 
 
 def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
-    """Every (L, seed, position, s) combination (s only for randomised schemes), and each
-    attention-dropout control (the dropout_positions again with it). The length and the dropout
-    enter the key only when used, so runs without them keep their cells."""
+    """Every (steps, L, seed, position, s) combination (s only for randomised schemes), and each
+    attention-dropout control (the dropout_positions again with it). The steps, the length and the
+    dropout enter the key only when used, so runs without them keep their cells. The shorter
+    trainings come first (a run at several lengths has its shortest models soonest)."""
     out = []
-    for L in spec.seq_len:
-        at = {"seq_len": L} if len(spec.seq_len) > 1 else {}
-        for i, seed in enumerate(spec.seed):
-            for d in spec.attn_dropout:
-                for p in (spec.position if d == 0 else [p for p in spec.position if p in spec.dropout_positions]):
-                    if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
-                        continue
-                    drop = {"attn_dropout": d} if d > 0 else {}
-                    for s in (spec.s if randomized(p) else (0,)):
-                        out.append({"position": p.value, "s": s, "seed": seed, **at, **drop})
+    for steps in sorted(spec.steps):
+        st = {"steps": steps} if len(spec.steps) > 1 else {}
+        for L in spec.seq_len:
+            at = {"seq_len": L} if len(spec.seq_len) > 1 else {}
+            for i, seed in enumerate(spec.seed):
+                for d in spec.attn_dropout:
+                    for p in (spec.position if d == 0 else [p for p in spec.position if p in spec.dropout_positions]):
+                        if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
+                            continue
+                        drop = {"attn_dropout": d} if d > 0 else {}
+                        for s in (spec.s if randomized(p) else (0,)):
+                            out.append({"position": p.value, "s": s, "seed": seed, **at, **drop, **st})
     return out
 
 
@@ -125,7 +128,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
 
     t0 = time.perf_counter()
     cell = TrainCell.of(key, spec)
-    position, s, seed, L, dropout = cell.position, cell.s, cell.seed, cell.seq_len, cell.attn_dropout
+    position, s, seed, L, dropout, steps = cell.position, cell.s, cell.seed, cell.seq_len, cell.attn_dropout, cell.steps
     init = Path(ctx.source.path) if ctx.source.kind.value == "init" else None
     if spec.pretrain is not None:
         at = f"-L{L}" if len(spec.seq_len) > 1 else ""
@@ -133,8 +136,9 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
                      L, init, f"pretrain {spec.pretrain.value}")
         init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}{at}"), base)
     label = (f"{position.value}" + (f" s={s}" if s else "") + (f" dropout={dropout:g}" if dropout else "")
-             + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else ""))
-    final = train_stage(spec, ctx, work, Stage(position, s, seed, spec.steps, L, init, label, dropout,
+             + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else "")
+             + (f" steps={steps}" if len(spec.steps) > 1 else ""))
+    final = train_stage(spec, ctx, work, Stage(position, s, seed, steps, L, init, label, dropout,
                                                lora=spec.lora_rank > 0,
                                                first_step=spec.pretrain_steps if spec.pretrain is not None else 0))
     if not dist.is_main():
@@ -144,7 +148,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
     tail = m.tail(max(1, len(m) // 10))
     last = m[m.val_loss.notna()].iloc[-1]  # the evaluation of the final weights (the last step's)
     pre = spec.pretrain_steps * spec.batch * L if spec.pretrain is not None else 0
-    row = {"position": position.value, "s": s, "seed": seed, "seq_len": L, "steps": spec.steps,
+    row = {"position": position.value, "s": s, "seed": seed, "seq_len": L, "steps": steps,
            "tokens": int(m.tokens.iloc[-1]), "params": _param_count(final if not spec.lora_rank else ctx.source.path),
            "train_loss": float(tail.loss.mean()), "val_loss": float(last.val_loss), "val_bpb": float(last.val_bpb),
            "val_ppl": math.exp(float(last.val_loss)), "seconds": float(m.seconds.iloc[-1]),

@@ -76,9 +76,12 @@ class TrainSpec(Spec):
                                    "its own model)", [256], ge=2)
     batch: int = key("sequences per step (the global batch, over every process and micro-batch)", 16, ge=1)
     accumulate: int = key("micro-batches per step per process (gradient accumulation)", 1, ge=1)
-    steps: int = key("optimizer steps (per stage)", 1000, ge=1)
+    steps: tuple[int, ...] = key("optimizer steps (list sweeps: each length trains its own models, each with its own "
+                                 "schedule)", [1000], ge=1)
     lr: float = key("peak learning rate (AdamW; linear warm-up, cosine decay to 10%)", 2e-3, gt=0)
-    warmup: int = key("warm-up steps", 100, ge=0)
+    warmup: int = key("warm-up steps (unless warmup_fraction)", 100, ge=0)
+    warmup_fraction: Optional[float] = key("warm-up as a fraction of each stage's steps (the paper's 10%: 0.1); "
+                                           "null: warmup steps", None, ge=0)
     weight_decay: float = key("AdamW weight decay", 0.1, ge=0)
     grad_clip: float = key("gradient norm clip (0: none)", 1.0, ge=0)
     precision: Precision = key("fp32, bf16 or fp16 (autocast; fp16 with loss scaling, CUDA only)", Precision.FP32)
@@ -124,6 +127,7 @@ class TrainSpec(Spec):
         check_encoding(self.encoding)
         check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
         check(all(d < 1 for d in self.attn_dropout), "attn_dropout must be < 1")
+        check(self.warmup_fraction is None or self.warmup_fraction < 1, "warmup_fraction must be < 1")
         if any(d > 0 for d in self.attn_dropout):
             bad = [p.value for p in self.dropout_positions if p not in DROPOUT_SCHEMES]
             check(not bad, f"attention dropout is applied only by none, alibi and rope, not {', '.join(bad)}")
@@ -157,15 +161,17 @@ class TrainContext:
 class TrainCell:
     """One cell of a run, read once from its key (:func:`poslsh_cli.experiments.train.cells`): the
     scheme, its masks per head per step ``s`` (0 for schemes that draw none), the seed, the training
-    length and the attention dropout (the key holds the last two only when a run varies them)."""
+    length, the attention dropout and the optimizer steps (the key holds the last three only when a
+    run varies them)."""
 
     position: Position
     s: int
     seed: int
     seq_len: int
     attn_dropout: float = 0.0
+    steps: int = 0
 
     @classmethod
     def of(cls, key: dict, spec: TrainSpec) -> "TrainCell":
         return cls(Position(key["position"]), key["s"], key["seed"], key.get("seq_len", spec.seq_len[0]),
-                   float(key.get("attn_dropout", 0.0)))
+                   float(key.get("attn_dropout", 0.0)), int(key.get("steps", spec.steps[0])))

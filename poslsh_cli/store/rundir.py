@@ -172,26 +172,41 @@ def _config_body(yaml_text: str) -> str:
     return "\n".join(line for line in yaml_text.splitlines() if not line.split(":", 1)[0] in RESUME_IGNORED)
 
 
-def config_changes(held: str, wanted: str) -> list[str]:
-    """What differs between the configuration a run directory holds and the one asked for, key by
-    key (nested keys dotted, the keys resuming ignores left out): ``["steps: 4000 -> 150"]``."""
+def _flat_config(text: str) -> dict[str, Any]:
+    """A configuration's keys, nested ones dotted, the keys resuming ignores left out."""
     import yaml
 
-    def flat(text: str) -> dict[str, Any]:
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError:
-            return {}
-        out: dict[str, Any] = {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        return {}
+    out: dict[str, Any] = {}
 
-        def walk(prefix: str, x: Any) -> None:
-            if isinstance(x, dict) and x:
-                for k, v in x.items():
-                    walk(f"{prefix}.{k}" if prefix else str(k), v)
-            else:
-                out[prefix] = x
-        walk("", data if isinstance(data, dict) else {})
-        return {k: v for k, v in out.items() if k.split(".")[0] not in RESUME_IGNORED}
+    def walk(prefix: str, x: Any) -> None:
+        if isinstance(x, dict) and x:
+            for k, v in x.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = x
+    walk("", data if isinstance(data, dict) else {})
+    return {k: v for k, v in out.items() if k.split(".")[0] not in RESUME_IGNORED}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """One value written two ways counts once: ``v`` and ``[v]`` (a key that became a list sweep)."""
+    one = lambda x: x[0] if isinstance(x, list) and len(x) == 1 else x  # noqa: E731
+    return a == b or one(a) == one(b)
+
+
+def config_changes(held: str, wanted: str, defaults: Optional[dict[str, Any]] = None) -> list[str]:
+    """What differs between the configuration a run directory holds and the one asked for, key by
+    key (nested keys dotted, the keys resuming ignores left out): ``["steps: 4000 -> 150"]``.
+
+    A key the held configuration lacks was added to the command after the run was made: it counts
+    as unchanged while the value asked for is its default (``defaults``, flat), so runs made before
+    a key existed resume and evaluate as before; a value and the one-element list of it are the same."""
+    a, b = _flat_config(held), _flat_config(wanted)
+    defaults = defaults or {}
 
     def show(x: Any) -> str:
         if x is _ABSENT:
@@ -200,10 +215,13 @@ def config_changes(held: str, wanted: str) -> list[str]:
             return "[" + ", ".join(show(v) for v in x) + "]"
         return "null" if x is None else str(x).lower() if isinstance(x, bool) else str(x)
 
-    a, b = flat(held), flat(wanted)
+    def same(k: str) -> bool:
+        if k not in a and k in b and k in defaults:
+            return _same_value(b[k], defaults[k])
+        return _same_value(a.get(k, _ABSENT), b.get(k, _ABSENT))
+
     keys = list(a) + [k for k in b if k not in a]
-    return [f"{k}: {show(a.get(k, _ABSENT))} -> {show(b.get(k, _ABSENT))}" for k in keys
-            if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+    return [f"{k}: {show(a.get(k, _ABSENT))} -> {show(b.get(k, _ABSENT))}" for k in keys if not same(k)]
 
 
 _ABSENT = object()
@@ -213,10 +231,11 @@ class RunDir:
     """One run directory. :meth:`open` checks it without writing; :meth:`own` makes this process
     its owner (creating it) for the run; only the owner writes."""
 
-    def __init__(self, path: Path, command: str, config_yaml: str):
+    def __init__(self, path: Path, command: str, config_yaml: str, defaults: Optional[dict[str, Any]] = None):
         self.path = Path(path)
         self.command = command
         self.config_yaml = config_yaml
+        self.defaults = defaults or {}
         self.fresh = True
         self.cells_dir = self.path / "cells"
         self.meta: dict[str, Any] = {}
@@ -224,10 +243,11 @@ class RunDir:
         self._done: Optional[dict[str, dict]] = None  # the owner's finished cells, read from disk once
 
     @classmethod
-    def open(cls, path: Path, command: str, config_yaml: str) -> "RunDir":
-        """Check that ``path`` can hold this run (new, or the same configuration to resume) and
-        that no live process owns it; nothing is written."""
-        run = cls(path, command, config_yaml)
+    def open(cls, path: Path, command: str, config_yaml: str, defaults: Optional[dict[str, Any]] = None) -> "RunDir":
+        """Check that ``path`` can hold this run (new, or the same configuration to resume:
+        :func:`config_changes`, with the command's ``defaults`` for keys added since) and that no
+        live process owns it; nothing is written."""
+        run = cls(path, command, config_yaml, defaults)
         run._check()
         ownership.check_free(run.path)
         return run
@@ -237,10 +257,11 @@ class RunDir:
         if cfg_file.exists():
             held = read_config_text(cfg_file)
             if _config_body(held) != _config_body(self.config_yaml):
-                changes = config_changes(held, self.config_yaml)
-                raise ConfigError(f"out={self.path} holds a run with a different configuration"
-                                  + (f" ({'; '.join(changes)})" if changes else "")
-                                  + "; use another out= (or the same keys to resume)")
+                changes = config_changes(held, self.config_yaml, self.defaults)
+                if changes or not _flat_config(held):
+                    raise ConfigError(f"out={self.path} holds a run with a different configuration"
+                                      + (f" ({'; '.join(changes)})" if changes else "")
+                                      + "; use another out= (or the same keys to resume)")
             self.fresh = False
             return
         # a reproduce marker (skipped.json) and the lock do not count: the run replaces them
