@@ -597,17 +597,25 @@ def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002):
     return pd.DataFrame(rows)
 
 
-def test_gap_to_alibi_against_tokens_shrinks_grows_or_says_it_cannot_tell(tmp_path):
+def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
     from poslsh_cli.experiments import train_report as tr
 
     shrinking = _train_run(tmp_path / "a", lambda st: 0.3 / np.sqrt(st / 100))
     sec = registry.get("train").report(tmp_path / "a", shrinking)
     v = [v for v in sec.verdicts if "shrinks" in v.claim]
     assert len(v) == 1 and v[0].status is Status.SUPPORTED and "3 seeds, one slope each" in v[0].evidence
-    assert "poslsh s=10" in v[0].claim and "first evaluation +0.2996" in v[0].evidence
-    growing = _train_run(tmp_path / "b", lambda st: 0.01 * np.log(st))
+    assert "poslsh s=10" in v[0].claim and "second half of training" in v[0].claim
+    assert "gap at step 500 +0.13" in v[0].evidence and "change over the second half -0.03" in v[0].evidence
+    # the curves fall by 0.5 ln(10/8) = 0.1116 between step 800 and 1000 (alibi's; poslsh's also by its gap's change)
+    assert "validation still fell" in v[0].evidence
+    table = [t for t in sec.tables if "fell over the last 20%" in t.columns][0]
+    assert table[table.scheme == "alibi"]["fell over the last 20%"].iloc[0] == pytest.approx(0.5 * np.log(10 / 8), abs=1e-4)
+    growing = _train_run(tmp_path / "b", lambda st: 0.05 * np.log(st))
     assert status_of(registry.get("train").report(tmp_path / "b", growing), "shrinks") is Status.NOT_SUPPORTED
     flat = _train_run(tmp_path / "c", lambda st: 0.1 + 0 * st, noise=0.05)
     assert status_of(registry.get("train").report(tmp_path / "c", flat), "shrinks") is Status.INCONCLUSIVE
+    # the gap appears over the first half, then shrinks: a fit over the whole curve sees it grow
+    appears = _train_run(tmp_path / "d", lambda st: np.where(st <= 500, 0.1 * st / 500, 0.1 - 1e-4 * (st - 500)))
+    assert status_of(registry.get("train").report(tmp_path / "d", appears), "shrinks") is Status.SUPPORTED
     paths = tr.plot_gap(tmp_path / "a", shrinking)
     assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]

@@ -112,6 +112,48 @@ def train_info(path: Path) -> dict:
     return json_file(f) if f.is_file() else {}
 
 
+def training_run(path: Path) -> str:
+    """The ``poslsh train`` run a checkpoint belongs to, as its run directory's name (``train_official``;
+    ``train_official/0`` for the one job of a multirun), or ``""`` for a checkpoint outside a run. Models
+    of one run share every optimiser setting, so comparisons between trained schemes stay inside one run."""
+    p = Path(path).resolve()
+    for up in p.parents:
+        if (up / "config.yaml").is_file() and (up / "work").is_dir():
+            return f"{up.parent.name}/{up.name}" if up.name.isdigit() else up.name
+    return ""
+
+
+#: The share of a training stage at whose end :func:`late_fall` measures how much validation still fell.
+LATE_SHARE = 0.2
+
+
+def late_fall(path: Path, share: float = LATE_SHARE) -> float:
+    """How far the validation bits per byte of the stage that made ``path`` fell over its last ``share``
+    of steps (positive: still falling), from the cell's ``metrics.csv`` beside the checkpoint: the
+    evaluation nearest ``(1 - share)`` of its steps minus the last one. NaN without the log or
+    without an evaluation before the last one."""
+    import math
+
+    import pandas as pd
+
+    log = Path(path).resolve().parent / "metrics.csv"
+    if not log.is_file():
+        return math.nan
+    try:
+        log_rows = pd.read_csv(log, usecols=["step", "val_bpb"])
+    except (ValueError, OSError, pd.errors.ParserError):
+        return math.nan
+    m = log_rows.dropna()
+    if len(m) < 2:
+        return math.nan
+    first, last = int(log_rows.step.min()), int(log_rows.step.max())
+    start = last - share * (last - first + 1)
+    at = m.iloc[int((m.step - start).abs().to_numpy().argmin())]  # the evaluation nearest the start
+    if int(at.step) >= int(m.step.iloc[-1]):
+        return math.nan
+    return float(at.val_bpb - m.val_bpb.iloc[-1])
+
+
 def read_config(path: Path) -> dict:
     """A checkpoint's config.json as a dict, as its architecture's own (:func:`base_view`); for a
     LoRA adapter, its base's, with the scheme the adapter was trained with (``poslsh`` from its
