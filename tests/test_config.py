@@ -130,7 +130,8 @@ def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
 def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
     from poslsh_cli.app import reproduce
 
-    assert set(reproduce.opt_in()) == {"train_long", "perplexity_long"}  # the long-context CPU runs only
+    # the long-context CPU runs and the pilot that sized the language-model presets
+    assert set(reproduce.opt_in()) == {"train_pilot", "train_long", "perplexity_long"}
     assert "--with train_long" in reproduce.not_asked("train_long", "train_long_paper", ())
     assert reproduce.not_asked("train_long", "train_long_paper", ("train_long",)) is None
     assert reproduce.not_asked("train_long", "train_long_quick", ()) is None  # the smoke test runs every preset
@@ -141,7 +142,8 @@ def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
         assert reproduce.not_asked(name, f"{name}_paper", ()) is None
         assert (name, command, f"{name}_paper") in reproduce.plan("paper")
     assert reproduce.check_with(["all"]) == tuple(reproduce.opt_in())
-    with pytest.raises(ConfigError, match="--with must be one of train_long, perplexity_long or all, got 'trian'"):
+    with pytest.raises(ConfigError, match="--with must be one of train_pilot, train_long, perplexity_long or all, "
+                                          "got 'trian'"):
         reproduce.check_with(["trian"])
     # the driver leaves it out and says why in its run directory, running nothing
     code = ("import sys; import poslsh_cli.app.reproduce as r;"
@@ -153,6 +155,20 @@ def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
     marker = json.loads((tmp_path / "paper" / "train_long" / "skipped.json").read_text())
     assert "--with train_long" in marker["reason"]
     assert not (tmp_path / "paper" / "train_long" / "config.yaml").exists()
+
+
+def test_evaluation_presets_run_right_after_the_runs_they_read():
+    """The paper's comparison comes first: perplexity_official runs right after train_official, before
+    the other trainings; every evaluation preset after each run it reads."""
+    from poslsh_cli.app import reproduce
+
+    entries = [e for e in reproduce.plan("paper") if e[1] in ("train", "perplexity", "passkey", "eval")]
+    names = [e[0] for e in reproduce.schedule(entries)]
+    assert names.index("perplexity_official") == names.index("train_official") + 1 < names.index("train")
+    for e in entries:
+        for dep in reproduce.reads(e[1], e[2]):
+            assert names.index(dep) < names.index(e[0]), (e[0], dep)
+    assert reproduce.reads("passkey", "passkey_paper") == ("train", "train_official", "train_finetune")
 
 
 def test_reproduce_refuses_an_unknown_with_in_one_line(tmp_path):

@@ -97,6 +97,8 @@ def test_the_heldout_task_asks_for_what_follows_in_the_held_out_documents(tmp_pa
     task = heldout_task.write_task(tmp_path / "task", items)
     rows = [json.loads(line) for line in (task / "poslsh_heldout.jsonl").read_text().splitlines()]
     assert rows == items and "target_delimiter: ''" in (task / "poslsh_heldout.yaml").read_text()
+    # every choice has the same length: a length-normalised accuracy would equal acc, so none is asked for
+    assert "acc_norm" not in (task / "poslsh_heldout.yaml").read_text()
 
 
 def test_eval_scores_trained_models_on_their_heldout_documents_by_scheme(trained, tmp_path, monkeypatch):
@@ -124,3 +126,34 @@ def test_eval_scores_trained_models_on_their_heldout_documents_by_scheme(trained
     other = tmp_path / "other"
     res = poslsh("eval", str(trained), str(tmp_path / "missing_too"), "tasks=[poslsh_heldout]", f"out={other}")
     assert res.exit_code != 0 and len(res.stderr.strip().splitlines()) == 1 and not other.exists(), res.stderr
+
+
+def test_eval_keeps_train_runs_lengths_and_steps_apart():
+    """RoPE models of two train runs (other optimiser settings) with the same seeds are two models, never
+    one model's draws; Positional LSH is compared with the exact ALiBi of its own run, and the margin
+    is 1% of that ALiBi's error rate."""
+    import pandas as pd
+
+    from poslsh_cli.experiments.eval import claim_reaches_alibi, interval_table
+
+    rows = []
+    for run, acc in (("train", {"rope": 0.60, "alibi": 0.70, "poslsh": 0.70}),
+                     ("train_official", {"rope": 0.80, "alibi": 0.50, "poslsh": 0.40})):
+        for seed in (0, 1, 2):
+            for pos, a in acc.items():
+                rows.append({"checkpoint": f"{run}/work/{pos}-{seed}/final", "attention": "own", "position": pos,
+                             "s": 10 if pos == "poslsh" else 0, "sampler": "iid", "draw": 0, "seed": -1,
+                             "task": "poslsh_heldout", "metric": "acc", "filter": "none",
+                             "value": a + 0.001 * seed, "stderr": 0.03, "documents": 200, "num_fewshot": 0,
+                             "run_seed": seed, "sigmas": "" if pos == "rope" else "standard", "attn_dropout": 0.0,
+                             "finetuned": "no", "trained_run": run, "trained_len": 256, "trained_steps": 1000})
+    df = pd.DataFrame(rows)
+    t = interval_table(df)
+    rope = t[t.scheme == "rope"]
+    assert sorted(rope.run) == ["train", "train_official"] and sorted(rope["mean"]) == ["0.6010", "0.8010"]
+    v = {x.claim: x for x in claim_reaches_alibi(df)}
+    assert len(v) == 2
+    same = [x for c, x in v.items() if "[train]" in c][0]
+    worse = [x for c, x in v.items() if "[train_official]" in c][0]
+    assert same.status.value == "SUPPORTED" and "margin 0.30" in same.evidence, same.evidence
+    assert worse.status.value == "NOT SUPPORTED" and "exact ALiBi 49.90%" in worse.evidence, worse.evidence

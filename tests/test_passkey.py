@@ -30,10 +30,10 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
     assert df.groupby("length").key.nunique().min() >= 2  # a new key per trial
 
 
-def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_interval_over_seeds():
+def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_binomial_bound():
     import pandas as pd
 
-    from poslsh_cli.experiments.passkey import summary
+    from poslsh_cli.experiments.passkey import binomial_interval, summary
 
     rows = []
     for run, sigmas in (("train", "standard"), ("train_official", "sigma=8 every head")):
@@ -42,17 +42,36 @@ def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_interval_o
                 for k, c in enumerate(hits):
                     rows.append({"checkpoint": f"{run}/work/position-alibi_s-0_seed-{seed}{tail}-abc/final",
                                  "position": "alibi", "s": 0, "trained_len": 256, "length": 512, "depth": 0.5,
-                                 "trial": k, "seed": k, "key": "1", "correct": c, "answer_tokens": 5,
-                                 "answer_top1": 0.5, "answer_nll": 3.0, "sigmas": sigmas})
+                                 "trial": k, "seed": k, "key": "1", "correct": c if drop == 0 else 0,
+                                 "answer_tokens": 5, "answer_top1": 0.5, "answer_nll": 3.0, "sigmas": sigmas})
     head, table = summary(pd.DataFrame(rows))
     got = {(r[0], r[1]): r for r in table}
     assert set(got) == {("train", "alibi"), ("train", "alibi +dropout 0.1"),
                         ("train_official", "alibi (sigma=8 every head)"),
                         ("train_official", "alibi +dropout 0.1 (sigma=8 every head)")}
-    r = got[("train", "alibi")]
     col = {h: i for i, h in enumerate(head)}
-    # per seed 0.5, 0.25, 0.75: mean 0.5, t(2) 4.303 x 0.25 / sqrt(3) = 0.621, cut to [0, 1]
-    assert r[col["accuracy"]] == "0.50" and r[col["95% interval"]] == "[0.00, 1.00]"
-    r = got[("train_official", "alibi (sigma=8 every head)")]
-    assert r[col["accuracy"]] == "0.50" and r[col["seeds"]] == "3"
-    assert r[col["seeds"]] == "3" and r[col["keys per seed"]] == "4"
+    r = got[("train", "alibi")]
+    # 6 of the 12 keys over three seeds: the exact (Clopper-Pearson) 95% interval of 6/12 is [21.1%, 78.9%]
+    assert r[col["retrieved"]] == "6/12" and r[col["accuracy"]] == "0.50" and r[col["seeds"]] == "3"
+    assert r[col["95% bound (exact binomial)"]] == "[21.1%, 78.9%]"
+    # none retrieved: a one-sided bound, never a zero-width interval (the rule of three: 0/75 is below 3.9%)
+    assert got[("train", "alibi +dropout 0.1")][col["95% bound (exact binomial)"]] == "below 22.1%"
+    assert binomial_interval(0, 75)[1] == pytest.approx(0.0392, abs=1e-4)
+    assert binomial_interval(75, 75)[0] == pytest.approx(1 - 0.0392, abs=1e-4)
+
+
+def test_a_passkey_run_where_nothing_is_retrieved_says_it_is_at_its_floor(tmp_path):
+    import pandas as pd
+
+    from poslsh_cli.experiments.passkey import report
+
+    rows = [{"checkpoint": f"train/work/position-{p}_s-0_seed-{seed}-abc/final", "position": p, "s": 0,
+             "trained_len": 256, "length": n, "depth": d, "trial": k, "seed": k, "key": 10000 + k, "correct": 0,
+             "answer_tokens": 5, "answer_top1": 0.1, "answer_nll": 24.0 + k, "sigmas": ""}
+            for p in ("alibi", "rope") for seed in (0, 1, 2) for n in (256, 512) for d in (0.0, 0.5, 1.0)
+            for k in range(5)]
+    sec = report(tmp_path, pd.DataFrame(rows))
+    floor = sec.paragraphs[0]
+    assert floor.startswith("At its floor: no model retrieved a key at any length") and "below" in floor
+    assert "24.0 to 28.0 nats, against 11.5 for a uniform guess over its 5 digits" in floor, floor
+    assert not any("[0.00, 0.00]" in str(t) for t in sec.tables)

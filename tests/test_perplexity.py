@@ -19,7 +19,7 @@ from poslsh_cli.verdicts.claims import Status
 
 
 def ppl_run(tmp_path, scratch=None, tuned=None, seeds=(0, 1, 2), seed_sd=0.002, window_sd=0.01, W=64, draws=3,
-            degrade=None, name="run", far=1024):
+            degrade=None, name="run", far=1024, steps=0, trained_len=256, train_run=""):
     """A perplexity run directory with results.csv rows and windows.csv (per-window bits) drawn from
     stated effects: ``scratch`` / ``tuned`` map (position, s, dropout) -> bits per byte at L; each
     training seed shifts a scheme by N(0, seed_sd), each mask draw by N(0, seed_sd / 4), each window
@@ -34,26 +34,30 @@ def ppl_run(tmp_path, scratch=None, tuned=None, seeds=(0, 1, 2), seed_sd=0.002, 
         pos, s, drop = scheme
         for seed in seeds if finetuned == "no" or len(seeds) > 1 else seeds[:1]:
             shift = g.normal(0, seed_sd)
-            ck = f"{pos}{s}-{drop}-{seed}-{finetuned}"
+            ck = f"{pos}{s}-{drop}-{seed}-{finetuned}-{steps}-{trained_len}"
             for length in lengths:
-                base = value + shift + (degrade.get(scheme, 0.0) if length > 256 else 0.0)
+                base = value + shift + (degrade.get(scheme, 0.0) if length > trained_len else 0.0)
                 for trial in range(draws if pos == "poslsh" else 1):
                     bpb_w = base + g.normal(0, seed_sd / 4 if pos == "poslsh" else 0) + g.normal(0, window_sd, W)
                     bpb = float(bpb_w.mean())
                     rows.append(dict(checkpoint=ck, position=pos, attention="own", s=s, length=length, trial=trial,
                                      seed=-1, tokens=W * 255, loss=bpb * np.log(2), bits_per_byte=bpb, ppl=1.0,
-                                     seconds=0.1, trained_len=256, trained_s=s, finetuned=finetuned, run_seed=seed,
-                                     bits_per_token=bpb, kl=0.0, bytes=W * 256, attn_dropout=drop))
+                                     seconds=0.1, trained_len=trained_len, trained_s=s, finetuned=finetuned,
+                                     run_seed=seed, bits_per_token=bpb, kl=0.0, bytes=W * 256, attn_dropout=drop,
+                                     trained_steps=steps, trained_run=train_run))
                     wins.extend(dict(checkpoint=ck, attention="own", s=s, length=length, trial=trial, window=i,
                                      bits=float(b) * 256, bytes=256) for i, b in enumerate(bpb_w))
 
     for scheme, value in (scratch or {}).items():
-        add(scheme, value, "no", (256, far))
+        add(scheme, value, "no", (trained_len, far))
     for scheme, value in (tuned or {}).items():
         add(scheme, value, "yes", (256,))
     run = tmp_path / name
-    run.mkdir(parents=True)
-    pd.DataFrame(wins).to_csv(run / "windows.csv", index=False)
+    run.mkdir(parents=True, exist_ok=True)
+    wins = pd.DataFrame(wins)
+    if (run / "windows.csv").exists():  # a second call adds another group of models to the same run
+        wins = pd.concat([pd.read_csv(run / "windows.csv"), wins], ignore_index=True)
+    wins.to_csv(run / "windows.csv", index=False)
     return run, pd.DataFrame(rows)
 
 
@@ -88,7 +92,7 @@ def test_reaches_alibi_is_an_equivalence_test(tmp_path):
 def test_reaches_is_non_inferiority_at_its_edges(lo, hi, expected):
     from poslsh_cli.verdicts.stats import Interval, equivalence
 
-    assert equivalence(Interval((lo + hi) / 2, lo, hi, 3, 0.9, "seeds"))[0] is expected
+    assert equivalence(Interval((lo + hi) / 2, lo, hi, 3, 0.9, "seeds"), 0.02)[0] is expected
 
 
 def test_a_better_scheme_reaches_alibi(tmp_path):
@@ -297,6 +301,112 @@ def test_papers_baselines_the_2L_multiple_and_the_side_by_side_table(tmp_path):
     assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
     row = table[table.claim.str.contains("better than the original RoPE")].iloc[0]
     assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
+
+
+def test_the_margin_is_one_percent_of_exact_alibis_own_value(tmp_path):
+    """The non-inferiority margin scales with the baseline: 1% of exact ALiBi's bits per byte. A gap
+    of 0.012 reaches ALiBi at 1.8 bpb (margin 0.018) and not at 0.8 bpb (margin 0.008)."""
+    sec = ppl_report(tmp_path / "a", scratch={A: 1.8, P10: 1.812}, seed_sd=0.0005)
+    v = [v for v in sec.verdicts if "s=10 reaches the bits" in v.claim][0]
+    assert v.status is Status.SUPPORTED and "margin 0.0180 (1% of alibi's)" in v.evidence, v.evidence
+    assert v.numbers["margin"] == pytest.approx(0.018, rel=0.01)
+    sec = ppl_report(tmp_path / "b", scratch={A: 0.8, P10: 0.812}, seed_sd=0.0005)
+    v = [v for v in sec.verdicts if "s=10 reaches the bits" in v.claim][0]
+    assert v.status is Status.NOT_SUPPORTED and "margin 0.0080" in v.evidence, v.evidence
+    assert any("margin is 1% of exact ALiBi's own value" in p for p in sec.paragraphs)
+
+
+def test_a_verdict_stands_only_where_the_gap_settled_between_half_and_full_training(tmp_path):
+    """One train run at T/2 and T: the verdict at T is judged as before, then kept only when the
+    seed-paired gap moved by less than half the margin between the two trainings."""
+    def report(name, gap_half, gap_full):
+        run, half = ppl_run(tmp_path, scratch={A: 2.0, P10: 2.0 + gap_half, NONE: 3.0}, steps=500, name=name,
+                            seed_sd=0.0005, train_run="train_official")
+        _, full = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.8 + gap_full, NONE: 2.8}, steps=1000, name=name,
+                          seed_sd=0.0005, train_run="train_official")
+        return registry.get("perplexity").report(run, pd.concat([half, full], ignore_index=True))
+
+    settled = [v for v in report("a", 0.004, 0.006).verdicts if "s=10 reaches the bits" in v.claim]
+    assert len(settled) == 1, [v.claim for v in report("a", 0.004, 0.006).verdicts]  # judged at T only
+    assert settled[0].status is Status.SUPPORTED and "the gap settled: +0.00" in settled[0].evidence
+    assert "at 500 steps" in settled[0].evidence and "at 1000" in settled[0].evidence
+    moving = [v for v in report("b", -0.01, 0.006).verdicts if "s=10 reaches the bits" in v.claim][0]
+    # at T alone this is SUPPORTED (0.006 < 0.018); it moved 0.016, more than half the margin (0.009)
+    assert "seeds would decide" not in moving.evidence
+    assert moving.status is Status.INCONCLUSIVE and "the gap still moves with training: -0.0" in moving.evidence, \
+        moving.evidence
+    better = [v for v in report("c", 0.5, 0.5).verdicts if "beats the model without positional" in v.claim][0]
+    assert better.status is Status.SUPPORTED and "settled" in better.evidence  # none - poslsh moved 0.0
+
+
+def test_finetuned_claims_keep_training_lengths_apart(tmp_path):
+    """Fine-tuned models trained at L=128 and at L=256 and both scored at 256 are two groups: the
+    claims at L=256 read the models trained at 256 (alibi 2.00), not a mix with those of 128."""
+    tuned = {A: 2.0, ("fixed_block", 0, 0.0): 2.4, **{("poslsh", s, 0.0): 2.0 + g
+                                                      for s, g in zip((1, 2, 5, 10, 20), (0.3, 0.2, 0.1, 0.05, 0.01))}}
+    run, at256 = ppl_run(tmp_path, tuned=tuned, seed_sd=0.001)
+    _, at128 = ppl_run(tmp_path, tuned={k: v + 1.0 for k, v in tuned.items()}, seed_sd=0.001, trained_len=128)
+    df = pd.concat([at256, at128], ignore_index=True)
+    sec = registry.get("perplexity").report(run, df)
+    v = [v for v in sec.verdicts if "largest s (s=20) reaches" in v.claim and "L=256" in v.evidence]
+    assert v and "alibi 2.00" in v[0].evidence, [x.evidence for x in sec.verdicts if "largest s" in x.claim]
+
+
+def test_where_the_gap_comes_from(tmp_path):
+    """The gap of a Positional-LSH-trained model to the ALiBi-trained one splits into the
+    approximation at inference (own minus the same weights run with exact ALiBi) and the weights
+    (those with exact ALiBi minus the ALiBi model); with weights as good as ALiBi's the claim holds."""
+    from poslsh_cli.experiments.perplexity_groups import decomposition
+
+    def run(name, weights_gap):
+        r, df = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.9}, seed_sd=0.0005, name=name)
+        extra = []
+        for _, row in df[(df.position == "poslsh") & (df.length == 256)].drop_duplicates("run_seed").iterrows():
+            extra.append({**row.to_dict(), "attention": "alibi", "s": 0, "trial": 0,
+                          "bits_per_byte": 1.8 + weights_gap + 0.0005 * row.run_seed})
+            for s_inf, v in ((10, 1.9), (100, 1.83), (1000, 1.81)):
+                extra.append({**row.to_dict(), "attention": "poslsh", "s": s_inf, "trial": 0, "bits_per_byte": v})
+        df = pd.concat([df, pd.DataFrame(extra)], ignore_index=True)
+        return registry.get("perplexity").report(r, df), df
+
+    sec, df = run("a", 0.002)
+    t = decomposition(df).iloc[0]
+    assert t.trained == "poslsh s=10" and t.seeds == 3
+    assert t.total == pytest.approx(t.inference + t.weights, abs=2e-4) and t.weights == pytest.approx(0.0025, abs=1e-3)
+    assert t["s=1000 at inference - alibi model"] == pytest.approx(0.01, abs=2e-3)
+    assert status_of(sec, "trained weights reach exact ALiBi") is Status.SUPPORTED
+    sec, _ = run("b", 0.08)
+    assert status_of(sec, "trained weights reach exact ALiBi") is Status.NOT_SUPPORTED
+
+
+def test_inconclusive_verdicts_say_how_many_seeds_would_decide_and_the_family_is_counted(tmp_path):
+    sec = ppl_report(tmp_path, scratch={A: 1.8, P10: 1.815, NONE: 2.8}, seed_sd=0.004)
+    v = [v for v in sec.verdicts if "s=10 reaches the bits" in v.claim][0]
+    assert v.status is Status.INCONCLUSIVE and "seeds would decide it" in v.evidence, v.evidence
+    power = [t for t in sec.tables if "seeds for half-width <= margin/2" in t.columns][0]
+    assert v.claim in set(power.claim)
+    family = [p for p in sec.paragraphs if "no multiplicity correction" in p][0]
+    judged = sum(1 for x in sec.verdicts if x.status is not Status.NOT_MEASURED)
+    assert f"These {judged} language-model verdicts" in family and "Bonferroni" in family
+
+
+def test_stats_power_helpers_follow_the_t_distribution():
+    from scipy import stats
+
+    from poslsh_cli.verdicts.stats import (family_wise, half_width, seeds_for_half_width, seeds_to_decide, spread,
+                                          t_interval)
+
+    x = [0.010, 0.013, 0.011, 0.016]
+    iv = t_interval(x, 0.90)
+    assert spread(iv) == pytest.approx(np.std(x, ddof=1))
+    assert half_width(np.std(x, ddof=1), 4, 0.90) == pytest.approx((iv.high - iv.low) / 2)
+    n = seeds_for_half_width(0.002, 0.0075)
+    assert half_width(0.002, n, 0.9) <= 0.0075 < half_width(0.002, n - 1, 0.9)
+    need = seeds_to_decide(iv, 0.018)
+    assert half_width(spread(iv), need, 0.9) < 0.018 - iv.estimate <= half_width(spread(iv), need - 1, 0.9) or need == 2
+    wide = family_wise(iv, 6)
+    assert wide.level == pytest.approx(1 - 0.1 / 6)
+    assert (wide.high - wide.low) / 2 == pytest.approx(stats.t.ppf(1 - 0.05 / 6, 3) * np.std(x, ddof=1) / 2)
 
 
 # ---------------------------------------------------------------------------------------------

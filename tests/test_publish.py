@@ -198,12 +198,12 @@ def test_language_model_runs_publish_their_learning_curves_and_side_by_side_clai
     assert len(kept) == 6 and all(p.parts[0] == "work" for p in kept)
     assert not list((docs / "results" / "train").rglob("*.safetensors"))
     md = (docs / "RESULTS.md").read_text()
-    assert "to exact ALiBi shrinks with training" in md and "gap_vs_tokens" in md
+    assert "to exact ALiBi shrinks over the second half of training" in md and "gap_vs_tokens" in md
     block = _block(readme.read_text())
     part = block.split("**Language models: training, extrapolation, retrieval**", 1)[1]
     assert part.lstrip().startswith("| claim | perplexity: per-head σ (ALiBi's slopes) | perplexity_sliding: per-head σ")
     assert "The protocols agree on every one of" in part or "Where the protocols disagree" in part
-    assert "| claim | verdict | evidence | run |" in part and "shrinks with training" in part
+    assert "| claim | verdict | evidence | run |" in part and "shrinks over the second half of training" in part
     again, readme2 = tmp_path / "again" / "docs", _readme(tmp_path / "again" / "README.md")
     _publish(sorted((docs / "results").iterdir()), again, readme2)
     assert (again / "RESULTS.md").read_text() == md and _block(readme2.read_text()) == block

@@ -45,6 +45,36 @@ def plan(scale: str) -> list[tuple[str, str, str]]:
             if f"{stem}_{scale}" in registry.preset_names(exp)]
 
 
+def reads(command: str, preset: str) -> tuple[str, ...]:
+    """The run names a preset evaluates (its ``checkpoints`` relative to the reproduce root: the
+    training presets it waits for), none for a preset that trains or measures on its own."""
+    exp = registry.get(command)
+    if exp.reproduce_overrides is None:
+        return ()
+    try:
+        spec = registry.compose_spec(exp, [f"experiment={preset}"])
+    except ConfigError:
+        return ()
+    return tuple(str(c) for c in getattr(spec, "checkpoints", ()) if not Path(str(c)).is_absolute())
+
+
+def schedule(entries: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The presets in the order they run: every preset that trains or measures on its own in plan
+    order, each evaluation preset right after the last of the runs it reads (so the paper's
+    comparison, train_official and perplexity_official, is reported before the other trainings
+    start); an evaluation preset waits for those runs when presets run side by side."""
+    order = [e for e in entries if registry.get(e[1]).reproduce_overrides is None]
+    placed: set = set()
+    for e in (e for e in entries if registry.get(e[1]).reproduce_overrides is not None):
+        deps = reads(e[1], e[2])
+        at = max((i for i, x in enumerate(order) if x[0] in deps), default=len(order) - 1)
+        while at + 1 < len(order) and order[at + 1] in placed:  # after the evaluations placed there before it
+            at += 1
+        order.insert(at + 1, e)
+        placed.add(e)
+    return order
+
+
 def opt_in() -> list[str]:
     """The presets (run names) reproduce runs only when named with ``--with``."""
     return [stem for exp in registry.experiments().values() for stem in exp.opt_in]
@@ -150,12 +180,9 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
         limit = jobs or 1
     else:
         limit = (jobs or (os.cpu_count() or 1)) if launcher == "joblib" else 10**6
-    entries = [e for e in plan(scale) if only is None or e[0] in only]
-    waves = [[e for e in entries if registry.get(e[1]).reproduce_overrides is None],
-             [e for e in entries if registry.get(e[1]).reproduce_overrides is not None]]
+    entries = schedule([e for e in plan(scale) if only is None or e[0] in only])
     try:
-        for wave in waves:
-            _run_wave(wave, root, launcher, limit, done, failed, include)
+        _run_wave(entries, root, launcher, limit, done, failed, include)
     except KeyboardInterrupt as exc:
         _record_session(root, scale, started, time.time() - t0, len(done), failed + ["(interrupted)"])
         print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
@@ -209,8 +236,9 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
     try:
         for name, command, preset in wave:
             out = root / name
-            while len(running) >= limit:  # the previous child's output comes before this header
-                reap(block=False)
+            deps = set(reads(command, preset))
+            while len(running) >= limit or any(n in deps for n, _, _ in running):
+                reap(block=False)  # the previous child's output comes before this header; the runs it reads finish
                 time.sleep(0.2)
             reason = not_asked(name, preset, include) or skip_reason(command, preset, root)
             if reason:

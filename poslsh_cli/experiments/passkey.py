@@ -11,6 +11,8 @@ trial (``seed`` replays them).
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,24 +172,58 @@ def _scheme(df: Any) -> Any:
     return [model_label(r.position, r.s, r.attn_dropout, r.sigmas) for r in d.itertuples()]
 
 
-def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    """Per trained model (run and scheme) and prompt length: the pass-key accuracy, mean over
-    training seeds of each seed's share of keys retrieved, with its 95% t-interval over seeds."""
-    from poslsh_cli.verdicts.stats import t_interval
+def binomial_interval(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a success rate from ``k`` of ``n``; with no success
+    (or no failure) the one-sided bound at ``level`` (0 of 75: below 3.9%, the rule of three)."""
+    from scipy import stats
 
+    if n <= 0:
+        return math.nan, math.nan
+    if k == 0:
+        return 0.0, float(1 - (1 - level) ** (1 / n))
+    if k == n:
+        return float((1 - level) ** (1 / n)), 1.0
+    a = (1 - level) / 2
+    return float(stats.beta.ppf(a, k, n - k + 1)), float(stats.beta.ppf(1 - a, k + 1, n - k))
+
+
+def summary(df: Any) -> tuple[list[str], list[list[str]]]:
+    """Per trained model (run and scheme) and prompt length: the keys retrieved over every training
+    seed, depth and key, their share with its exact binomial 95% interval (one-sided at 0 or all: a
+    count that never varied says how small or large the rate may be, not that it is known exactly),
+    and how close the answer came (top-1 share of its tokens, its NLL in nats)."""
     d = _trained(df)
     d = d.assign(scheme=_scheme(d))
-    head = ["run", "scheme", "L", "length", "accuracy", "95% interval", "seeds", "keys per seed",
+    head = ["run", "scheme", "L", "length", "retrieved", "accuracy", "95% bound (exact binomial)", "seeds",
             "answer tokens top-1", "answer NLL"]
     rows = []
     for (run, scheme, L, n), g in d.groupby(["run", "scheme", "trained_len", "length"], sort=False):
-        per_seed = g.groupby("run_seed").correct.mean()
-        iv = t_interval(per_seed.values)
-        rows.append([run or "-", scheme, str(int(L)), str(int(n)), f"{iv.estimate:.2f}",
-                     f"[{max(0.0, iv.low):.2f}, {min(1.0, iv.high):.2f}]" if iv.finite else "-", str(iv.n),
-                     str(int(g.groupby("run_seed").size().max())), f"{g.answer_top1.mean():.2f}",
-                     f"{g.answer_nll.mean():.2f}"])
+        k, total = int(g.correct.sum()), len(g)
+        lo, hi = binomial_interval(k, total)
+        bound = f"below {hi:.1%}" if k == 0 else f"above {lo:.1%}" if k == total else f"[{lo:.1%}, {hi:.1%}]"
+        rows.append([run or "-", scheme, str(int(L)), str(int(n)), f"{k}/{total}", f"{k / total:.2f}", bound,
+                     str(g.run_seed.nunique()), f"{g.answer_top1.mean():.2f}", f"{g.answer_nll.mean():.2f}"])
     return head, rows
+
+
+def floor_finding(df: Any) -> Optional[str]:
+    """When no model retrieved a single key: the experiment is at its floor, said with the binomial
+    bound of each model's count and how the answer's NLL compares with a uniform guess over the
+    key's digits (ln 10 nats a digit)."""
+    if df.empty or int(df.correct.sum()) > 0:
+        return None
+    per_model = _trained(df).groupby(["checkpoint", "length"]).size()
+    n = int(per_model.min())
+    _, hi = binomial_interval(0, n)
+    digits = int(df.key.astype(str).str.len().max()) if "key" in df.columns else 0
+    guess = digits * math.log(10.0)
+    nll = df.answer_nll
+    return (f"At its floor: no model retrieved a key at any length ({int(len(df))} prompts, "
+            f"{df.checkpoint.nunique()} models). Each model's 0 of at least {n} keys per length bounds its accuracy "
+            f"below {hi:.1%} (one-sided 95%), nothing more; the answer's NLL was {nll.min():.1f} to {nll.max():.1f} "
+            f"nats" + (f", against {guess:.1f} for a uniform guess over its {digits} digits" if digits else "")
+            + ". The models of this size do not learn retrieval from their training: this experiment decides no "
+            "comparison between schemes.")
 
 
 def plot(run: Path, df: Any) -> list[Path]:
@@ -221,9 +257,12 @@ def report(run: Path, df: Any) -> Section:
     sec.paragraphs.append(f"Accuracy: the share of keys whose every answer token is the model's top-1 prediction "
                           f"(teacher-forced), over {df.depth.nunique()} depths and "
                           f"{int(df.groupby(['checkpoint', 'length', 'depth']).size().max())} keys each, per trained "
-                          "model; the table gives the mean over training seeds with a 95% t-interval over seeds "
+                          "model, pooled over its training seeds, with the exact binomial 95% interval of that count "
                           "(each model under its own attention, one mask draw per key for Positional LSH); chance is "
                           "about 0 for a key of several digits.")
+    floor = floor_finding(df)
+    if floor:
+        sec.paragraphs.insert(0, floor)
     return sec
 
 

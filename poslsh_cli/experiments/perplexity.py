@@ -33,7 +33,8 @@ from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
-           "attn_dropout", "sigmas", "protocol", *evaluation.columns())
+           "attn_dropout", "sigmas", "protocol", *evaluation.columns(), "trained_run", "trained_steps", "text_tokens",
+           "trained_fall")
 LN2 = math.log(2.0)
 
 
@@ -79,7 +80,16 @@ class PerplexitySpec(Spec):
                                          noun="protocol")
     data: Optional[str] = key("a text file or folder to evaluate on; null: each checkpoint's validation split", None)
     encoding: str = key(ENCODING_HELP + " (data=; a checkpoint's own split is read as it was trained)", "utf-8")
-    max_tokens: int = key("evaluation text used per length (at least one window of that length)", 65536, ge=2)
+    max_tokens: Optional[int] = key("evaluation text, in tokens from its start, that every cell reads (with "
+                                    "side_tokens: the own attention at the training length); null: all of it "
+                                    "(the whole validation split)", 65536, ge=2)
+    side_tokens: Optional[int] = key("evaluation text beyond the training length and with another attention swapped "
+                                     "in, when smaller than max_tokens: the own attention at the training length is "
+                                     "then scored on it too, so every comparison reads one text; null: max_tokens",
+                                     None, ge=2)
+    extrapolate: Literal["every", "longest"] = key(
+        "which models are evaluated beyond their training length: every one, or only those trained for the most "
+        "steps in their train run (a run trained at T/2 and T: the T models)", "every")
     batch: int = key("windows per forward pass", 4, ge=1)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
@@ -96,6 +106,26 @@ class Checkpoint:
     trained_len: int
     tokens: Any = None  # evaluation token ids: bytes for byte models, the checkpoint's own tokens otherwise
     token_bytes: Any = None  # UTF-8 bytes each evaluation token covers
+    run: str = ""  # the train run it belongs to (lm.checkpoint.training_run)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of the stage that made it (0: not recorded)."""
+        return int(self.info.get("steps", 0) or 0)
+
+
+#: Which evaluation text a cell reads: the main one (max_tokens) or the side one (side_tokens).
+MAIN, SIDE = "main", "side"
+
+
+def text_limit(spec: "PerplexitySpec", text: str) -> Optional[int]:
+    """Tokens of the evaluation text a cell reads from its start (None: all of it)."""
+    return spec.max_tokens if text == MAIN or spec.side_tokens is None else spec.side_tokens
+
+
+def has_side_text(spec: "PerplexitySpec") -> bool:
+    """Whether the side text differs from the main one (only then do cells name their text)."""
+    return spec.side_tokens is not None and (spec.max_tokens is None or spec.side_tokens < spec.max_tokens)
 
 
 @dataclass
@@ -137,7 +167,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, refuse_rotary_falcon, train_info
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, refuse_rotary_falcon, train_info, training_run
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -165,7 +195,10 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
             need = max(spec.lengths or [trained])
             if len(tokens) < need:
                 raise ConfigError(f"the evaluation text has {len(tokens)} tokens, fewer than one window of {need}")
-            cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes)
+            for what, limit in (("max_tokens", spec.max_tokens), ("side_tokens", spec.side_tokens)):
+                if limit is not None and limit < need:
+                    raise ConfigError(f"{what}={limit} is shorter than one window of {need} tokens")
+            cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes, training_run(path))
     return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}})
 
 
@@ -233,21 +266,42 @@ def swapped_lengths(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
 
 
 def cells(spec: PerplexitySpec, ctx: PerplexityContext | None = None) -> list[dict[str, Any]]:
-    """One cell per (checkpoint, attention, s, length, mask draw). A swapped-in attention is
-    evaluated at the lengths of :func:`swapped_lengths` and not where it equals the model's own."""
+    """One cell per (checkpoint, attention, s, length, mask draw, text). A swapped-in attention is
+    evaluated at the lengths of :func:`swapped_lengths` and not where it equals the model's own;
+    lengths beyond the training length only for the models :func:`extrapolated` picks. With a side
+    text (:func:`has_side_text`) the own attention at the training length reads the main text and
+    the side one, everything else the side one; cells name their text only then."""
     out = []
-    for name, ck in (ctx.checkpoints.items() if ctx is not None else []):
+    side = has_side_text(spec)
+    cks = ctx.checkpoints if ctx is not None else {}
+    for name, ck in cks.items():
         for att in spec.attention:
             for s in (spec.s if drawn(att) else (0,)):
                 if same_as_own(att, s, ck):
                     continue
                 for length in (lengths_of(spec, ck) if att is Attention.OWN else swapped_lengths(spec, ck)):
+                    if length > ck.trained_len and att is Attention.OWN and not extrapolated(spec, ck, cks):
+                        continue
+                    own_at_L = att is Attention.OWN and length <= ck.trained_len
+                    texts = ([MAIN, SIDE] if own_at_L else [SIDE]) if side else [MAIN]
                     for protocol in protocols_at(spec, ck, length):
                         for trial in range(spec.trials if stochastic(att, ck) else 1):
-                            out.append({"checkpoint": name, "attention": att.value, "s": s, "length": length,
-                                        "trial": trial, **({"protocol": protocol.value}
-                                                           if protocol is not Protocol.NONOVERLAPPING else {})})
+                            for text in texts:
+                                out.append({"checkpoint": name, "attention": att.value, "s": s, "length": length,
+                                            "trial": trial, **({"protocol": protocol.value}
+                                                               if protocol is not Protocol.NONOVERLAPPING else {}),
+                                            **({"text": text} if side else {})})
     return out
+
+
+def extrapolated(spec: PerplexitySpec, ck: Checkpoint, cks: dict[str, Checkpoint]) -> bool:
+    """Whether ``ck`` is evaluated beyond its training length: always with ``extrapolate=every``;
+    with ``longest`` only when no checkpoint of its train run (same training length) trained for more
+    steps."""
+    if spec.extrapolate == "every":
+        return True
+    peers = [c.steps for c in cks.values() if c.run == ck.run and c.trained_len == ck.trained_len]
+    return ck.steps >= max(peers)
 
 
 def protocols_at(spec: PerplexitySpec, ck: Checkpoint, length: int) -> list[Protocol]:
@@ -289,6 +343,7 @@ def _random(state: Any) -> bool:
 
 
 def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, work: Any = None) -> tuple[list[dict], dict]:
+    from poslsh_cli.lm.checkpoint import late_fall
     from poslsh_cli.lm.evaluate import WINDOW_SUMS, evaluate
 
     ck = ctx.checkpoints[key["checkpoint"]]
@@ -299,8 +354,9 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
     t0 = time.perf_counter()
     protocol = Protocol(key.get("protocol", Protocol.NONOVERLAPPING.value))
     sliding = protocol is Protocol.SLIDING and length > ck.trained_len
+    limit = text_limit(spec, key.get("text", MAIN))
     ev = evaluate(model, state, ck.tokens, length, ck.trained_len if sliding else spec.stride,
-                  max(spec.max_tokens, length), spec.batch, key="perplexity",
+                  None if limit is None else max(limit, length), spec.batch, key="perplexity",
                   own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding)
     loss = ev.loss
     used_s = s if drawn(att) else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
@@ -313,10 +369,12 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
            "bytes": ev.nbytes, "attn_dropout": float(ck.info.get("attn_dropout", 0.0)),
            "sigmas": (sigma_label((ck.info.get("scheme") or {}).get("sigmas"))
                       if ck.position not in (Position.ROPE.value, Position.NONE.value) else ""),
-           "protocol": protocol.value, **ev.accuracy()}
+           "protocol": protocol.value, **ev.accuracy(), "trained_run": ck.run, "trained_steps": ck.steps,
+           "text_tokens": len(ck.tokens) if limit is None else min(len(ck.tokens), max(limit, length)),
+           "trained_fall": late_fall(ck.path)}
     col = {c: i for i, c in enumerate(WINDOW_SUMS)}
     windows = [{"checkpoint": ck.name, "attention": att.value, "s": used_s, "length": length, "trial": trial,
-                "protocol": protocol.value, "window": i, "bits": float(w[col["nll"]]) / LN2,
+                "protocol": protocol.value, "text_tokens": row["text_tokens"], "window": i, "bits": float(w[col["nll"]]) / LN2,
                 "bytes": int(w[col["bytes"]]), "tokens": int(w[col["predicted"]]), "top1": int(w[col["top1"]])}
                for i, w in enumerate(ev.windows)]
     return [row], {"windows": windows}
@@ -346,7 +404,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("perplexity_long", "perplexity", "perplexity_official", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
+    presets=("perplexity_official", "perplexity", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
              "perplexity_official_qwen3_0_6b_gpu", "perplexity_official_mistral_7b_gpu"),
     opt_in=("perplexity_long",),
     order=60,

@@ -1,10 +1,17 @@
 """The paper's downstream claims, each judged from ``poslsh perplexity`` rows by a rule with an
 interval (:mod:`poslsh_cli.verdicts.stats`): one function per claim.
 
-A trained scheme is (position, s, attention dropout). Its value at a length is, per training seed,
-the mean bits per byte over the mask draws of that seed's model (own attention); comparisons are
-paired by seed. With fewer than three common seeds a comparison uses the per-window differences of
-the same models on the same evaluation windows (evaluation noise only), and says so.
+A trained scheme is (position, s, attention dropout); the models compared are those of one train run,
+one training length and one number of steps (the group the report builds). Its value at a length is,
+per training seed, the mean metric over the mask draws of that seed's model (own attention);
+comparisons are paired by seed. With fewer than three common seeds a comparison uses the per-window
+differences of the same models on the same evaluation windows (evaluation noise only), and says so.
+
+Every non-inferiority margin is :data:`~poslsh_cli.verdicts.stats.MARGIN_FRACTION` of the baseline's
+own value on the metric (docs/THEORY.md, "One margin"). Where the group's run also trained the same
+schemes for fewer steps (``half``: T/2 beside T), a verdict stands only if the seed-paired gap moved by
+less than half the margin between the two: otherwise it is INCONCLUSIVE ("the gap still moves with
+training").
 """
 from __future__ import annotations
 
@@ -16,17 +23,15 @@ import numpy as np
 
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.lm.positions import Position
-from poslsh_cli.verdicts.stats import (ACCURACY_MARGIN, DIFFERENCE_RULE, EQUIVALENCE_RULE, MARGIN, MIN_SEEDS, Interval,
-                                      count, difference, equivalence, equivalence_rule, paired, paired_windows,
-                                      ratio_interval, slope)
+from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, Interval, count, difference,
+                                      equivalence, paired, paired_windows, ratio_interval, relative_margin,
+                                      seeds_to_decide, slope)
 
 OWN = "own"
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
 FIXED_BLOCK, ROPE = Position.FIXED_BLOCK.value, Position.ROPE.value
 #: Positional LSH's reference s for claims about one s (the paper's s=10), when it was run.
 REFERENCE_S = 10
-#: Extrapolation: bits per byte at 4L (or 2L) may exceed the value at L by at most this much ("robust").
-EXTRAPOLATION_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -41,20 +46,37 @@ class Scheme:
 
 
 #: The metric a claim is judged on (smaller is better): the rows' column, the windows' columns
-#: (value, weight) whose pooled ratio is the metric over windows, and a scale for that ratio.
+#: (value, weight) whose pooled ratio is the metric over windows, and a scale for that ratio. Its
+#: margin is relative (:data:`MARGIN_FRACTION` of the baseline's value).
 @dataclass(frozen=True)
 class Metric:
     column: str
     unit: str
-    margin: float
     window_value: str
     window_weight: str
     scale: float = 1.0
 
 
-BPB = Metric("bits_per_byte", "bits per byte", MARGIN, "bits", "bytes")
+BPB = Metric("bits_per_byte", "bits per byte", "bits", "bytes")
 #: top-1 next-token error in percentage points (100 x (1 - top-1 accuracy)): smaller is better
-TOP1_MISS = Metric("top1_miss", "% top-1 error", ACCURACY_MARGIN, "misses", "tokens", 100.0)
+TOP1_MISS = Metric("top1_miss", "% top-1 error", "misses", "tokens", 100.0)
+
+
+def equivalence_rule(unit: str) -> str:
+    """The non-inferiority rule with the relative margin and the stability check, for a metric in ``unit``."""
+    return (f"non-inferiority, paired by training seed: margin = {MARGIN_FRACTION:.0%} of exact ALiBi's mean {unit} "
+            f"(the baseline of the comparison); the 90% t-interval of the difference ends below +margin: SUPPORTED "
+            f"(at most that much worse, or better); it starts at or above +margin: NOT SUPPORTED; otherwise "
+            f"INCONCLUSIVE. Where the run also trained the schemes for half the steps, the verdict stands only if "
+            f"the seed-paired gap moved by less than half the margin between the two lengths of training "
+            f"(else INCONCLUSIVE). With fewer than {MIN_SEEDS} seeds the interval is over the evaluation windows "
+            f"(evaluation noise only)")
+
+
+EQUIVALENCE_RULE = equivalence_rule("bits per byte")
+BETTER_RULE = (DIFFERENCE_RULE + f"; where the run also trained the schemes for half the steps, the verdict stands only "
+               f"if the seed-paired gap moved by less than half the margin ({MARGIN_FRACTION:.0%} of exact ALiBi's "
+               "value) between the two lengths of training (else INCONCLUSIVE)")
 
 
 def with_top1_miss(rows: Any) -> Any:
@@ -62,16 +84,43 @@ def with_top1_miss(rows: Any) -> Any:
     return rows.assign(top1_miss=100.0 * (1.0 - rows.top1))
 
 
+def with_metric_rows(metric: Metric, rows: Any) -> Any:
+    """``rows`` carrying ``metric``'s column."""
+    return with_top1_miss(rows) if metric is TOP1_MISS else rows
+
+
 @dataclass
 class Data:
-    """The own-attention rows of one group of models (from scratch or fine-tuned, one training
-    length) and the evaluation windows of the run (``windows.csv``; may be empty), judged on
-    ``metric`` (bits per byte unless said)."""
+    """The own-attention rows of one group of models (one train run, from scratch or fine-tuned, one
+    training length and number of steps) on one evaluation text and the evaluation windows of the run
+    (``windows.csv``; may be empty), judged on ``metric`` (bits per byte unless said). ``half``: the
+    same group trained for fewer steps (the stability check), ``steps``: this group's."""
 
     rows: Any
     windows: Any
     L: int
     metric: Metric = BPB
+    half: Optional["Data"] = None
+    steps: int = 0
+
+    @property
+    def margin(self) -> float:
+        """:data:`MARGIN_FRACTION` of exact ALiBi's mean over seeds at L on this metric (NaN without it)."""
+        a = self.per_seed(Scheme(ALIBI), self.L)
+        return relative_margin(float(np.mean(list(a.values()))) if a else math.nan)
+
+    def with_metric(self, metric: Metric) -> "Data":
+        """The same group (and its ``half``) judged on another metric."""
+        half = None if self.half is None else self.half.with_metric(metric)
+        return Data(with_metric_rows(metric, self.rows), self.windows, self.L, metric, half, self.steps)
+
+    def fall(self, sc: Scheme) -> float:
+        """How far the scheme's validation bits per byte still fell over the last 20% of its training
+        (mean over its models; NaN where not recorded)."""
+        r = self.select(sc, self.L)
+        if "trained_fall" not in r.columns or r.trained_fall.isna().all():
+            return math.nan
+        return float(r.drop_duplicates("run_seed").trained_fall.mean())
 
     def select(self, sc: Scheme, length: int) -> Any:
         r = self.rows[(self.rows.position == sc.position) & (self.rows.length == length)]
@@ -147,13 +196,18 @@ def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: s
              f"{b.label} {np.mean(list(sb.values())):.4f} ({count(len(sb), 'seeds')} x "
              f"{count(_draws(d, b, length), 'draws')})")
     unit = "" if d.metric is BPB else f" ({d.metric.unit}, 100 minus the top-1 accuracy in %)"
-    return f"L={length}{unit}: {means}; difference {iv.text()}; {basis}"
+    falls = [(sc.label, d.fall(sc)) for sc in (a, b)]
+    trained = "; ".join(f"{lab} {f:.4f}" for lab, f in falls if f == f)
+    return (f"L={length}{unit}: {means}; difference {iv.text()}; {basis}"
+            + (f"; validation fell over the last 20% of training: {trained}" if trained else ""))
 
 
-def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval) -> dict:
+def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, margin: float = math.nan,
+             boundary: float = 0.0) -> dict:
     """What a comparison of ``a`` with ``b`` rests on, for a reader that compares two runs' verdicts
-    (:func:`poslsh_cli.app.report.side_by_side`): each scheme's mean over seeds with its 95%
-    t-interval, and the difference ``a - b`` (``iv``) with its interval and what it is over."""
+    (:func:`poslsh_cli.app.report.side_by_side`) or re-reads them (power, multiplicity): each
+    scheme's mean over seeds with its 95% t-interval, the difference ``a - b`` (``iv``) with its
+    interval and what it is over, the margin and the boundary the rule compares the interval with."""
     from poslsh_cli.verdicts.stats import t_interval
 
     def scheme(sc: Scheme) -> dict:
@@ -163,31 +217,81 @@ def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval) -> dict:
 
     return {"unit": d.metric.unit, "length": length, "a": scheme(a), "b": scheme(b),
             "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n, "source": iv.source,
-                     "level": iv.level}}
+                     "level": iv.level}, "margin": margin, "boundary": boundary}
+
+
+def _gap(d: Data, a: Scheme, b: Scheme, length: int) -> Optional[float]:
+    """Mean over the common seeds of ``a - b`` (None without a common seed)."""
+    sa, sb = d.per_seed(a, length), d.per_seed(b, length)
+    common = sorted(set(sa) & set(sb))
+    return float(np.mean([sa[k] - sb[k] for k in common])) if common else None
+
+
+def stability(d: Data, a: Scheme, b: Scheme, length: int, margin: float) -> tuple[Optional[bool], str]:
+    """Whether the seed-paired gap ``a - b`` settled with training: (True, why) when it moved by less
+    than half the margin from the group trained for fewer steps (``d.half``) to this one, (False, why)
+    when it moved by more, (None, why) when it was not measured."""
+    if d.half is None:
+        return None, (f"trained for {d.steps} steps only: whether the gap still moves with training is not measured"
+                      if d.steps else "one training length: whether the gap still moves with training is not measured")
+    g_half, g = _gap(d.half, a, b, length), _gap(d, a, b, length)
+    if g_half is None or g is None:
+        return None, f"no {a.label} and {b.label} pair at {d.half.steps} steps: the gap's movement is not measured"
+    moved = abs(g - g_half)
+    where = f"{g_half:+.4f} at {d.half.steps} steps, {g:+.4f} at {d.steps}"
+    if not (margin == margin):
+        return None, f"the gap was {where} (no margin to compare its movement with)"
+    if moved < margin / 2:
+        return True, f"the gap settled: {where} (moved {moved:.4f}, less than half the margin, {margin / 2:.4f})"
+    return False, f"the gap still moves with training: {where} (moved {moved:.4f}, half the margin is {margin / 2:.4f})"
+
+
+def _decide(iv: Interval, boundary: float, status: Status, margin: float) -> str:
+    """For an INCONCLUSIVE interval: how many seeds would decide it at the measured spread."""
+    if status is not Status.INCONCLUSIVE or not iv.finite or iv.source != "seeds":
+        return ""
+    n = seeds_to_decide(iv, boundary)
+    return (f"; at this spread {n} seeds would decide it" if n is not None else
+            "; the estimate sits on the boundary: no number of seeds at this spread decides it")
 
 
 def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) -> Verdict:
-    rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.margin, d.metric.unit)
+    rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.unit)
     if not (d.present(a, length) and d.present(b, length)):
         return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}", rule)
+    margin = d.margin
+    if not (margin == margin):
+        return Verdict(claim, Status.NOT_MEASURED, f"no exact-ALiBi model at L={length} to scale the margin", rule)
     iv, basis = d.compare(a, b, length, 0.90)
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule)
-    status, why = equivalence(iv, d.metric.margin)
-    return Verdict(claim, status, _evidence(d, a, b, length, iv, basis) + f" ({why})", rule,
-                   _numbers(d, a, b, length, iv))
+    status, why = equivalence(iv, margin)
+    why = why.replace(str(margin), f"{margin:.4f}")
+    decide = _decide(iv, margin, status, margin)
+    settled, moved = stability(d, a, b, length, margin)
+    if settled is False:
+        status, decide = Status.INCONCLUSIVE, ""
+    ev = (_evidence(d, a, b, length, iv, basis) + f"; margin {margin:.4f} ({MARGIN_FRACTION:.0%} of {b.label}'s) "
+          f"({why}); {moved}" + decide)
+    return Verdict(claim, status, ev, rule, _numbers(d, a, b, length, iv, margin, margin))
 
 
 def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int) -> Verdict:
     """``better`` has lower bits per byte than ``worse``: the interval of worse - better above 0."""
     if not (d.present(worse, length) and d.present(better, length)):
         return Verdict(claim, Status.NOT_MEASURED, f"no {worse.label} or {better.label} models evaluated at "
-                       f"L={length}", DIFFERENCE_RULE)
+                       f"L={length}", BETTER_RULE)
     iv, basis = d.compare(worse, better, length, 0.95)
     if iv is None:
-        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", DIFFERENCE_RULE)
-    return Verdict(claim, difference(iv, "positive"), _evidence(d, worse, better, length, iv, basis), DIFFERENCE_RULE,
-                   _numbers(d, worse, better, length, iv))
+        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE)
+    status = difference(iv, "positive")
+    margin = d.margin
+    decide = _decide(iv, 0.0, status, margin)
+    settled, moved = stability(d, worse, better, length, margin)
+    if settled is False:
+        status, decide = Status.INCONCLUSIVE, ""
+    ev = _evidence(d, worse, better, length, iv, basis) + f"; {moved}" + decide
+    return Verdict(claim, status, ev, BETTER_RULE, _numbers(d, worse, better, length, iv, margin, 0.0))
 
 
 def poslsh_s(d: Data) -> list[int]:
@@ -329,15 +433,18 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     s = reference_s(d)
     k = d.far
     robust = f"Positional LSH stays robust at {k}x the training length"
-    rule_r = (f"per seed, bits per byte at {k}L minus at L (own attention, from scratch); SUPPORTED when its 95% "
+    rule_r = (f"per seed, bits per byte at {k}L minus at L (own attention, from scratch, on one evaluation text); "
+              f"margin = {MARGIN_FRACTION:.0%} of the model's own bits per byte at L; SUPPORTED when the 95% "
               f"t-interval over the seeds (at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation "
-              f"noise only) ends below {EXTRAPOLATION_MARGIN}, NOT SUPPORTED when it starts above it, "
-              "else INCONCLUSIVE; a claim about robustness needs a RoPE or no-position model evaluated at the same "
-              "lengths to contrast (NOT MEASURED otherwise)")
+              "noise only) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; a claim "
+              "about robustness needs a RoPE or no-position model evaluated at the same lengths to contrast (NOT "
+              "MEASURED otherwise)")
     if s is None or not _degradation(d, Scheme(POSLSH, s)):
         return [Verdict(robust, Status.NOT_MEASURED, f"no poslsh model evaluated at L and {k}L", rule_r)]
     others = [sc for sc in (Scheme(ROPE), Scheme(NONE)) if _degradation(d, sc)]
     p = _degradation(d, Scheme(POSLSH, s))
+    at_L = d.per_seed(Scheme(POSLSH, s), d.L)
+    margin = relative_margin(float(np.mean(list(at_L.values()))))
     from poslsh_cli.verdicts.stats import t_interval
 
     if len(p) >= MIN_SEEDS:
@@ -348,11 +455,12 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
         ev = (f"L={d.L}: poslsh s={s} at {k}L minus at L "
               + (f"{iv.text()}; {count(len(p), 'training seeds')}: evaluation noise only" if iv is not None else
                  f"{np.mean(list(p.values())):+.4f}; {count(len(p), 'training seeds')} and no evaluation windows"))
+    ev += f"; margin {margin:.4f}"
     if not others:
         return [Verdict(robust, Status.NOT_MEASURED, ev + f"; no rope or none model evaluated at L and {k}L", rule_r)]
     if iv is not None and iv.finite:
-        st = Status.SUPPORTED if iv.high < EXTRAPOLATION_MARGIN else (
-            Status.NOT_SUPPORTED if iv.low > EXTRAPOLATION_MARGIN else Status.INCONCLUSIVE)
+        st = Status.SUPPORTED if iv.high < margin else (
+            Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE)
     else:
         st = Status.INCONCLUSIVE
     out = [Verdict(robust, st, ev, rule_r)]
@@ -415,4 +523,4 @@ def _windows_degradation(d: Data, other: Scheme, pos: Scheme, seeds: list) -> Op
 
 
 __all__ = ["Data", "Scheme", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi",
-           "claim_finetune_approaches_alibi", "claim_finetune_beats_fixed_blocks", "claim_extrapolation", "MARGIN"]
+           "claim_finetune_approaches_alibi", "claim_finetune_beats_fixed_blocks", "claim_extrapolation"]

@@ -308,7 +308,8 @@ PROTOCOL_TEXT = ("Two scoring protocols on the same models: nonoverlapping score
                  "protocol in brackets.")
 ACCURACY_TEXT = ("The paper's accuracy metrics of the same predictions (own attention, at each model's training length "
                  "and the longest length evaluated, mean over training seeds and mask draws): top-1 / top-10 / top-100 "
-                 "next-token accuracy (%), the mean reciprocal rank of the true token and the mean predictive entropy "
+                 "next-token accuracy (%; top-100 not shown for byte-level models, whose 256 outcomes make it near "
+                 "100% for any model), the mean reciprocal rank of the true token and the mean predictive entropy "
                  "(nats). The rank counts the tokens with a strictly higher probability.")
 
 
@@ -375,6 +376,7 @@ def accuracy_table(own: Any) -> Any:
     import pandas as pd
 
     own = main_protocol(own)
+    metrics = shown_metrics(own)
     rows = []
     for k, g in _by_scheme(own):
         for length in sorted({int(g.trained_len.iloc[0]), int(g.length.max())}):
@@ -382,9 +384,16 @@ def accuracy_table(own: Any) -> Any:
             if h.empty or h.top1.isna().all():
                 continue
             rows.append({"model": _scheme_label(k), "length": length, "seeds": h.run_seed.nunique(),
-                         **{m.label: f"{m.scale * h[m.name].mean():.{m.digits}f}" for m in METRICS},
+                         **{m.label: f"{m.scale * h[m.name].mean():.{m.digits}f}" for m in metrics},
                          "bpb": f"{h.bits_per_byte.mean():.4f}"})
     return pd.DataFrame(rows)
+
+
+def shown_metrics(rows: Any) -> list:
+    """The accuracy metrics worth a column: all of them, but top-100 for byte-level models (each
+    predicted token a byte: with about 256 outcomes, the top 100 hold the true one almost always)."""
+    byte_level = len(rows) and "bytes" in rows.columns and bool((rows.bytes == rows.tokens).all())
+    return [m for m in METRICS if not (byte_level and m.name == "top100")]
 
 
 def _windows(run: Path) -> Any:
@@ -412,58 +421,108 @@ def _tagged(verdicts: list, tag: str) -> list:
 
 def report(run: Path, df: Any) -> Section:
     from poslsh_cli.experiments import perplexity_claims as pc
+    from poslsh_cli.experiments import perplexity_groups as pg
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
-    df = with_model_columns(df)
+    df = pg.with_group_columns(with_model_columns(df))
     own = df[df.attention == OWN]
-    sec.tables.append(interval_table(main_protocol(own)))
+    sec.tables.append(interval_table(pg.main_text(main_protocol(own))))
     main = main_protocol(own)
     scoring = ("non-overlapping windows, every token scored" if main.empty or main.protocol.iloc[0] == NONOVERLAPPING
                else "the sliding protocol (windows stepped by L, their last L tokens scored)")
     sec.paragraphs.append(
-        f"Bits per byte of each model under its own attention ({scoring}), mean over training seeds with a 95% "
-        "t-interval; "
+        f"Bits per byte of each model under its own attention ({scoring}; at the training length on its largest "
+        "evaluation text), mean over training seeds with a 95% t-interval; "
         "each seed's value is the mean over its Positional-LSH mask draws, so the interval covers training seeds "
         "and mask draws. Every model is evaluated on the same windows of the same validation documents, so "
-        "comparisons are paired (by seed); with fewer than three seeds a comparison uses the per-window "
-        "differences on those windows (evaluation noise only) and says so.")
+        "comparisons are paired (by seed) and stay inside one train run, training length and number of steps; with "
+        "fewer than three seeds a comparison uses the per-window differences on those windows (evaluation noise "
+        "only) and says so.")
+    texts = sorted(int(x) for x in own.text_tokens.unique() if x)
+    if texts:
+        sec.paragraphs.append("Evaluation text: " + " and ".join(f"{t:,} tokens" for t in sorted(set(texts), reverse=True))
+                              + " from the start of each model's validation split" + (
+                                  " (the larger for the claims at the training length, the smaller for the lengths "
+                                  "beyond it and the attention swapped at inference, with every model scored on it "
+                                  "at L as well)" if len(set(texts)) > 1 else "") + ".")
+    margins = pg.margin_paragraph(main)
+    if margins:
+        sec.paragraphs.append(margins)
     all_windows = _windows(run)
     protocols = by_protocol(own, all_windows)
     if len(protocols) > 1:
         sec.tables.append(protocol_table(own))
         sec.paragraphs.append(PROTOCOL_TEXT)
+    judged: list = []
     for i, (ptag, pown, windows) in enumerate(protocols):
         # claims at the training length read the same windows under every protocol: judged once,
-        # with the first (main) protocol; extrapolation is judged under each
-        at_L = i == 0
-        accuracy = "top1" in pown.columns and pown.top1.notna().all() and len(pown)
-        for L, g in pown[pown.finetuned != "yes"].groupby("trained_len"):
-            for tag, h in _by_bandwidths(g):
-                d = pc.Data(h, windows, int(L))
-                if at_L:
-                    for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias, pc.claim_beats_original_and_fixed_blocks,
-                                  pc.claim_beats_alibi):
-                        sec.verdicts += _tagged(claim(d), tag)
+        # with the first (main) protocol; extrapolation is judged under each (on the side text)
+        if i == 0:
+            at_L = pg.main_text(pown[pown.length == pown.trained_len])
+            accuracy = "top1" in at_L.columns and at_L.top1.notna().all() and len(at_L)
+            for gtag, d in pg.groups(at_L, windows, finetuned=False):
+                for tag, h in _by_bandwidths(d.rows):
+                    dd = _restrict(d, h)
+                    for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias,
+                                  pc.claim_beats_original_and_fixed_blocks, pc.claim_beats_alibi):
+                        judged += _tagged(claim(dd), _join(tag, gtag))
                     if accuracy:
-                        acc = pc.Data(pc.with_top1_miss(h), windows, int(L), pc.TOP1_MISS)
-                        sec.verdicts += _tagged(pc.claim_reaches_alibi_accuracy(acc), tag)
-                sec.verdicts += _tagged(pc.claim_extrapolation(d), ", ".join(t for t in (tag, ptag) if t))
-        if not at_L:
-            continue
-        tuned = pown[pown.finetuned == "yes"]
-        for tag, h in _by_bandwidths(tuned) if len(tuned) else [("", None)]:
-            d = pc.Data(h, windows, int(h.trained_len.max())) if h is not None else None
-            sec.verdicts += _tagged(pc.claim_finetune_approaches_alibi(d) + pc.claim_finetune_beats_fixed_blocks(d), tag)
+                        judged += _tagged(pc.claim_reaches_alibi_accuracy(dd.with_metric(pc.TOP1_MISS)), _join(tag, gtag))
+            tuned = list(pg.groups(at_L, windows, finetuned=True))
+            for gtag, d in tuned or [("", None)]:
+                for tag, h in _by_bandwidths(d.rows) if d is not None else [("", None)]:
+                    dd = _restrict(d, h) if d is not None else None
+                    judged += _tagged(pc.claim_finetune_approaches_alibi(dd) + pc.claim_finetune_beats_fixed_blocks(dd),
+                                      _join(tag, gtag))
+        side = pg.side_text(pown)
+        for gtag, d in pg.groups(side, windows, finetuned=False):
+            for tag, h in _by_bandwidths(d.rows):
+                judged += _tagged(pc.claim_extrapolation(_restrict(d, h, keep_half=False)), _join(tag, gtag, ptag))
+    judged += pg.claim_weights_reach_alibi(main_protocol(df))
+    sec.verdicts += judged
     if "top1" in own.columns and own.top1.notna().any():
-        sec.tables.append(accuracy_table(own))
+        sec.tables.append(accuracy_table(pg.main_text(own)))
         sec.paragraphs.append(ACCURACY_TEXT)
     swapped = df[df.attention != OWN]
     if len(swapped):
-        sec.tables.append(swapped_table(main_protocol(df)))
+        sec.tables.append(swapped_table(pg.side_text(main_protocol(df))))
         sec.paragraphs.append(f"{len(swapped)} rows evaluate a model with another attention than its own (the table "
                               "above, at the training length; the figure 'attention swapped at inference'; the "
                               "'attention' column of results.csv): bits per byte over training seeds with a 95% "
                               "t-interval, the same models under their own attention, the seed-paired difference "
                               "(swapped minus own) with its 95% t-interval, and the KL divergence of the next-token "
                               "distributions from the model's own (nats per token).")
+        parts = pg.decomposition(main_protocol(df))
+        if len(parts):
+            sec.tables.append(parts)
+            sec.paragraphs.append("Where the gap to exact ALiBi comes from, for every Positional-LSH-trained scheme at its "
+                                  "training length (seed-paired, mean over seeds with 95% t-intervals): total = its own "
+                                  "attention minus the exact-ALiBi-trained model; inference = its own attention minus "
+                                  "the same weights run with exact ALiBi (the approximation at inference); weights = "
+                                  "those weights with exact ALiBi minus the exact-ALiBi-trained model (what training "
+                                  "under the masks did to the weights); total = inference + weights. The last columns "
+                                  "run the same weights with other s at inference.")
+    power = pg.power_table(judged)
+    if len(power):
+        sec.tables.append(power)
+        sec.paragraphs.append("Power of each comparison judged over seeds: the measured seed-paired spread, the 90% "
+                              "interval's half-width against half the margin, and the seeds that would make that "
+                              "half-width at most half the margin at this spread.")
+    sec.paragraphs.append(pg.family_paragraph(judged))
     return sec
+
+
+def _join(*tags: str) -> str:
+    return ", ".join(t for t in tags if t)
+
+
+def _restrict(d: Any, rows: Any, keep_half: bool = True) -> Any:
+    """``d`` on a subset of its rows (one set of bandwidths), its ``half`` restricted alike."""
+    import dataclasses
+
+    half = None
+    if keep_half and d.half is not None:
+        labels = set(rows.sigmas) - {""}
+        hr = d.half.rows[d.half.rows.sigmas.isin(labels | {""})] if labels else d.half.rows
+        half = dataclasses.replace(d.half, rows=hr)
+    return dataclasses.replace(d, rows=rows, half=half)

@@ -6,8 +6,9 @@ Each item is a multiple-choice continuation: ``context`` characters of a held-ou
 document, then ``choices`` candidate continuations of ``span`` characters each: the text that
 follows in that document and spans of the same length at random places of other held-out
 documents. lm-eval scores each candidate by the model's log-likelihood after the context (no
-separator between them): ``acc`` (the gold candidate most likely), ``acc_norm`` (per byte). Chance
-is ``1 / choices``. The items are a function of the documents and the arguments alone (a fixed
+separator between them): ``acc``, the share of items whose gold candidate is the most likely. Every
+candidate has the same length, so a per-byte or per-character normalised accuracy would equal it and
+is not computed. Chance is ``1 / choices``. The items are a function of the documents and the arguments alone (a fixed
 seed), written to the cache (``POSLSH_CACHE``) under a name that hashes both; every
 checkpoint trained on the same corpus with the same split is scored on the same items.
 """
@@ -70,8 +71,7 @@ def write_task(folder: Path, items: list[dict]) -> Path:
         f"task: {TASK}", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {json.dumps(str(data))}",
         "test_split: test", "output_type: multiple_choice", "doc_to_text: context",
         "doc_to_choice: choices", "doc_to_target: gold", "target_delimiter: ''",
-        "metric_list:", "  - metric: acc", "    aggregation: mean", "    higher_is_better: true",
-        "  - metric: acc_norm", "    aggregation: mean", "    higher_is_better: true", ""]))
+        "metric_list:", "  - metric: acc", "    aggregation: mean", "    higher_is_better: true", ""]))
     return folder
 
 
@@ -82,6 +82,6 @@ def build(data: str, val_every: int = 10, field: str = "text", encoding: str = "
     from poslsh_cli.lm.documents import open_documents
 
     source, docs = open_documents(data, field, encoding)
-    name = hashlib.sha256(f"{source.digest}|{val_every}|{ITEMS}|{CONTEXT}|{SPAN}|{CHOICES}|{SEED}".encode()).hexdigest()
+    name = hashlib.sha256(f"{source.digest}|{val_every}|{ITEMS}|{CONTEXT}|{SPAN}|{CHOICES}|{SEED}|acc".encode()).hexdigest()
     return write_task(cache_dir() / "tasks" / name[:16],
                       make_items(heldout_documents((text for _, text in docs()), val_every)))

@@ -31,8 +31,73 @@ from poslsh_cli.numerics.metrics import fit_line
 
 #: Fewer training seeds than this: a comparison can only use evaluation noise.
 MIN_SEEDS = 3
-#: Bits per byte within which two schemes count as equivalent ("reaches").
-MARGIN = 0.02
+#: The one non-inferiority margin of every language-model metric, as a fraction of the baseline's own
+#: value on that metric (docs/THEORY.md, "One margin"): "A reaches B" when A is at most 1% worse than B,
+#: on bits per byte (about 1% in perplexity) as on the top-1 error rate (1% more wrong predictions).
+MARGIN_FRACTION = 0.01
+
+
+def relative_margin(baseline: float, fraction: float = MARGIN_FRACTION) -> float:
+    """The non-inferiority margin on a metric whose baseline (exact ALiBi's mean over seeds) is
+    ``baseline``: ``fraction`` of it (NaN when the baseline is not measured)."""
+    return fraction * abs(baseline) if baseline == baseline else math.nan
+
+
+def spread(iv: "Interval") -> float:
+    """The standard deviation of the values behind a t-interval, backed out of its half-width
+    (NaN without an interval)."""
+    from scipy import stats
+
+    if not iv.finite or iv.n < 2:
+        return math.nan
+    half = (iv.high - iv.low) / 2
+    return half / stats.t.ppf(0.5 + iv.level / 2, df=iv.n - 1) * math.sqrt(iv.n)
+
+
+def half_width(sd: float, n: int, level: float) -> float:
+    """The half-width of a t-interval at ``level`` of the mean of ``n`` values with spread ``sd``."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.5 + level / 2, df=n - 1) * sd / math.sqrt(n)) if n >= 2 else math.inf
+
+
+def seeds_to_decide(iv: "Interval", boundary: float, limit: int = 1000) -> int | None:
+    """The fewest seeds with which an interval at ``iv``'s level, at its estimate and spread, would
+    lie wholly on one side of ``boundary`` (the margin of a non-inferiority rule, 0 of a difference
+    rule): the smallest n with half-width < |estimate - boundary|. None when the estimate sits on the
+    boundary or more than ``limit`` would be needed; the spread is the one measured, so the number is
+    a planning figure, not a promise."""
+    sd = spread(iv)
+    gap = abs(iv.estimate - boundary)
+    if not (sd == sd) or gap == 0:
+        return None
+    for n in range(2, limit + 1):
+        if half_width(sd, n, iv.level) < gap:
+            return n
+    return None
+
+
+def seeds_for_half_width(sd: float, target: float, level: float = 0.90, limit: int = 1000) -> int | None:
+    """The fewest seeds whose t-interval at ``level`` has a half-width at most ``target`` at spread
+    ``sd`` (the power rule: 90% half-width at most half the margin)."""
+    if not (sd == sd) or target <= 0:
+        return None
+    for n in range(2, limit + 1):
+        if half_width(sd, n, level) <= target:
+            return n
+    return None
+
+
+def family_wise(iv: "Interval", members: int) -> "Interval":
+    """``iv`` (same estimate, spread and count) at Bonferroni's level for a family of ``members``
+    intervals: its two-sided error rate ``1 - level`` divided among them, so that all of them hold
+    together at the single interval's rate."""
+    sd = spread(iv)
+    level = 1 - (1 - iv.level) / max(1, members)
+    if not (sd == sd):
+        return Interval(iv.estimate, math.nan, math.nan, iv.n, level, iv.source)
+    h = half_width(sd, iv.n, level)
+    return Interval(iv.estimate, iv.estimate - h, iv.estimate + h, iv.n, level, iv.source)
 
 
 @dataclass(frozen=True)
@@ -112,7 +177,7 @@ def slope(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> Interv
     return Interval(f.slope, f.ci_low, f.ci_high, f.points, level, "points")
 
 
-def equivalence(iv: Interval, margin: float = MARGIN) -> tuple[Status, str]:
+def equivalence(iv: Interval, margin: float) -> tuple[Status, str]:
     """The non-inferiority rule ("A reaches B") on a 90% interval of A - B (smaller is better): A
     is at most ``margin`` worse than B when the interval's upper end is below the margin, however
     far below 0 its lower end reaches (a scheme better than B reaches it too); A is worse by the
@@ -139,19 +204,6 @@ def difference(iv: Interval, claimed: str = "positive") -> Status:
     return Status.INCONCLUSIVE
 
 
-#: Top-1 next-token accuracy, in percentage points, within which two schemes count as equivalent.
-ACCURACY_MARGIN = 1.0
-
-
-def equivalence_rule(margin: float = MARGIN, unit: str = "bits per byte") -> str:
-    """The text of the non-inferiority rule for a margin in ``unit`` (smaller is better)."""
-    return (f"non-inferiority, paired by training seed: the 90% t-interval of the difference ends below "
-            f"+{margin:g} {unit} (SUPPORTED: at most {margin:g} worse, or better); it starts at or above "
-            f"+{margin:g}: NOT SUPPORTED; otherwise INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds the interval is "
-            "over the evaluation windows (evaluation noise only)")
-
-
-EQUIVALENCE_RULE = equivalence_rule()
 DIFFERENCE_RULE = (f"paired by training seed, the 95% t-interval of the difference excludes 0 on the claimed side "
                    f"(SUPPORTED) or on the other side (NOT SUPPORTED), else INCONCLUSIVE. With fewer than {MIN_SEEDS} "
                    "seeds the interval is over the evaluation windows (evaluation noise only)")

@@ -1,0 +1,236 @@
+"""Which models ``poslsh perplexity``'s claims compare, and what the report says about the verdicts
+as a whole: the groups (one train run, one training length, one number of steps, one evaluation
+text), where the gap to exact ALiBi comes from (the approximation at inference or the trained
+weights), the power of each comparison and the error rate the verdicts share.
+
+A group is judged at the longest training of its run; the same run's models trained for fewer steps
+(T/2 beside T) are its ``half``, which the stability rule reads (:mod:`perplexity_claims`). Claims at
+the training length read the largest evaluation text of each model (``text_tokens``); claims across
+lengths and with swapped attention read the side text, on which every model was also scored at L.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from poslsh_cli.experiments import perplexity_claims as pc
+from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, count, family_wise, half_width, seeds_for_half_width,
+                                      spread, t_interval)
+
+OWN = "own"
+#: the columns rows written before they existed get: no train run, steps and text not recorded
+DEFAULTS = {"trained_run": "", "trained_steps": 0, "text_tokens": 0, "trained_fall": math.nan}
+
+
+def with_group_columns(df: Any) -> Any:
+    """``df`` with every column grouping reads (older runs: the neutral values of :data:`DEFAULTS`)."""
+    for col, value in DEFAULTS.items():
+        if col not in df.columns:
+            df = df.assign(**{col: value})
+        else:
+            df = df.assign(**{col: df[col].fillna(value)})
+    return df
+
+
+def main_text(rows: Any) -> Any:
+    """Each model's rows on its largest evaluation text (per checkpoint and length)."""
+    if rows.empty:
+        return rows
+    top = rows.groupby(["checkpoint", "length"]).text_tokens.transform("max")
+    return rows[rows.text_tokens == top]
+
+
+def side_text(rows: Any) -> Any:
+    """Each model's rows on its smallest evaluation text (per checkpoint): the text every length and
+    every swapped attention was scored on (all rows when one text was used)."""
+    if rows.empty:
+        return rows
+    low = rows.groupby("checkpoint").text_tokens.transform("min")
+    return rows[rows.text_tokens == low]
+
+
+def _texts(windows: Any, rows: Any) -> Any:
+    """The windows of the checkpoints' texts in ``rows`` (windows written before ``text_tokens``: all)."""
+    if windows is None or "text_tokens" not in windows.columns or rows.empty:
+        return windows
+    keep = rows[["checkpoint", "length", "text_tokens"]].drop_duplicates()
+    return windows.merge(keep, on=["checkpoint", "length", "text_tokens"])
+
+
+def groups(rows: Any, windows: Any, finetuned: bool) -> Iterator[tuple[str, pc.Data]]:
+    """(tag, Data) per train run and training length, at the run's longest training, with ``half`` the
+    same run trained for fewer steps (the most steps below, when there are several). ``rows`` are own
+    attention rows on one text; the tag names the run and its steps when the report holds several runs."""
+    rows = rows[(rows.finetuned == "yes") == finetuned]
+    many_runs = rows.trained_run.nunique() > 1
+    for (run, L), g in rows.groupby(["trained_run", "trained_len"], sort=True):
+        steps = sorted(int(x) for x in g.trained_steps.unique())
+        datas: dict[int, pc.Data] = {}
+        for st in steps:
+            h = g[g.trained_steps == st]
+            datas[st] = pc.Data(h, _texts(windows, h), int(L), steps=st,
+                                half=datas[max(datas)] if datas else None)
+        top = datas[steps[-1]]
+        tag = ", ".join(t for t in ((run if many_runs else ""), (f"{steps[-1]} steps" if len(steps) > 1 else "")) if t)
+        yield tag, top
+
+
+# ---------------------------------------------------------------------------------------------
+# where the gap comes from
+
+
+def decomposition(df: Any) -> Any:
+    """For every Positional-LSH-trained scheme of each group at its training length (the side text):
+    the seed-paired gap of its own attention to the exact-ALiBi-trained model (total), split into the
+    approximation at inference (own minus the same weights run with exact ALiBi) and the weights it
+    trained (those weights with exact ALiBi minus the ALiBi-trained model), and the same weights with
+    s = each swapped-in s. Means over seeds with 95% t-intervals (each seed the mean over draws)."""
+    import pandas as pd
+
+    rows = []
+    d = side_text(with_group_columns(df[df.length == df.trained_len]))
+    for (run, ft, L, steps), g in d.groupby(["trained_run", "finetuned", "trained_len", "trained_steps"]):
+        ref = g[(g.position == pc.ALIBI) & (g.attention == OWN) & (g.attn_dropout.fillna(0) == 0)]
+        ref = ref.groupby("run_seed").bits_per_byte.mean()
+        for s_trained, h in g[g.position == pc.POSLSH].groupby("trained_s"):
+            own = h[h.attention == OWN].groupby("run_seed").bits_per_byte.mean()
+            exact = h[h.attention == pc.ALIBI].groupby("run_seed").bits_per_byte.mean()
+            if own.empty or exact.empty or ref.empty:
+                continue
+            seeds = sorted(set(own.index) & set(exact.index) & set(ref.index))
+            parts = {"total": own[seeds] - ref[seeds], "inference": own[seeds] - exact[seeds],
+                     "weights": exact[seeds] - ref[seeds]}
+            row = {"run": run, "fine-tuned": ft, "L": int(L), "steps": int(steps), "trained": f"poslsh s={int(s_trained)}",
+                   "seeds": len(seeds)}
+            for name, v in parts.items():
+                iv = t_interval(v.values)
+                row[name] = round(iv.estimate, 4)
+                row[f"{name} 95%"] = f"[{iv.low:+.4f}, {iv.high:+.4f}]" if iv.finite else "-"
+            tot = float(parts["total"].mean())
+            row["share at inference"] = round(float(parts["inference"].mean()) / tot, 2) if tot else float("nan")
+            for s_inf, hh in h[h.attention == pc.POSLSH].groupby("s"):
+                v = hh.groupby("run_seed").bits_per_byte.mean()
+                common = sorted(set(v.index) & set(ref.index))
+                row[f"s={int(s_inf)} at inference - alibi model"] = round(float((v[common] - ref[common]).mean()), 4) \
+                    if common else float("nan")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+WEIGHTS_RULE = (f"non-inferiority, paired by training seed: the Positional-LSH-trained weights run with exact ALiBi at "
+                f"inference against the exact-ALiBi-trained model of the same seed, margin {MARGIN_FRACTION:.0%} of the "
+                "latter's mean bits per byte; the 90% t-interval of the difference ends below the margin: SUPPORTED "
+                "(the weights are as good: the gap is the approximation at inference), starts at or above it: NOT "
+                "SUPPORTED (the weights themselves are worse), else INCONCLUSIVE")
+
+
+def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
+    """For each Positional-LSH-trained scheme: its weights, run with exact ALiBi, reach the
+    exact-ALiBi-trained model (so the gap is the approximation at inference, not the weights)."""
+    from poslsh_cli.verdicts.stats import equivalence, relative_margin
+
+    out = []
+    d = side_text(with_group_columns(df[df.length == df.trained_len]))
+    for (run, ft, L, steps), g in d.groupby(["trained_run", "finetuned", "trained_len", "trained_steps"]):
+        ref = g[(g.position == pc.ALIBI) & (g.attention == OWN) & (g.attn_dropout.fillna(0) == 0)]
+        ref = ref.groupby("run_seed").bits_per_byte.mean()
+        if ref.empty:
+            continue
+        margin = relative_margin(float(ref.mean()))
+        where = "fine-tuned, " if ft == "yes" else ""
+        for s_trained, h in g[g.position == pc.POSLSH].groupby("trained_s"):
+            exact = h[h.attention == pc.ALIBI].groupby("run_seed").bits_per_byte.mean()
+            if exact.empty:
+                continue
+            seeds = sorted(set(exact.index) & set(ref.index))
+            claim = (f"{where}Positional LSH s={int(s_trained)}'s trained weights reach exact ALiBi's bits per byte "
+                     "when run with exact ALiBi")
+            iv = t_interval((exact[seeds] - ref[seeds]).values, 0.90)
+            if iv.n < MIN_SEEDS:
+                out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={int(L)}: {count(iv.n, 'seeds')} (at least "
+                                   f"{MIN_SEEDS} needed)", WEIGHTS_RULE))
+                continue
+            status, why = equivalence(iv, margin)
+            why = why.replace(str(margin), f"{margin:.4f}")
+            ev = (f"L={int(L)}, {int(steps)} steps{', ' + run if run else ''}: weights with exact ALiBi minus the "
+                  f"ALiBi-trained model {iv.text()}; margin {margin:.4f} ({why})")
+            out.append(Verdict(claim, status, ev, WEIGHTS_RULE,
+                               {"unit": "bits per byte", "length": int(L), "margin": margin, "boundary": margin,
+                                "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n,
+                                         "source": iv.source, "level": iv.level}}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# power and the error rate the verdicts share
+
+
+def power_table(verdicts: list[Verdict]) -> Any:
+    """Per comparison judged over seeds: the measured seed-paired spread, the interval's half-width
+    against half the margin, and the seeds that make the 90% half-width at most half the margin at that
+    spread (the power rule)."""
+    import pandas as pd
+
+    rows = []
+    for v in verdicts:
+        n = v.numbers or {}
+        diff, margin = n.get("diff"), n.get("margin", math.nan)
+        if not diff or diff.get("source") != "seeds" or not (margin == margin):
+            continue
+        from poslsh_cli.verdicts.stats import Interval
+
+        iv = Interval(diff["estimate"], diff["low"], diff["high"], int(diff["n"]), diff["level"], diff["source"])
+        sd = spread(iv)
+        if not (sd == sd):
+            continue
+        need = seeds_for_half_width(sd, margin / 2, 0.90)
+        rows.append({"claim": v.claim, "seeds": iv.n, "paired SD": round(sd, 4),
+                     "90% half-width": round(half_width(sd, iv.n, 0.90), 4), "half the margin": round(margin / 2, 4),
+                     "seeds for half-width <= margin/2": need if need is not None else "> 1000",
+                     "verdict": v.status.value})
+    return pd.DataFrame(rows)
+
+
+def family_paragraph(verdicts: list[Verdict]) -> str:
+    """How many verdicts share the error rate, that none is corrected, and which decided ones still
+    hold when Bonferroni's correction spreads the rate over all of them."""
+    decided = [v for v in verdicts if v.status in (Status.SUPPORTED, Status.NOT_SUPPORTED)]
+    judged = [v for v in verdicts if v.status is not Status.NOT_MEASURED]
+    holding = []
+    for v in decided:
+        n = v.numbers or {}
+        diff = n.get("diff")
+        if not diff or diff.get("source") != "seeds":
+            continue
+        from poslsh_cli.verdicts.stats import Interval
+
+        iv = family_wise(Interval(diff["estimate"], diff["low"], diff["high"], int(diff["n"]), diff["level"], "seeds"),
+                         len(judged))
+        b = n.get("boundary", 0.0)
+        if iv.finite and (iv.high < b or iv.low >= b):
+            holding.append(v.claim)
+    return (f"These {len(judged)} language-model verdicts each hold at their own error rate (a non-inferiority verdict "
+            "5% one-sided, a difference 2.5% each side); no multiplicity correction is applied, so among them about "
+            f"{0.05 * len(judged):.1f} could be wrong by chance. With Bonferroni's correction over all {len(judged)} "
+            f"(each interval widened to its level divided among them), {len(holding)} of the {len(decided)} decided "
+            "verdicts still hold" + (": " + "; ".join(holding) if holding else "") + ".")
+
+
+def margin_paragraph(own: Any) -> Optional[str]:
+    """The margins in use, each computed from the baseline it scales: exact ALiBi's mean over seeds at its
+    training length on each metric, per group."""
+    parts = []
+    for tag, d in groups(main_text(own[own.length == own.trained_len]), None, False):
+        m = d.margin
+        if m == m:
+            top1 = d.with_metric(pc.TOP1_MISS).margin if "top1" in d.rows.columns and d.rows.top1.notna().all() \
+                else math.nan
+            parts.append(f"{tag or 'this run'}: {m:.4f} bits per byte" + (f", {top1:.2f} top-1 error points"
+                                                                        if top1 == top1 else ""))
+    if not parts:
+        return None
+    return (f"The non-inferiority margin is {MARGIN_FRACTION:.0%} of exact ALiBi's own value on each metric "
+            "(docs/THEORY.md, \"One margin\"): " + "; ".join(parts) + ".")
