@@ -8,15 +8,18 @@
 # $OUT/<step>.log under a time limit; $OUT/summary.txt has one line per step and the key tables,
 # $OUT/gpu_check.tar.gz every log, run directory and report.
 #
-#   scripts/gpu_check.sh                       # on the CUDA machine
-#   DEVICE=cpu scripts/gpu_check.sh            # dry run on the CPU at small sizes (no tests)
+#   scripts/gpu_check.sh                       # on the CUDA machine (results in $OUT)
+#   DEVICE=cpu scripts/gpu_check.sh            # dry run on the CPU at small sizes (no tests), in runs/gpu_check
 #
-# Missing Python packages travel as wheels in .whl/ (installed to /tmp/site when hydra is absent).
+# Python: $PY, else the project's .venv when there is one (make install), else python3. Missing
+# packages travel as wheels in .whl/ (installed to /tmp/site when hydra is absent).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
-OUT=${OUT:-gpu_out}
-PY=${PY:-python3}
+OUT=${OUT:-runs/gpu_check}
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -58,7 +61,9 @@ if [ "$DEVICE" = cuda ]; then
   PROFILE="--hidden 512 --layers 4 --heads 8 --head-dim 64 --intermediate 1536"
   BUDGET=${BUDGET:-540}  # seconds for every step together: a step gets what is left of it
 else
-  DT=float32 PREC=fp32 N="[1024,2048]" NBIG=2048 NS=1024 LP=256 LL=512
+  # FlexAttention runs uncompiled on the CPU (every score of a call materialised): the per-mask route
+  # of svs at a length and s where its calls stay within seconds
+  DT=float32 PREC=fp32 N="[1024,2048]" NBIG=2048 NS=512 LP=256 LL=512
   MODEL="hidden=64 layers=2 heads=8 kv_heads=8 head_dim=8 intermediate=128"
   PROFILE="--hidden 64 --layers 2 --heads 8 --head-dim 8 --intermediate 128"
   BUDGET=${BUDGET:-1500}

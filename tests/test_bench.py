@@ -103,6 +103,29 @@ def test_measure_times_the_reference_interleaved(monkeypatch):
     assert math.isnan(m.measure(lambda: None, lambda _: x, torch.device("cpu"), 1, 0, False, (x,)).reference_seconds)
 
 
+def test_a_shared_reference_is_called_only_while_it_falls_behind_the_rows():
+    """Exact ALiBi beside a group of rows: its own cell's calls first, then one more call after a row
+    only while its timed seconds fall behind the rows' (never its full repeats again per row); each
+    row gets the median of every reference call so far."""
+    from poslsh_cli.experiments.measure import SharedReference
+
+    calls = []
+
+    def call():
+        calls.append(1)
+        return 0.0, 40.0, None  # an exact call of 40 s
+
+    ref = SharedReference(call)
+    ref.add([40.0, 41.0, 39.0], spent=160.0)  # its own cell: memory pass + 3 repeats
+    medians = [ref.after_row(spent) for spent in [20.0] * 9]  # nine rows of 20 s each (180 s)
+    assert len(calls) == 1  # one more call once the rows' 180 s passed the reference's 160 s
+    assert medians[:-1] == [40.0] * 8 and ref.ref_spent >= ref.rows_spent
+    assert ref.ref_spent <= ref.rows_spent + 40.0  # at most one call beyond the rows' time
+    cold = SharedReference(call)  # a resumed run whose exact cell ran in an earlier session
+    calls.clear()
+    assert cold.after_row(5.0) == 40.0 and len(calls) == 2  # a warm-up call, then one timed
+
+
 # ---------------------------------------------------------------------------------------------
 # measuring on a loaded machine: the load in every row, the compared paths timed interleaved, and
 # a claim whose rows were measured while other processes held the cores INCONCLUSIVE

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import one_line, poslsh, status_of, verdicts
+from conftest import TINY, one_line, poslsh, status_of, verdicts
 from poslsh_cli.app import registry
 from poslsh_cli.lm.data import load_corpus
 from poslsh_cli.lm.windows import eval_windows
@@ -482,6 +482,37 @@ def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
     assert {"bpb_vs_length.png", "bpb_swapped.png", "bpb_vs_s.png"} <= {p.name for p in (out / "figures").iterdir()}
     r = poslsh("report", out)
     assert r.exit_code == 0 and "Language modelling" in (out / "report.md").read_text()
+
+
+def test_whole_split_side_text_and_the_longest_trained_models(tmp_path):
+    """max_tokens=null scores each model's whole validation split at its training length; side_tokens
+    a smaller text for everything else (and the own attention at L again, so comparisons share a
+    text); extrapolate=longest evaluates beyond L and with attention swapped only the models trained
+    for the most steps of their run; rows carry the run, its steps and the last-20% fall."""
+    words = " ".join(f"w{i % 97}" for i in range(6000))
+    data = tmp_path / "text.txt"
+    data.write_text(words)
+    run = tmp_path / "train_x"
+    r = poslsh("train", *TINY, "seq_len=32", "batch=4", "eval_tokens=256", "warmup=1", f"data={data}",
+               "position=[alibi,poslsh]", "s=[3]", "steps=[2,4]", "eval_every=1", "checkpoint_every=100",
+               f"out={run}")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "ppl"
+    r = poslsh("perplexity", str(run), "lengths=[32,64]", "attention=[own,alibi]", "trials=1", "max_tokens=null",
+               "side_tokens=256", "extrapolate=longest", "batch=8", f"out={out}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv")
+    val = load_corpus(str(data)).val
+    assert set(df.trained_run) == {"train_x"} and set(df.trained_steps) == {2, 4}
+    main = df[df.text_tokens == len(val)]
+    assert len(main) == 4 and set(main.length) == {32} and set(main.attention) == {"own"}  # every model, at L
+    side = df[df.text_tokens == 256]
+    short, long = side[side.trained_steps == 2], side[side.trained_steps == 4]
+    assert set(short.length) == {32} and set(short.attention) == {"own"}  # T/2: only at L, own attention
+    assert set(long.length) == {32, 64} and "alibi" in set(long.attention)
+    assert df[df.trained_steps == 4].trained_fall.notna().all()  # two steps have no evaluation at 80% of them
+    sec = registry.get("perplexity").report(out, df)
+    assert any("1 of the" not in p and "tokens from the start" in p for p in sec.paragraphs)
 
 
 def test_perplexity_bad_input(tmp_path):

@@ -3,6 +3,7 @@ judged on synthetic tables."""
 import pandas as pd
 
 from conftest import RUN, poslsh, status_of
+from poslsh_cli.app import registry
 from poslsh_cli.verdicts.claims import Status
 
 # ---------------------------------------------------------------------------------------------
@@ -78,3 +79,27 @@ def test_step_bench_compares_paths_in_one_run(tmp_path):
                "backend=[auto]", "sigma=16", f"out={tmp_path / 'constant'}")
     assert r.exit_code == 0, r.output
     assert set(pd.read_csv(tmp_path / "constant" / "results.csv").sigmas) == {"sigma=16 every head"}
+
+
+def test_step_bench_at_the_paper_ratio_reports_the_mask_share_and_its_goals(tmp_path):
+    """sigma_ratio= gives one sigma = ratio x L for every head, batch_tokens= the batch at each L; past
+    the dense limit Positional LSH at s=100 trains on the union band; every Positional-LSH row has the
+    share of its step spent drawing masks and building their layout, and the report judges the goals."""
+    r = poslsh("step-bench", "seq_len=[128,512]", "hidden=32", "layers=1", "heads=4", "kv_heads=4", "head_dim=8",
+               "intermediate=64", "batch_tokens=1024", "sigma_ratio=0.03125", "position=[rope,alibi,poslsh]",
+               "s=[100]", "backend=[auto]", "steps=1", "warmup=0", f"out={tmp_path}")
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert dict(zip(df.seq_len, df.batch)) == {128: 8, 512: 2}
+    assert set(df[df.position == "alibi"].sigmas) == {"sigma=4 every head", "sigma=16 every head"}
+    p = df[df.position == "poslsh"].set_index("seq_len")
+    assert p.attention_path[128] == "dense" and p.attention_path[512] == "union/fused"
+    assert ((p.mask_share > 0) & (p.mask_share < 1)).all() and (p.mask_seconds > 0).all()
+    assert (df[df.position != "poslsh"].mask_share == 0).all()
+    sec = registry.get("step-bench").report(tmp_path, df)
+    claims = {v.claim for v in sec.verdicts}
+    assert any("at the paper's ratio sigma = L/32 with s=100" in c for c in claims)
+    assert any("drawing the masks and building their layout takes at most 10%" in c for c in claims)
+    assert "masks (share)" in registry.get("step-bench").summary(df)[0]
+    r = poslsh("step-bench", "sigma=4", "sigma_ratio=0.1", f"out={tmp_path / 'bad'}")
+    assert r.exit_code == 2 and "give one" in r.stderr

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from poslsh_cli.attention import AttentionSpec, Method, attend, choose, mean_mask_weight, reference_attention
-from poslsh_cli.attention.api import poslsh_layout
+from poslsh_cli.attention.api import Kernel, poslsh_layout
+from poslsh_cli.attention.band import BandLayout
 from poslsh_cli.attention.union import UnionLayout
 from poslsh_cli.numerics.sampling import alibi_sigmas, fixed_block_partitions
 
@@ -30,7 +31,7 @@ def test_union_counts_are_s_times_the_mean_mask(n, sigmas, s, causal):
     """C_ij = #{k : h_k(i) = h_k(j)} = s M~_ij exactly (M~ from the host's partitions), zero outside
     each query's span and, causal, after the query; the spans are monotone in i."""
     parts = parts_for(n, sigmas, s, seed=n + s)
-    lay = poslsh_layout(parts, causal, "union", "cpu")
+    lay = poslsh_layout(parts, causal, "union", "cpu", Kernel.FLEX)  # the cell table FlexAttention reads
     i = torch.arange(n)
     want = host_counts(parts)
     if causal:
@@ -38,6 +39,8 @@ def test_union_counts_are_s_times_the_mean_mask(n, sigmas, s, causal):
     assert torch.equal(lay.counts(i, i), want)
     assert bool((lay.lo[:, 1:] >= lay.lo[:, :-1]).all()) and bool((lay.hi[:, 1:] >= lay.hi[:, :-1]).all())
     assert int((lay.hi - lay.lo + 1).max()) <= lay.span
+    band = poslsh_layout(parts, causal, "union", "cpu")  # the band of counts per position the CPU reads
+    assert isinstance(band, BandLayout) and torch.equal(band.dense_counts(), want)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -57,13 +60,15 @@ def test_union_paths_equal_float64_reference(s, causal):
         ref, _ = reference_attention(q, k, v, w, causal)
         tol = naive_tolerance(q, k, v, w, causal, torch.float32)
         spec = spec_of(parts, causal, method)
-        lay = poslsh_layout(parts, causal, "union", "cpu")
-        for kernel in ("fused", "matmul", "flex"):
+        table = poslsh_layout(parts, causal, "union", "cpu", Kernel.FLEX)
+        band = poslsh_layout(parts, causal, "union", "cpu")
+        # the CPU's band (flash kernel, matmuls) and the cell table (FlexAttention; chunks as on CUDA)
+        for kernel, lay in (("fused", band), ("matmul", band), ("matmul", table), ("flex", table)):
             plan = choose(method, device="cpu", dtype=torch.float32, n=n, causal=causal, grad=False, backend="union",
                           kernel=kernel)
             got = attend(q.float(), k.float(), v.float(), spec, plan=plan, layout=lay)
             err = (got.double() - ref).abs().max().item()
-            assert err <= tol, (method, kernel, err, tol)
+            assert err <= tol, (method, kernel, type(lay).__name__, err, tol)
             if kernel != "flex":
                 got64 = attend(q, k, v, spec, plan=plan, layout=lay)
                 assert (got64 - ref).abs().max().item() <= 1e-10
@@ -71,19 +76,41 @@ def test_union_paths_equal_float64_reference(s, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_union_chunks_train_with_the_reference_gradients(causal):
-    """Gradients of the CPU union route (SDPA with the log-count bias, by query chunks) equal the
-    float64 reference's."""
-    n = 400
+    """Gradients of the CPU union route (the flash kernel per query chunk against its band of keys,
+    the log-count bias rebuilt in the backward pass; and the chunks by matmuls) equal the float64
+    reference's, at n=1300 (11 tiles of 128) with s=100."""
+    n = 1300
     q, k, v = (t.requires_grad_(True) for t in qkv(B=2, H=3, n=n, d=8, seed=4))
-    parts = parts_for(n, [2.0, 9.0, 60.0], 12, seed=5)
+    parts = parts_for(n, [2.0, 9.0, 60.0], 100, seed=5)
     spec = spec_of(parts, causal)
     g = torch.randn(2, 3, n, 8, dtype=torch.float64)
-    out = attend(q, k, v, spec, backend="union")
-    got = torch.autograd.grad((out * g).sum(), (q, k, v))
     ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal)
     want = torch.autograd.grad((ref * g).sum(), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    for kernel in ("fused", "matmul"):
+        plan = choose(Method.POSLSH, device="cpu", dtype=torch.float64, n=n, causal=causal, grad=True,
+                      backend="union", kernel=kernel)
+        out = attend(q, k, v, spec, plan=plan)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+        got = torch.autograd.grad((out * g).sum(), (q, k, v))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit():
+    """With gradients on the CPU past the dense bias (causal n >= 512), Positional LSH at s=100 takes
+    the union route (its band of keys per query chunk), at s=1 the blocks; below the limit the
+    dense bias as before (the language-model presets' L=256 paths do not change); and the band keeps
+    one byte a count, a fraction of one float32 score matrix."""
+    from poslsh_cli.attention.api import work_of
+
+    for n, s, label in ((2048, 100, "union/fused"), (2048, 1, "blocks/fused"), (256, 100, "dense")):
+        parts = parts_for(n, [64.0] * 8, s, seed=3)
+        spec = spec_of(parts, True)
+        plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=n, causal=True, grad=True,
+                      work=work_of(spec, n), num_samples=s)
+        assert plan.label == label, (n, s, plan.label)
+    band = poslsh_layout(parts_for(2048, [64.0] * 8, 100, seed=3), True, "union", "cpu")
+    assert band.counts.element_size() == 1 and band.counts.numel() < 0.4 * 8 * 2048 * 2048
 
 
 def test_the_union_layout_is_built_without_reading_the_device(monkeypatch):
@@ -158,7 +185,7 @@ def test_union_table_holds_one_row_per_cell():
     8 heads and s=8 it is a fraction of one bfloat16 q of the same size."""
     n, H, s = 65536, 8, 8
     parts = parts_for(n, alibi_sigmas(H), s, seed=9)
-    lay = poslsh_layout(parts, True, "union", "cpu")
+    lay = poslsh_layout(parts, True, "union", "cpu", Kernel.FLEX)
     q_bytes = H * n * 64 * 2
     assert lay.table.element_size() == 1
     assert lay.table.numel() < 0.5 * q_bytes, (lay.table.numel(), q_bytes)

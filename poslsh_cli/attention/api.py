@@ -19,6 +19,7 @@ import torch
 
 from poslsh_cli.attention.alibi import (BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, alibi_rank1_tiled,
                                        no_bias_attention)
+from poslsh_cli.attention.band import BandLayout, band_chunks, band_work, union_banded
 from poslsh_cli.attention.blocks import BlockLayout, merged_block_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias, score_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex, score_flex
@@ -103,7 +104,8 @@ def work_of(spec: AttentionSpec, n: int) -> Work:
     H = spec.sigmas.shape[0]
     if spec.partitions is not None:
         pairs, slots = padded_work(spec.partitions)
-        return Work(H, n, block_pairs=pairs, slots=slots)
+        union = band_work(spec.bin_table[0], n, spec.causal)
+        return Work(H, n, block_pairs=pairs, slots=slots, union_pairs=union)
     if spec.window is not None:
         reach = (1 if spec.causal else 2)
         band = sum(float(n) * min(n, BAND_CHUNK + reach * w) for w in spec.window)
@@ -118,7 +120,7 @@ def reference_weight(spec: AttentionSpec, n: int, device: torch.device | str = "
     return method_weight(spec, n, device)
 
 
-Layout = BlockLayout | FlexLayout | UnionLayout
+Layout = BlockLayout | FlexLayout | UnionLayout | BandLayout
 
 
 def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str, grad: bool = False) -> Layout | None:
@@ -127,7 +129,7 @@ def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str, grad
     FlexAttention also its ``BlockMask``, with the query-side indices when ``grad``); nothing
     otherwise."""
     if spec.partitions is not None and plan.backend in (Backend.BLOCKS, Backend.FLEX, Backend.UNION):
-        layout = poslsh_layout(spec.partitions, spec.causal, plan.backend, device)
+        layout = poslsh_layout(spec.partitions, spec.causal, plan.backend, device, plan.kernel)
         if isinstance(layout, UnionLayout) and plan.kernel is Kernel.FLEX:
             layout.block_mask(q_blocks=grad)
         return layout
@@ -135,20 +137,24 @@ def layout_for(spec: AttentionSpec, plan: Plan, device: torch.device | str, grad
 
 
 def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: Backend | str,
-                  device: torch.device | str) -> Layout:
-    """The prepared structure of ``partitions`` for ``backend`` (``blocks``, ``flex`` or ``union``)."""
+                  device: torch.device | str, kernel: Kernel | None = None) -> Layout:
+    """The prepared structure of ``partitions`` for ``backend`` (``blocks``, ``flex`` or ``union``:
+    the count table of each cell for FlexAttention, on CUDA or with ``kernel=flex``; the band of
+    counts per position elsewhere)."""
     backend = Backend(backend)
     if backend is Backend.FLEX:
         return FlexLayout.build(partitions, causal, device)
     if backend is Backend.BLOCKS:
         return BlockLayout.build(partitions, device)
     if backend is Backend.UNION:
-        return UnionLayout.build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
-                                 partitions[0].seq_len, causal, device)
+        build = UnionLayout.build if torch.device(device).type == "cuda" or kernel is Kernel.FLEX else BandLayout.build
+        return build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
+                     partitions[0].seq_len, causal, device)
     raise ValueError(f"no block layout for backend {backend.value!r}")
 
 
-_LAYOUT_BACKEND = {BlockLayout: Backend.BLOCKS, FlexLayout: Backend.FLEX, UnionLayout: Backend.UNION}
+_LAYOUT_BACKEND = {BlockLayout: Backend.BLOCKS, FlexLayout: Backend.FLEX, UnionLayout: Backend.UNION,
+                   BandLayout: Backend.UNION}
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, backend: Backend | str = "auto",
@@ -264,13 +270,18 @@ def _blocks(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
 
 
 def _union(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
-    if not isinstance(layout, UnionLayout):
-        layout = poslsh_layout(spec.partitions, spec.causal, plan.backend, q.device)
+    flex = plan.kernel is Kernel.FLEX
+    if not isinstance(layout, UnionLayout if flex else (UnionLayout, BandLayout)):
+        widths, shifts = spec.bin_table
+        layout = (UnionLayout if flex else BandLayout).build(widths, shifts, q.shape[-2], spec.causal, q.device)
     if layout.causal != spec.causal:
-        raise ValueError("the UnionLayout was built for another causal flag")
-    if plan.kernel is Kernel.FLEX:
+        raise ValueError(f"the {type(layout).__name__} was built for another causal flag")
+    if flex:
         return union_flex(q, k, v, layout, spec.scale, compiled=plan.compiled)
-    return union_chunked(q, k, v, layout, spec.scale, kernel=plan.kernel)
+    if isinstance(layout, UnionLayout):
+        return union_chunked(q, k, v, layout, spec.scale, kernel=plan.kernel)
+    fused = plan.kernel is Kernel.FUSED and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+    return (union_banded if fused else band_chunks)(q, k, v, layout, spec.scale)
 
 
 #: (backend, kernel family) -> implementation; a method's declaration names its families.

@@ -13,8 +13,10 @@ decided in one place from the method, device, dtype, length and whether gradient
     blocks     length-bucketed blocks of every sample, merged by lse        partitions
     union      one attention over the union of each query's s blocks,       partitions
                weighted by log of how many masks share the pair (counts
-               per cell of the s partitions): FlexAttention on CUDA, query
-               chunks against their key span on the CPU
+               per cell of the s partitions): FlexAttention on CUDA; on
+               the CPU query chunks against their band of keys with the
+               flash kernel (counts per position, attention/band.py),
+               also with gradients
     flex       FlexAttention (score_mod / block masks), compiled on CUDA;   alibi, partitions, score
                partition methods one mask at a time, merged by lse
 
@@ -94,6 +96,10 @@ DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
 COST_DENSE_PAIR = {"alibi": 3.5e-9, "partitions": 8e-9}
 COST_BLOCK_PAIR, COST_BLOCK_SLOT = 7e-9, 2e-7
 COST_BAND_PAIR = 13e-9
+#: The union route on the CPU (:mod:`poslsh_cli.attention.band`): per scored pair of its query chunks
+#: against their band of keys (the bias rebuilt in the backward pass), and per (head, sample, position)
+#: of building the band of counts.
+COST_UNION_PAIR, COST_UNION_SLOT = 6e-9, 1e-8
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class Work:
     block_pairs: float = 0.0
     slots: float = 0.0
     band_pairs: float = 0.0
+    union_pairs: float = 0.0
 
     def cost(self, method: Method, backend: Backend) -> float:
         dense = self.heads * float(self.n) ** 2
@@ -117,6 +124,8 @@ class Work:
             return COST_BLOCK_PAIR * self.block_pairs + COST_BLOCK_SLOT * self.slots
         if backend is Backend.CHUNKED:
             return COST_BAND_PAIR * (self.band_pairs or dense)
+        if backend is Backend.UNION and self.union_pairs:
+            return COST_UNION_PAIR * self.union_pairs + COST_UNION_SLOT * self.slots
         return float("inf")
 
 
@@ -164,7 +173,9 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (while
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
       O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
-      (ALiBi); without ``work`` the dense bias below that limit and the blocks or chunks beyond.
+      (ALiBi); from that limit on the partition methods take the blocks or the union route (its
+      band of keys per query chunk), whichever the cost model prices lower; without ``work`` the
+      dense bias below that limit and the blocks or chunks beyond.
     - a method with neither blocks nor chunks (the generic kernels of a declared score): its first
       backend on the CPU (the dense bias), FlexAttention on CUDA.
 
@@ -237,6 +248,10 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
     if rank1 and causal and n >= RANK1_MIN_N:
         return Backend.RANK1
     if n >= dense_limit(method, causal) or Backend.DENSE not in has:
+        # past the dense bias: the blocks, or the union of each query's blocks (its band of keys)
+        # where the cost model says it costs less (many masks)
+        if work is not None and work.union_pairs and Backend.UNION in has:
+            return min((sparse, Backend.UNION), key=lambda b: work.cost(method, b))
         return sparse
     if work is None:
         return Backend.DENSE

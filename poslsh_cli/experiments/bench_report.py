@@ -77,9 +77,11 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
             best = ok.loc[ok.seconds.idxmin()] if len(ok) else None
             share = p.get("sample_seconds", math.nan) / p.seconds
             ex_t = float(exact[p.name])
+            loaded = str(p.get("overloaded", False)) == "True"
             rows.append([str(n), str(causal), f"{ex_t:.3g}", f"s={p.s}" + (f" {p.backend}" if multi else ""),
                          f"{p.seconds:.3g}", f"{share:.0%}" if np.isfinite(share) else "-",
-                         f"{ex_t / p.seconds:.2f}x" if np.isfinite(ex_t) else "-", f"{p.rel_fro:.3g}",
+                         (f"{ex_t / p.seconds:.2f}x" + (" overloaded: INCONCLUSIVE" if loaded else ""))
+                         if np.isfinite(ex_t) else "-", f"{p.rel_fro:.3g}",
                          f"{best.window_sigmas:g}σ" if best is not None else "-",
                          f"{best.seconds:.3g}" if best is not None else "-",
                          f"{float(exact[best.name]) / best.seconds:.2f}x" if best is not None and

@@ -318,6 +318,7 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
     d = _with_trained(df[(df.attention == "own") & (df.metric == "acc")])
     d = d[(d.finetuned == "no") & (d.attn_dropout == 0)]
     many = d.trained_run.nunique() > 1
+    lengths = d.groupby("trained_run").trained_steps.nunique()
     out = []
     for (run, _, L, steps, sig, task), g in d.groupby([*MODEL_GROUP, "task"], sort=False):
         ref = 100 - g[g.position == "alibi"].groupby("run_seed").value.mean() * 100  # error rate, %
@@ -326,7 +327,9 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
             iv = paired(dict(pos), dict(ref), level=0.90)  # Positional LSH minus ALiBi: smaller is better
             label = model_label("poslsh", s_, 0.0, sig)
             where = ", ".join(t for t in (run if many else "", f"L={L}" if L else "", f"{steps} steps" if steps else "") if t)
-            claim = f"{label} reaches exact ALiBi's accuracy on {task}" + (f" [{run}]" if many and run else "")
+            tag = ", ".join(t for t in (run if many and run else "",
+                                        f"{steps} steps" if lengths.get(run, 1) > 1 else "") if t)
+            claim = f"{label} reaches exact ALiBi's accuracy on {task}" + (f" [{tag}]" if tag else "")
             if not len(ref) or iv.n < MIN_SEEDS:
                 out.append(Verdict(claim, Status.INCONCLUSIVE,
                                    f"{iv.n} training seed(s) with both schemes, fewer than {MIN_SEEDS}", rule))

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from poslsh_cli.experiments.devices import synchronize
 from poslsh_cli.experiments.machine import usable_cores
@@ -236,10 +236,12 @@ class Timing:
     out: Any
     reference_seconds: float = math.nan  # median end-to-end of the reference, timed interleaved
     load: Optional[Load] = None  # the machine during the timed calls
+    totals: tuple = ()  # every timed call's end-to-end seconds
+    spent: float = 0.0  # wall seconds of the whole measurement (memory pass and warm-up included)
 
 
-def _timed(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any, backward: bool,
-           inputs: tuple[Any, ...]) -> Callable[[], tuple[float, float, Any]]:
+def timed_call(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any, backward: bool,
+               inputs: tuple[Any, ...]) -> Callable[[], tuple[float, float, Any]]:
     """One call of a path: (seconds of ``setup()``, seconds of ``attend``, output)."""
     import torch
 
@@ -282,8 +284,8 @@ def measure(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any,
     see the same machine: a ratio of the two stays honest when the load changes during the run.
     The load is sampled during the timed calls (:class:`LoadProbe`).
     """
-    call = _timed(setup, attend, device, backward, inputs)
-    other = _timed(*reference, device, backward, inputs) if reference is not None else None
+    call = timed_call(setup, attend, device, backward, inputs)
+    other = timed_call(*reference, device, backward, inputs) if reference is not None else None
     t0 = time.perf_counter()
     peak, out = peak_memory_mb(lambda: call()[2], device)
     if time.perf_counter() - t0 < WARM_AFTER_S:
@@ -304,7 +306,41 @@ def measure(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any,
                 a, b, _ = other()
                 ref.append(a + b)
     return Timing(statistics.median(total), statistics.median(prep), statistics.median(att), peak, out,
-                  statistics.median(ref) if ref else math.nan, probe.load)
+                  statistics.median(ref) if ref else math.nan, probe.load, tuple(total), time.perf_counter() - t0)
+
+
+class SharedReference:
+    """A reference path timed beside a group of rows instead of in full beside each (``bench``'s exact
+    ALiBi beside every row of one (n, causal)): its calls interleave with the rows' measurements, one
+    call whenever the reference's timed seconds fall behind the rows' (so the group costs at most about
+    twice the rows' and the reference's own timings), and a row's reference time is the median of every
+    reference call up to and just after it."""
+
+    def __init__(self, call: Callable[[], tuple[float, float, Any]]):
+        self.call = call
+        self.calls: list[float] = []
+        self.ref_spent = 0.0
+        self.rows_spent = 0.0
+        self.warm = False
+
+    def add(self, seconds: Sequence[float], spent: float = 0.0) -> None:
+        """The reference's own timed calls (its cell, measured apart)."""
+        self.calls.extend(seconds)
+        self.ref_spent += spent or sum(seconds)
+        self.warm = True
+
+    def after_row(self, spent: float) -> float:
+        """Count a row's measurement (``spent`` wall seconds), call the reference while it is behind
+        (warming it up first if it has not run in this process), and return its median so far."""
+        self.rows_spent += spent
+        if not self.warm:
+            self.call()
+            self.warm = True
+        while not self.calls or self.ref_spent < self.rows_spent:
+            a, b, _ = self.call()
+            self.calls.append(a + b)
+            self.ref_spent += a + b
+        return statistics.median(self.calls)
 
 
 def peak_memory_mb(call: Callable[[], Any], device: Any) -> tuple[float, Any]:

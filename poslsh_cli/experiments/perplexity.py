@@ -88,8 +88,8 @@ class PerplexitySpec(Spec):
                                      "then scored on it too, so every comparison reads one text; null: max_tokens",
                                      None, ge=2)
     extrapolate: Literal["every", "longest"] = key(
-        "which models are evaluated beyond their training length: every one, or only those trained for the most "
-        "steps in their train run (a run trained at T/2 and T: the T models)", "every")
+        "which models are evaluated beyond their training length and with attention swapped in: every one, or only "
+        "those trained for the most steps in their train run (a run trained at T/2 and T: the T models)", "every")
     batch: int = key("windows per forward pass", 4, ge=1)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
@@ -280,7 +280,7 @@ def cells(spec: PerplexitySpec, ctx: PerplexityContext | None = None) -> list[di
                 if same_as_own(att, s, ck):
                     continue
                 for length in (lengths_of(spec, ck) if att is Attention.OWN else swapped_lengths(spec, ck)):
-                    if length > ck.trained_len and att is Attention.OWN and not extrapolated(spec, ck, cks):
+                    if (length > ck.trained_len or att is not Attention.OWN) and not extrapolated(spec, ck, cks):
                         continue
                     own_at_L = att is Attention.OWN and length <= ck.trained_len
                     texts = ([MAIN, SIDE] if own_at_L else [SIDE]) if side else [MAIN]
@@ -295,9 +295,9 @@ def cells(spec: PerplexitySpec, ctx: PerplexityContext | None = None) -> list[di
 
 
 def extrapolated(spec: PerplexitySpec, ck: Checkpoint, cks: dict[str, Checkpoint]) -> bool:
-    """Whether ``ck`` is evaluated beyond its training length: always with ``extrapolate=every``;
-    with ``longest`` only when no checkpoint of its train run (same training length) trained for more
-    steps."""
+    """Whether ``ck`` is evaluated beyond its training length and with attention swapped in: always
+    with ``extrapolate=every``; with ``longest`` only when no checkpoint of its train run (same training
+    length) trained for more steps."""
     if spec.extrapolate == "every":
         return True
     peers = [c.steps for c in cks.values() if c.run == ck.run and c.trained_len == ck.trained_len]
@@ -404,7 +404,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("perplexity_official", "perplexity", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
+    presets=("perplexity_official", "perplexity", "perplexity_finetune", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
              "perplexity_official_qwen3_0_6b_gpu", "perplexity_official_mistral_7b_gpu"),
     opt_in=("perplexity_long",),
     order=60,

@@ -37,7 +37,7 @@ from poslsh_cli.numerics.sampling import derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
            "peak_mem_mb", "params", "device", "steps", "sigmas", "precision", "ref_position", "ref_backend", "ref_path",
-           "ref_step_seconds", *LOAD_COLUMNS)
+           "ref_step_seconds", *LOAD_COLUMNS, "mask_seconds", "mask_share")
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
 DENSE = Backend.DENSE.value
@@ -65,6 +65,10 @@ class StepBenchSpec(Spec):
     heads: int = key("attention heads", 8, ge=1)
     sigma: Optional[float] = key("one sigma for every head (the paper's code: 256); null: one per head from the "
                                  "standard ALiBi slopes", None, gt=0)
+    sigma_ratio: Optional[float] = key("one sigma for every head at this fraction of each L (the paper's 256 / 8192 = "
+                                       "0.03125); null: sigma=", None, gt=0)
+    batch_tokens: Optional[int] = key("tokens per step: the batch at each L is this over L (at least 1); null: batch=",
+                                      None, ge=1)
     kv_heads: int = key("key/value heads", 8, ge=1)
     head_dim: int = key("head dimension", 16, ge=1)
     intermediate: int = key("MLP width", 384, ge=1)
@@ -73,6 +77,8 @@ class StepBenchSpec(Spec):
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:
+        if self.sigma is not None and self.sigma_ratio is not None:
+            raise ConfigError("sigma= and sigma_ratio= both set the bandwidth: give one")
         asked = [b for b in self.backend if b.value != "auto"]
         for p in self.position:
             if p is Position.ROPE or not asked:
@@ -84,6 +90,17 @@ class StepBenchSpec(Spec):
 
 def _has(position: Position, backend: str) -> bool:
     return Backend(backend) in backends_of(method_of(position))
+
+
+def sigma_at(spec: "StepBenchSpec", n: int) -> Optional[float]:
+    """The one sigma of every head at length n (``sigma_ratio`` of n, or ``sigma``), None for the
+    standard slopes."""
+    return spec.sigma_ratio * n if spec.sigma_ratio is not None else spec.sigma
+
+
+def batch_at(spec: "StepBenchSpec", n: int) -> int:
+    """Sequences per step at length n."""
+    return max(1, spec.batch_tokens // n) if spec.batch_tokens is not None else spec.batch
 
 
 @dataclass
@@ -100,17 +117,63 @@ def prepare(spec: StepBenchSpec) -> StepBenchContext:
                                                      spec.intermediate, spec.head_dim, max(8192, 4 * max(spec.seq_len))))
 
 
-def planned(position: Position, backend: str, n: int, device: Any, s: int = 0) -> str:
+def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, sigma: Optional[float] = None,
+            heads: int = 8) -> str:
     """The label of the plan a training step at length n takes (what the cells are told apart by;
-    the ``attention_path`` column is recorded from the run itself)."""
+    the ``attention_path`` column is recorded from the run itself): the plan with the cost model of
+    one draw of the step's masks, as a training step chooses it."""
+    import numpy as np
     import torch
 
-    from poslsh_cli.attention import choose
+    from poslsh_cli.attention import AttentionSpec, choose
+    from poslsh_cli.attention.api import work_of
+    from poslsh_cli.numerics.sampling import alibi_sigmas
 
     if position is Position.ROPE:
         return "sdpa+rope"
-    return choose(method_of(position), device=device, dtype=torch.float32, n=n, causal=True, grad=True,
-                  backend=backend, num_samples=s).label
+    method = method_of(position)
+    work = None
+    if randomized(position) and torch.device(device).type == "cpu" and backend == "auto":
+        sigmas = alibi_sigmas(heads) if sigma is None else [sigma] * heads
+        spec = AttentionSpec.build(method, sigmas, n, True, num_samples=s, rng=np.random.default_rng(0))
+        work = work_of(spec, n)
+    return choose(method, device=device, dtype=torch.float32, n=n, causal=True, grad=True, backend=backend,
+                  num_samples=s, work=work).label
+
+
+def mask_seconds(state: PositionState, n: int, layers: int, device: Any, steps: int = 3) -> float:
+    """Seconds a training step spends drawing its masks and building what its attention path needs
+    from them (every layer: the drawn partitions, then the dense ``log M~`` bias, the block layout or
+    the band of counts), timed apart from the step: the median over ``steps`` fresh steps. 0 for a
+    scheme that draws no masks."""
+    import dataclasses
+
+    import torch
+
+    from poslsh_cli.attention import plan_for
+    from poslsh_cli.attention.api import layout_for, work_of
+    from poslsh_cli.attention.dense import poslsh_bias
+
+    if state.position is Position.ROPE or not randomized(state.position):
+        return 0.0
+    fresh = dataclasses.replace(state, plans=set(), _cache={})
+    probe = torch.zeros(1, len(state.sigmas), n, 1, device=device, requires_grad=True)
+    times = []
+    for t in range(steps):
+        fresh.step = 10**6 + t  # steps no timed step drew
+        synchronize(device)
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            spec = fresh.attention_spec(layer, n, None)
+            plan = plan_for(spec.method, probe, probe, probe, True, state.backend, work=work_of(spec, n),
+                            num_samples=spec.partitions[0].num_samples)
+            if plan.backend is Backend.DENSE:
+                poslsh_bias(spec.partitions, True, device)
+            else:
+                layout_for(spec, plan, device, grad=True)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict[str, Any]]:
@@ -127,7 +190,7 @@ def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict
                 if b.value != "auto" and not _has(p, b.value):
                     continue
                 for s in (spec.s if randomized(p) else (0,)):
-                    path = (planned(p, b.value, n, device, s), s)
+                    path = (planned(p, b.value, n, device, s, sigma_at(spec, n), spec.heads), s)
                     if path in seen:
                         continue
                     seen.add(path)
@@ -154,9 +217,10 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import build_model
 
+    sigma = sigma_at(spec, x.shape[1] - 1)
     state = (PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
-             if spec.sigma is None else PositionState(position, [spec.sigma] * spec.heads, num_samples=s,
-                                                      seed=spec.seed, backend=backend))
+             if sigma is None else PositionState(position, [sigma] * spec.heads, num_samples=s, seed=spec.seed,
+                                                 backend=backend))
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -189,7 +253,8 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
 
     n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
     rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))
-    x = torch.as_tensor(rng.integers(0, VOCAB, size=(spec.batch, n + 1)), device=ctx.device)
+    batch = batch_at(spec, n)
+    x = torch.as_tensor(rng.integers(0, VOCAB, size=(batch, n + 1)), device=ctx.device)
     state, model, step = _trainer(spec, ctx, position, s, backend, x)
     ref = reference(position, backend)
     ref = ref if ref and ref[0] in spec.position else None  # compared only with a scheme the run measures
@@ -206,13 +271,15 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
                 out.append(f(spec.warmup + t))
     peak, _ = peak_memory_mb(lambda: step(-1), ctx.device)
     sec = statistics.median(times)
+    masks = mask_seconds(state, n, spec.layers, ctx.device)
     row = {"seq_len": n, "position": position.value, "s": s, "backend": backend, "attention_path": _path(state),
-           "batch": spec.batch, "step_seconds": sec, "tokens_per_s": spec.batch * n / sec, "peak_mem_mb": peak,
+           "batch": batch, "step_seconds": sec, "tokens_per_s": batch * n / sec, "peak_mem_mb": peak,
            "params": int(sum(p.numel() for p in model.parameters())), "device": str(ctx.device), "steps": spec.steps,
            "sigmas": sigma_label(state.sigmas) if position is not Position.ROPE else "",
            "precision": spec.precision.value, "ref_position": ref[0].value if ref else "",
            "ref_backend": ref[1] if ref else "", "ref_path": _path(paths[1][0]) if ref else "",
-           "ref_step_seconds": statistics.median(ref_times) if ref_times else float("nan"), **probe.load.columns()}
+           "ref_step_seconds": statistics.median(ref_times) if ref_times else float("nan"), **probe.load.columns(),
+           "mask_seconds": masks, "mask_share": masks / sec}
     return [row], {}
 
 
@@ -226,11 +293,12 @@ def memory(spec: StepBenchSpec) -> MemoryNeed:
     need = MemoryNeed(0.0, "")
     for k in cells(spec, StepBenchContext(device, None)):
         if k["seq_len"] == n:
-            path = planned(Position(k["position"]), k["backend"], n, device, k["s"])
-            b = lm_bytes(shape, spec.batch, n, attention_bytes(path, spec.batch, spec.heads, n, spec.head_dim, k["s"],
-                                                               training=True), training=True)
+            path = planned(Position(k["position"]), k["backend"], n, device, k["s"], sigma_at(spec, n), spec.heads)
+            batch = batch_at(spec, n)
+            b = lm_bytes(shape, batch, n, attention_bytes(path, batch, spec.heads, n, spec.head_dim, k["s"],
+                                                          training=True), training=True)
             if b > need.bytes:
-                need = MemoryNeed(b, f"a training step of {spec.batch} x {n} tokens, {k['position']} on {path}",
+                need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {k['position']} on {path}",
                                   spec.device)
     return need
 
@@ -247,7 +315,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("step_bench", "step_bench_long"),
+    presets=("step_bench", "step_bench_ratio", "step_bench_long"),
     order=45,
     memory=memory,
 )

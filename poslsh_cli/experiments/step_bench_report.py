@@ -29,6 +29,12 @@ ALIBI_GOAL_CUDA = 1.3
 #: Positional-LSH step at most this factor of exact ALiBi's, in time and in peak memory
 PAPER_SETTING = {"seq_len": 8192, "s": 100, "sigmas": "sigma=256 every head"}
 PAPER_GOAL = 1.5
+#: At the paper's ratio sigma / L = 256 / 8192 = 1/32 with its s = 100 (any L, any device): a
+#: Positional-LSH step within POSLSH_GOAL of exact ALiBi's time and MEMORY_GOAL of its memory, both on
+#: the paths training takes, and at most MASK_SHARE of the step spent drawing the masks and building
+#: what the attention path needs from them
+RATIO_SETTING = {"ratio": 1 / 32, "s": 100}
+MASK_SHARE = 0.10
 
 
 def _time(g: Any, position: str, path: str | None = None, s: int | None = None) -> float:
@@ -54,19 +60,23 @@ def _paired(rows: Any, ref: str, fallback: float, backend: str | None = None, pa
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     paired = "ref_step_seconds" in df.columns  # runs before the column have no such pairs
+    shares = "mask_share" in df.columns
     head = ["L", "position", "s", "path", "s/step", "tokens/s", "peak MiB", "vs rope", "vs alibi dense"]
     head += ["vs ref (interleaved)"] if paired else []
+    head += ["masks (share)"] if shares else []
     rows = []
     for n, g in df.groupby("seq_len"):
         rope, dense = _time(g, ROPE), _time(g, ALIBI, Backend.DENSE.value)
         for r in g.itertuples():
             ref = float(getattr(r, "ref_step_seconds", math.nan))
+            share = float(getattr(r, "mask_share", math.nan))
             rows.append([str(n), r.position, str(r.s) if r.s else "-", r.attention_path, f"{r.step_seconds:.3f}",
                          f"{r.tokens_per_s:.0f}", f"{r.peak_mem_mb:.0f}",
                          f"{r.step_seconds / rope:.2f}x" if rope == rope else "-",
                          f"{r.step_seconds / dense:.2f}x" if dense == dense else "-"]
-                        + ([f"{r.step_seconds / ref:.2f}x {r.ref_position}" if math.isfinite(ref) else "-"] if paired
-                           else []))
+                        + ([f"{r.step_seconds / ref:.2f}x {r.ref_position}" + (" overloaded: INCONCLUSIVE" if str(getattr(
+                            r, "overloaded", False)) == "True" else "") if math.isfinite(ref) else "-"] if paired else [])
+                        + ([f"{share:.0%}" if share == share and share > 0 else "-"] if shares else []))
     return head, rows
 
 
@@ -99,6 +109,8 @@ def report(run: Path, df: Any) -> Section:
     sec.verdicts += claim_long_context(df)
     sec.verdicts += claim_memory(df)
     sec.verdicts += claim_paper_setting(df)
+    sec.verdicts += claim_paper_ratio(df)
+    sec.verdicts += claim_mask_share(df)
     sec.paragraphs += crossover_findings(df)
     sec.paragraphs += load_paragraphs(df)
     return sec
@@ -167,6 +179,56 @@ def claim_paper_setting(df: Any) -> list[Verdict]:
                       f"({a.attention_path.iloc[0]}) = {t:.2f}x; memory {p.peak_mem_mb.median():.0f} vs "
                       f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule)
     return [verdict if m > PAPER_GOAL else judge_load(verdict, g[g.index.isin(a.index) | g.index.isin(p.index)])]
+
+
+def _at_paper_ratio(df: Any) -> Any:
+    """The rows with one sigma = L / 32 for every head (the paper's ratio)."""
+    if "sigmas" not in df.columns:
+        return df.iloc[0:0]
+    want = (df.seq_len * RATIO_SETTING["ratio"]).map(lambda x: f"sigma={x:g} every head")
+    return df[df.sigmas.fillna("").astype(str) == want]
+
+
+def claim_paper_ratio(df: Any) -> list[Verdict]:
+    """At the paper's ratio sigma / L = 1/32 with s = 100, at every L measured: Positional LSH's step at
+    most POSLSH_GOAL x exact ALiBi's (timed interleaved) and its peak memory at most MEMORY_GOAL x, both
+    on the paths training takes."""
+    s = RATIO_SETTING["s"]
+    g = _at_paper_ratio(df)
+    groups = Groups()
+    for n, h in g.groupby("seq_len"):
+        a, p = _auto(h, ALIBI), _auto(h, POSLSH, s)
+        if a.empty or p.empty:
+            continue
+        ref = _paired(p, ALIBI, float(a.step_seconds.median()), backend="auto")
+        t, m = float(p.step_seconds.median()) / ref, float(p.peak_mem_mb.median()) / float(a.peak_mem_mb.median())
+        groups.add(t <= POSLSH_GOAL and m <= MEMORY_GOAL,
+                   f"L={n} ({p.attention_path.iloc[0]} vs {a.attention_path.iloc[0]}): time {t:.2f}x, memory "
+                   f"{p.peak_mem_mb.median():.0f} / {a.peak_mem_mb.median():.0f} MiB = {m:.2f}x")
+    return [judge_load(groups.verdict(f"at the paper's ratio sigma = L/32 with s={s}, a Positional-LSH training step "
+                                      f"costs at most {POSLSH_GOAL}x exact ALiBi's time and {MEMORY_GOAL}x its memory",
+                                      "median step time of poslsh over alibi (timed interleaved with it) and peak "
+                                      "memory ratio, both backend=auto, one sigma = L/32 for every head, at every L "
+                                      "measured", none=f"needs poslsh s={s} and alibi rows with sigma = L/32"),
+                       _rows(g, ALIBI, POSLSH))]
+
+
+def claim_mask_share(df: Any) -> list[Verdict]:
+    """Drawing the masks and building their layout takes at most MASK_SHARE of a training step, on the
+    path training takes, at every (L, s) measured."""
+    if "mask_share" not in df.columns:
+        return []
+    groups = Groups()
+    for r in _auto(df, POSLSH).itertuples():
+        if r.mask_share == r.mask_share:
+            groups.add(r.mask_share <= MASK_SHARE, f"L={r.seq_len} s={r.s} ({r.attention_path}): "
+                                                   f"{r.mask_seconds:.3f} s of {r.step_seconds:.3f} s = {r.mask_share:.0%}")
+    return [judge_load(groups.verdict(f"drawing the masks and building their layout takes at most {MASK_SHARE:.0%} of "
+                                      "a Positional-LSH training step",
+                                      "seconds to draw a step's masks and build the dense bias, block layout or band "
+                                      "of counts for every layer (timed apart, median of 3 fresh steps) over the "
+                                      "step's median time, backend=auto, at every (L, s)",
+                                      none="needs poslsh rows with backend=auto"), _auto(df, POSLSH))]
 
 
 def claim_dense_route(df: Any) -> list[Verdict]:
