@@ -127,6 +127,25 @@ def test_a_run_made_before_a_key_existed_resumes_while_the_key_keeps_its_default
     assert r.exit_code == 2 and "sampler: (not set) -> sobol" in r.stderr, r.stderr
 
 
+def test_a_list_default_of_names_is_stored_as_a_user_types_it_and_older_spellings_resume(tmp_path):
+    """dropout_positions' default is stored as [alibi] (not ALIBI, which poslsh refuses as an unknown
+    position), so rerunning with the value typed resumes; a run that stored ALIBI resumes too."""
+    import yaml
+
+    out = tmp_path / "run"
+    args = ["train", "hidden=16", "layers=1", "heads=2", "kv_heads=2", "head_dim=8", "intermediate=32", "seq_len=16",
+            "batch=2", "steps=1", "eval_tokens=64", "position=[none]", "data=pydoc-topics", f"out={out}"]
+    assert poslsh(*args).exit_code == 0
+    held = yaml.safe_load((out / "config.yaml").read_text())
+    assert held["dropout_positions"] == ["alibi"]
+    r = poslsh(*args, "dropout_positions=[alibi]")
+    assert r.exit_code == 0, r.stderr
+    held["dropout_positions"] = ["ALIBI"]  # how runs made before stored the default
+    (out / "config.yaml").write_text(yaml.safe_dump(held))
+    r = poslsh(*args, "dropout_positions=[alibi]")
+    assert r.exit_code == 0, r.stderr
+
+
 def test_multirun_writes_one_run_per_job(tmp_path):
     r = poslsh("block-stats", "-m", "n=64,128", "sigma=2", "s=4", "trials=2", f"out={tmp_path}")
     assert r.exit_code == 0, r.output

@@ -117,6 +117,27 @@ def reference_attention_forward(module, query, key, value, attention_mask, scali
 
 
 @pytest.mark.slow
+def test_no_command_ever_asks_to_run_custom_code(finetuned, tmp_path, monkeypatch):
+    """A converted checkpoint's config names its own auto_map; reading its tokenizer (generate,
+    perplexity, eval) never reaches transformers' 'trust remote code? [y/N]' prompt, which waits on
+    input() in a terminal: here input() fails the test."""
+    import builtins
+
+    from poslsh_cli.lm.checkpoint import load_tokenizer
+
+    def asked(*a, **k):
+        raise AssertionError(f"a command stopped to ask: {a}")
+
+    monkeypatch.setattr(builtins, "input", asked)
+    path = finals(finetuned)["poslsh"]
+    assert "auto_map" in json.loads((path / "config.json").read_text())
+    assert len(load_tokenizer(path)) == 30522
+    r = poslsh("generate", str(path), "prompt=hello world", "max_new_tokens=3")
+    assert r.exit_code == 0, r.output
+    r = poslsh("perplexity", str(path), "lengths=[32]", "trials=1", "max_tokens=256", f"out={tmp_path / 'p'}")
+    assert r.exit_code == 0, r.output
+
+
 def test_perplexity_restores_each_scheme_and_equals_an_independent_forward(finetuned, tmp_path):
     import transformers as tf
 

@@ -239,6 +239,8 @@ def hydra_schema(spec_cls: type) -> type:
             default = f.default if f.default is not dataclasses.MISSING else None
             default = list(default) if isinstance(default, tuple) else default
             default = default.value if isinstance(default, enum.Enum) else default
+            if isinstance(default, list):  # members written as a user types them (alibi, not ALIBI)
+                default = [x.value if isinstance(x, enum.Enum) else x for x in default]
             default = str(default) if isinstance(default, str) else default  # a str subclass (Device)
             if isinstance(default, list):
                 cols.append((f.name, Any, field(default_factory=lambda d=default: list(d))))

@@ -200,6 +200,17 @@ def hf_config(path: Path) -> Any:
     return CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
 
 
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved with a checkpoint, read offline and without ever asking to run custom code:
+    a poslsh-marked checkpoint's config names its own ``auto_map``, which ``AutoTokenizer`` would
+    otherwise load (and, in a terminal, stop to ask whether to trust); its architecture's config is
+    given instead, and remote code is refused, never prompted for."""
+    from transformers import AutoTokenizer
+
+    extra = {"config": hf_config(path)} if is_marked(path) else {}
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
+
+
 def mark(path: Path) -> None:
     """Make the checkpoint just saved in ``path`` one plain loading cannot mistake for its base
     architecture: ``model_type: poslsh`` (the architecture's own kept beside it), ``auto_map`` to

@@ -210,10 +210,10 @@ def open_source(init: Optional[str], arch: Optional[str], alibi: str, byte_confi
 
 
 def _tokenizer_size(path: Path, key_name: str) -> int:
-    from transformers import AutoTokenizer
+    from poslsh_cli.lm.checkpoint import load_tokenizer
 
     try:
-        return len(AutoTokenizer.from_pretrained(path, local_files_only=True))
+        return len(load_tokenizer(path))
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{key_name}={path}: the tokenizer cannot be loaded ({first})") from None
@@ -304,7 +304,7 @@ def save(model: Any, path: Path, info: dict, tokenizer: Optional[Path], lora_sav
     if (path / "config.json").is_file() and state is not None and state.position.value != "rope" and not state.native:
         mark(path)  # plain from_pretrained must not load it as the architecture with its own attention
     if tokenizer is not None:
-        from transformers import AutoTokenizer
+        from poslsh_cli.lm.checkpoint import load_tokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(path)
+        load_tokenizer(Path(tokenizer)).save_pretrained(path)
     (path / "poslsh_train.json").write_text(json.dumps(info, indent=1) + "\n")

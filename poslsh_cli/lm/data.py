@@ -61,11 +61,11 @@ class HFTokenizer:
 
     @classmethod
     def load(cls, path: Path) -> "HFTokenizer":
-        from transformers import AutoTokenizer
+        from poslsh_cli.lm.checkpoint import load_tokenizer
 
         path = Path(path)
         try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tok = load_tokenizer(path)
         except Exception as exc:
             raise ConfigError(f"{path}: no tokenizer to read text with ({str(exc).splitlines()[0]})") from None
         if not getattr(tok, "is_fast", False):

@@ -170,8 +170,8 @@ def codec(path: Path) -> tuple[Any, Any]:
     if not has_tokenizer(path):
         return (lambda text: list(text.encode("utf-8")),
                 lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace"))
-    from transformers import AutoTokenizer
+    from poslsh_cli.lm.checkpoint import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok = load_tokenizer(path)
     return (lambda text: tok(text, add_special_tokens=False)["input_ids"],
             lambda ids: tok.decode(ids, skip_special_tokens=True))

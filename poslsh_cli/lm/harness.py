@@ -82,9 +82,9 @@ class PoslshLM(HFLM):
                                         None if seed in (None, "") else int(seed), path,
                                         sampler=sampler or None, backend=backend or None)
         if has_tokenizer(path):
-            from transformers import AutoTokenizer
+            from poslsh_cli.lm.checkpoint import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = load_tokenizer(path)
         else:
             tokenizer = byte_tokenizer()
             kwargs.setdefault("prefix_token_id", NEWLINE)

@@ -193,9 +193,18 @@ def _flat_config(text: str) -> dict[str, Any]:
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    """One value written two ways counts once: ``v`` and ``[v]`` (a key that became a list sweep)."""
-    one = lambda x: x[0] if isinstance(x, list) and len(x) == 1 else x  # noqa: E731
-    return a == b or one(a) == one(b)
+    """One value written two ways counts once: ``v`` and ``[v]`` (a key that became a list sweep), and
+    an enum member by its name as older runs stored a list default (``ALIBI``) and by the value a user
+    types (``alibi``)."""
+    import re
+
+    def norm(x: Any) -> Any:
+        if isinstance(x, list):
+            x = [norm(v) for v in x]
+            return x[0] if len(x) == 1 else x
+        return x.lower() if isinstance(x, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", x) else x
+
+    return a == b or norm(a) == norm(b)
 
 
 def config_changes(held: str, wanted: str, defaults: Optional[dict[str, Any]] = None) -> list[str]:
