@@ -409,7 +409,7 @@ def test_poslsh_attention_on_blocks_is_differentiable_through_the_recomputing_ke
 
 def test_attention_dropout_takes_a_path_that_drops_and_is_unbiased():
     """attn_dropout on the CPU: the automatic plan keeps the paths that drop probabilities (rank1 for
-    causal exact ALiBi) and sends Positional LSH, which trains on the blocks from n = 512, to the dense
+    causal exact ALiBi) and sends Positional LSH, which trains on the blocks or the union band from n = 512, to the dense
     bias; the mean output over dropout draws is the output without dropout (kept probabilities are
     scaled by 1/(1-p)): every element within 6 standard errors of the draws' own spread."""
     n, sig = 600, [2.0, 40.0]
@@ -421,7 +421,7 @@ def test_attention_dropout_takes_a_path_that_drops_and_is_unbiased():
     torch.manual_seed(0)
     draws = torch.stack([attend(q, k, v, spec, on_plan=seen.append, dropout=0.1).detach().double()
                          for _ in range(200)])
-    assert seen[0].label == "blocks/fused" and {p.label for p in seen[1:]} == {"dense"}
+    assert seen[0].label in ("blocks/fused", "union/fused") and {p.label for p in seen[1:]} == {"dense"}
     assert (draws[0] - ref).abs().max() > 1e-3  # something was dropped
     se = draws.std(dim=0) / math.sqrt(draws.shape[0])
     z = ((draws.mean(dim=0) - ref).abs() / se.clamp_min(1e-12)).max().item()

@@ -104,7 +104,9 @@ def test_the_plan_picks_the_training_paths_by_length_and_gradient():
     assert backend(Method.POSLSH, A.RANK1_MIN_N) is Backend.BLOCKS
     assert backend(Method.WINDOWED, A.RANK1_MIN_N) is Backend.CHUNKED
     assert backend(Method.FIXED_BLOCK, A.RANK1_MIN_N) is Backend.BLOCKS
-    assert backend(Method.POSLSH, 64, grad=False) is Backend.BLOCKS  # inference keeps the memory-light paths
+    # inference: the dense bias at training lengths (one attention whatever s), the memory-light paths beyond
+    assert backend(Method.POSLSH, 64, grad=False) is Backend.DENSE
+    assert backend(Method.POSLSH, A.INFER_DENSE_MAX_N, grad=False) is Backend.BLOCKS
     assert backend(Method.EXACT, 64, grad=False) is Backend.RANK1  # the fastest exact path, causal or not
     assert backend(Method.EXACT, 64, grad=False, causal=False) is Backend.RANK1
     assert backend(Method.EXACT, 64, grad=False, dtype=torch.bfloat16) is Backend.CHUNKED

@@ -49,6 +49,7 @@ _WHERE = {
     "backends_of": "poslsh_cli.attention.plan",
     "DENSE_MAX_N": "poslsh_cli.attention.plan",
     "RANK1_MIN_N": "poslsh_cli.attention.plan",
+    "INFER_DENSE_MAX_N": "poslsh_cli.attention.plan",
     "Backend": "poslsh_cli.attention.plan",
     "Kernel": "poslsh_cli.attention.plan",
     "Plan": "poslsh_cli.attention.plan",
@@ -78,7 +79,7 @@ def __dir__() -> list[str]:
 
 __all__ = ["AttentionSpec", "attend", "exact_alibi", "poslsh_attention", "poslsh_layout", "layout_for", "reference_weight",
            "Method", "Backend", "Kernel", "Plan", "choose", "plan_for", "needs_grad", "backends_of", "DENSE_MAX_N",
-           "RANK1_MIN_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "alibi_rank1_tiled", "no_bias_attention",
+           "RANK1_MIN_N", "INFER_DENSE_MAX_N", "CHUNK_ELEMENTS", "BLOCK_BATCH_BYTES", "alibi_chunked", "alibi_rank1", "alibi_rank1_tiled", "no_bias_attention",
            "BlockLayout", "per_sample_block_attention", "merged_block_attention", "device_bins", "merge_by_lse", "alibi_bias",
            "dense_bias_attention", "poslsh_bias", "FlexLayout", "alibi_flex", "poslsh_flex", "laplacian_weight",
            "mean_mask_weight", "reference_attention"]
