@@ -26,6 +26,31 @@ def test_version_and_help_list_every_key():
         assert key in r.stdout
 
 
+def test_help_shows_no_value_for_flags_and_names_arguments_in_capitals():
+    """A flag takes no value, so its help shows none (not <bool>); the usage line names arguments as
+    click does, CHECKPOINT [SETTINGS]... (not {checkpoint} [settings]...)."""
+    for args in (["--help"], ["matrix-error", "--help"], ["generate", "--help"], ["report", "--help"]):
+        r = poslsh(*args)
+        assert r.exit_code == 0 and "<bool>" not in r.stdout, args
+    assert "generate [OPTIONS] CHECKPOINT [SETTINGS]..." in " ".join(poslsh("generate", "--help").stdout.split())
+    assert "report [OPTIONS] RUN_DIRS..." in " ".join(poslsh("report", "--help").stdout.split())
+
+
+def test_a_closed_pipe_ends_the_output_not_the_command(tmp_path):
+    """poslsh ... | head: the reader going away leaves no traceback and no failure; a run finishes its cells."""
+    import subprocess
+    import sys
+
+    from conftest import ENV
+
+    out = tmp_path / "run"
+    cmd = f"{sys.executable} -m poslsh_cli matrix-error 'n=[64]' sigma=4 's=[1,2,4,8,16,32]' trials=12 out={out} | head -1"
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr
+    assert len(pd.read_csv(out / "results.csv")) == 72
+
+
 @pytest.mark.parametrize("args,needle", [
     (["matrix-error", "foo=1"], "unknown key 'foo'"),
     (["matrix-error", "sigmaa=1"], "unknown key 'sigmaa'; known keys: delta, dense_max_n,"),
@@ -46,6 +71,9 @@ def test_version_and_help_list_every_key():
     (["matrix-error", "n"], "expected KEY=VALUE"),
     (["matrix-error", "n=64", "hydra/launcher=joblib"], "applies to a multirun: add -m"),
     (["matrix-error", "-m", "n=64", "hydra/launcher=nope"], "unknown launcher 'nope'"),
+    (["matrix-error", "experiment=nonexistent"],
+     "unknown preset experiment=nonexistent (this command's presets: matrix_dense_check_paper,"),
+    (["step-bench", "backend=[blocks]", "position=[rope]"], "position=rope runs on its own attention only"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     out = tmp_path / "never"
@@ -353,3 +381,26 @@ def test_progress_lines_leave_out_s_for_schemes_without_it():
 
     assert key_text({"position": "none", "s": 0, "seed": 0}) == "position=none seed=0"
     assert key_text({"position": "poslsh", "s": 4, "seed": 1}) == "position=poslsh s=4 seed=1"
+
+
+def test_messages_that_say_what_is_wrong(tmp_path, trained):
+    """output-error text=<folder> says it is a folder; out= at another command's run names that command;
+    generate on a train run names its models."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    r = poslsh("output-error", f"text={folder}", "n=64", "s=[1]", "trials=1", f"out={tmp_path / 'o'}")
+    assert r.exit_code == 2 and "a folder, not a text file" in r.stderr, r.stderr
+    other = tmp_path / "m"
+    assert poslsh("matrix-error", "n=16", "s=[1]", "trials=1", f"out={other}").exit_code == 0
+    r = poslsh("block-stats", "n=[64]", "sigma=2", "s=[2]", "trials=1", f"out={other}")
+    assert r.exit_code == 2 and one_line(r) and "holds a poslsh matrix-error run, not a block-stats run" in r.stderr
+    r = poslsh("generate", str(trained), "prompt=hello")
+    assert r.exit_code == 2 and one_line(r) and "is a train run" in r.stderr and "/final" in r.stderr, r.stderr
+
+
+def test_the_heldout_task_of_a_corpus_without_whole_held_out_documents_says_why():
+    from poslsh_cli.core.errors import ConfigError
+    from poslsh_cli.lm import heldout_task
+
+    with pytest.raises(ConfigError, match="has 1 document, fewer than val_every=10: training held out the last part"):
+        heldout_task.build("pydoc-topics")

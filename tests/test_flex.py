@@ -287,3 +287,21 @@ def test_cuda_memory_of_positional_lsh_follows_exact_alibi(backward):
                 return attend(q, k, v, spec, plan=plan, layout=layout_for(spec, plan, dev))
             mem = call(draw_and_attend)
             assert mem <= 1.5 * exact + 4 * H * s * n / 2**20, (s, backend, mem, exact)
+
+
+def test_an_uncompiled_call_prints_no_notice():
+    """The CPU (and the tests) run FlexAttention uncompiled on purpose: PyTorch's multi-line notice
+    that such a call materialises its scores is not printed."""
+    import warnings
+
+    import torch
+    import torch.nn.attention.flex_attention as fa
+
+    from poslsh_cli.attention.flex import flex_function
+
+    q = torch.randn(1, 2, 16, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        getattr(fa, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
+        flex_function(False)(q, q, q)
+    assert not [w for w in seen if "without torch.compile" in str(w.message)]

@@ -27,6 +27,25 @@ def test_report_from_runs(tmp_path):
     assert oct((runs / "report.html").stat().st_mode & 0o777) != oct(0o600)
 
 
+def test_a_smoke_scale_run_says_its_verdicts_are_a_smoke_test(tmp_path):
+    """A run made from a _quick preset: the report says at its top that such verdicts test the pipeline,
+    and each of them reads '(smoke test)'; a run made without a preset reads as before."""
+    runs = tmp_path / "runs"
+    r = poslsh("block-stats", "experiment=block_stats_quick", f"out={runs / 'quick'}")
+    assert r.exit_code == 0, r.output
+    r = poslsh("block-stats", "n=[1024,8192]", "sigma=4", "s=8", "trials=10", f"out={runs / 'plain'}")
+    assert r.exit_code == 0, r.output
+    assert poslsh("report", runs).exit_code == 0
+    md = (runs / "report.md").read_text()
+    assert "1 of these 2 runs are at smoke scale" in md and "decide none of the paper's claims" in md
+    summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    quick = [line for line in summary.splitlines() if "(quick)" in line]
+    plain = [line for line in summary.splitlines() if "(plain)" in line]
+    assert quick and all("(smoke test)**" in line for line in quick)
+    assert plain and not any("smoke test" in line for line in plain)
+    assert "(smoke test)" in (runs / "report.html").read_text()
+
+
 def test_report_rejects_non_runs(tmp_path):
     r = poslsh("report", tmp_path)
     assert r.exit_code == 2 and "no poslsh run" in r.stderr

@@ -67,5 +67,9 @@ def test_reproduce_runs_presets_side_by_side_each_with_its_log_and_core_share(tm
     assert meta["status"] == "complete"
     assert meta["device"]["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
     assert (root / "report.md").exists()
+    first = (root / "logs" / "output_error_official_minilm.log").read_text()
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    log = (root / "logs" / "output_error_official_minilm.log").read_text()
+    assert log.startswith(first) and "== resumed " in log  # the earlier attempt's log is kept, the new one follows
     r = poslsh("reproduce", "--scale", "quick", "--runs", str(tmp_path), "--jobs", "0")
     assert r.exit_code == 2 and "--jobs must be at least 1" in r.stderr

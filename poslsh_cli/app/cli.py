@@ -43,6 +43,31 @@ app = typer.Typer(
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def _click_style_help() -> None:
+    """Help in click's own style where this typer departs from it: a flag shows no value type (typer
+    prints ``<bool>`` beside --help, --version, --multirun, which take none), and the usage line names
+    arguments in capitals, required bare and optional in brackets (``CHECKPOINT [SETTINGS]...``, not
+    ``{checkpoint} [settings]...``)."""
+    from typer import core
+
+    flag_type = core.TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):  # noqa: ANN001, ANN202
+        return None if getattr(self, "is_flag", False) and self.metavar is None else flag_type(self, ctx)
+
+    def usage_name(self) -> str:  # noqa: ANN001
+        name = self.display_name_raw.upper()
+        name = name if self.required else f"[{name}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    core.TyperOption.display_type_rich = display_type_rich
+    if hasattr(core.TyperArgument, "_usage_display_name"):
+        core.TyperArgument._usage_display_name = usage_name
+
+
+_click_style_help()
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"poslsh {__version__}")
@@ -316,9 +341,45 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
         fail("plot", failed[0])
 
 
+class _ClosedOk:
+    """stdout that survives its reader going away (``poslsh ... | head``): once a write finds the pipe
+    closed, the rest of the output goes nowhere and the command carries on to its end (a run keeps
+    writing its results to disk) and exits with its own status, with no traceback."""
+
+    def __init__(self, stream):  # noqa: ANN001
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._close()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._close()
+
+    def _close(self) -> None:
+        import os
+
+        devnull = open(os.devnull, "w")
+        try:
+            os.dup2(devnull.fileno(), self._stream.fileno())  # the interpreter's own flush at exit is quiet too
+        except (OSError, ValueError):
+            pass
+        self._stream = devnull
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._stream, name)
+
+
 def run() -> None:
     """Console-script entry point."""
     terminate_as_interrupt()
+    sys.stdout = _ClosedOk(sys.stdout)
     app()
 
 

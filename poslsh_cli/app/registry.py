@@ -78,7 +78,8 @@ def compose_config(exp: Experiment, overrides: list[str]) -> Any:
     import dataclasses
 
     register_all_schemas()
-    return compose(exp.config_name, overrides, known=[f.name for f in dataclasses.fields(exp.spec)])
+    return compose(exp.config_name, overrides, known=[f.name for f in dataclasses.fields(exp.spec)],
+                   presets=preset_names(exp))
 
 
 def compose_spec(exp: Experiment, overrides: list[str]) -> Any:

@@ -145,6 +145,7 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
         if exp.report is None or df.empty:
             continue
         sec = exp.report(run, df)
+        sec.smoke = is_smoke(meta)
         tables[run] = (sec, exp, df)
         sections.append(sec)
         if exp.name == _lm_command():
@@ -162,6 +163,9 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
         else:
             sec.figures = drawn[run]
     sections.sort(key=lambda s: order[s.command])
+    smoke = [s for s in sections if s.smoke]
+    if smoke:
+        notes.insert(0, SMOKE_NOTE.format(n=len(smoke), total=len(sections)))
     if len(lm_runs) > 1:
         last = max(i for i, sec in enumerate(sections) if sec.command == _lm_command())
         sections.insert(last + 1, side_by_side(lm_runs))
@@ -335,6 +339,24 @@ def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
     return sec
 
 
+#: What the top of a report says when some of its runs are at smoke scale
+SMOKE_NOTE = ("{n} of these {total} runs are at smoke scale (`*_quick` presets: a few steps, one seed, small sizes); "
+              "their verdicts, marked (smoke test), test that the pipeline runs end to end and decide none of the "
+              "paper's claims: `make reproduce-all` makes the paper-scale runs")
+
+
+def is_smoke(meta: dict) -> bool:
+    """Whether a run was made from a smoke-scale preset (``experiment=<name>_quick``)."""
+    import re
+
+    return bool(re.search(r"experiment=\S+_quick\b", str(meta.get("argv") or "")))
+
+
+def verdict_text(sec: Section, v: Any) -> str:
+    """A verdict's status as the summary prints it: with ``(smoke test)`` for a smoke-scale run."""
+    return v.status.value + (" (smoke test)" if sec.smoke else "")
+
+
 def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, notes: list[str]) -> str:
     lines = ["# Positional LSH: claims and measurements", "",
              f"Generated {_dt.datetime.now().isoformat(timespec='seconds')} by `poslsh report`.", ""]
@@ -342,7 +364,7 @@ def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, no
     lines += ["## Summary", "", "| section | claim | verdict | evidence |", "|---|---|---|---|"]
     for sec in sections:
         for v in sec.verdicts:
-            lines.append(f"| {sec.command} ({sec.run.name}) | {v.claim} | **{v.status.value}** | {v.evidence} |")
+            lines.append(f"| {sec.command} ({sec.run.name}) | {v.claim} | **{verdict_text(sec, v)}** | {v.evidence} |")
     for sec in sections:
         lines += section_markdown(sec, f"Run: `{sec.run}`",
                                   details_in=lambda sec: f"report.html and `{_rel(sec.run / 'results.csv', out_dir)}`",
@@ -358,7 +380,7 @@ def section_markdown(sec: Section, run_line: str, details_in: Callable[[Section]
     computed sentences, tables, where the full tables are, figures."""
     lines = ["", f"{level} {sec.title}", "", run_line, ""]
     for v in sec.verdicts:
-        lines.append(f"- **{v.status.value}**: {v.claim}. {v.evidence}. *Rule: {v.rule}.*")
+        lines.append(f"- **{verdict_text(sec, v)}**: {v.claim}. {v.evidence}. *Rule: {v.rule}.*")
     lines += [""] + sec.paragraphs
     for t in sec.tables:
         lines += ["", t.to_markdown(index=False)]
@@ -399,12 +421,14 @@ def _html(sections: list[Section], provenance: list[dict], notes: list[str]) -> 
     for sec in sections:
         for v in sec.verdicts:
             parts.append(f"<tr><td class='text'>{e(sec.command)} ({e(sec.run.name)})</td><td class='text'>{e(v.claim)}</td>"
-                         f"<td class='{_CLASS[v.status]}'>{v.status.value}</td><td class='text'>{e(v.evidence)}</td></tr>")
+                         f"<td class='{_CLASS[v.status]}'>{e(verdict_text(sec, v))}</td><td class='text'>{e(v.evidence)}</td>"
+                         "</tr>")
     parts.append("</table></div>")
     for sec in sections:
         parts.append(f"<h2>{e(sec.title)}</h2><p>Run: <code>{e(str(sec.run))}</code></p><ul>")
         for v in sec.verdicts:
-            parts.append(f"<li><span class='{_CLASS[v.status]}'>{v.status.value}</span>: {e(v.claim)}. {e(v.evidence)}."
+            parts.append(f"<li><span class='{_CLASS[v.status]}'>{e(verdict_text(sec, v))}</span>: {e(v.claim)}. "
+                         f"{e(v.evidence)}."
                          f"<br><span class='rule'>Rule: {e(v.rule)}.</span></li>")
         parts.append("</ul>")
         parts += [f"<p>{e(p)}</p>" for p in sec.paragraphs]

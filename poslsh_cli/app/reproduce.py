@@ -253,7 +253,10 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
             if side_by_side:
                 logs[name] = root / "logs" / f"{name}.log"
                 logs[name].parent.mkdir(parents=True, exist_ok=True)
-                with open(logs[name], "w") as log:
+                with open(logs[name], "a") as log:  # a resumed preset's log follows its interrupted attempt's
+                    if log.tell():
+                        log.write(f"\n== resumed {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+                        log.flush()
                     running.append((name, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
             else:
                 running.append((name, out, subprocess.Popen(cmd)))

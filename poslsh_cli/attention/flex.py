@@ -60,11 +60,27 @@ def flex_function(compiled: bool, dynamic: bool = False) -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
-        return flex_attention
+        return _uncompiled(flex_attention)
     if dynamic not in _COMPILED:
         _COMPILED[dynamic] = torch.compile(_twin(flex_attention) if dynamic else flex_attention, fullgraph=True,
                                            dynamic=dynamic)
     return _COMPILED[dynamic]
+
+
+def _uncompiled(fn: Any) -> Any:
+    """``fn`` without PyTorch's multi-line notice that an uncompiled call materialises its scores: the
+    uncompiled calls here are the CPU's and the tests', meant as the dense reference path (CUDA refuses
+    the large ones, :func:`flex_call`)."""
+    import functools
+    import warnings
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return fn(*args, **kwargs)
+
+    return quiet
 
 
 def _twin(fn: Any) -> Any:

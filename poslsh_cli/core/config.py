@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -265,9 +266,10 @@ def register_schemas(specs: Mapping[str, type], groups: Mapping[str, type] | Non
         cs.store(group=group, name=f"_schema_{group}", node=hydra_schema(spec))
 
 
-def compose(config_name: str, overrides: list[str], known: Iterable[str] = ()) -> Any:
+def compose(config_name: str, overrides: list[str], known: Iterable[str] = (), presets: Iterable[str] = ()) -> Any:
     """Compose ``conf/<config_name>.yaml`` with overrides (schemas registered first); ``known``:
-    the command's keys, listed when an override names another."""
+    the command's keys, listed when an override names another; ``presets``: its presets, listed
+    when ``experiment=`` names another."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
@@ -277,10 +279,10 @@ def compose(config_name: str, overrides: list[str], known: Iterable[str] = ()) -
         with initialize_config_module("poslsh_cli.conf", version_base="1.3"):
             return hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(hydra_message(exc, known)) from None
+        raise ConfigError(hydra_message(exc, known, presets)) from None
 
 
-def hydra_message(exc: BaseException, known: Iterable[str] = ()) -> str:
+def hydra_message(exc: BaseException, known: Iterable[str] = (), presets: Iterable[str] = ()) -> str:
     """One line from a Hydra/OmegaConf error: unknown keys (with the ``known`` ones) and groups said
     plainly."""
     cause = exc.__cause__ or exc
@@ -289,6 +291,11 @@ def hydra_message(exc: BaseException, known: Iterable[str] = ()) -> str:
     if "not in struct" in text or "Key '" in text and "not in" in text:
         known = sorted(known)
         return f"unknown key {full_key or text!r}" + (f"; known keys: {', '.join(known)}" if known else "")
+    missing = re.search(r"Could not find 'experiment/([^']*)'", text)
+    if missing:
+        names = sorted(presets)
+        return (f"unknown preset experiment={missing.group(1)}" + (f" (this command's presets: {', '.join(names)})"
+                                                                  if names else " (this command has no presets)"))
     if text.startswith("Could not find") or "In 'hydra/config'" in text or "Could not load" in text:
         detail = str(cause).strip().splitlines()
         options = [line.strip() for line in detail if line.startswith("\t")]

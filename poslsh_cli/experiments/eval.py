@@ -10,10 +10,11 @@ standard error and the number of documents scored.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from poslsh_cli.core.config import Spec, check, key
 
@@ -212,7 +213,9 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
     finally:
         quiet.setLevel(level)
     state = lm.poslsh_state
-    with quiet_hub():  # the documents are cached by prepare; a hub that went away since says nothing
+    # the documents are cached by prepare (a hub that went away since says nothing); lm-eval's own
+    # progress bars (one per task and per request type) would flood the run's lines
+    with quiet_hub(), quiet_progress():
         out = lm_eval.simple_evaluate(model=lm, tasks=list(spec.tasks), num_fewshot=spec.num_fewshot, limit=spec.limit,
                                       task_manager=ctx.manager, log_samples=False, bootstrap_iters=1000,
                                       random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
@@ -245,6 +248,26 @@ TRAINED_DEFAULTS = {"run_seed": -1, "sigmas": "", "attn_dropout": 0.0, "finetune
 #: what tells trained models apart besides the scheme and the training seed: comparisons stay inside one
 #: train run (its optimiser settings), training length and number of steps
 MODEL_GROUP = ["trained_run", "finetuned", "trained_len", "trained_steps", "sigmas"]
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """lm-eval's tqdm bars off for the block (its task and model modules' ``tqdm``)."""
+    import functools
+    import importlib
+
+    from tqdm import tqdm
+
+    mods = [importlib.import_module(m) for m in ("lm_eval.api.task", "lm_eval.models.huggingface")]
+    saved = [getattr(m, "tqdm", None) for m in mods]
+    for m in mods:
+        m.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            if t is not None:
+                m.tqdm = t
 
 
 def _with_trained(df: Any) -> Any:

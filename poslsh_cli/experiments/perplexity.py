@@ -33,8 +33,8 @@ from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
-           "attn_dropout", "sigmas", "protocol", *evaluation.columns(), "trained_run", "trained_steps", "text_tokens",
-           "trained_fall")
+           "attn_dropout", "sigmas", "protocol", "trained_run", "trained_steps", "text_tokens", "trained_fall",
+           *evaluation.columns())
 LN2 = math.log(2.0)
 
 
@@ -355,9 +355,11 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
     protocol = Protocol(key.get("protocol", Protocol.NONOVERLAPPING.value))
     sliding = protocol is Protocol.SLIDING and length > ck.trained_len
     limit = text_limit(spec, key.get("text", MAIN))
+    said = f"{ck.name} {att.value}" + (f" s={s}" if drawn(att) else "") + f" length {length} {protocol.value}"
     ev = evaluate(model, state, ck.tokens, length, ck.trained_len if sliding else spec.stride,
                   None if limit is None else max(limit, length), spec.batch, key="perplexity",
-                  own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding)
+                  own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding,
+                  progress=None if work is None else lambda done, total: work.progress(done, total, said))
     loss = ev.loss
     used_s = s if drawn(att) else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
     row = {"checkpoint": ck.name, "position": ck.position, "attention": att.value, "s": used_s, "length": length,

@@ -394,14 +394,18 @@ class StageRun:
         spec, stage, corpus, shard = self.spec, self.stage, self.ctx.corpus, (self.rank, self.ctx.world)
         if step % self.every and step != stage.steps:
             return
+        def said(what: str) -> Any:  # evaluations take a while: the progress line says how far
+            return lambda done, total: self.work.progress(step, stage.steps, f"{stage.label} {what} {done}/{total} "
+                                                                             "windows")
+
         ev = evaluate(self.trained, self.state, corpus.val, stage.seq_len, max_tokens=spec.eval_tokens,
-                      token_bytes=corpus.val_bytes, shard=shard)
+                      token_bytes=corpus.val_bytes, shard=shard, progress=said("validation"))
         row["val_loss"], row["val_bpb"] = ev.loss, ev.bits_per_byte
         row.update({f"val_{k}": v for k, v in ev.accuracy().items()})
         if step == stage.steps:  # as many training tokens, spread over the whole training split as the
             # validation documents are over the corpus: the overfitting gap compares like with like
             tr = evaluate(self.trained, self.state, spread_sample(corpus.train, stage.seq_len, spec.eval_tokens),
-                          stage.seq_len, shard=shard)
+                          stage.seq_len, shard=shard, progress=said("final weights on the training split"))
             if dist.is_main():
                 self.work.path.mkdir(parents=True, exist_ok=True)  # the first step may be the last: nothing made it yet
                 atomic_write_text(self.work.path / TRAIN_EVAL, json.dumps(

@@ -80,6 +80,9 @@ class StepBenchSpec(Spec):
         if self.sigma is not None and self.sigma_ratio is not None:
             raise ConfigError("sigma= and sigma_ratio= both set the bandwidth: give one")
         asked = [b for b in self.backend if b.value != "auto"]
+        if Position.ROPE in self.position and StepBackend.AUTO not in self.backend:
+            raise ConfigError(f"position=rope runs on its own attention only (backend auto), and backend="
+                              f"{[b.value for b in self.backend]} leaves auto out: add auto, or leave rope out")
         for p in self.position:
             if p is Position.ROPE or not asked:
                 continue

@@ -285,6 +285,8 @@ def read_text(text: str, encoding: str = "utf-8") -> str:
     if text == PYDOC_TOPICS:
         return pydoc_topics_text()
     p = Path(os.path.expanduser(text))
+    if p.is_dir():
+        raise ConfigError(f"text={text}: a folder, not a text file (text= reads one file; use text=builtin or a file)")
     if not p.is_file():
         raise ConfigError(f"text={text}: no such file (use text=builtin or a path)")
     try:

@@ -129,7 +129,8 @@ def eval_batch(model: Any, length: int, batch: int) -> int:
 
 def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[int] = None,
              max_tokens: Optional[int] = None, batch: int = 8, key: str = "eval", own: Any = None,
-             token_bytes: Any = None, shard: tuple[int, int] = (0, 1), tail: bool = False) -> Evaluation:
+             token_bytes: Any = None, shard: tuple[int, int] = (0, 1), tail: bool = False,
+             progress: Optional[Any] = None) -> Evaluation:
     """The model under position scheme ``state`` on the evaluation windows of ``tokens``.
 
     ``own``: the model's own scheme when ``state`` is another one swapped in: the model runs under
@@ -139,7 +140,9 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     each rank scores every world-th window (all ranks run the same number of forward passes, so
     a sharded model stays in step) and every rank gets the sums over all windows, in window
     order. The batch shrinks so that a batch's float32 logits stay under 1 GiB (large
-    vocabularies); log-probabilities are taken in float64 per window.
+    vocabularies); log-probabilities are taken in float64 per window. ``progress(done, total)`` is
+    called after every forward pass with the windows scored so far (a long evaluation says how far
+    it is).
     """
     import numpy as np
     import torch
@@ -186,6 +189,8 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
                         kl = float((r.exp() * (r - logp)).sum())
                     scored.append((i, kl, -float(true.sum()), int(w.nbytes), length - w.score_from,
                                    *(m.window(logp, rank) for m in METRICS)))
+                if progress is not None:
+                    progress(min(len(windows), (p + 1) * batch * world), len(windows))
     finally:
         if own is not None:
             install(model, own)

@@ -76,6 +76,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
 
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
+    _refuse_a_run(Path(path))
     model, own = load_model(Path(path))
     state = with_scheme(model, own, attention, s, seed=None if attention == "own" else seed, path=Path(path),
                         sampler=None if sampler == "own" else sampler)
@@ -104,6 +105,21 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
                      tuple(sorted(state.plans)))
 
 
+def _refuse_a_run(path: Path) -> None:
+    """A train run directory holds several models: name them instead of saying it has no config.json."""
+    from poslsh_cli.lm.checkpoint import expand_checkpoints
+
+    if (path / "config.json").is_file() or not ((path / "config.yaml").is_file() and (path / "work").is_dir()):
+        return
+    try:
+        models = [p for p, _ in expand_checkpoints(str(path))]
+    except ConfigError:
+        models = []
+    shown = ", ".join(str(p) for p in models[:3]) + (f" (and {len(models) - 3} more)" if len(models) > 3 else "")
+    raise ConfigError(f"{path} is a train run; generate continues one checkpoint: give one of its models"
+                      + (f": {shown}" if shown else " (work/<cell>/final)"))
+
+
 def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: int, max_new_tokens: int,
                  notice: Optional[Callable[[str], None]] = None) -> None:
     """A rotary model (RoPE) has ``max_position_embeddings`` positions: more prompt and new tokens
@@ -123,9 +139,11 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
                               f"need {total} positions, the model has {positions} positions (max_position_embeddings): "
                               + (f"at most {room} new tokens" if room > 0 else "the prompt alone fills them"))
         return
+    from poslsh_cli.lm.checkpoint import train_info
+
     try:
-        trained = int(json.loads((path / "poslsh_train.json").read_text()).get("seq_len") or 0)
-    except (OSError, ValueError, AttributeError):
+        trained = int(train_info(path).get("seq_len") or 0)
+    except (ConfigError, ValueError, AttributeError, TypeError):
         trained = 0
     trained = trained or positions
     if trained and total > trained and notice is not None:

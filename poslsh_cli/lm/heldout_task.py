@@ -77,11 +77,18 @@ def write_task(folder: Path, items: list[dict]) -> Path:
 
 def build(data: str, val_every: int = 10, field: str = "text", encoding: str = "utf-8") -> Path:
     """The task's folder for the held-out documents of ``data`` (split as training splits it,
-    :func:`poslsh_cli.lm.data.load_corpus`), written to the cache."""
+    :func:`poslsh_cli.lm.data.load_corpus`), written to the cache. A corpus of fewer than ``val_every``
+    documents holds out no whole document (training held out the last part of its text instead), so
+    it has no task: refused saying so."""
     from poslsh_cli.lm.data import cache_dir
     from poslsh_cli.lm.documents import open_documents
 
     source, docs = open_documents(data, field, encoding)
+    texts = [text for _, text in docs()]
+    if len(texts) < val_every:
+        raise ConfigError(f"{TASK} asks about held-out documents, and data={data} has {len(texts)} "
+                          f"document{'s' if len(texts) != 1 else ''}, fewer than val_every={val_every}: training held "
+                          "out the last part of its text, not whole documents (evaluate models trained on a corpus "
+                          "of many documents, or another task)")
     name = hashlib.sha256(f"{source.digest}|{val_every}|{ITEMS}|{CONTEXT}|{SPAN}|{CHOICES}|{SEED}|acc".encode()).hexdigest()
-    return write_task(cache_dir() / "tasks" / name[:16],
-                      make_items(heldout_documents((text for _, text in docs()), val_every)))
+    return write_task(cache_dir() / "tasks" / name[:16], make_items(heldout_documents(texts, val_every)))

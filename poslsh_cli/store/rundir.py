@@ -265,6 +265,10 @@ class RunDir:
         cfg_file = self.path / "config.yaml"
         if cfg_file.exists():
             held = read_config_text(cfg_file)
+            other = self._other_command()
+            if other:
+                raise ConfigError(f"out={self.path} holds a poslsh {other} run, not a {self.command} run; use another "
+                                  "out=")
             if _config_body(held) != _config_body(self.config_yaml):
                 changes = config_changes(held, self.config_yaml, self.defaults)
                 if changes or not _flat_config(held):
@@ -278,6 +282,12 @@ class RunDir:
                                       and p.name != "skipped.json"):
             raise ConfigError(f"out={self.path} exists, is not empty and holds no poslsh run")
         self.fresh = True
+
+    def _other_command(self) -> str:
+        """The command that made the run held here, when it is not this one (from its meta.json)."""
+        meta, _ = read_json(self.path / "meta.json")
+        held = meta.get("command") if isinstance(meta, dict) else None
+        return held if isinstance(held, str) and held and held != self.command else ""
 
     @contextmanager
     def own(self, argv: str) -> Iterator["RunDir"]:

@@ -48,6 +48,8 @@ class Section:
     tables: list[Any] = field(default_factory=list)  # DataFrames
     details: list[tuple[str, Any]] = field(default_factory=list)  # (caption, full DataFrame), collapsed
     figures: list[Path] = field(default_factory=list)
+    #: the run was made at smoke scale (a ``_quick`` preset): its verdicts test the pipeline, not a claim
+    smoke: bool = False
 
     def add_table(self, head: list[str], rows: list[list[Any]]) -> None:
         """A table from a command's ``summary(df)`` (its header and rows)."""
