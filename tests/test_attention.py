@@ -520,3 +520,25 @@ def test_keep_mask_drops_each_lane_with_its_probability():
     b, _ = keep_mask((3, 50, 50), 0.2)
     assert torch.equal(a, b)
     assert keep_mask((3, 50, 50), 0.0)[0].all()
+
+
+def test_a_supplied_plan_is_checked_like_a_chosen_one():
+    """A rank-one plan made for bidirectional inference (legal) reused once the inputs need gradients
+    (or with dropout) would run the causal training kernel: refused in one line, never run; a plan
+    for another method too; a supplied plan that fits runs and equals the reference."""
+    from poslsh_cli.attention import choose
+
+    q, k, v = qkv(B=1, H=2, n=96, d=8, seed=3)
+    spec = AttentionSpec(Method.EXACT, [4.0, 16.0], False)
+    plan = choose(Method.EXACT, device="cpu", dtype=torch.float64, n=96, causal=False, grad=False)
+    assert plan.label == "rank1"
+    ref = attend(q, k, v, spec, backend="reference")
+    torch.testing.assert_close(attend(q, k, v, spec, plan=plan), ref, rtol=0, atol=1e-10)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    with pytest.raises(ValueError, match="rank-one path trains"):
+        attend(qg, kg, vg, spec, plan=plan)
+    with pytest.raises(ValueError, match="rank-one path trains"):
+        attend(q, k, v, spec, plan=plan, dropout=0.1)
+    other = choose(Method.NO_BIAS, device="cpu", dtype=torch.float64, n=96, causal=False, grad=False)
+    with pytest.raises(ValueError, match="the plan is for no_bias"):
+        attend(q, k, v, spec, plan=other)

@@ -305,3 +305,49 @@ def test_an_uncompiled_call_prints_no_notice():
         getattr(fa, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
         flex_function(False)(q, q, q)
     assert not [w for w in seen if "without torch.compile" in str(w.message)]
+
+
+def test_the_per_mask_merge_is_as_accurate_as_one_float32_attention_at_many_masks():
+    """The per-mask route merges s FlexAttention passes by their lse: at s = 100 with logits of about
+    +-30 (large q, k), float32 inputs, the merged output is within twice the naive float32 attention's
+    error of the float64 reference (the running merge adds no rounding of its own), at n = 300."""
+    import torch
+
+    from poslsh_cli.attention import AttentionSpec, Method, attend, choose, mean_mask_weight
+    from test_attention import naive_tolerance, parts_for, qkv
+
+    n = 300
+    q, k, v = qkv(B=1, H=2, n=n, d=16, seed=11)
+    q, k = q * 3.0, k * 3.0  # logits q.k / 4 of about +-30
+    parts = parts_for(n, [6.0, 40.0], 100, seed=4)
+    w = mean_mask_weight(parts)
+    from poslsh_cli.attention import reference_attention
+
+    ref, _ = reference_attention(q, k, v, w, True)
+    assert (q @ k.transpose(-1, -2) / 4).abs().max() > 25
+    tol = naive_tolerance(q, k, v, w, True, torch.float32)
+    spec = AttentionSpec(Method.POSLSH, [6.0, 40.0], True, partitions=tuple(parts))
+    plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=n, causal=True, grad=False, backend="flex")
+    got = attend(q.float(), k.float(), v.float(), spec, plan=plan)
+    assert (got.double() - ref).abs().max().item() <= tol
+
+
+def test_the_eager_bound_counts_what_an_uncompiled_call_holds():
+    """The refusal of a large uncompiled call on CUDA counts what the eager path holds at once (scores,
+    modified scores, softmax, mask, index grid), not one float32 score matrix: measured on the CPU, the
+    peak memory of an uncompiled causal call stays within the bound and well above one score matrix."""
+    from poslsh_cli.numerics import masks as m
+    from poslsh_cli.experiments.measure import peak_memory_mb
+
+    B, H, n, d = 1, 4, 1536, 16
+    q = torch.randn(B, H, n, d)
+    bm = m.block_mask(m.Causal(), 1, n, torch.device("cpu"))
+    def call():
+        return flex.flex_call(q, q, q, scale=0.25, compiled=False, block_mask=bm,
+                              score_mod=lambda s, b, h, i, j: s - (i - j))
+
+    call()  # the first call of a process also sets up what every later one reuses
+    peak, _ = peak_memory_mb(call, torch.device("cpu"))
+    bound = flex.eager_bytes(B, H, n, n, torch.float32) / 2**20
+    one_matrix = 4 * B * H * n * n / 2**20
+    assert 2.5 * one_matrix < peak <= bound, (peak, one_matrix, bound)

@@ -170,7 +170,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         layout: a prepared block layout (:func:`layout_for`) for partition methods; it fixes the
             backend (blocks or flex) and keeps its set-up out of the call.
         plan: run exactly this plan (from :func:`~poslsh_cli.attention.plan.plan_for`), so that
-            what a caller records is what ran.
+            what a caller records is what ran; it is checked against this call like a chosen one
+            (ValueError where it cannot run it: e.g. a bidirectional inference plan with gradients).
         on_plan: called with the plan that runs (callers that record the path taken).
         dropout: attention dropout probability (training only): the SDPA-based paths (sdpa,
             dense, rank1) drop attention probabilities; on the CPU the automatic plan then takes the
@@ -178,6 +179,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
 
     Returns (B, H, n, d) in q's dtype.
     """
+    if plan is not None:
+        plan = _checked(plan, spec, q, k, v, dropout)
     if plan is None:
         if backend == "auto" and layout is not None:
             backend = _LAYOUT_BACKEND[type(layout)]
@@ -192,6 +195,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         raise ValueError(f"attention dropout is not available on the {plan.label} path of {spec.method.value} "
                          f"(only {', '.join(b.value for b in DROPOUT_BACKENDS)})")
     return _run(q, k, v, spec, plan, layout, dropout)
+
+
+def _checked(plan: Plan, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             dropout: float) -> Plan:
+    """A supplied plan, checked like a chosen one against this call (its method, direction, device,
+    dtype, length, whether gradients are needed, dropout): a plan made for bidirectional inference
+    reused with gradients would run another kernel than the one it names. ValueError when it cannot
+    run here; the plan as it runs here otherwise."""
+    if Method(plan.method) is not spec.method:
+        raise ValueError(f"the plan is for {Method(plan.method).value}, the spec for {spec.method.value}")
+    again = plan_for(spec.method, q, k, v, spec.causal, plan.backend, plan.kernel or "auto", dropout=dropout > 0,
+                     num_samples=spec.partitions[0].num_samples if spec.partitions else 0)
+    if (again.backend, again.kernel) != (plan.backend, plan.kernel):
+        raise ValueError(f"the plan {plan.label} cannot run this call (here it would be {again.label})")
+    return again
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, plan: Plan,

@@ -37,8 +37,17 @@ from poslsh_cli.numerics.sampling import Partitions, bin_index, longest_block
 
 #: The CUDA kernel's smallest head dimension: narrower heads are zero-padded to it (exact).
 MIN_HEAD_DIM = 16
-#: Float32 score bytes from which an uncompiled (dense) FlexAttention call on CUDA is refused.
+#: Bytes an uncompiled (dense) FlexAttention call may hold on CUDA before it is refused
+#: (:func:`eager_bytes`).
 EAGER_MAX_BYTES = 2**31
+
+
+def eager_bytes(batch: int, heads: int, n: int, m: int, dtype: torch.dtype) -> int:
+    """What an uncompiled FlexAttention call holds at once for (batch, heads, n queries, m keys): per
+    (query, key) pair the scores, the scores after ``score_mod`` and their softmax (each in the
+    score dtype: float32, float64 for float64 inputs), the mask's bool and an int64 index grid."""
+    elem = torch.promote_types(dtype, torch.float32).itemsize
+    return batch * heads * n * m * (3 * elem + 1 + 8)
 #: Compiled variants of each compiled ``flex_attention`` kept at once; reaching it drops that
 #: function's variants and compiles afresh (never the unfused fallback).
 RECOMPILE_LIMIT = 64
@@ -122,9 +131,10 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     Returns ``out`` (B, Hq, n, d) in q's dtype, or ``(out, lse (B, Hq, n) float32)``.
     """
     B, Hq, n, d = q.shape
-    if not compiled and q.is_cuda and 4 * B * Hq * n * k.shape[-2] > EAGER_MAX_BYTES:
-        raise FlexTooLarge(f"uncompiled FlexAttention would materialise {4 * B * Hq * n * k.shape[-2] / 2**30:.1f} GiB "
-                           f"of scores (B={B}, heads={Hq}, n={n}); it runs compiled on CUDA")
+    need = eager_bytes(B, Hq, n, k.shape[-2], q.dtype)
+    if not compiled and q.is_cuda and need > EAGER_MAX_BYTES:
+        raise FlexTooLarge(f"uncompiled FlexAttention would materialise {need / 2**30:.1f} GiB of scores, masks and "
+                           f"indices (B={B}, heads={Hq}, n={n}); it runs compiled on CUDA")
     if d < MIN_HEAD_DIM:
         pad = (0, MIN_HEAD_DIM - d)
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
@@ -335,7 +345,10 @@ def poslsh_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: S
     if grad:
         outs, lses = zip(*(one(j) for j in range(layout.num_samples)))
         return merge_by_lse(torch.stack(outs, 2), torch.stack(lses, 2).float(), dim=2)[0]
-    acc = torch.promote_types(q.dtype, torch.float32)
+    # the running state in float64: each step rounds the running log-normaliser (about 30 at logits of
+    # +-30) and rescales the output, and in float32 s such roundings add up (1.2e-4 at s = 60, where one
+    # float32 attention errs by 3e-6); in float64 the merge adds nothing to the kernel's own rounding
+    acc = torch.float64
     out, total = None, None
     for j in range(layout.num_samples):  # running merge: out = sum_k exp(lse_k - LSE) O_k
         o, l = one(j)
