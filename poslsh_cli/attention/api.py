@@ -147,9 +147,10 @@ def poslsh_layout(partitions: Sequence[Partitions], causal: bool, backend: Backe
     if backend is Backend.BLOCKS:
         return BlockLayout.build(partitions, device)
     if backend is Backend.UNION:
-        build = UnionLayout.build if torch.device(device).type == "cuda" or kernel is Kernel.FLEX else BandLayout.build
-        return build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
-                     partitions[0].seq_len, causal, device)
+        if torch.device(device).type == "cuda" or kernel is Kernel.FLEX:
+            return UnionLayout.build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
+                                     partitions[0].seq_len, causal, device)
+        return BandLayout.of(partitions, causal, device)
     raise ValueError(f"no block layout for backend {backend.value!r}")
 
 
@@ -205,9 +206,10 @@ def _checked(plan: Plan, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, 
     run here; the plan as it runs here otherwise."""
     if Method(plan.method) is not spec.method:
         raise ValueError(f"the plan is for {Method(plan.method).value}, the spec for {spec.method.value}")
-    again = plan_for(spec.method, q, k, v, spec.causal, plan.backend, plan.kernel or "auto", dropout=dropout > 0,
+    kernel = plan.kernel if plan.backend in (Backend.BLOCKS, Backend.CHUNKED, Backend.UNION) and plan.kernel else "auto"
+    again = plan_for(spec.method, q, k, v, spec.causal, plan.backend, kernel, dropout=dropout > 0,
                      num_samples=spec.partitions[0].num_samples if spec.partitions else 0)
-    if (again.backend, again.kernel) != (plan.backend, plan.kernel):
+    if again.backend is not plan.backend or (again.kernel is not None and again.kernel is not plan.kernel):
         raise ValueError(f"the plan {plan.label} cannot run this call (here it would be {again.label})")
     return again
 
@@ -290,8 +292,7 @@ def _blocks(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
 def _union(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
     flex = plan.kernel is Kernel.FLEX
     if not isinstance(layout, UnionLayout if flex else (UnionLayout, BandLayout)):
-        widths, shifts = spec.bin_table
-        layout = (UnionLayout if flex else BandLayout).build(widths, shifts, q.shape[-2], spec.causal, q.device)
+        layout = poslsh_layout(spec.partitions, spec.causal, plan.backend, q.device, plan.kernel)
     if layout.causal != spec.causal:
         raise ValueError(f"the {type(layout).__name__} was built for another causal flag")
     if flex:

@@ -28,15 +28,15 @@ O(H n w) bytes. The same chunks with padded matmuls serve low precision (:func:`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from poslsh_cli.attention.reference import scale_of
 from poslsh_cli.attention.transfer import to_device
-from poslsh_cli.numerics.sampling import bin_index, longest_block
+from poslsh_cli.numerics.sampling import VECTOR_ELEMENTS, Partitions, bin_index, longest_block
 
 #: Queries per chunk of the banded route: the bias of a chunk is ``c (c + w - 1)`` per head, so a
 #: narrower chunk wastes less of it on the triangle outside the band, a wider one makes fewer calls.
@@ -69,10 +69,47 @@ class BandLayout:
     causal: bool
     counts: torch.Tensor
     back: int
+    _log_table: dict = field(default_factory=dict, repr=False)
 
     @property
     def width(self) -> int:
         return int(self.counts.shape[-1])
+
+    @classmethod
+    def of(cls, partitions: Sequence[Partitions], causal: bool, device: torch.device | str = "cpu") -> "BandLayout":
+        """The band of one set of partitions (one per head). On the CPU, where every sample's bins are
+        small enough to hold at once, from the reaches the partitions computed with their boundaries
+        (:meth:`~poslsh_cli.numerics.sampling.Partitions.reaches`: the bins are computed once for the
+        plan's cost model and the band); otherwise on ``device`` from the drawn scalars (:meth:`build`)."""
+        n, s = partitions[0].seq_len, partitions[0].num_samples
+        widths = np.stack([p.widths for p in partitions])
+        if torch.device(device).type != "cpu" or s * n > VECTOR_ELEMENTS or s < 2:
+            return cls.build(widths, np.stack([p.shifts for p in partitions]), n, causal, device)
+        H = len(partitions)
+        R = int(longest_block(widths.max(), n))
+        # the scatter indices, R - 1 - reach back, written on the host where the reaches are computed
+        back = np.empty((H, s, n), dtype=np.int64)
+        fwds = [p.reaches(forward=not causal, back_out=back[h], offset=R - 1)[1] for h, p in enumerate(partitions)]
+        fwd = None if causal else torch.from_numpy(np.minimum(np.stack(fwds), R - 1))
+        return cls._counted(H, n, s, causal, R, torch.from_numpy(back), fwd)
+
+    @classmethod
+    def _counted(cls, H: int, n: int, s: int, causal: bool, R: int, left_at: torch.Tensor,
+                 fwd: torch.Tensor | None) -> "BandLayout":
+        """The band from every (head, sample, position)'s place in the left band, ``R - 1 - reach back``,
+        and (bidirectional) its reach forward cut at ``R - 1``, (H, s, n) int64 each."""
+        acc = count_dtype(s) if s <= 255 else torch.int16 if s <= 32767 else torch.int32
+        ones = torch.ones(H, n, left_at.shape[1], dtype=acc, device=left_at.device)
+        # left side, in band order: a +1 at u = R-1 - reach, so a cumulative sum along u counts the blocks
+        # reaching back at least R-1-u (and, a reach never passing position 0, nothing before it)
+        left = torch.zeros(H, n, R, dtype=acc, device=left_at.device)
+        left.scatter_add_(-1, left_at.transpose(1, 2), ones)
+        band = left.cumsum_(-1)  # C_{i, i-R+1+u}: the diagonal (all s) last
+        if fwd is not None:  # C_{i, i+r} = s - #{k : reach_k < r}, r = 1 .. R-1
+            right = torch.zeros(H, n, R, dtype=acc, device=left_at.device)
+            right.scatter_add_(-1, fwd.transpose(1, 2), ones)
+            band = torch.cat([band, s - right.cumsum_(-1)[..., :-1]], -1)
+        return cls(H, n, s, bool(causal), band.to(count_dtype(s)), R - 1)
 
     @classmethod
     def build(cls, widths: np.ndarray, shifts: np.ndarray, seq_len: int, causal: bool,
@@ -89,29 +126,20 @@ class BandLayout:
         R = int(longest_block(widths.max(), n))  # a block holds at most this many positions
         w_t, u_t = to_device(np.stack([widths, shifts]), dev)
         pos = torch.arange(n, device=dev)
-        sides = [torch.zeros(H, n, R, dtype=torch.int32, device=dev) for _ in range(1 if causal else 2)]
+        backs, fwds = [], []
         step = max(1, BUILD_ELEMENTS // max(1, H * n))
-        for a in range(0, s, step):
+        for a in range(0, s, step):  # samples a few at a time: O(H n step) memory beyond the band
             bins = bin_index(pos, w_t[:, a:a + step, None], u_t[:, a:a + step, None])  # (H, c, n)
             first = torch.ones(bins.shape, dtype=torch.bool, device=dev)
             first[..., 1:] = bins[..., 1:] != bins[..., :-1]
-            start = torch.where(first, pos, 0).cummax(-1).values  # (H, c, n) first position of i's block
-            reaches = [pos - start]
+            backs.append((R - 1) - (pos - torch.where(first, pos, 0).cummax(-1).values))
             if not causal:
                 last = torch.ones_like(first)
                 last[..., :-1] = first[..., 1:]
                 end = torch.flip(torch.flip(torch.where(last, pos, n), [-1]).cummin(-1).values, [-1])
-                reaches.append(end - pos)
-            for side, reach in zip(sides, reaches):  # (H, c, n) -> a +1 at (h, i, reach) per sample
-                side.scatter_add_(-1, reach.transpose(1, 2).clamp_(max=R - 1),
-                                  torch.ones(H, n, reach.shape[1], dtype=torch.int32, device=dev))
-            del bins, first, start, reaches
-        dtype = count_dtype(s)
-        tails = [side.flip(-1).cumsum_(-1).flip(-1) for side in sides]  # C_{i, i -+ r}, r = 0 .. R-1
-        band = tails[0].flip(-1) if causal else torch.cat([tails[0].flip(-1), tails[1][..., 1:]], -1)
-        u = torch.arange(band.shape[-1], device=dev)
-        outside = (pos[:, None] - (R - 1) + u[None, :] < 0) | (pos[:, None] - (R - 1) + u[None, :] >= n)
-        return cls(H, n, s, bool(causal), band.masked_fill_(outside, 0).to(dtype), R - 1)
+                fwds.append((end - pos).clamp_(max=R - 1))
+            del bins, first
+        return cls._counted(H, n, s, causal, R, torch.cat(backs, 1), torch.cat(fwds, 1) if fwds else None)
 
     def keys(self, a: int, b: int) -> tuple[int, int]:
         """The key range ``[lo, hi)`` of queries ``a .. b-1``."""
@@ -128,9 +156,15 @@ class BandLayout:
         first = lo - (a - self.back)
         return out[..., first:first + (hi - lo)]
 
-    def chunk_bias(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-        """``log C`` of :meth:`chunk_counts` in ``dtype`` (-inf where no mask puts the pair in a block)."""
-        return self.chunk_counts(a, b).to(dtype).log_()
+    def chunk_bias(self, a: int, b: int, dtype: torch.dtype, mean: bool = False) -> torch.Tensor:
+        """``log C`` of :meth:`chunk_counts` in ``dtype`` (-inf where no mask puts the pair in a block),
+        or with ``mean`` ``log M~ = log (C / s)`` (the same softmax), looked up in a table of the s + 1
+        values (a logarithm per pair costs 3-4x more, most of it in the zeros)."""
+        table = self._log_table.get((dtype, mean))
+        if table is None:
+            values = torch.arange(self.num_samples + 1, dtype=torch.float64, device=self.counts.device)
+            table = self._log_table[(dtype, mean)] = torch.log(values / self.num_samples if mean else values).to(dtype)
+        return torch.take(table, self.chunk_counts(a, b).to(torch.int64))
 
     def chunks(self, rows: int = BAND_ROWS) -> Iterator[tuple[int, int, int, int]]:
         """(a, b, lo, hi) of every query chunk and its key range."""

@@ -20,7 +20,7 @@ from poslsh_cli.numerics import masks
 from poslsh_cli.attention.dropout import FlashDropout, keep_mask
 from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, method_bias, slopes_from_sigmas, scale_of
-from poslsh_cli.numerics.sampling import Partitions, bin_index
+from poslsh_cli.numerics.sampling import Partitions
 
 
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,35 +76,15 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
     """``log M~`` (H, n, n) in ``dtype`` with ``log 0 = -inf``, and ``-inf`` above the diagonal when
     causal: with it, ``softmax(q k^T / sqrt(d) + log M~) V`` is Positional-LSH attention exactly.
 
-    Built row by row from the band: ``M~_{i,i-r} = #{k : i - start_k(i) >= r} / s`` (keys
-    before i) and ``M~_{i,i+r} = #{k : end_k(i) - i >= r} / s`` (keys after, bidirectional only),
-    the logarithm taken on the band only, scattered into a ``-inf`` matrix: O(H n b_max) work
-    besides filling the (H, n, n) output.
+    The counts ``C = s M~`` of each query's band of keys (:class:`~poslsh_cli.attention.band.BandLayout`:
+    ``C_{i,i-r} = #{k : i - start_k(i) >= r}``, and after i ``#{k : end_k(i) - i >= r}``), the band laid
+    along the rows of the (H, n, n) matrix by one strided copy and ``log (C / s)`` looked up: O(H s n)
+    work to count besides filling the output.
     """
-    H, s, n = len(partitions), partitions[0].num_samples, partitions[0].seq_len
-    pos = torch.arange(n, device=device)
-    out = torch.full((H, n, n), NEG_INF, dtype=dtype, device=device)
-    chunk = max(1, (1 << 24) // n)  # samples at a time: O(chunk n) memory whatever s is (s = 1e5 at n = 512)
-    for h, part in enumerate(partitions):  # each head's own band width: narrow heads cost little
-        # a block of width delta holds at most ceil(delta) positions: reach <= ceil(delta) - 1
-        R = min(n, int(math.ceil(float(part.widths.max()))) + 1)
-        hists = [torch.zeros(n, R, dtype=dtype, device=device) for _ in range(1 if causal else 2)]
-        for c in range(0, s, chunk):
-            widths = torch.as_tensor(part.widths[c:c + chunk], dtype=torch.float64, device=device)
-            shifts = torch.as_tensor(part.shifts[c:c + chunk], dtype=torch.float64, device=device)
-            bins = bin_index(pos[None, :], widths[:, None], shifts[:, None]).to(torch.int64)
-            blocks = masks.SameBlock.of(bins)
-            reaches = [pos - blocks.start] + ([] if causal else [blocks.end - pos])
-            for hist, reach in zip(hists, reaches):  # (c, n): how far i's block extends, each side
-                reach = reach.transpose(0, 1)
-                hist.scatter_add_(-1, reach, torch.ones_like(reach, dtype=dtype))
-        for hist, sign in zip(hists, (-1, 1)):
-            band = torch.log(hist.flip(-1).cumsum(-1).flip(-1) / s)  # (n, R): log M~_{i, i + sign r}
-            j = pos[:, None] + sign * torch.arange(R, device=device)[None, :]  # (n, R)
-            outside = (j < 0) | (j >= n)
-            # entries past the sequence are sent to the diagonal with its own value, log 1 = 0
-            out[h].scatter_(-1, torch.where(outside, pos[:, None], j), band.masked_fill(outside, 0.0))
-    return out
+    from poslsh_cli.attention.band import BandLayout
+
+    n = partitions[0].seq_len
+    return BandLayout.of(partitions, causal, device).chunk_bias(0, n, dtype, mean=True)
 
 
 def score_bias(spec: "object", n: int, device: torch.device | str = "cpu",

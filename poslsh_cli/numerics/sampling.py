@@ -135,13 +135,39 @@ class Partitions:
         return tuple(np.concatenate((part - k * n, [n])) for k, part in enumerate(np.split(starts, rows)))
 
     @cached_property
-    def _flat_starts(self) -> np.ndarray:
-        """Block starts of every sample in the flattened (s, n) bin array (sample k's at ``k n + i``),
-        increasing: each sample's first position starts a block."""
+    def _starts_mask(self) -> np.ndarray:
+        """(s, n) bool: position i starts a block of sample k (from the (s, n) bin array)."""
         b = bin_index(np.arange(self.seq_len)[None, :], self.widths[:, None], self.shifts[:, None])
         change = np.ones(b.shape, dtype=bool)
         change[:, 1:] = b[:, 1:] != b[:, :-1]
-        return np.flatnonzero(change)
+        return change
+
+    @cached_property
+    def _flat_starts(self) -> np.ndarray:
+        """Block starts of every sample in the flattened (s, n) bin array (sample k's at ``k n + i``),
+        increasing: each sample's first position starts a block."""
+        return np.flatnonzero(self._starts_mask)
+
+    def reaches(self, forward: bool = True, back_out: np.ndarray | None = None,
+                offset: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """How far the block holding each position reaches back and (``forward``) forward, (s, n)
+        int64 each: ``i - start_k(i)`` and ``end_k(i) - i`` (from the same bin array as the
+        boundaries; what the union route's band of counts is built from, :mod:`poslsh_cli.attention.band`).
+        ``back_out``: an (s, n) int64 array that receives ``offset - (i - start_k(i))`` instead (the band's
+        scatter index, written in place)."""
+        n, s = self.seq_len, self.num_samples
+        pos = np.arange(n, dtype=np.int64)
+        # each position's block start, from the starts and lengths the boundaries already hold
+        start = np.repeat(self._flat_starts, self.lengths).reshape(s, n) - (np.arange(s, dtype=np.int64) * n)[:, None]
+        if back_out is not None:
+            np.subtract(start + offset, pos, out=back_out)
+            back = back_out
+        else:
+            back = pos - start
+        if not forward:
+            return back, None
+        end = start + np.repeat(self.lengths, self.lengths).reshape(s, n) - 1
+        return back, end - pos
 
     @cached_property
     def lengths(self) -> np.ndarray:
