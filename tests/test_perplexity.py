@@ -292,15 +292,32 @@ def test_papers_baselines_the_2L_multiple_and_the_side_by_side_table(tmp_path):
     assert status_of(sec_b, "robust at 2x") is Status.NOT_SUPPORTED
     assert any("rope degrades more at 2L" in v.claim for v in sec_b.verdicts)
     assert status_of(sec_b, "better than the original RoPE model") is Status.NOT_SUPPORTED
-    table = side_by_side([(sec_a, df_a), (sec_b, df_b)]).tables[0]
+    table = side_by_side([sec_a, sec_b]).tables[0]
     # each column is a run named with its bandwidths (these rows record none)
     assert list(table.columns) == ["claim", "perplexity: no bandwidth", "perplexity_official: no bandwidth"]
     table.columns = ["claim", "perplexity", "perplexity_official"]
-    # both runs scored one protocol: the extrapolation claims carry its tag, so they line up with a run scoring both
-    row = table[table.claim == "Positional LSH stays robust at kx the training length [nonoverlapping]"].iloc[0]
+    # the claims join on their names: "robust at 4x" of one run and "robust at 2x" of the other are one row
+    row = table[table.claim.str.startswith("Positional LSH stays robust at 4x")].iloc[0]
     assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
     row = table[table.claim.str.contains("better than the original RoPE")].iloc[0]
     assert row.perplexity.startswith("SUPPORTED") and row.perplexity_official.startswith("NOT SUPPORTED")
+
+
+def test_the_side_by_side_table_joins_claims_on_their_names_not_their_wording(tmp_path):
+    """Rewording a claim in one run (its sentence) keeps it on the same row: the reader joins on names."""
+    import dataclasses
+
+    from poslsh_cli.app.report import side_by_side
+
+    scheme = {A: 1.8, P10: 1.8, ROPE: 1.9, NONE: 2.8}
+    run_a, df_a = ppl_run(tmp_path, scratch=scheme, name="a")
+    run_b, df_b = ppl_run(tmp_path, scratch=scheme, name="b")
+    sec_a = registry.get("perplexity").report(run_a, df_a)
+    sec_b = registry.get("perplexity").report(run_b, df_b)
+    sec_b.verdicts = [dataclasses.replace(v, claim="reworded: " + v.claim) for v in sec_b.verdicts]
+    table = side_by_side([sec_a, sec_b]).tables[0]
+    assert len(table) == len({v.name for v in sec_a.verdicts})
+    assert not table.apply(lambda r: "not judged in this run" in r.values, axis=1).any()
 
 
 def test_the_margin_is_one_percent_of_exact_alibis_own_value(tmp_path):

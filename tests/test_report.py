@@ -110,6 +110,7 @@ def test_the_readme_shows_the_language_model_claims_side_by_side_with_why_they_d
          "perplexity_official: σ = 8 every head": "not judged in this run"}]))
     sec.paragraphs += ["perplexity: bandwidths standard", "Where the protocols disagree (1 of the 1 claims ...):",
                        "- *c1*: SUPPORTED under a, INCONCLUSIVE under b. The difference ..."]
+    sec.highlights = sec.paragraphs[1:]  # what the section says a summary shows, not found by reading its sentences
     lines = side_by_side_markdown(sec)
     assert lines[0] == "| claim | perplexity: per-head σ | perplexity_official: σ = 8 every head |"
     assert lines[2].startswith("| c1 | **SUPPORTED**: L=256: poslsh s=10 2.5 (3 seeds x 3 draws); …")

@@ -282,8 +282,7 @@ def side_by_side_markdown(sec: Any) -> list[str]:
             status, _, evidence = str(row[r]).partition(": ")
             cells.append(f"**{status}**: {short(evidence, 90)}" if evidence else str(row[r]))
         lines.append(f"| {row['claim']} | " + " | ".join(cells) + " |")
-    said = [p for p in sec.paragraphs if p.startswith(("Where the protocols", "The protocols agree", "- *", "No claim"))]
-    return lines + ([""] + said if said else []) + [""]
+    return lines + ([""] + sec.highlights if sec.highlights else []) + [""]
 
 
 def glance_markdown(sections: list, results_md: Path, base: Path) -> str:

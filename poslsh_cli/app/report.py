@@ -127,7 +127,7 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
     notes = list(notes or []) + [n for n in notes_of([Path(p) for p in run_dirs]) if n not in (notes or [])]
     experiments = registry.experiments()
     order = {name: i for i, name in enumerate(experiments)}
-    sections, provenance, lm_runs = [], [], []
+    sections, provenance = [], []
     tables = {}
     for run in runs:
         said: list[str] = []
@@ -148,8 +148,6 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
         sec.smoke = is_smoke(meta)
         tables[run] = (sec, exp, df)
         sections.append(sec)
-        if exp.name == _lm_command():
-            lm_runs.append((sec, df))
         git = meta.get("git") or {}
         provenance.append({"run": run.name, "command": exp.name, "status": status(run, meta),
                            "commit": ((git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else "")) or None,
@@ -166,8 +164,9 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
     smoke = [s for s in sections if s.smoke]
     if smoke:
         notes.insert(0, SMOKE_NOTE.format(n=len(smoke), total=len(sections)))
+    lm_runs = [sec for sec in sections if sec.facts.get("protocol")]
     if len(lm_runs) > 1:
-        last = max(i for i, sec in enumerate(sections) if sec.command == _lm_command())
+        last = max(i for i, sec in enumerate(sections) if sec in lm_runs)
         sections.insert(last + 1, side_by_side(lm_runs))
     return sections, provenance, notes
 
@@ -212,39 +211,8 @@ def _figures_at(i: int) -> list[Path] | str:
     return _figures_of(_DRAWING[i])
 
 
-def _lm_command() -> str:
-    """The command whose runs hold the language-model claims (perplexity)."""
-    from poslsh_cli.experiments.perplexity import EXPERIMENT
-
-    return EXPERIMENT.name
-
-
-def _claim_key(claim: str, protocols: set[str] = frozenset()) -> str:
-    """A claim with what differs between protocols taken out: the extrapolation multiple; an
-    extrapolation claim of a run that scored one protocol gets that protocol's tag, as a run that
-    scored several tags each of its claims."""
-    import re
-
-    key = re.sub(r"at \d+x the training length", "at kx the training length", claim)
-    key = re.sub(r"at \d+L\b", "at kL", key)
-    if key != claim and "[" not in key and len(protocols) == 1:
-        key += f" [{next(iter(protocols))}]"
-    return key
-
-
 #: the title of the section :func:`side_by_side` makes (the README block shows its table)
 SIDE_BY_SIDE = "Language-model claims under each protocol, side by side"
-
-
-def protocol_name(df: Any) -> str:
-    """How a perplexity run's models set their bandwidths, from its rows: ALiBi's per-head slopes
-    (this project's protocol) or one sigma for every head (the paper's)."""
-    from poslsh_cli.lm.positions import with_model_columns
-
-    d = with_model_columns(df)
-    labels = sorted(set(d[d.attention == "own"].sigmas) - {""})
-    return "; ".join("per-head σ (ALiBi's slopes)" if x == "standard" else x.replace("sigma=", "σ = ")
-                     for x in labels) or "no bandwidth"
 
 
 def _moved(x: dict, y: dict, unit: str) -> str:
@@ -285,39 +253,29 @@ def disagreement(claim: str, a: tuple[str, Any], b: tuple[str, Any]) -> str:
             f"{dy['estimate']:+.4f} [{dy['low']:+.4f}, {dy['high']:+.4f}] {unit}; {moves}; {width}.")
 
 
-def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
-    """One table of every language-model claim with each perplexity run's verdict beside it (this
-    project's protocol and the paper's, named by each run's bandwidths), what each run's protocol
-    was, from its rows, and for every claim two runs judge differently, why (:func:`disagreement`)."""
-    from poslsh_cli.experiments.perplexity_report import protocol_of
-    from poslsh_cli.lm.positions import with_model_columns
-
-    sec = Section(_lm_command(), lm_runs[0][0].run.parent, SIDE_BY_SIDE)
-    names = [f"{s.run.name}: {protocol_name(protocol_of(df))}" for s, df in lm_runs]
+def side_by_side(runs: list[Section]) -> Section:
+    """One table of every claim of the runs that name their protocol (``facts["protocol"]``: the
+    language-model runs), each run's verdict beside it, joined on the claim's name (never on its
+    sentence), what each run trained and evaluated (``facts["described"]``), and for every claim two
+    runs judge differently, why (:func:`disagreement`, in ``highlights``)."""
+    sec = Section(runs[0].command, runs[0].run.parent, SIDE_BY_SIDE)
+    names = [f"{s.run.name}: {s.facts['protocol']}" for s in runs]
     keys: list[str] = []
+    label: dict[str, str] = {}
     judged: dict[tuple[str, str], Any] = {}
-    for (s, df), name in zip(lm_runs, names):
-        protocols = set(protocol_of(df).protocol)
+    for s, name in zip(runs, names):
         for v in s.verdicts:
-            k = _claim_key(v.claim, protocols)
-            if k not in keys:
-                keys.append(k)
-            judged[(k, name)] = v
-    sec.tables.append(pd.DataFrame([{"claim": k, **{n: (f"{judged[(k, n)].status.value}: {judged[(k, n)].evidence}"
-                                                        if (k, n) in judged else "not judged in this run")
-                                                    for n in names}} for k in keys]))
-    for s, df in lm_runs:
-        d = with_model_columns(protocol_of(df))
-        own = d[d.attention == "own"]
-        seeds = own.groupby(["position", "trained_s"]).run_seed.nunique()
-        sec.paragraphs.append(
-            f"{s.run.name}: bandwidths {', '.join(sorted(set(own.sigmas) - {''})) or 'none'}; trained s "
-            f"{', '.join(str(int(x)) for x in sorted(set(own[own.position == 'poslsh'].trained_s))) or 'none'}; schemes "
-            f"{', '.join(sorted(set(own.position)))}; {int(seeds.min()) if len(seeds) else 0}-"
-            f"{int(seeds.max()) if len(seeds) else 0} training seeds per scheme; lengths "
-            f"{', '.join(str(int(x)) for x in sorted(set(own.length)))}; protocols {', '.join(sorted(set(own.protocol)))}.")
+            if v.name not in label:
+                keys.append(v.name)
+                label[v.name] = v.claim
+            judged[(v.name, name)] = v
+    sec.tables.append(pd.DataFrame([{"claim": label[k], **{n: (f"{judged[(k, n)].status.value}: {judged[(k, n)].evidence}"
+                                                               if (k, n) in judged else "not judged in this run")
+                                                           for n in names}} for k in keys]))
+    sec.paragraphs += [s.facts["described"] for s in runs if s.facts.get("described")]
     sec.paragraphs.append("Each cell is the verdict of that run's rule on its own rows (the rule is in its section); "
-                          "\"kx\" is the longest extrapolation multiple that run evaluated (4L or 2L).")
+                          "rows join the runs' verdicts of one claim by its name, and a row's wording is the first "
+                          "run's (an extrapolation claim's multiple, 4L or 2L, is each cell's own, in its evidence).")
     measured = [Status.SUPPORTED, Status.NOT_SUPPORTED, Status.INCONCLUSIVE]
     differ, both = [], 0
     for k in keys:
@@ -326,16 +284,17 @@ def side_by_side(lm_runs: list[tuple[Section, Any]]) -> Section:
             continue
         both += 1
         first = cells[0]
-        differ += [disagreement(k, first, other) for other in cells[1:] if other[1].status is not first[1].status]
+        differ += [disagreement(label[k], first, other) for other in cells[1:] if other[1].status is not first[1].status]
     if not both:
-        sec.paragraphs.append("No claim was judged under two protocols.")
+        said = ["No claim was judged under two protocols."]
     elif not differ:
-        sec.paragraphs.append(f"The protocols agree on every one of the {both} claims judged under more than one.")
+        said = [f"The protocols agree on every one of the {both} claims judged under more than one."]
     else:
-        sec.paragraphs.append(f"Where the protocols disagree ({len(differ)} of the {both} claims judged under more than "
-                              "one; scheme values are means over training seeds, the difference is the claim's own "
-                              "interval):")
-        sec.paragraphs += [f"- {line}" for line in differ]
+        said = [f"Where the protocols disagree ({len(differ)} of the {both} claims judged under more than one; scheme "
+                "values are means over training seeds, the difference is the claim's own interval):"]
+        said += [f"- {line}" for line in differ]
+    sec.paragraphs += said
+    sec.highlights = said
     return sec
 
 

@@ -255,16 +255,24 @@ def _decide(iv: Interval, boundary: float, status: Status, margin: float) -> str
             "; the estimate sits on the boundary: no number of seeds at this spread decides it")
 
 
-def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) -> Verdict:
+def _key(name: str, d: Data) -> str:
+    """A claim's name with the metric it is judged on."""
+    return f"{name}/{d.metric.column}"
+
+
+def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, key: str = "") -> Verdict:
     rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.unit)
+    key = _key(key or f"{a.label} reaches {b.label}", d)
     if not (d.present(a, length) and d.present(b, length)):
-        return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}", rule)
+        return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}", rule,
+                       key=key)
     margin = d.margin
     if not (margin == margin):
-        return Verdict(claim, Status.NOT_MEASURED, f"no exact-ALiBi model at L={length} to scale the margin", rule)
+        return Verdict(claim, Status.NOT_MEASURED, f"no exact-ALiBi model at L={length} to scale the margin", rule,
+                       key=key)
     iv, basis = d.compare(a, b, length, 0.90)
     if iv is None:
-        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule)
+        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule, key=key)
     status, why = equivalence(iv, margin)
     why = why.replace(str(margin), f"{margin:.4f}")
     decide = _decide(iv, margin, status, margin)
@@ -273,17 +281,18 @@ def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int) ->
         status, decide = Status.INCONCLUSIVE, ""
     ev = (_evidence(d, a, b, length, iv, basis) + f"; margin {margin:.4f} ({MARGIN_FRACTION:.0%} of {b.label}'s) "
           f"({why}); {moved}" + decide)
-    return Verdict(claim, status, ev, rule, _numbers(d, a, b, length, iv, margin, margin))
+    return Verdict(claim, status, ev, rule, _numbers(d, a, b, length, iv, margin, margin), key=key)
 
 
-def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int) -> Verdict:
+def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int, key: str = "") -> Verdict:
     """``better`` has lower bits per byte than ``worse``: the interval of worse - better above 0."""
+    key = _key(key or f"{better.label} better than {worse.label}", d)
     if not (d.present(worse, length) and d.present(better, length)):
         return Verdict(claim, Status.NOT_MEASURED, f"no {worse.label} or {better.label} models evaluated at "
-                       f"L={length}", BETTER_RULE)
+                       f"L={length}", BETTER_RULE, key=key)
     iv, basis = d.compare(worse, better, length, 0.95)
     if iv is None:
-        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE)
+        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE, key=key)
     status = difference(iv, "positive")
     margin = d.margin
     decide = _decide(iv, 0.0, status, margin)
@@ -291,7 +300,7 @@ def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: in
     if settled is False:
         status, decide = Status.INCONCLUSIVE, ""
     ev = _evidence(d, worse, better, length, iv, basis) + f"; {moved}" + decide
-    return Verdict(claim, status, ev, BETTER_RULE, _numbers(d, worse, better, length, iv, margin, 0.0))
+    return Verdict(claim, status, ev, BETTER_RULE, _numbers(d, worse, better, length, iv, margin, 0.0), key=key)
 
 
 def poslsh_s(d: Data) -> list[int]:
@@ -310,14 +319,16 @@ def reference_s(d: Data) -> Optional[int]:
 def claim_reaches_alibi(d: Data) -> list[Verdict]:
     """From scratch, Positional LSH (each s) reaches the bits per byte of exact ALiBi."""
     return [judged_equivalent(d, f"from scratch, Positional LSH s={s} reaches the bits per byte of exact ALiBi",
-                              Scheme(POSLSH, s), Scheme(ALIBI), d.L) for s in poslsh_s(d)]
+                              Scheme(POSLSH, s), Scheme(ALIBI), d.L, key=f"scratch/reaches_alibi/s={s}")
+            for s in poslsh_s(d)]
 
 
 def claim_reaches_alibi_accuracy(d: Data) -> list[Verdict]:
     """From scratch, Positional LSH (each s) reaches the top-1 next-token accuracy of exact ALiBi
     (``d`` judged on :data:`TOP1_MISS`; the paper's "comparable perplexity and accuracy")."""
     return [judged_equivalent(d, f"from scratch, Positional LSH s={s} reaches the top-1 accuracy of exact ALiBi",
-                              Scheme(POSLSH, s), Scheme(ALIBI), d.L) for s in poslsh_s(d)]
+                              Scheme(POSLSH, s), Scheme(ALIBI), d.L, key=f"scratch/reaches_alibi/s={s}")
+            for s in poslsh_s(d)]
 
 
 def claim_beats_no_bias(d: Data) -> list[Verdict]:
@@ -325,7 +336,7 @@ def claim_beats_no_bias(d: Data) -> list[Verdict]:
     if s is None:
         return []
     return [judged_better(d, f"from scratch, Positional LSH s={s} beats the model without positional information",
-                          Scheme(NONE), Scheme(POSLSH, s), d.L)]
+                          Scheme(NONE), Scheme(POSLSH, s), d.L, key="scratch/better_than_none/reference_s")]
 
 
 def claim_beats_original_and_fixed_blocks(d: Data) -> list[Verdict]:
@@ -335,7 +346,8 @@ def claim_beats_original_and_fixed_blocks(d: Data) -> list[Verdict]:
     if s is None:
         return []
     return [judged_better(d, f"from scratch, Positional LSH s={s} is better than {name}", Scheme(pos), Scheme(POSLSH, s),
-                          d.L) for pos, name in ((ROPE, "the original RoPE model"), (FIXED_BLOCK, "fixed blocks"))
+                          d.L, key=f"scratch/better_than_{pos}/reference_s")
+            for pos, name in ((ROPE, "the original RoPE model"), (FIXED_BLOCK, "fixed blocks"))
             if d.present(Scheme(pos), d.L)]
 
 
@@ -346,16 +358,16 @@ def claim_beats_alibi(d: Data) -> list[Verdict]:
     if s is None:
         return []
     out = [judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi", Scheme(ALIBI),
-                         Scheme(POSLSH, s), d.L)]
+                         Scheme(POSLSH, s), d.L, key="scratch/better_than_alibi/reference_s")]
     drops = sorted(float(x) for x in d.rows[(d.rows.position == ALIBI)].get("attn_dropout", []) if x and x == x)
     if not drops:
         out.append(Verdict(f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with attention "
                            "dropout", Status.NOT_MEASURED, "no alibi model trained with attn_dropout > 0",
-                           DIFFERENCE_RULE))
+                           DIFFERENCE_RULE, key=_key("scratch/better_than_alibi_dropout/reference_s", d)))
     for p in sorted(set(drops)):
         out.append(judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with "
                                     f"attention dropout {p:g} (the regulariser control)", Scheme(ALIBI, 0, p),
-                                 Scheme(POSLSH, s), d.L))
+                                 Scheme(POSLSH, s), d.L, key="scratch/better_than_alibi_dropout/reference_s"))
     return out
 
 
@@ -373,9 +385,10 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
             f"INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds, the slope of the seeds' mean gaps with the interval "
             "of the fit's residuals (evaluation noise only, not the seed-to-seed spread)")
     if d is None:
-        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule),
+        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule,
+                        key="finetune/gap_falls_with_s"),
                 Verdict("fine-tuned, Positional LSH at the largest s reaches exact ALiBi", Status.NOT_MEASURED,
-                        "no fine-tuned checkpoints", EQUIVALENCE_RULE)]
+                        "no fine-tuned checkpoints", EQUIVALENCE_RULE, key="finetune/reaches_alibi/largest_s/bits_per_byte")]
     a = d.per_seed(Scheme(ALIBI), d.L)
     by_seed: dict = {}  # seed -> {s: gap}; every gap of a seed shares that seed's ALiBi value
     for s in poslsh_s(d):
@@ -388,7 +401,7 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
     if len(gaps) < 3 or not fitted:
         st = Status.NOT_MEASURED if not gaps else Status.INCONCLUSIVE
         out = [Verdict(claim, st, "fewer than three s with alibi and poslsh models" if gaps else
-                       "no alibi or poslsh fine-tuning runs", rule)]
+                       "no alibi or poslsh fine-tuning runs", rule, key="finetune/gap_falls_with_s")]
     else:
         shown = ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items())
         if len(fitted) >= MIN_SEEDS:
@@ -403,19 +416,22 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
             n = len(by_seed)
             ev = (f"L={d.L}: slope of the mean gap against ln s {iv.text()} over {len(gaps)} s ({n} seed"
                   f"{'s' if n != 1 else ''}: the fit's residuals, evaluation noise only); gaps {shown}")
-        out = [Verdict(claim, difference(iv, "negative"), ev, rule)]
+        out = [Verdict(claim, difference(iv, "negative"), ev, rule, key="finetune/gap_falls_with_s")]
     ss = poslsh_s(d)
     if ss:
         out.append(judged_equivalent(d, f"fine-tuned, Positional LSH at the largest s (s={max(ss)}) reaches exact "
-                                        "ALiBi", Scheme(POSLSH, max(ss)), Scheme(ALIBI), d.L))
+                                        "ALiBi", Scheme(POSLSH, max(ss)), Scheme(ALIBI), d.L,
+                                     key="finetune/reaches_alibi/largest_s"))
     return out
 
 
 def claim_finetune_beats_fixed_blocks(d: Optional[Data]) -> list[Verdict]:
     claim = "fine-tuned, Positional LSH at the largest s is better than fixed blocks"
     if d is None or not poslsh_s(d):
-        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned poslsh checkpoints", DIFFERENCE_RULE)]
-    return [judged_better(d, claim, Scheme(FIXED_BLOCK), Scheme(POSLSH, max(poslsh_s(d))), d.L)]
+        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned poslsh checkpoints", DIFFERENCE_RULE,
+                        key="finetune/better_than_fixed_block/largest_s/bits_per_byte")]
+    return [judged_better(d, claim, Scheme(FIXED_BLOCK), Scheme(POSLSH, max(poslsh_s(d))), d.L,
+                          key="finetune/better_than_fixed_block/largest_s")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +456,8 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
               "about robustness needs a RoPE or no-position model evaluated at the same lengths to contrast (NOT "
               "MEASURED otherwise)")
     if s is None or not _degradation(d, Scheme(POSLSH, s)):
-        return [Verdict(robust, Status.NOT_MEASURED, f"no poslsh model evaluated at L and {k}L", rule_r)]
+        return [Verdict(robust, Status.NOT_MEASURED, f"no poslsh model evaluated at L and {k}L", rule_r,
+                        key="extrapolation/robust")]
     others = [sc for sc in (Scheme(ROPE), Scheme(NONE)) if _degradation(d, sc)]
     p = _degradation(d, Scheme(POSLSH, s))
     at_L = d.per_seed(Scheme(POSLSH, s), d.L)
@@ -457,13 +474,14 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
                  f"{np.mean(list(p.values())):+.4f}; {count(len(p), 'training seeds')} and no evaluation windows"))
     ev += f"; margin {margin:.4f}"
     if not others:
-        return [Verdict(robust, Status.NOT_MEASURED, ev + f"; no rope or none model evaluated at L and {k}L", rule_r)]
+        return [Verdict(robust, Status.NOT_MEASURED, ev + f"; no rope or none model evaluated at L and {k}L", rule_r,
+                        key="extrapolation/robust")]
     if iv is not None and iv.finite:
         st = Status.SUPPORTED if iv.high < margin else (
             Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE)
     else:
         st = Status.INCONCLUSIVE
-    out = [Verdict(robust, st, ev, rule_r)]
+    out = [Verdict(robust, st, ev, rule_r, key="extrapolation/robust")]
     for sc in others:
         o = _degradation(d, sc)
         common = sorted(set(o) & set(p))
@@ -474,11 +492,12 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
         else:
             div = _windows_degradation(d, sc, Scheme(POSLSH, s), common)
             basis = f"{count(len(common), 'training seeds')}: evaluation noise only" if div else "no evaluation windows"
+        key = f"extrapolation/{sc.position}_degrades_more"
         if div is None:
-            out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE))
+            out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE, key=key))
             continue
         out.append(Verdict(claim, difference(div, "positive"), f"L={d.L}: ({sc.label} at {k}L - at L) - (poslsh s={s} at "
-                           f"{k}L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE))
+                           f"{k}L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE, key=key))
     return out
 
 

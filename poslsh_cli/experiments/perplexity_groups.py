@@ -149,9 +149,10 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
             claim = (f"{where}Positional LSH s={int(s_trained)}'s trained weights reach exact ALiBi's bits per byte "
                      "when run with exact ALiBi")
             iv = t_interval((exact[seeds] - ref[seeds]).values, 0.90)
+            key = f"{'finetune' if ft == 'yes' else 'scratch'}/weights_reach_alibi/s={int(s_trained)}"
             if iv.n < MIN_SEEDS:
                 out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={int(L)}: {count(iv.n, 'seeds')} (at least "
-                                   f"{MIN_SEEDS} needed)", WEIGHTS_RULE))
+                                   f"{MIN_SEEDS} needed)", WEIGHTS_RULE, key=key))
                 continue
             status, why = equivalence(iv, margin)
             why = why.replace(str(margin), f"{margin:.4f}")
@@ -160,7 +161,7 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
             out.append(Verdict(claim, status, ev, WEIGHTS_RULE,
                                {"unit": "bits per byte", "length": int(L), "margin": margin, "boundary": margin,
                                 "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n,
-                                         "source": iv.source, "level": iv.level}}))
+                                         "source": iv.source, "level": iv.level}}, key=key))
     return out
 
 

@@ -413,10 +413,13 @@ def _by_bandwidths(own: Any) -> list[tuple[str, Any]]:
     return [(lab, own[own.sigmas.isin([lab, ""])]) for lab in labels]
 
 
-def _tagged(verdicts: list, tag: str) -> list:
+def _tagged(verdicts: list, tag: str, key_tag: str = "") -> list:
+    """The verdicts with ``tag`` shown after their claim, and ``key_tag`` (what tells the same claim of
+    two groups apart for a reader that joins runs: bandwidths, protocol) added to their names."""
     import dataclasses
 
-    return [dataclasses.replace(v, claim=f"{v.claim} [{tag}]") for v in verdicts] if tag else verdicts
+    return [dataclasses.replace(v, claim=f"{v.claim} [{tag}]" if tag else v.claim,
+                                key=f"{v.name}[{key_tag}]" if key_tag else v.name) for v in verdicts]
 
 
 def report(run: Path, df: Any) -> Section:
@@ -426,6 +429,7 @@ def report(run: Path, df: Any) -> Section:
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
     df = pg.with_group_columns(with_model_columns(df))
     own = df[df.attention == OWN]
+    sec.facts.update(protocol=protocol_label(own), described=described(run, own))
     sec.tables.append(interval_table(pg.main_text(main_protocol(own))))
     main = main_protocol(own)
     scoring = ("non-overlapping windows, every token scored" if main.empty or main.protocol.iloc[0] == NONOVERLAPPING
@@ -465,19 +469,24 @@ def report(run: Path, df: Any) -> Section:
                     dd = _restrict(d, h)
                     for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias,
                                   pc.claim_beats_original_and_fixed_blocks, pc.claim_beats_alibi):
-                        judged += _tagged(claim(dd), _join(tag, gtag))
+                        judged += _tagged(claim(dd), _join(tag, gtag), tag)
                     if accuracy:
-                        judged += _tagged(pc.claim_reaches_alibi_accuracy(dd.with_metric(pc.TOP1_MISS)), _join(tag, gtag))
+                        judged += _tagged(pc.claim_reaches_alibi_accuracy(dd.with_metric(pc.TOP1_MISS)), _join(tag, gtag),
+                                          tag)
             tuned = list(pg.groups(at_L, windows, finetuned=True))
             for gtag, d in tuned or [("", None)]:
                 for tag, h in _by_bandwidths(d.rows) if d is not None else [("", None)]:
                     dd = _restrict(d, h) if d is not None else None
                     judged += _tagged(pc.claim_finetune_approaches_alibi(dd) + pc.claim_finetune_beats_fixed_blocks(dd),
-                                      _join(tag, gtag))
+                                      _join(tag, gtag), tag)
         side = pg.side_text(pown)
         for gtag, d in pg.groups(side, windows, finetuned=False):
             for tag, h in _by_bandwidths(d.rows):
-                judged += _tagged(pc.claim_extrapolation(_restrict(d, h, keep_half=False)), _join(tag, gtag, ptag))
+                # the protocol is part of the claim's name even where a run scored one (it lines up with a
+                # run that scored several)
+                proto = ptag or (str(protocol_of(pown).protocol.iloc[0]) if len(pown) else "")
+                judged += _tagged(pc.claim_extrapolation(_restrict(d, h, keep_half=False)), _join(tag, gtag, ptag),
+                                  _join(tag, proto))
     judged += pg.claim_weights_reach_alibi(main_protocol(df))
     sec.verdicts += judged
     if "top1" in own.columns and own.top1.notna().any():
@@ -510,6 +519,25 @@ def report(run: Path, df: Any) -> Section:
                               "half-width at most half the margin at this spread.")
     sec.paragraphs.append(pg.family_paragraph(judged))
     return sec
+
+
+def protocol_label(own: Any) -> str:
+    """How a run's models set their bandwidths, from its rows: ALiBi's per-head slopes (this project's
+    protocol) or one sigma for every head (the paper's): the name of its column beside other runs."""
+    labels = sorted(set(own.sigmas) - {""})
+    return "; ".join("per-head σ (ALiBi's slopes)" if x == "standard" else x.replace("sigma=", "σ = ")
+                     for x in labels) or "no bandwidth"
+
+
+def described(run: Path, own: Any) -> str:
+    """One sentence of what a run trained and evaluated (bandwidths, s, schemes, seeds, lengths, protocols)."""
+    d = protocol_of(own)
+    seeds = d.groupby(["position", "trained_s"]).run_seed.nunique()
+    return (f"{Path(run).name}: bandwidths {', '.join(sorted(set(d.sigmas) - {''})) or 'none'}; trained s "
+            f"{', '.join(str(int(x)) for x in sorted(set(d[d.position == POSLSH].trained_s))) or 'none'}; schemes "
+            f"{', '.join(sorted(set(d.position)))}; {int(seeds.min()) if len(seeds) else 0}-"
+            f"{int(seeds.max()) if len(seeds) else 0} training seeds per scheme; lengths "
+            f"{', '.join(str(int(x)) for x in sorted(set(d.length)))}; protocols {', '.join(sorted(set(d.protocol)))}.")
 
 
 def _join(*tags: str) -> str:

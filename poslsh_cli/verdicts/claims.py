@@ -34,6 +34,14 @@ class Verdict:
     #: the same numbers, structured, where a later comparison reads them (a two-scheme comparison:
     #: each scheme's label, mean and interval over seeds, and the difference's interval)
     numbers: dict | None = field(default=None, compare=False)
+    #: the claim's name, stable whatever its sentence says (readers join verdicts of several runs on
+    #: it, never on the sentence); empty: the sentence itself
+    key: str = field(default="", compare=False)
+
+    @property
+    def name(self) -> str:
+        """The claim's name (its ``key``, else its sentence)."""
+        return self.key or self.claim
 
 
 @dataclass
@@ -50,6 +58,11 @@ class Section:
     figures: list[Path] = field(default_factory=list)
     #: the run was made at smoke scale (a ``_quick`` preset): its verdicts test the pipeline, not a claim
     smoke: bool = False
+    #: what a section says of its run for readers that set several runs side by side (the run's
+    #: protocol: ``protocol``, its name; ``described``, one sentence of what it trained and evaluated)
+    facts: dict = field(default_factory=dict)
+    #: the lines a summary of the section shows (the README's block), apart from its paragraphs
+    highlights: list[str] = field(default_factory=list)
 
     def add_table(self, head: list[str], rows: list[list[Any]]) -> None:
         """A table from a command's ``summary(df)`` (its header and rows)."""
