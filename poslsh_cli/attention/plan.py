@@ -153,6 +153,26 @@ class Plan:
         parts = [self.backend.value] + ([self.kernel.value] if self.kernel else []) + (["compiled"] if self.compiled else [])
         return "/".join(parts)
 
+    def memory_bytes(self, batch: int, heads: int, n: int, head_dim: int, s: int = 0, training: bool = False) -> float:
+        """Bytes one attention layer on this path holds at length n (float32), what the commands'
+        memory estimates add per layer: the dense path the n x n bias of every head (the kernel under
+        it keeps outputs of order n); the reference path the n x n weights of every sequence; the
+        blocks Positional LSH's s per-sample outputs and log-sum-exps (about half a head vector each,
+        as measured by step-bench); the union route on the CPU its band of counts (one byte a count,
+        at most n keys a query); any other path (SDPA, rank-1, chunked, FlexAttention) outputs and
+        log-sum-exps of order n."""
+        rows = 4.0 * batch * heads * n
+        own = rows * (head_dim + 1) * 2
+        if self.backend is Backend.DENSE:
+            return 4.0 * heads * n * n * 2 + own
+        if self.backend is Backend.REFERENCE:
+            return rows * n * (3 if training else 2)
+        if self.backend is Backend.BLOCKS:
+            return rows * max(1, s) * (head_dim + 4) / 2 + own
+        if self.backend is Backend.UNION and self.kernel is not Kernel.FLEX:
+            return float(heads) * n * n + own
+        return own
+
 
 def needs_grad(*ts: Any) -> bool:
     import torch

@@ -154,40 +154,19 @@ class LMShape:
         return self.vocab * self.hidden + self.layers * (attn + 3 * self.hidden * self.intermediate)
 
 
-def attention_bytes(path: str, batch: int, heads: int, n: int, head_dim: int, s: int = 0,
-                    training: bool = False) -> float:
-    """Bytes one attention layer holds at length n (float32) on the path labelled ``path``
-    (:attr:`poslsh_cli.attention.plan.Plan.label`): the dense path the n x n bias of every head
-    (the kernel under it keeps outputs of order n); the reference path the n x n weights of every
-    sequence; the block path Positional LSH's s per-sample outputs and log-sum-exps (about
-    half a head vector each, as measured by step-bench); any other path (SDPA, rank-1, chunked,
-    FlexAttention) outputs and log-sum-exps of order n."""
-    rows = 4.0 * batch * heads * n
-    backend = path.split("/")[0].split("+")[0]
-    own = rows * (head_dim + 1) * 2
-    if backend == "dense":
-        return 4.0 * heads * n * n * 2 + own
-    if backend == "reference":
-        return rows * n * (3 if training else 2)
-    if backend == "blocks":
-        return rows * max(1, s) * (head_dim + 4) / 2 + own
-    return own
-
-
-def attention_path(position: Any, device: Any, n: int, grad: bool) -> str:
-    """The label of the attention plan a model under ``position`` (a
-    :class:`poslsh_cli.lm.positions.Position`, or its value) takes at length n, causal, in float32
-    (RoPE: SDPA); what :func:`attention_bytes` needs."""
+def attention_plan(position: Any, device: Any, n: int, grad: bool) -> Any:
+    """The attention plan a model under ``position`` (a :class:`poslsh_cli.lm.positions.Position`, or
+    its value) takes at length n, causal, in float32 (RoPE: SDPA without bias); its
+    :meth:`~poslsh_cli.attention.plan.Plan.memory_bytes` is what a layer of it holds."""
     import torch
 
-    from poslsh_cli.attention import choose
+    from poslsh_cli.attention import Backend, Method, Plan, choose
     from poslsh_cli.lm.positions import Position, method_of
 
     position = Position(getattr(position, "value", position))
     if position is Position.ROPE:
-        return "sdpa"
-    return choose(method_of(position), device=torch.device(device), dtype=torch.float32, n=n, causal=True,
-                  grad=grad).label
+        return Plan(Method.NO_BIAS, Backend.SDPA)
+    return choose(method_of(position), device=torch.device(device), dtype=torch.float32, n=n, causal=True, grad=grad)
 
 
 def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: bool, trainable: Optional[int] = None,
@@ -200,7 +179,7 @@ def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: boo
     backward pass (only each layer's input with ``recompute``, and one layer whole), without
     gradients 4 hidden and 2 intermediate values of one layer at a time; the logits over the
     vocabulary (three copies in training, two without); ``attention`` bytes a layer
-    (:func:`attention_bytes`). Calibrated on step-bench's measured peaks: an estimate to refuse
+    (:meth:`~poslsh_cli.attention.plan.Plan.memory_bytes`). Calibrated on step-bench's measured peaks: an estimate to refuse
     what cannot fit, not a prediction."""
     tokens = float(batch) * n
     w = 4.0 * shape.params if weights is None else weights
@@ -224,8 +203,8 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     position = own if attention == "own" else attention
     saved = int((cfg.get("poslsh") or {}).get("num_samples", 0) or 0)
     shape = LMShape.of_config(cfg)
-    att = attention_bytes(attention_path(position, device, n, grad=False), batch, shape.heads, n, shape.head_dim,
-                          s or saved or 8)
+    att = attention_plan(position, device, n, grad=False).memory_bytes(batch, shape.heads, n, shape.head_dim,
+                                                                       s or saved or 8)
     return lm_bytes(shape, batch, n, att, training=False, weights=weights_bytes(path))
 
 

@@ -196,15 +196,19 @@ def check_rows(n: int) -> list[int]:
 
 def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1) -> tuple[str, ...]:
     """Backends timed for the partition methods (Positional LSH, fixed blocks) with s masks on
-    ``device``: ``auto`` is the union route and the per-mask FlexAttention route on CUDA, and on the
-    CPU the path the plan takes there (the blocks, the union from ``UNION_MIN_S_CPU`` masks on;
-    uncompiled FlexAttention is a dense fallback, not a fast path); others as asked."""
-    from poslsh_cli.attention.plan import UNION_MIN_S_CPU
+    ``device``: ``auto`` is the path the plan takes for inference at long context (asked of the plan:
+    :func:`poslsh_cli.attention.choose` at n = INFER_DENSE_MAX_N, causal), and on CUDA beside it the
+    per-mask FlexAttention route it is compared with; others as asked."""
+    import torch
 
-    cpu = ("union",) if s >= UNION_MIN_S_CPU else ("blocks",)
+    from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
+
+    planned = choose(Method.POSLSH if s > 1 else Method.FIXED_BLOCK, device=device, dtype=torch.float32,
+                     n=INFER_DENSE_MAX_N, causal=True, grad=False, num_samples=s).backend.value
+    auto = (planned, "flex") if device.type == "cuda" else (planned,)
     out: list[str] = []
     for b in asked:
-        for x in (("union", "flex") if device.type == "cuda" else cpu) if b == "auto" else (b,):
+        for x in auto if b == "auto" else (b,):
             if x not in out:
                 out.append(x)
     return tuple(out)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from poslsh_cli.core.config import Spec, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_plan, lm_bytes
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
 from poslsh_cli.lm.loading import Arch
@@ -229,10 +229,9 @@ def memory(spec: DecodeBenchSpec) -> MemoryNeed:
     kv = 2 * 4.0 * spec.layers * spec.kv_heads * spec.head_dim * spec.batch * (n + spec.new_tokens)
     need = MemoryNeed(0.0, "")
     for p in spec.position:
-        path = attention_path(p, device, n, grad=False)
         s = max(spec.s) if randomized(p) else 0
-        b = kv + lm_bytes(shape, spec.batch, n, attention_bytes(path, spec.batch, spec.heads, n, spec.head_dim, s),
-                          training=False)
+        att = attention_plan(p, device, n, grad=False).memory_bytes(spec.batch, spec.heads, n, spec.head_dim, s)
+        b = kv + lm_bytes(shape, spec.batch, n, att, training=False)
         if b > need.bytes:
             need = MemoryNeed(b, f"a context of {spec.batch} x {n} tokens and its keys and values, {p.value}",
                               spec.device)

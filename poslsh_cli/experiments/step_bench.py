@@ -26,7 +26,7 @@ from typing import Any, Optional
 from poslsh_cli.attention.plan import Backend, backends_of
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, choices, lm_bytes
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices, lm_bytes
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench_report import plot, report, summary
@@ -121,19 +121,19 @@ def prepare(spec: StepBenchSpec) -> StepBenchContext:
 
 
 def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, sigma: Optional[float] = None,
-            heads: int = 8) -> str:
-    """The label of the plan a training step at length n takes (what the cells are told apart by;
-    the ``attention_path`` column is recorded from the run itself): the plan with the cost model of
-    one draw of the step's masks, as a training step chooses it."""
+            heads: int = 8) -> Any:
+    """The plan a training step at length n takes (cells are told apart by its label; the
+    ``attention_path`` column is recorded from the run itself): the plan with the cost model of one
+    draw of the step's masks, as a training step chooses it (RoPE: SDPA without bias)."""
     import numpy as np
     import torch
 
-    from poslsh_cli.attention import AttentionSpec, choose
+    from poslsh_cli.attention import AttentionSpec, Method, Plan, choose
     from poslsh_cli.attention.api import work_of
     from poslsh_cli.numerics.sampling import alibi_sigmas
 
     if position is Position.ROPE:
-        return "sdpa+rope"
+        return Plan(Method.NO_BIAS, Backend.SDPA)
     method = method_of(position)
     work = None
     if randomized(position) and torch.device(device).type == "cpu" and backend == "auto":
@@ -141,7 +141,7 @@ def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, s
         spec = AttentionSpec.build(method, sigmas, n, True, num_samples=s, rng=np.random.default_rng(0))
         work = work_of(spec, n)
     return choose(method, device=device, dtype=torch.float32, n=n, causal=True, grad=True, backend=backend,
-                  num_samples=s, work=work).label
+                  num_samples=s, work=work)
 
 
 def mask_seconds(state: PositionState, n: int, layers: int, device: Any, steps: int = 3) -> float:
@@ -193,7 +193,7 @@ def cells(spec: StepBenchSpec, ctx: StepBenchContext | None = None) -> list[dict
                 if b.value != "auto" and not _has(p, b.value):
                     continue
                 for s in (spec.s if randomized(p) else (0,)):
-                    path = (planned(p, b.value, n, device, s, sigma_at(spec, n), spec.heads), s)
+                    path = (planned(p, b.value, n, device, s, sigma_at(spec, n), spec.heads).label, s)
                     if path in seen:
                         continue
                     seen.add(path)
@@ -296,12 +296,12 @@ def memory(spec: StepBenchSpec) -> MemoryNeed:
     need = MemoryNeed(0.0, "")
     for k in cells(spec, StepBenchContext(device, None)):
         if k["seq_len"] == n:
-            path = planned(Position(k["position"]), k["backend"], n, device, k["s"], sigma_at(spec, n), spec.heads)
+            plan = planned(Position(k["position"]), k["backend"], n, device, k["s"], sigma_at(spec, n), spec.heads)
             batch = batch_at(spec, n)
-            b = lm_bytes(shape, batch, n, attention_bytes(path, batch, spec.heads, n, spec.head_dim, k["s"],
-                                                          training=True), training=True)
+            b = lm_bytes(shape, batch, n, plan.memory_bytes(batch, spec.heads, n, spec.head_dim, k["s"], training=True),
+                         training=True)
             if b > need.bytes:
-                need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {k['position']} on {path}",
+                need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {k['position']} on {plan.label}",
                                   spec.device)
     return need
 

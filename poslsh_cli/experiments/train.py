@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from poslsh_cli.experiments.train_report import metric_files, plot, report, summary
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_path, lm_bytes
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_plan, lm_bytes
 from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
@@ -225,13 +225,13 @@ def memory(spec: TrainSpec) -> Optional[MemoryNeed]:
     n = max(spec.seq_len)
     need = MemoryNeed(0.0, "")
     for p in list(spec.position) + ([spec.pretrain] if spec.pretrain is not None else []):
-        path = attention_path(p, device, n, grad=True)
+        plan = attention_plan(p, device, n, grad=True)
         s = max(spec.s) if randomized(p) else 0
-        b = lm_bytes(shape, batch, n, attention_bytes(path, batch, shape.heads, n, shape.head_dim, s, training=True),
+        b = lm_bytes(shape, batch, n, plan.memory_bytes(batch, shape.heads, n, shape.head_dim, s, training=True),
                      training=True, trainable=trainable, shards=world if spec.parallel is Parallel.FSDP else 1,
                      recompute=spec.gradient_checkpointing, elem=4.0 if spec.precision is Precision.FP32 else 2.0)
         if b > need.bytes:
-            need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {p.value} on {path}", spec.device)
+            need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {p.value} on {plan.label}", spec.device)
     return need
 
 
