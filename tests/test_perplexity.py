@@ -236,7 +236,7 @@ def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monk
     """Exact ALiBi and exact ALiBi trained with attention dropout (and a model with one sigma for
     every head) are different models: their own rows in the console table, their own curves in
     bits per byte against length, their own legend entries and colours in the learning curves."""
-    from poslsh_cli.experiments import perplexity_report, train_report
+    from poslsh_cli.experiments import perplexity_plots, perplexity_report, train_report
 
     run, df = ppl_run(tmp_path / "p", scratch={A: 1.8, AD: 1.9})
     df = pd.concat([df, df[(df.position == "alibi") & (df.attn_dropout == 0)].assign(
@@ -251,7 +251,7 @@ def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monk
         assert by[label][col] == f"{df[sel & (df.length == 256)].bits_per_byte.mean():.4f}"
         assert by[label][head.index("seeds")] == "3"
     figs = captured_figures(monkeypatch)
-    perplexity_report.plot(run, df)
+    perplexity_plots.plot(run, df)
     ax = figs["bpb_vs_length"].axes[0]
     curves = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
     assert set(curves) == {"alibi", "alibi +dropout 0.1", "alibi (sigma=256 every head)"}

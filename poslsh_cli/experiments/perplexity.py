@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from poslsh_cli.experiments.perplexity_report import plot, report, summary
+from poslsh_cli.experiments.perplexity_plots import plot
+from poslsh_cli.experiments.perplexity_report import report, summary
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
