@@ -44,8 +44,8 @@ def main() -> None:
     arch = Arch(a.hidden, a.layers, a.heads, a.heads, a.intermediate, a.head_dim, max(8192, a.seq_len))
     x = torch.as_tensor(np.random.default_rng(0).integers(0, VOCAB, size=(a.batch, a.seq_len + 1)), device=device)
     for position in a.positions:
-        state = (PositionState.standard(position, a.heads, num_samples=a.s) if a.sigma is None else
-                 PositionState(position, [a.sigma] * a.heads, num_samples=a.s))
+        state = (PositionState.standard(position, a.heads, s=a.s) if a.sigma is None else
+                 PositionState(position, [a.sigma] * a.heads, s=a.s))
         model = build_model(arch, state, 0).to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

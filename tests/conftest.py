@@ -117,7 +117,7 @@ def poslsh_checkpoint(tmp_path_factory):
     from poslsh_cli.lm.positions import PositionState
 
     arch = Arch(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, head_dim=16, max_positions=4096)
-    state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), num_samples=8, seed=3)
+    state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), s=8, seed=3)
     model = build_model(arch, state, seed=1).eval()
     path = tmp_path_factory.mktemp("ck") / "poslsh"
     save(model, path, {"scheme": model.poslsh_position.to_json(), "seq_len": 128}, None)

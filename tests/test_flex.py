@@ -281,9 +281,9 @@ def test_cuda_memory_of_positional_lsh_follows_exact_alibi(backward):
             if backend == "flex" and backward:
                 continue  # the per-mask route keeps s outputs for its backward; training takes the union
             def draw_and_attend(s=s, backend=backend):
-                spec = AttentionSpec.build(Method.POSLSH, sig, n, True, num_samples=s, rng=np.random.default_rng(s))
+                spec = AttentionSpec.build(Method.POSLSH, sig, n, True, s=s, rng=np.random.default_rng(s))
                 plan = choose(Method.POSLSH, device=dev, dtype=q.dtype, n=n, causal=True, grad=backward,
-                              backend=backend, num_samples=s)
+                              backend=backend, s=s)
                 return attend(q, k, v, spec, plan=plan, layout=layout_for(spec, plan, dev))
             mem = call(draw_and_attend)
             assert mem <= 1.5 * exact + 4 * H * s * n / 2**20, (s, backend, mem, exact)

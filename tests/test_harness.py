@@ -93,7 +93,7 @@ def test_batched_scores_equal_a_direct_forward(poslsh_checkpoint):
 @pytest.fixture(scope="module")
 def sobol_ck(tmp_path_factory):
     """A byte-level Positional-LSH checkpoint whose masks are Sobol-sampled, on the dense backend."""
-    state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), num_samples=8, seed=3, sampler="sobol",
+    state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), s=8, seed=3, sampler="sobol",
                           backend="dense")
     path = tmp_path_factory.mktemp("ck") / "sobol"
     save(build_model(ARCH, state, seed=1).eval(), path, {"scheme": state.to_json(), "seq_len": 128}, None)

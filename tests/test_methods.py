@@ -195,7 +195,7 @@ def test_the_declared_scores_are_the_weights_of_the_theory(method):
     """Each declared method's reference weight (exp of its score where its key mask keeps the pair)
     is the weight docs/THEORY.md gives it, built independently: L*, L* cut to the window, M~."""
     n, rng = 90, [np.random.default_rng(h) for h in range(4)]
-    spec = AttentionSpec.build(method, SIGMAS, n, True, num_samples=5, rng=rng, window_sigmas=2.0)
+    spec = AttentionSpec.build(method, SIGMAS, n, True, s=5, rng=rng, window_sigmas=2.0)
     w = reference_weight(spec, n)
     if method is Method.NO_BIAS:
         assert w is None

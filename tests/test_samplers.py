@@ -97,17 +97,22 @@ def test_comparison_ratios_and_sentences_come_from_the_rows():
 def test_position_state_keeps_its_sampler_and_reads_older_checkpoints_as_iid():
     from poslsh_cli.lm.positions import PositionState
 
-    st = PositionState("poslsh", [4.0, 8.0], num_samples=4, seed=3, sampler="sobol")
+    st = PositionState("poslsh", [4.0, 8.0], s=4, seed=3, sampler="sobol")
     d = st.to_json()
     assert d["sampler"] == "sobol" and PositionState.from_json(d).sampler == "sobol"
-    plain = PositionState("poslsh", [4.0, 8.0], num_samples=4).to_json()
+    plain = PositionState("poslsh", [4.0, 8.0], s=4).to_json()
     assert "sampler" not in plain and PositionState.from_json(plain).sampler == "iid"
     a, b = st.attention_spec(0, 128, None), PositionState.from_json(d).attention_spec(0, 128, None)
     assert np.array_equal(a.bin_table[0], b.bin_table[0])  # the same masks after a reload
     iid = PositionState.from_json({**d, "sampler": "iid"}).attention_spec(0, 128, None)
     assert not np.array_equal(a.bin_table[0], iid.bin_table[0])
     with pytest.raises(ValueError):
-        PositionState("poslsh", [4.0], num_samples=4, sampler="halton")
+        PositionState("poslsh", [4.0], s=4, sampler="halton")
+    # a scheme saved before s had its name (num_samples) loads as the same scheme, the same masks
+    old = {("num_samples" if k == "s" else k): v for k, v in d.items()}
+    assert "s" not in old and PositionState.from_json(old) == PositionState.from_json(d)
+    assert np.array_equal(PositionState.from_json(old).attention_spec(0, 128, None).bin_table[0], a.bin_table[0])
+    assert PositionState.saved_s(old) == PositionState.saved_s(d) == 4
 
 
 def test_matrix_error_runs_the_samplers_side_by_side_and_sample_replays_a_row(tmp_path):

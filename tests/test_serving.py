@@ -31,7 +31,7 @@ TOL = 1e-5
 
 
 def _model(position: str):
-    state = PositionState(position, SIGMAS, num_samples=8 if position == "poslsh" else 0, seed=3)
+    state = PositionState(position, SIGMAS, s=8 if position == "poslsh" else 0, seed=3)
     return build_model(ARCH, state, seed=1).eval()
 
 
@@ -46,7 +46,7 @@ def test_positioned_attention_equals_the_float64_reference(method):
     """At positions 0..n-1 with the causal mask, the positioned path is the method itself."""
     n, H = 300, 4
     rng = [np.random.default_rng(h) for h in range(H)]
-    spec = AttentionSpec.build(method, SIGMAS, n, True, num_samples=6, rng=rng, window_sigmas=2.0)
+    spec = AttentionSpec.build(method, SIGMAS, n, True, s=6, rng=rng, window_sigmas=2.0)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, H, n, 16, generator=g) for _ in range(3))
     q_pos, k_pos = positions_from_padding(None, 2, n, n, "cpu")
@@ -125,7 +125,7 @@ def _windowed_model(position: str, window: int = 48):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         model = tf.Qwen3ForCausalLM(config)
-    state = PositionState(position, SIGMAS, num_samples=8 if position == "poslsh" else 0, seed=3)
+    state = PositionState(position, SIGMAS, s=8 if position == "poslsh" else 0, seed=3)
     return install(model, state).eval()
 
 
@@ -191,7 +191,7 @@ def test_attention_of_each_sequence_alone_equals_the_float64_reference(method):
 
     def spec_at(r):
         rng = [np.random.default_rng(h) for h in range(H)]
-        return AttentionSpec.build(method, SIGMAS, r, True, num_samples=6, rng=rng, window_sigmas=2.0)
+        return AttentionSpec.build(method, SIGMAS, r, True, s=6, rng=rng, window_sigmas=2.0)
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(5, H, n, 16, generator=g) for _ in range(3))
@@ -213,7 +213,7 @@ def test_a_swapped_inline_alibi_attention_refuses_a_cache():
 
     torch.manual_seed(0)
     model = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=4)).eval()
-    install(model, PositionState("poslsh", SIGMAS, num_samples=4))
+    install(model, PositionState("poslsh", SIGMAS, s=4))
     x = torch.randint(0, 256, (1, 20))
     with torch.no_grad():
         model(x, use_cache=False)
@@ -244,7 +244,7 @@ def test_a_swapped_inline_alibi_attention_honours_padding(arch, tokens):
 
     model = _alibi_checkpoint(arch)
     for position in ("poslsh", "alibi"):
-        state = PositionState(position, SIGMAS, num_samples=8 if position == "poslsh" else 0, seed=2)
+        state = PositionState(position, SIGMAS, s=8 if position == "poslsh" else 0, seed=2)
         install(model, state)
         with torch.no_grad():
             alone = [model(t, use_cache=False).logits[0] for t in tokens]
@@ -335,7 +335,7 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
 
     from poslsh_cli.lm.loading import with_scheme
 
-    trained = PositionState("poslsh", SIGMAS, num_samples=8, seed=3, sampler="sobol", backend="dense")
+    trained = PositionState("poslsh", SIGMAS, s=8, seed=3, sampler="sobol", backend="dense")
     save(build_model(ARCH, trained, seed=1).eval(), tmp_path / "ck", {"scheme": trained.to_json()}, None)
     model, own = load_model(tmp_path / "ck")
     assert (own.sampler, own.backend) == ("sobol", "dense")
@@ -348,7 +348,7 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
             assert torch.isfinite(model(x, use_cache=False).logits).all()
         assert state.plans == {"dense"}, (attention, state.plans)
         if state.position.value == "poslsh":  # the masks are the Sobol draw of that seed
-            sobol = PositionState("poslsh", SIGMAS, num_samples=state.num_samples, seed=state.seed, sampler="sobol")
+            sobol = PositionState("poslsh", SIGMAS, s=state.s, seed=state.seed, sampler="sobol")
             assert all(np.array_equal(a, b) for a, b in zip(state.attention_spec(0, 64, None).bin_table,
                                                              sobol.attention_spec(0, 64, None).bin_table))
     assert with_scheme(model, own, "none").backend == "auto"  # no attention bias: SDPA only

@@ -132,7 +132,7 @@ def test_every_scheme_matches_its_float64_reference_inside_the_model(position):
     largest logit."""
     import copy
 
-    state = PositionState.standard(position, 4, num_samples=5, seed=3)
+    state = PositionState.standard(position, 4, s=5, seed=3)
     model = build_model(ARCH, state, seed=0).eval()
     x = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
 
@@ -166,7 +166,7 @@ def test_a_short_training_run_has_the_same_losses_on_the_recomputing_path_as_on_
     banded) path with its own backward and through one dense attention with log M~: the losses agree
     to float32 rounding (amplified a little by the steps)."""
     def losses(backend):
-        state = PositionState.standard(position, 4, num_samples=5, seed=11, backend=backend)
+        state = PositionState.standard(position, 4, s=5, seed=11, backend=backend)
         model = build_model(ARCH, state, seed=0).train()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(1)
@@ -190,7 +190,7 @@ def test_a_short_training_run_has_the_same_losses_on_the_recomputing_path_as_on_
 
 
 def test_poslsh_masks_are_fresh_each_step_and_replay():
-    state = PositionState.standard(Position.POSLSH, 4, num_samples=3, seed=7)
+    state = PositionState.standard(Position.POSLSH, 4, s=3, seed=7)
     state.step = 1
     a = state.attention_spec(0, 50, None).partitions
     state.step = 2

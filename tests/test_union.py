@@ -107,7 +107,7 @@ def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit()
         parts = parts_for(n, [64.0] * 8, s, seed=3)
         spec = spec_of(parts, True)
         plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=n, causal=True, grad=True,
-                      work=work_of(spec, n), num_samples=s)
+                      work=work_of(spec, n), s=s)
         assert plan.label == label, (n, s, plan.label)
     band = poslsh_layout(parts_for(2048, [64.0] * 8, 100, seed=3), True, "union", "cpu")
     assert band.counts.element_size() == 1 and band.counts.numel() < 0.4 * 8 * 2048 * 2048
@@ -169,13 +169,13 @@ def test_the_union_route_calls_the_kernel_once_per_head_not_per_mask(monkeypatch
 def test_plan_takes_the_union_on_cuda_for_several_masks_and_on_the_cpu_for_many():
     for s, backend in ((100, "union"), (2, "union"), (1, "flex"), (0, "flex")):
         plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True,
-                      num_samples=s)
+                      s=s)
         assert plan.backend.value == backend and plan.compiled
-    plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True, num_samples=8)
+    plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True, s=8)
     assert plan.label == "union/flex/compiled"
-    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, num_samples=8)
+    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=8)
     assert cpu.label == "blocks/fused"  # few masks on the CPU: the blocks (measured faster there)
-    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, num_samples=100)
+    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=100)
     assert cpu.label == "union/fused"  # many masks: their union
 
 

@@ -69,12 +69,12 @@ class AttentionSpec:
 
     @classmethod
     def build(cls, method: Method | str, sigmas: Sequence[float] | np.ndarray, seq_len: int, causal: bool, *,
-              num_samples: int = 0, rng: Any = None, window_sigmas: float | None = None,
+              s: int = 0, rng: Any = None, window_sigmas: float | None = None,
               scale: float | None = None, sampler: str = "iid") -> "AttentionSpec":
         """The spec of ``method`` at length ``seq_len`` with one sigma per head: the one place
         its parameters are drawn or derived (its declared ``params``, :mod:`poslsh_cli.numerics.methods`).
 
-        - sampled partitions: ``num_samples`` per head; ``rng`` is one NumPy generator per head (a
+        - sampled partitions: ``s`` per head; ``rng`` is one NumPy generator per head (a
           sequence), or one generator the heads draw from in order; ``sampler`` how each head's s
           pairs are drawn (:class:`poslsh_cli.numerics.sampling.Sampler`: iid, stratified, sobol).
         - fixed partitions: width round(2 sigma_h) per head.
@@ -85,10 +85,10 @@ class AttentionSpec:
         params = method_def(method).params
         extra: dict[str, Any] = {}
         if params == "sampled_partitions":
-            if num_samples < 1 or rng is None:
-                raise ValueError(f"{method.value} needs num_samples >= 1 and rng")
+            if s < 1 or rng is None:
+                raise ValueError(f"{method.value} needs s >= 1 and rng")
             gens = list(rng) if isinstance(rng, (list, tuple)) else [rng] * len(sigmas)
-            extra["partitions"] = tuple(sample_partitions(seq_len, float(sg), num_samples, g, sampler)
+            extra["partitions"] = tuple(sample_partitions(seq_len, float(sg), s, g, sampler)
                                         for sg, g in zip(sigmas, gens))
         elif params == "fixed_partitions":
             extra["partitions"] = tuple(fixed_block_partitions(seq_len, sigmas))
@@ -189,7 +189,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         cpu_training = backend == "auto" and q.device.type == "cpu" and needs_grad(q, k, v)
         work = work_of(spec, q.shape[-2]) if cpu_training else None
         s = spec.partitions[0].num_samples if spec.partitions else 0
-        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, num_samples=s)
+        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, s=s)
     if on_plan is not None:
         on_plan(plan)
     if dropout and plan.backend not in DROPOUT_BACKENDS:
@@ -208,7 +208,7 @@ def _checked(plan: Plan, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, 
         raise ValueError(f"the plan is for {Method(plan.method).value}, the spec for {spec.method.value}")
     kernel = plan.kernel if plan.backend in (Backend.BLOCKS, Backend.CHUNKED, Backend.UNION) and plan.kernel else "auto"
     again = plan_for(spec.method, q, k, v, spec.causal, plan.backend, kernel, dropout=dropout > 0,
-                     num_samples=spec.partitions[0].num_samples if spec.partitions else 0)
+                     s=spec.partitions[0].num_samples if spec.partitions else 0)
     if again.backend is not plan.backend or (again.kernel is not None and again.kernel is not plan.kernel):
         raise ValueError(f"the plan {plan.label} cannot run this call (here it would be {again.label})")
     return again

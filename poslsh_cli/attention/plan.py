@@ -182,13 +182,13 @@ def needs_grad(*ts: Any) -> bool:
 
 def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: bool, grad: bool,
            backend: Backend | str = "auto", kernel: Kernel | str = "auto", work: Work | None = None,
-           dropout: bool = False, num_samples: int = 0) -> Plan:
+           dropout: bool = False, s: int = 0) -> Plan:
     """The plan for ``method`` on ``device`` with ``dtype`` inputs of length ``n``.
 
     Backend (``auto``):
     - no_bias: PyTorch SDPA.
     - on CUDA every other method takes FlexAttention (it has its own backward there): exact and
-      windowed ALiBi with a ``score_mod``; the partition methods with ``num_samples`` > 1 masks on
+      windowed ALiBi with a ``score_mod``; the partition methods with ``s`` > 1 masks on
       the union route (one call over the union of each query's blocks: its work grows with the
       union, about ``sigma ln s`` keys each side, where one call per mask visits about
       ``1.5 s sigma``, and its memory is one output and the counts, not s outputs), a single mask
@@ -224,7 +224,7 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     method = Method(method)
     device = torch.device(device)
     if backend == "auto":
-        backend = _backend(method, device, dtype, n, causal, grad, work, num_samples)
+        backend = _backend(method, device, dtype, n, causal, grad, work, s)
         if dropout and (backend not in DROPOUT_BACKENDS or (backend is Backend.RANK1 and not causal)) \
                 and Backend.DENSE in backends_of(method):
             backend = Backend.DENSE  # only the SDPA-based paths drop attention probabilities (CPU and CUDA)
@@ -256,14 +256,14 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
 
 
 def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad: bool, work: Work | None,
-             num_samples: int = 0) -> Backend:
+             s: int = 0) -> Backend:
     import torch
 
     has = backends_of(method)
     if Backend.SDPA in has:
         return Backend.SDPA  # no bias: the fused kernels themselves
     if device.type == "cuda":
-        if num_samples > 1 and Backend.UNION in has:
+        if s > 1 and Backend.UNION in has:
             return Backend.UNION
         return Backend.FLEX if Backend.FLEX in has else has[0]
     sparse = next((b for b in (Backend.BLOCKS, Backend.CHUNKED) if b in has), has[0])
@@ -273,7 +273,7 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
             return Backend.RANK1  # the flash kernel with a re-centred extra coordinate, causal or not
         if n < INFER_DENSE_MAX_N and Backend.DENSE in has and Backend.BLOCKS in has:
             return Backend.DENSE  # at training lengths one attention with the (H, n, n) bias, whatever s is
-        if num_samples >= UNION_MIN_S_CPU and Backend.UNION in has:
+        if s >= UNION_MIN_S_CPU and Backend.UNION in has:
             return Backend.UNION  # many masks: one attention over their union costs less than s of them
         return sparse
     if rank1 and causal and n >= RANK1_MIN_N:
@@ -300,8 +300,8 @@ def dense_limit(method: Method, causal: bool) -> int:
 
 def plan_for(method: Method | str, q: Any, k: Any, v: Any, causal: bool, backend: Backend | str = "auto",
              kernel: Kernel | str = "auto", work: Work | None = None, dropout: bool = False,
-             num_samples: int = 0) -> Plan:
+             s: int = 0) -> Plan:
     """:func:`choose` for these tensors (device, dtype, length, gradient need)."""
     return choose(method, device=q.device, dtype=q.dtype, n=q.shape[-2], causal=causal,
                   grad=needs_grad(q, k, v), backend=backend, kernel=kernel, work=work, dropout=dropout,
-                  num_samples=num_samples)
+                  s=s)

@@ -197,11 +197,12 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     stored, its sizes from config.json) at ``batch`` sequences of length ``n``, under its own
     scheme or ``attention`` swapped in with ``s`` masks (:func:`lm_bytes`)."""
     from poslsh_cli.lm.checkpoint import read_config, weights_bytes
+    from poslsh_cli.lm.positions import PositionState
 
     cfg = read_config(path)
     own = str((cfg.get("poslsh") or {}).get("position", "rope"))
     position = own if attention == "own" else attention
-    saved = int((cfg.get("poslsh") or {}).get("num_samples", 0) or 0)
+    saved = PositionState.saved_s(cfg.get("poslsh") or {})
     shape = LMShape.of_config(cfg)
     att = attention_plan(position, device, n, grad=False).memory_bytes(batch, shape.heads, n, shape.head_dim,
                                                                        s or saved or 8)

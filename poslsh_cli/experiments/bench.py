@@ -204,7 +204,7 @@ def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int =
     from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
 
     planned = choose(Method.POSLSH if s > 1 else Method.FIXED_BLOCK, device=device, dtype=torch.float32,
-                     n=INFER_DENSE_MAX_N, causal=True, grad=False, num_samples=s).backend.value
+                     n=INFER_DENSE_MAX_N, causal=True, grad=False, s=s).backend.value
     auto = (planned, "flex") if device.type == "cuda" else (planned,)
     out: list[str] = []
     for b in asked:
@@ -299,17 +299,17 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     samples = s if info.randomized else 1
     try:
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                      backend=backend, num_samples=samples)
+                      backend=backend, s=samples)
     except ValueError as exc:
         from poslsh_cli.core.errors import ConfigError
 
         raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
     planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                             num_samples=samples)
+                             s=samples)
 
     def build() -> AttentionSpec:
         rng = np.random.default_rng(seed) if info.randomized else None  # heads draw from it in order
-        return AttentionSpec.build(method, ctx.sigmas, n, causal, num_samples=s, rng=rng, sampler=sampler,
+        return AttentionSpec.build(method, ctx.sigmas, n, causal, s=s, rng=rng, sampler=sampler,
                                    window_sigmas=None if math.isnan(window_c) else window_c)
 
     fixed = build()
@@ -380,7 +380,7 @@ def exact_path(spec: BenchSpec, ctx: BenchContext, n: int, causal: bool, qkv: tu
     from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
 
     plan = choose(Method.EXACT, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                  backend=spec.exact_backends[0], num_samples=1)
+                  backend=spec.exact_backends[0], s=1)
     att = AttentionSpec.build(Method.EXACT, ctx.sigmas, n, causal)
     return (lambda: (att, layout_for(att, plan, ctx.device, grad=spec.backward)),
             lambda ready: attend(*qkv, ready[0], layout=ready[1], plan=plan))

@@ -94,9 +94,9 @@ def _decoder(spec: DecodeBenchSpec, ctx: DecodeBenchContext, position: Position,
     from poslsh_cli.lm.loading import build_model
 
     sigmas = [spec.sigma] * spec.heads if spec.sigma is not None else None
-    state = (PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed,
+    state = (PositionState.standard(position, spec.heads, s=s, seed=spec.seed,
                                     window_sigmas=spec.window_sigmas) if sigmas is None
-             else PositionState(position, sigmas, num_samples=s, seed=spec.seed, window_sigmas=spec.window_sigmas))
+             else PositionState(position, sigmas, s=s, seed=spec.seed, window_sigmas=spec.window_sigmas))
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).eval()
     return state, model, ForgettingCache(model)
 

@@ -230,7 +230,7 @@ def run_cell(spec: TasksSpec, key: dict[str, Any], ctx: TasksContext, work: Any 
             metric, _, filt = full.partition(",")
             se = metrics.get(f"{metric}_stderr,{filt}")
             rows.append({"checkpoint": name, "attention": attention, "position": state.position.value,
-                         "s": int(state.num_samples), "sampler": state.sampler, "draw": draw,
+                         "s": int(state.s), "sampler": state.sampler, "draw": draw,
                          "seed": -1 if seed is None else seed,
                          "task": task, "metric": metric, "filter": filt, "value": float(value),
                          "stderr": float(se) if isinstance(se, (int, float)) else float("nan"),

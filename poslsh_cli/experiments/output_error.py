@@ -251,7 +251,7 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext
     s, trial = key.get("s", 0), key.get("trial", 0)
     seeds = [derive_seed(spec.seed, "output-error", layer, h, s, trial) if INFO[method].randomized else -1
              for h in ctx.heads]
-    att = AttentionSpec.build(method, ctx.sigmas, n, ctx.causal, num_samples=s,
+    att = AttentionSpec.build(method, ctx.sigmas, n, ctx.causal, s=s,
                               rng=[np.random.default_rng(sd) for sd in seeds] if INFO[method].randomized else None,
                               scale=scaling, window_sigmas=key.get("window_sigmas"),
                               sampler=key.get("sampler", "iid"))

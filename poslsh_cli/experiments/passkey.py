@@ -147,7 +147,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
         target = x[0, -m:]
         top1 = (logits.argmax(-1) == target).double()
         nll = float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-        rows.append({"checkpoint": name, "position": own.position.value, "s": int(own.num_samples),
+        rows.append({"checkpoint": name, "position": own.position.value, "s": int(own.s),
                      "trained_len": trained, "length": n, "depth": depth, "trial": trial, "seed": seed,
                      "key": passkey, "correct": int(bool(top1.all())), "answer_tokens": m,
                      "answer_top1": float(top1.mean()), "answer_nll": nll,

@@ -335,7 +335,7 @@ def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, see
     sampler = spec.sampler.value if spec.sampler is not None else own.sampler
     if attention is Attention.OWN:
         return dataclasses.replace(own, seed=seed, sampler=sampler, plans=set(), _cache={}) if _random(own) else own
-    return PositionState(Position(attention.value), own.sigmas, num_samples=s, window_sigmas=spec.window_sigmas,
+    return PositionState(Position(attention.value), own.sigmas, s=s, window_sigmas=spec.window_sigmas,
                          seed=seed, sampler=sampler)
 
 

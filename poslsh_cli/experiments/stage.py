@@ -92,7 +92,7 @@ class Stage:
     (``init``: a checkpoint, or None for fresh weights) and whether LoRA adapters are trained."""
 
     position: Position
-    s: int  # masks per head per step (the cell's ``s``; PositionState.num_samples); 0: the scheme draws none
+    s: int  # masks per head per step (the cell's ``s``, PositionState.s); 0: the scheme draws none
     seed: int
     steps: int
     seq_len: int
@@ -118,7 +118,7 @@ def _build(spec: TrainSpec, ctx: TrainContext, stage: Stage, resume: Optional[Pa
         model = convert.load_weights(stage.init)
     else:
         model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
-    state = ctx.source.state(stage.position, model, num_samples=stage.s, window_sigmas=spec.window_sigmas,
+    state = ctx.source.state(stage.position, model, s=stage.s, window_sigmas=spec.window_sigmas,
                              seed=stage.seed, sigma=spec.sigma, sampler=spec.sampler.value)
     install(model, state)
     set_attention_dropout(model, stage.dropout)

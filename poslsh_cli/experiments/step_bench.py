@@ -138,10 +138,10 @@ def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, s
     work = None
     if randomized(position) and torch.device(device).type == "cpu" and backend == "auto":
         sigmas = alibi_sigmas(heads) if sigma is None else [sigma] * heads
-        spec = AttentionSpec.build(method, sigmas, n, True, num_samples=s, rng=np.random.default_rng(0))
+        spec = AttentionSpec.build(method, sigmas, n, True, s=s, rng=np.random.default_rng(0))
         work = work_of(spec, n)
     return choose(method, device=device, dtype=torch.float32, n=n, causal=True, grad=True, backend=backend,
-                  num_samples=s, work=work)
+                  s=s, work=work)
 
 
 def mask_seconds(state: PositionState, n: int, layers: int, device: Any, steps: int = 3) -> float:
@@ -169,7 +169,7 @@ def mask_seconds(state: PositionState, n: int, layers: int, device: Any, steps: 
         for layer in range(layers):
             spec = fresh.attention_spec(layer, n, None)
             plan = plan_for(spec.method, probe, probe, probe, True, state.backend, work=work_of(spec, n),
-                            num_samples=spec.partitions[0].num_samples)
+                            s=spec.partitions[0].num_samples)
             if plan.backend is Backend.DENSE:
                 poslsh_bias(spec.partitions, True, device)
             else:
@@ -221,8 +221,8 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     from poslsh_cli.lm.loading import build_model
 
     sigma = sigma_at(spec, x.shape[1] - 1)
-    state = (PositionState.standard(position, spec.heads, num_samples=s, seed=spec.seed, backend=backend)
-             if sigma is None else PositionState(position, [sigma] * spec.heads, num_samples=s, seed=spec.seed,
+    state = (PositionState.standard(position, spec.heads, s=s, seed=spec.seed, backend=backend)
+             if sigma is None else PositionState(position, [sigma] * spec.heads, s=s, seed=spec.seed,
                                                  backend=backend))
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

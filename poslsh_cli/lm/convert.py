@@ -94,7 +94,7 @@ class Source:
             raise ConfigError(f"{self.path} ({self.model_type}) has no rotary embedding to keep: position=rope needs a "
                               "rotary model")
 
-    def state(self, position: Any, model: Any, num_samples: int = 0, window_sigmas: float = 4.0,
+    def state(self, position: Any, model: Any, s: int = 0, window_sigmas: float = 4.0,
               seed: int = 0, sigma: Optional[float] = None, sampler: str = "iid") -> Any:
         """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: one
         ``sigma`` for every head when given (the paper's constant sigma), else its own slopes (an
@@ -113,7 +113,7 @@ class Source:
             sigmas = alibi_sigmas_of(inner, self.model_type, self.heads)
         else:
             sigmas = alibi_sigmas(self.heads)
-        return PositionState(position, sigmas, num_samples=num_samples, window_sigmas=window_sigmas, seed=seed,
+        return PositionState(position, sigmas, s=s, window_sigmas=window_sigmas, seed=seed,
                              native=own and position is Position.ALIBI, sampler=sampler)
 
 

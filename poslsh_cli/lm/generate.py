@@ -82,7 +82,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
                         sampler=None if sampler == "own" else sampler)
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
-    label = state.position.value + (f" s={state.num_samples}" + ("" if state.sampler == "iid" else f" {state.sampler}")
+    label = state.position.value + (f" s={state.s}" + ("" if state.sampler == "iid" else f" {state.sampler}")
                                     if randomized(state.position) else "")
     check_length(Path(path), model, state, label, int(ids.shape[1]), max_new_tokens, notice)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,

@@ -119,7 +119,7 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
         if not (redraw or sampler not in (None, own.sampler) or backend not in (None, own.backend)):
             return own
         position = own.position
-        state = dataclasses.replace(own, num_samples=s or own.num_samples, seed=own.seed if seed is None else seed,
+        state = dataclasses.replace(own, s=s or own.s, seed=own.seed if seed is None else seed,
                                     sampler=sampler or own.sampler, backend=backend or own.backend, plans=set(),
                                     _cache={}, _forgetting=None)
     else:
@@ -132,10 +132,10 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
         if own.native:
             raise ConfigError(f"{where}an ALiBi checkpoint's own attention computes inline; under a swapped "
                               "scheme it runs without a key/value cache (poslsh perplexity measures it)")
-        samples = s or own.num_samples or 8
+        samples = s or own.s or 8
         runs_on = backends_of(method_of(position)) if position is not Position.ROPE else ()
         kept = own.backend if own.backend == "auto" or Backend(own.backend) in runs_on else "auto"
-        state = PositionState(position, own.sigmas, num_samples=samples if randomized(position) else 0,
+        state = PositionState(position, own.sigmas, s=samples if randomized(position) else 0,
                               window_sigmas=own.window_sigmas, seed=0 if seed is None else seed,
                               sampler=sampler or own.sampler, backend=backend or kept)
     if state.backend != "auto" and position is not Position.ROPE \

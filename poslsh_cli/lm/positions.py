@@ -111,7 +111,7 @@ class PositionState:
 
     position: Position
     sigmas: np.ndarray  # (H,) float64
-    num_samples: int = 0
+    s: int = 0  # masks per head per step (the user's key s), 0 for a scheme that draws none
     window_sigmas: float = 4.0
     seed: int = 0
     step: int = 0
@@ -151,7 +151,7 @@ class PositionState:
         tag = ("eval", self.eval_key) if self.eval_key is not None else ("step", self.step)
         rngs = [np.random.default_rng(derive_seed(self.seed, "masks", *tag, layer, h))
                 for h in range(len(self.sigmas))] if method_def(method).randomized else None
-        spec = AttentionSpec.build(method, self.sigmas, n, True, num_samples=self.num_samples, rng=rngs,
+        spec = AttentionSpec.build(method, self.sigmas, n, True, s=self.s, rng=rngs,
                                    window_sigmas=self.window_sigmas, scale=scale, sampler=self.sampler)
         if len(self._cache) > 64:
             self._cache.clear()
@@ -171,7 +171,15 @@ class PositionState:
 
     @classmethod
     def from_json(cls, d: dict) -> "PositionState":
-        return cls(**{k: v for k, v in d.items() if k in ("position", "sigmas", "num_samples", "window_sigmas",
-                                                          "seed", "backend", "native", "sampler")})
+        """The state a checkpoint saved (:meth:`to_json`); one saved before ``s`` had its name keeps it
+        under ``num_samples``."""
+        d = {("s" if k == "num_samples" else k): v for k, v in d.items()}
+        return cls(**{k: v for k, v in d.items() if k in ("position", "sigmas", "s", "window_sigmas", "seed", "backend",
+                                                          "native", "sampler")})
+
+    @staticmethod
+    def saved_s(d: dict) -> int:
+        """The masks per head a checkpoint's saved scheme (its config's ``poslsh``) draws, under either name."""
+        return int((d or {}).get("s", (d or {}).get("num_samples", 0)) or 0)
 
 
