@@ -154,13 +154,13 @@ class BenchContext:
 
 def prepare(spec: BenchSpec) -> BenchContext:
 
-    from poslsh_cli.numerics.sampling import alibi_sigmas
+    from poslsh_cli.numerics.sampling import bandwidths
 
     from poslsh_cli.experiments.measure import TIMING_THRESHOLD, mmap_threshold
 
     mmap_threshold(TIMING_THRESHOLD)
     device = resolve_device(spec.device)
-    sigmas = alibi_sigmas(spec.heads) if spec.sigma is None else np.full(spec.heads, float(spec.sigma))
+    sigmas = bandwidths(spec.heads, spec.sigma)
     ctx = BenchContext(device=device, dtype=torch_dtype(spec.dtype.value), sigmas=sigmas)
     for causal in spec.causal:
         ctx.machine[causal] = machine_gflops(spec, ctx, causal)

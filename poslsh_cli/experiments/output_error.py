@@ -21,7 +21,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, resolve_device, synchronize, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method, baselines
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes, derive_seed
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
@@ -43,7 +43,7 @@ class OutputErrorSpec(Spec):
     layers: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of layer indices", "all", ge=0)
     heads: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of head indices", "all", ge=0)
     sigma: Optional[float] = key("one sigma for every head; null: ALiBi slopes (see alibi)", None, gt=0)
-    alibi: Literal["auto", "standard", "model"] = key(ALIBI_HELP, "auto")
+    alibi: Slopes = key(ALIBI_HELP, Slopes.AUTO)
     causal: Union[Literal["auto"], bool] = key("auto (decoders causal, encoders not), true or false", "auto")
     s: tuple[int, ...] = key("numbers of sampled masks (int or list)", [1, 2, 4, 8, 16, 32, 64], ge=1)
     trials: int = key("independent repetitions per s", 3, ge=1)
@@ -120,11 +120,10 @@ class OutputErrorContext:
 
 def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
     """Load the checkpoint, tokenise, capture q/k/v of the requested layers (raises ConfigError)."""
-    import numpy as np
     import torch
 
     from poslsh_cli.lm import capture, documents, pretrained
-    from poslsh_cli.numerics.sampling import alibi_sigmas
+    from poslsh_cli.numerics.sampling import bandwidths
 
     device = resolve_device(spec.device)
     path = models.resolve(spec.model)
@@ -139,13 +138,11 @@ def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
         raise ConfigError(f"head {max(heads)} out of range: the model has {loaded.num_heads} heads")
     ids = documents.tokenize(loaded.tokenizer, documents.read_text(spec.text, spec.encoding), spec.n)
     captured = capture.capture_qkv(loaded, ids, layers)
-    own_slopes = loaded.alibi_sigmas is not None and spec.sigma is None and spec.alibi != "standard"
-    if spec.alibi == "model" and loaded.alibi_sigmas is None:
-        raise ConfigError(f"alibi=model: this {loaded.model_type} model has no ALiBi slopes (use alibi=standard)")
-    if spec.sigma is not None:
-        all_sigmas = np.full(loaded.num_heads, float(spec.sigma))
-    else:
-        all_sigmas = np.asarray(loaded.alibi_sigmas) if own_slopes else alibi_sigmas(loaded.num_heads)
+    own_slopes = loaded.alibi_sigmas is not None and spec.sigma is None and spec.alibi is not Slopes.STANDARD
+    try:
+        all_sigmas = bandwidths(loaded.num_heads, spec.sigma, loaded.alibi_sigmas, spec.alibi)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} ({loaded.model_type})") from None
     causal = loaded.causal if spec.causal == "auto" else bool(spec.causal)
     official = spec.convention == "official"
     causal = causal and not official

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from poslsh_cli.experiments.perplexity_claims import OWN
 from poslsh_cli.experiments.perplexity_plots import plot
 from poslsh_cli.experiments.perplexity_report import report, summary
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
@@ -52,7 +53,7 @@ class Protocol(str, enum.Enum):
 
 #: Attention swapped in at inference: ``own`` (the model's forward as trained) or any position
 #: scheme that can replace another model's attention (every one but ``rope``, which changes q and k).
-Attention = choices("Attention", [p for p in Position if p is not Position.ROPE], __name__, OWN="own")
+Attention = choices("Attention", [p for p in Position if p is not Position.ROPE], __name__, OWN=OWN)
 
 
 @dataclass(frozen=True)

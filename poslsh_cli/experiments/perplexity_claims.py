@@ -22,11 +22,12 @@ from typing import Any, Optional
 import numpy as np
 
 from poslsh_cli.verdicts.claims import Status, Verdict
-from poslsh_cli.lm.positions import Position
+from poslsh_cli.lm.positions import Position, model_label
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, Interval, count, difference,
                                       equivalence, paired, paired_windows, relative_margin,
                                       seeds_to_decide, slope)
 
+#: the ``attention`` value of a model run as trained (the one definition: perplexity's rows, report and claims)
 OWN = "own"
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
 FIXED_BLOCK, ROPE = Position.FIXED_BLOCK.value, Position.ROPE.value
@@ -42,7 +43,7 @@ class Scheme:
 
     @property
     def label(self) -> str:
-        return self.position + (f" s={self.s}" if self.s else "") + (f" +dropout {self.dropout:g}" if self.dropout else "")
+        return model_label(self.position, self.s, self.dropout)
 
 
 #: The metric a claim is judged on (smaller is better): the rows' column, the windows' columns

@@ -13,14 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Optional
 
-import numpy as np
-
 from poslsh_cli.experiments import perplexity_claims as pc
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, count, family_wise, half_width, seeds_for_half_width,
                                       spread, t_interval)
 
-OWN = "own"
+OWN = pc.OWN
 #: the columns rows written before they existed get: no train run, steps and text not recorded
 DEFAULTS = {"trained_run": "", "trained_steps": 0, "text_tokens": 0, "trained_fall": math.nan}
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.experiments.perplexity_claims import OWN
 from poslsh_cli.lm.evaluate import METRICS
 from poslsh_cli.lm.positions import Position, model_label, with_model_columns
+from poslsh_cli.verdicts.claims import Section
 
-OWN = "own"  # the attention column's value for a model run as trained
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
 FIXED_BLOCK, ROPE = Position.FIXED_BLOCK.value, Position.ROPE.value
 SCHEMES = [p.value for p in Position]

@@ -43,13 +43,13 @@ class SampleContext:
 def prepare(spec: SampleSpec) -> SampleContext:
     import numpy as np
 
-    from poslsh_cli.numerics.sampling import alibi_sigmas, sample_partitions
+    from poslsh_cli.numerics.sampling import bandwidths, sample_partitions
 
-    if spec.heads is not None:
-        sigmas = alibi_sigmas(spec.heads)
+    if spec.heads is not None:  # the standard slopes of the head count
+        sigmas = bandwidths(spec.heads)
         seeds = [derive_seed(spec.seed, "head", h) for h in range(spec.heads)]
     else:
-        sigmas, seeds = np.asarray([float(spec.sigma)]), [spec.seed]
+        sigmas, seeds = bandwidths(1, spec.sigma), [spec.seed]
     parts = [sample_partitions(spec.n, float(sg), spec.s, np.random.default_rng(sd), spec.sampler)
              for sg, sd in zip(sigmas, seeds)]
     ctx = SampleContext(sigmas, seeds, parts)

@@ -33,7 +33,7 @@ from poslsh_cli.experiments.step_bench_report import plot, report, summary
 from poslsh_cli.experiments.train_spec import Precision
 from poslsh_cli.lm.positions import Position, PositionState, method_of, randomized, sigma_label
 from poslsh_cli.lm.loading import Arch
-from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.numerics.sampling import bandwidths, derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
            "peak_mem_mb", "params", "device", "steps", "sigmas", "precision", "ref_position", "ref_backend", "ref_path",
@@ -130,15 +130,13 @@ def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, s
 
     from poslsh_cli.attention import AttentionSpec, Method, Plan, choose
     from poslsh_cli.attention.api import work_of
-    from poslsh_cli.numerics.sampling import alibi_sigmas
 
     if position is Position.ROPE:
         return Plan(Method.NO_BIAS, Backend.SDPA)
     method = method_of(position)
     work = None
     if randomized(position) and torch.device(device).type == "cpu" and backend == "auto":
-        sigmas = alibi_sigmas(heads) if sigma is None else [sigma] * heads
-        spec = AttentionSpec.build(method, sigmas, n, True, s=s, rng=np.random.default_rng(0))
+        spec = AttentionSpec.build(method, bandwidths(heads, sigma), n, True, s=s, rng=np.random.default_rng(0))
         work = work_of(spec, n)
     return choose(method, device=device, dtype=torch.float32, n=n, causal=True, grad=True, backend=backend,
                   s=s, work=work)
@@ -220,10 +218,8 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import build_model
 
-    sigma = sigma_at(spec, x.shape[1] - 1)
-    state = (PositionState.standard(position, spec.heads, s=s, seed=spec.seed, backend=backend)
-             if sigma is None else PositionState(position, [sigma] * spec.heads, s=s, seed=spec.seed,
-                                                 backend=backend))
+    state = PositionState(position, bandwidths(spec.heads, sigma_at(spec, x.shape[1] - 1)), s=s, seed=spec.seed,
+                          backend=backend)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -37,7 +37,7 @@ from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
 from poslsh_cli.lm import evaluate as evaluation
-from poslsh_cli.lm.positions import Position, randomized
+from poslsh_cli.lm.positions import Position, model_label, randomized
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
@@ -135,8 +135,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
         base = Stage(spec.pretrain, spec.s[0] if randomized(spec.pretrain) else 0, seed, spec.pretrain_steps,
                      L, init, f"pretrain {spec.pretrain.value}")
         init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}{at}"), base)
-    label = (f"{position.value}" + (f" s={s}" if s else "") + (f" dropout={dropout:g}" if dropout else "")
-             + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else "")
+    label = (model_label(position.value, s, dropout) + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else "")
              + (f" steps={steps}" if len(spec.steps) > 1 else ""))
     final = train_stage(spec, ctx, work, Stage(position, s, seed, steps, L, init, label, dropout,
                                                lora=spec.lora_rank > 0,
@@ -181,21 +180,19 @@ def _param_count(path: Path) -> int:
 def _sigmas(final: Path, position: Position) -> str:
     """The trained scheme's bandwidths (:func:`~poslsh_cli.lm.positions.sigma_label`); empty for the
     schemes that have none (rope, none)."""
-    import json
-
+    from poslsh_cli.lm.checkpoint import train_info
     from poslsh_cli.lm.positions import sigma_label
 
     if position in (Position.ROPE, Position.NONE):
         return ""
-    info = json.loads((Path(final) / "poslsh_train.json").read_text())
-    return sigma_label((info.get("scheme") or {}).get("sigmas"))
+    return sigma_label((train_info(final).get("scheme") or {}).get("sigmas"))
 
 
 def _trainable(final: Path) -> int:
     """Parameters the stage trained (all of them, or the LoRA adapters'), as recorded with it."""
-    import json
+    from poslsh_cli.lm.checkpoint import train_info
 
-    return int(json.loads((Path(final) / "poslsh_train.json").read_text()).get("trainable", -1))
+    return int(train_info(final).get("trainable", -1))
 
 
 def memory(spec: TrainSpec) -> Optional[MemoryNeed]:

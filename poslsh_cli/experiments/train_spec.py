@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.experiments.devices import Device
 from poslsh_cli.lm.positions import Position
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes
 from poslsh_cli.store.tracking import Logger
 
 if TYPE_CHECKING:
@@ -40,14 +40,6 @@ class Parallel(str, enum.Enum):
 class LoraSave(str, enum.Enum):
     MERGED = "merged"
     ADAPTER = "adapter"
-
-
-class Slopes(str, enum.Enum):
-    """Where the ALiBi slopes (the sigmas of every scheme) come from."""
-
-    AUTO = "auto"
-    MODEL = "model"
-    STANDARD = "standard"
 
 
 @dataclass(frozen=True)

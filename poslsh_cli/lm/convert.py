@@ -35,8 +35,6 @@ from poslsh_cli.lm.lora import is_lora
 #: files a tokenizer saved by ``save_pretrained`` leaves in a checkpoint directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
                    "spiece.model")
-#: what ``alibi=`` may ask for
-ALIBI_CHOICES = ("auto", "model", "standard")
 
 
 class Kind(str, enum.Enum):
@@ -101,18 +99,13 @@ class Source:
         ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the standard ones."""
         from poslsh_cli.lm.pretrained import alibi_sigmas_of
         from poslsh_cli.lm.positions import Position, PositionState
-        from poslsh_cli.numerics.sampling import alibi_sigmas
+        from poslsh_cli.numerics.sampling import bandwidths
 
         position = Position(position)
         self.check_position(position)
         own = self.own_slopes and sigma is None
-        if sigma is not None:
-            sigmas = [float(sigma)] * self.heads
-        elif own:
-            inner = getattr(model, "transformer", model)
-            sigmas = alibi_sigmas_of(inner, self.model_type, self.heads)
-        else:
-            sigmas = alibi_sigmas(self.heads)
+        model_sigmas = alibi_sigmas_of(getattr(model, "transformer", model), self.model_type, self.heads) if own else None
+        sigmas = bandwidths(self.heads, sigma, model_sigmas, self.alibi)
         return PositionState(position, sigmas, s=s, window_sigmas=window_sigmas, seed=seed,
                              native=own and position is Position.ALIBI, sampler=sampler)
 

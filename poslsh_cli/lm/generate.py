@@ -72,7 +72,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     import torch
 
     from poslsh_cli.lm.loading import load_model, with_scheme
-    from poslsh_cli.lm.positions import Position, randomized
+    from poslsh_cli.lm.positions import Position
 
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
@@ -82,8 +82,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
                         sampler=None if sampler == "own" else sampler)
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
-    label = state.position.value + (f" s={state.s}" + ("" if state.sampler == "iid" else f" {state.sampler}")
-                                    if randomized(state.position) else "")
+    label = state.label
     check_length(Path(path), model, state, label, int(ids.shape[1]), max_new_tokens, notice)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
@@ -126,8 +125,6 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
     than that is one ConfigError saying how many new tokens fit. A scheme without a position limit
     (ALiBi, Positional LSH, windowed, fixed blocks, none) goes on past the length the model was
     trained at (``poslsh_train.json``, else its configured positions), and ``notice`` says so."""
-    import json
-
     from poslsh_cli.lm.positions import Position
 
     total = prompt_tokens + max_new_tokens

@@ -158,6 +158,13 @@ class PositionState:
         self._cache[key] = spec
         return spec
 
+    @property
+    def label(self) -> str:
+        """The scheme as a line names it: position, s where it draws masks, and a sampler other than iid
+        (:func:`model_label`)."""
+        return model_label(self.position.value, self.s if randomized(self.position) else 0) + (
+            f" {self.sampler}" if randomized(self.position) and self.sampler != "iid" else "")
+
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if not k.startswith("_") and k not in ("step", "eval_key", "native", "plans")}

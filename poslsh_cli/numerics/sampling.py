@@ -79,6 +79,33 @@ def alibi_sigmas(num_heads: int) -> np.ndarray:
     return 1.0 / standard_alibi_slopes(num_heads)
 
 
+class Slopes(str, enum.Enum):
+    """Where the bandwidths of a scheme come from when no one ``sigma`` is given (``alibi=``)."""
+
+    AUTO = "auto"  # an ALiBi model's own slopes where there is one, else the standard slopes
+    MODEL = "model"  # the model's own (ALiBi models only)
+    STANDARD = "standard"  # the standard slopes of the head count
+
+
+def bandwidths(heads: int, sigma: float | None = None, model: "np.ndarray | None" = None,
+               slopes: "Slopes | str" = Slopes.AUTO) -> np.ndarray:
+    """The one rule for a scheme's per-head bandwidths, shape (H,) float64: ``sigma`` for every head
+    when given (the paper's constant sigma); else a model's own (``model``, an ALiBi checkpoint's
+    ``1 / slope``) under ``slopes=auto`` or ``model``; else the standard ALiBi slopes (``sigma = None``
+    means the standard slopes). ValueError for ``slopes=model`` without the model's own, or with a
+    ``sigma``."""
+    slopes = Slopes(slopes)
+    if sigma is not None:
+        if slopes is Slopes.MODEL:
+            raise ValueError("sigma= sets the bandwidths and alibi=model keeps the checkpoint's own: give one")
+        return np.full(int(heads), float(sigma))
+    if model is not None and slopes is not Slopes.STANDARD:
+        return np.asarray(model, dtype=np.float64).reshape(-1)
+    if slopes is Slopes.MODEL:
+        raise ValueError("alibi=model: the model has no ALiBi slopes of its own (use alibi=standard)")
+    return alibi_sigmas(int(heads))
+
+
 #: Largest s * n for which every sample's boundaries come from one (s, n) bin array at once (a few
 #: vector passes) rather than per sample in O(n / delta) (a Python loop over the samples).
 VECTOR_ELEMENTS = 2**22
