@@ -73,3 +73,23 @@ def test_reproduce_runs_presets_side_by_side_each_with_its_log_and_core_share(tm
     assert log.startswith(first) and "== resumed " in log  # the earlier attempt's log is kept, the new one follows
     r = poslsh("reproduce", "--scale", "quick", "--runs", str(tmp_path), "--jobs", "0")
     assert r.exit_code == 2 and "--jobs must be at least 1" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_report_is_written_as_soon_as_an_evaluation_finishes(tmp_path):
+    """The paper's comparison reaches the report before the other presets run: reproduce writes the
+    report after each evaluation preset (here perplexity_official after train_official), and again at
+    the end."""
+    code = (
+        "import sys; import poslsh_cli.app.reproduce as r;"
+        "r.plan = lambda scale: [('train_official','train','train_official_quick'),"
+        "('perplexity_official','perplexity','perplexity_official_quick'),"
+        "('block_stats','block-stats','block_stats_quick')];"
+        f"sys.exit(r.main('quick', {str(tmp_path)!r}))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert out.count("report: ") == 2, out[-2000:]
+    # the first report comes right after perplexity_official, before block_stats starts
+    assert out.index("report: ") < out.index("== block_stats:"), out[-3000:]

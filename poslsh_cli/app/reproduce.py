@@ -189,11 +189,16 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
         return stopped_code(exc)
     _record_session(root, scale, started, time.time() - t0, len(done), failed)
     if done:
-        from poslsh_cli.app import report
-
-        md, html_path = report.build([root], root)
-        print(f"report: {md}\n        {html_path}", flush=True)
+        _report(root)
     return 1 if failed else 0
+
+
+def _report(root: Path) -> None:
+    """The report of every run under ``root`` so far (report.md, report.html), said where it is."""
+    from poslsh_cli.app import report
+
+    md, html_path = report.build([root], root)
+    print(f"report: {md}\n        {html_path}", flush=True)
 
 
 def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list,
@@ -202,6 +207,7 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
     import os
 
     running: list[tuple[str, Path, subprocess.Popen]] = []
+    evaluations = {name for name, command, _ in wave if registry.get(command).reproduce_overrides is not None}
     logs: dict[str, Path] = {}
     side_by_side = launcher == "local" and limit > 1
     env = dict(os.environ)
@@ -230,6 +236,11 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
                     done.append(out)
                     if name in logs:
                         print(f"== finished {name} (log: {logs[name]})", flush=True)
+                    if name in evaluations:  # its claims are in the report now, not only at the end
+                        try:
+                            _report(root)
+                        except Exception as exc:  # noqa: BLE001  (a report is rebuilt at the end; the runs go on)
+                            print(f"== report not written yet: {type(exc).__name__}: {exc}", flush=True)
             if block and running:
                 time.sleep(0.2)
 
