@@ -155,13 +155,13 @@ class LMShape:
 
 
 def attention_plan(position: Any, device: Any, n: int, grad: bool) -> Any:
-    """The attention plan a model under ``position`` (a :class:`poslsh_cli.lm.positions.Position`, or
+    """The attention plan a model under ``position`` (a :class:`poslsh_cli.attention.scheme.Position`, or
     its value) takes at length n, causal, in float32 (RoPE: SDPA without bias); its
     :meth:`~poslsh_cli.attention.plan.Plan.memory_bytes` is what a layer of it holds."""
     import torch
 
     from poslsh_cli.attention import Backend, Method, Plan, choose
-    from poslsh_cli.lm.positions import Position, method_of
+    from poslsh_cli.attention.scheme import Position, method_of
 
     position = Position(getattr(position, "value", position))
     if position is Position.ROPE:
@@ -196,13 +196,12 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     """Peak bytes of a forward pass without gradients of the checkpoint at ``path`` (its weights as
     stored, its sizes from config.json) at ``batch`` sequences of length ``n``, under its own
     scheme or ``attention`` swapped in with ``s`` masks (:func:`lm_bytes`)."""
-    from poslsh_cli.lm.checkpoint import read_config, weights_bytes
-    from poslsh_cli.lm.positions import PositionState
+    from poslsh_cli.lm.checkpoint import read_config, saved_scheme, weights_bytes
 
     cfg = read_config(path)
-    own = str((cfg.get("poslsh") or {}).get("position", "rope"))
-    position = own if attention == "own" else attention
-    saved = PositionState.saved_s(cfg.get("poslsh") or {})
+    scheme = saved_scheme(cfg)
+    position = (scheme.position.value if scheme else "rope") if attention == "own" else attention
+    saved = scheme.s if scheme else 0
     shape = LMShape.of_config(cfg)
     att = attention_plan(position, device, n, grad=False).memory_bytes(batch, shape.heads, n, shape.head_dim,
                                                                        s or saved or 8)

@@ -29,8 +29,9 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attenti
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
 from poslsh_cli.lm.loading import Arch
-from poslsh_cli.lm.positions import Position, PositionState, model_label, randomized, sigma_label
-from poslsh_cli.numerics.sampling import bandwidths, derive_seed
+from poslsh_cli.attention.scheme import Position, model_label, randomized, sigma_label
+from poslsh_cli.lm.positions import PositionState
+from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict
 
 COLUMNS = ("context", "position", "s", "batch", "prefill_seconds", "token_seconds", "tokens_per_s", "kv_bytes",
@@ -93,8 +94,8 @@ def _decoder(spec: DecodeBenchSpec, ctx: DecodeBenchContext, position: Position,
     from poslsh_cli.lm.kvcache import ForgettingCache
     from poslsh_cli.lm.loading import build_model
 
-    state = PositionState(position, bandwidths(spec.heads, spec.sigma), s=s, seed=spec.seed,
-                          window_sigmas=spec.window_sigmas)
+    state = PositionState.of(position, spec.heads, sigma=spec.sigma, s=s, seed=spec.seed,
+                             window_sigmas=spec.window_sigmas)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).eval()
     return state, model, ForgettingCache(model)
 

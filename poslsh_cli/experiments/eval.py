@@ -78,7 +78,7 @@ def _lm_eval() -> Any:
 
 
 def prepare(spec: TasksSpec) -> TasksContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, saved_scheme
 
     _lm_eval()
     from lm_eval.tasks import TaskManager
@@ -90,7 +90,8 @@ def prepare(spec: TasksSpec) -> TasksContext:
     for entry in spec.checkpoints:
         for path, name in expand_checkpoints(entry):
             check_checkpoint(path)
-            cks[name] = (path, str((read_config(path).get("poslsh") or {}).get("position", "rope")))
+            scheme = saved_scheme(read_config(path))
+            cks[name] = (path, scheme.position.value if scheme else "rope")
             trained[name] = _trained_columns(path, cks[name][1])
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     include = [spec.include_path] if spec.include_path else []
@@ -116,7 +117,7 @@ def _trained_columns(path: Path, position: str) -> dict:
     bandwidths (as perplexity labels them), whether it was fine-tuned, the train run it belongs to, its
     training length and steps (models are compared inside one run, length and number of steps)."""
     from poslsh_cli.lm.checkpoint import train_info, training_run
-    from poslsh_cli.lm.positions import Position, sigma_label
+    from poslsh_cli.attention.scheme import Position, sigma_label
 
     info = train_info(path)
     sigmas = ("" if position in (Position.ROPE.value, Position.NONE.value)
@@ -277,7 +278,7 @@ def _with_trained(df: Any) -> Any:
 
 
 def _scheme(df: Any) -> Any:
-    from poslsh_cli.lm.positions import model_label
+    from poslsh_cli.attention.scheme import model_label
 
     return [model_label(r.position, r.s, r.attn_dropout, r.sigmas) for r in df.itertuples()]
 
@@ -334,7 +335,7 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
     """Positional LSH (each trained s, per model group) reaches exact ALiBi's accuracy on each task:
     the non-inferiority rule on the error rate in percentage points, paired by training seed, with the
     relative margin (:data:`~poslsh_cli.verdicts.stats.MARGIN_FRACTION` of exact ALiBi's error rate)."""
-    from poslsh_cli.lm.positions import model_label
+    from poslsh_cli.attention.scheme import model_label
     from poslsh_cli.verdicts.stats import MARGIN_FRACTION, MIN_SEEDS, equivalence, paired, relative_margin
 
     rule = ACCURACY_RULE.format(fraction=MARGIN_FRACTION)

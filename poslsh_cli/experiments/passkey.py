@@ -25,7 +25,7 @@ from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forw
                                          largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm.checkpoint import expand_checkpoints
-from poslsh_cli.lm.positions import model_label, sigma_label
+from poslsh_cli.attention.scheme import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section
 

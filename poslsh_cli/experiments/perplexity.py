@@ -28,7 +28,7 @@ from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, k
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
 from poslsh_cli.experiments.devices import Device, resolve_device
-from poslsh_cli.lm.positions import Position, randomized, sigma_label
+from poslsh_cli.attention.scheme import Position, randomized, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
@@ -169,7 +169,8 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, refuse_rotary_falcon, train_info, training_run
+    from poslsh_cli.lm.checkpoint import (check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme, train_info,
+                                          training_run)
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -185,7 +186,8 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
             info = train_info(path)
             cfg = read_config(path)
             refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
-            position = (cfg.get("poslsh") or {}).get("position") or (
+            scheme = saved_scheme(cfg)
+            position = scheme.position.value if scheme else (
                 Position.ALIBI.value if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else Attention.OWN.value)
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from poslsh_cli.verdicts.claims import Status, Verdict
-from poslsh_cli.lm.positions import Position, model_label
+from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, Interval, count, difference,
                                       equivalence, paired, paired_windows, relative_margin,
                                       seeds_to_decide, slope)

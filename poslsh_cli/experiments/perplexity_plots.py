@@ -10,11 +10,12 @@ from typing import Any
 
 from poslsh_cli.experiments.perplexity_report import (ALIBI, MARKERS, MODEL_KEYS, OWN, POSLSH, by_protocol,
                                                       main_protocol, protocol_of, scheme_rank)
-from poslsh_cli.lm.positions import model_label, with_model_columns
+from poslsh_cli.attention.scheme import model_label
+from poslsh_cli.lm.positions import with_model_columns
 
 
 def _scheme(r: Any) -> str:
-    """A trained model's label (:func:`~poslsh_cli.lm.positions.model_label`: scheme, s, dropout,
+    """A trained model's label (:func:`~poslsh_cli.attention.scheme.model_label`: scheme, s, dropout,
     bandwidths), and its training length when it is not the only one (the ``multi_length`` column
     set by :func:`plot`)."""
     return (model_label(r["position"], r["trained_s"], r["attn_dropout"], r["sigmas"])

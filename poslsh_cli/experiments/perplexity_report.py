@@ -1,6 +1,6 @@
 """``poslsh perplexity``'s tables, figures and claims: one function per figure and per claim of the
 paper, each computed from the rows it quotes. Schemes appear in one order everywhere (the order
-of :class:`~poslsh_cli.lm.positions.Position`: no bias, the baselines, exact ALiBi, Positional LSH,
+of :class:`~poslsh_cli.attention.scheme.Position`: no bias, the baselines, exact ALiBi, Positional LSH,
 RoPE).
 """
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any
 
 from poslsh_cli.experiments.perplexity_claims import OWN
 from poslsh_cli.lm.evaluate import METRICS
-from poslsh_cli.lm.positions import Position, model_label, with_model_columns
+from poslsh_cli.attention.scheme import Position, model_label
+from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Section
 
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value

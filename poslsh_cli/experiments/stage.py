@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from poslsh_cli.core import distributed as dist
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainContext, TrainSpec
-from poslsh_cli.lm.positions import Position, PositionState
+from poslsh_cli.attention.scheme import Position
+from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.store.cellwork import CellWork, Checkpoints, MetricsLog, NullLog

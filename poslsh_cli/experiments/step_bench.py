@@ -31,7 +31,8 @@ from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench_report import plot, report, summary
 from poslsh_cli.experiments.train_spec import Precision
-from poslsh_cli.lm.positions import Position, PositionState, method_of, randomized, sigma_label
+from poslsh_cli.attention.scheme import Position, method_of, randomized, sigma_label
+from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.numerics.sampling import bandwidths, derive_seed
 
@@ -218,8 +219,8 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import build_model
 
-    state = PositionState(position, bandwidths(spec.heads, sigma_at(spec, x.shape[1] - 1)), s=s, seed=spec.seed,
-                          backend=backend)
+    state = PositionState.of(position, spec.heads, sigma=sigma_at(spec, x.shape[1] - 1), s=s, seed=spec.seed,
+                             backend=backend)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 from poslsh_cli.attention.plan import Backend
 from poslsh_cli.experiments.measure import judge_load, load_paragraphs
-from poslsh_cli.lm.positions import Position
+from poslsh_cli.attention.scheme import Position
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, crossover
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value

@@ -37,7 +37,7 @@ from poslsh_cli.experiments.devices import cuda_skip_reason
 from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
 from poslsh_cli.lm import evaluate as evaluation
-from poslsh_cli.lm.positions import Position, model_label, randomized
+from poslsh_cli.attention.scheme import Position, model_label, randomized
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
@@ -178,10 +178,10 @@ def _param_count(path: Path) -> int:
 
 
 def _sigmas(final: Path, position: Position) -> str:
-    """The trained scheme's bandwidths (:func:`~poslsh_cli.lm.positions.sigma_label`); empty for the
+    """The trained scheme's bandwidths (:func:`~poslsh_cli.attention.scheme.sigma_label`); empty for the
     schemes that have none (rope, none)."""
     from poslsh_cli.lm.checkpoint import train_info
-    from poslsh_cli.lm.positions import sigma_label
+    from poslsh_cli.attention.scheme import sigma_label
 
     if position in (Position.ROPE, Position.NONE):
         return ""

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.verdicts.claims import Section, Status, Verdict, crossover
-from poslsh_cli.lm.positions import Position, model_label, with_model_columns
+from poslsh_cli.attention.scheme import Position, model_label
+from poslsh_cli.lm.positions import with_model_columns
 
 SCHEMES = [p.value for p in Position]
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
@@ -19,7 +20,7 @@ def _rank(position: str, s: int = 0) -> tuple:
 
 
 def _model(r: Any) -> str:
-    """position, s, dropout and bandwidths of one row (:func:`~poslsh_cli.lm.positions.model_label`)."""
+    """position, s, dropout and bandwidths of one row (:func:`~poslsh_cli.attention.scheme.model_label`)."""
     return model_label(r["position"], r["s"], r["attn_dropout"], r["sigmas"])
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.experiments.devices import Device
-from poslsh_cli.lm.positions import Position
+from poslsh_cli.attention.scheme import Position
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes
 from poslsh_cli.store.tracking import Logger
 

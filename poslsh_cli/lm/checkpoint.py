@@ -168,6 +168,15 @@ def read_config(path: Path) -> dict:
     return base_view(json_file(path / "config.json"))
 
 
+def saved_scheme(cfg: dict) -> Any:
+    """The :class:`~poslsh_cli.attention.scheme.Scheme` a checkpoint's config (:func:`read_config`)
+    saved under ``poslsh``, or None for a checkpoint trained without one (a model's own attention)."""
+    from poslsh_cli.attention.scheme import Scheme
+
+    saved = cfg.get("poslsh")
+    return Scheme.from_json(saved) if saved else None
+
+
 def base_view(cfg: dict) -> dict:
     """The config of a poslsh-marked checkpoint (``model_type: poslsh``) as its architecture's own
     config.json (model_type, architectures, no auto_map); any other config unchanged."""

@@ -86,7 +86,7 @@ class Source:
         return f"{self.model_type} {what} {self.path}"
 
     def check_position(self, position: Any) -> None:
-        from poslsh_cli.lm.positions import Position
+        from poslsh_cli.attention.scheme import Position
 
         if Position(position) is Position.ROPE and self.alibi_model:
             raise ConfigError(f"{self.path} ({self.model_type}) has no rotary embedding to keep: position=rope needs a "
@@ -97,17 +97,17 @@ class Source:
         """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: one
         ``sigma`` for every head when given (the paper's constant sigma), else its own slopes (an
         ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the standard ones."""
+        from poslsh_cli.attention.scheme import Position
+        from poslsh_cli.lm.positions import PositionState
         from poslsh_cli.lm.pretrained import alibi_sigmas_of
-        from poslsh_cli.lm.positions import Position, PositionState
-        from poslsh_cli.numerics.sampling import bandwidths
 
         position = Position(position)
         self.check_position(position)
         own = self.own_slopes and sigma is None
         model_sigmas = alibi_sigmas_of(getattr(model, "transformer", model), self.model_type, self.heads) if own else None
-        sigmas = bandwidths(self.heads, sigma, model_sigmas, self.alibi)
-        return PositionState(position, sigmas, s=s, window_sigmas=window_sigmas, seed=seed,
-                             native=own and position is Position.ALIBI, sampler=sampler)
+        return PositionState.of(position, self.heads, sigma=sigma, model_sigmas=model_sigmas, alibi=self.alibi, s=s,
+                                window_sigmas=window_sigmas, seed=seed, native=own and position is Position.ALIBI,
+                                sampler=sampler)
 
 
 def resolve_ref(ref: str, key_name: str) -> Path:

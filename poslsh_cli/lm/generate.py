@@ -72,7 +72,7 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     import torch
 
     from poslsh_cli.lm.loading import load_model, with_scheme
-    from poslsh_cli.lm.positions import Position
+    from poslsh_cli.attention.scheme import Position
 
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
@@ -125,7 +125,7 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
     than that is one ConfigError saying how many new tokens fit. A scheme without a position limit
     (ALiBi, Positional LSH, windowed, fixed blocks, none) goes on past the length the model was
     trained at (``poslsh_train.json``, else its configured positions), and ``notice`` says so."""
-    from poslsh_cli.lm.positions import Position
+    from poslsh_cli.attention.scheme import Position
 
     total = prompt_tokens + max_new_tokens
     positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)

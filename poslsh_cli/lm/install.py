@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.lm.positions import ATTENTION_NAME, Position, PositionState
+from poslsh_cli.attention.scheme import Position
+from poslsh_cli.lm.positions import ATTENTION_NAME, PositionState
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,

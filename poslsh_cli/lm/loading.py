@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.install import install
-from poslsh_cli.lm.positions import Position, PositionState
+from poslsh_cli.attention.scheme import Position
+from poslsh_cli.lm.positions import PositionState
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
             raise load_failure(path, exc, hf_config(path)) from None
     heads = model.config.num_attention_heads
     saved = cfg.get("poslsh")
-    if saved:
+    if saved:  # the scheme it was trained with (lm.checkpoint.saved_scheme), as its layers apply it
         state = PositionState.from_json(saved)
     elif mtype in ALIBI_ARCHS:
         state = PositionState(Position.ALIBI, alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads),
@@ -105,7 +106,7 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
     import dataclasses
 
     from poslsh_cli.attention.plan import Backend, backends_of
-    from poslsh_cli.lm.positions import method_of, randomized
+    from poslsh_cli.attention.scheme import method_of, randomized
     from poslsh_cli.numerics.sampling import Sampler
 
     where = f"{path}: " if path is not None else ""
