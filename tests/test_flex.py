@@ -332,6 +332,23 @@ def test_the_per_mask_merge_is_as_accurate_as_one_float32_attention_at_many_mask
     assert (got.double() - ref).abs().max().item() <= tol
 
 
+def test_one_tensor_as_q_k_and_v_after_a_call_whose_mask_held_tensors():
+    """q, k, v as one tensor, after a call whose block mask read tensors (sampled blocks): PyTorch's
+    recompile-reason check evaluates the old call's guard sources on the new mask and raised
+    AttributeError; the call runs and equals the same call on distinct copies."""
+    from poslsh_cli.numerics import masks as m
+
+    n = 256
+    q, k, v = qkv(B=1, H=2, n=n, d=16, seed=3)
+    doc = torch.arange(n).div(16, rounding_mode="floor").expand(2, n).contiguous()
+    blocks = m.block_mask(m.Intersection((m.Causal(), m.SameBlock.of(doc))), 2, n, torch.device("cpu"))
+    flex.flex_call(q, k, v, scale=0.25, compiled=False, block_mask=blocks)
+    causal = m.block_mask(m.Causal(), 1, n, torch.device("cpu"))
+    got = flex.flex_call(q, q, q, scale=0.25, compiled=False, block_mask=causal)
+    want = flex.flex_call(q, q.clone(), q.clone(), scale=0.25, compiled=False, block_mask=causal)
+    assert torch.equal(got, want)
+
+
 def test_the_eager_bound_counts_what_an_uncompiled_call_holds():
     """The refusal of a large uncompiled call on CUDA counts what the eager path holds at once (scores,
     modified scores, softmax, mask, index grid), not one float32 score matrix: measured on the CPU, the

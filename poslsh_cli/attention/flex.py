@@ -138,6 +138,13 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     if d < MIN_HEAD_DIM:
         pad = (0, MIN_HEAD_DIM - d)
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+    # One tensor passed as two of q, k, v after a call whose mask held tensors makes PyTorch's
+    # recompile-reason check read that old mask's fields on the new one and raise; distinct views of
+    # the same storage cost nothing and keep the calls apart.
+    if k is q:
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
     kw: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask, "scale": float(scale),
                           "enable_gqa": enable_gqa}
     if lse:

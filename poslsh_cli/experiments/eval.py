@@ -273,8 +273,13 @@ def quiet_progress() -> Iterator[None]:
 
 def _with_trained(df: Any) -> Any:
     """Rows with the training columns (runs written before they existed: one unknown seed each)."""
-    return df.assign(**{c: df[c] if c in df.columns else v for c, v in TRAINED_DEFAULTS.items()}).fillna(
-        {k: v for k, v in TRAINED_DEFAULTS.items() if k != "run_seed"})
+    out = df.copy()
+    for c, v in TRAINED_DEFAULTS.items():
+        if c not in out.columns:
+            out[c] = v
+        elif c != "run_seed":  # a text column read back all empty is float NaN: text again before filling
+            out[c] = (out[c].astype(object) if isinstance(v, str) else out[c]).fillna(v)
+    return out
 
 
 def _scheme(df: Any) -> Any:
