@@ -19,8 +19,7 @@ def main() -> None:
     import torch
 
     from poslsh_cli.experiments.devices import synchronize
-    from poslsh_cli.experiments.stage import autocast
-    from poslsh_cli.experiments.train_spec import Precision
+    from poslsh_cli.experiments.devices import Precision, autocast
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import Arch, build_model
     from poslsh_cli.lm.positions import PositionState

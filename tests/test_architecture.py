@@ -119,7 +119,7 @@ def test_every_folder_is_one_layer_and_imports_only_layers_above_it():
 
 def test_the_layer_table_names_every_module_of_its_folders():
     """The modules column of docs/ARCHITECTURE.md lists each folder's modules (the experiments row
-    its shared ones; the commands are found by the registry)."""
+    its shared ones; the commands' packages are found by the registry)."""
     text = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
     section = text[text.index("## Layers"):text.index("## From argv")]
     for line in section.splitlines():
@@ -130,20 +130,20 @@ def test_the_layer_table_names_every_module_of_its_folders():
         listed = set(re.findall(r"`([a-z_]+)`", cells[2]))
         present = {p.stem for f in folders for p in (PKG / f).glob("*.py") if p.stem != "__init__"}
         if "experiments" in folders:
-            present = {m for m in present if not (PKG / "experiments" / f"{m}.py").read_text().count("EXPERIMENT = ")
-                       and not m.endswith(("_report", "_claims"))}
+            present = {m for m in present if not (PKG / "experiments" / f"{m}.py").read_text().count("EXPERIMENT = ")}
         assert listed == present, (cells[0], sorted(present - listed), sorted(listed - present))
 
 
-def test_each_command_is_named_in_its_own_module_only():
-    """A command's name appears as a string literal only in the module that defines it (and its
-    ``<module>_report`` companion, which holds its tables, figures and claims). One name is also an
-    ordinary word elsewhere: "train" is the name of a dataset split in the corpus readers, "eval" the
-    tag of the masks drawn while a model is evaluated."""
+def test_each_command_is_named_in_its_own_package_only():
+    """A command's name appears as a string literal only in its own package (``experiments/<name>/``:
+    the command, its report and claims). One name is also an ordinary word elsewhere: "train" is the
+    name of a dataset split in the corpus readers, "eval" the tag of the masks drawn while a model is
+    evaluated."""
     ordinary = {"train": {"poslsh_cli.lm.data", "poslsh_cli.lm.documents"},
                 "eval": {"poslsh_cli.lm.evaluate", "poslsh_cli.lm.positions"}}
     for exp in registry.experiments().values():
         home = "poslsh_cli.experiments." + exp.config_name
+        assert (PKG / "experiments" / exp.config_name / "command.py").exists(), exp.name
         owners = []
         for path in PKG.rglob("*.py"):
             if module_name(path) in ordinary.get(exp.name, set()):
@@ -151,7 +151,25 @@ def test_each_command_is_named_in_its_own_module_only():
             tree = ast.parse(path.read_text())
             if any(isinstance(n, ast.Constant) and n.value == exp.name for n in ast.walk(tree)):
                 owners.append(module_name(path))
-        assert owners and set(owners) <= {home, home + "_report"}, (exp.name, owners)
+        assert owners and all(o.startswith(home + ".") for o in owners), (exp.name, owners)
+
+
+def test_no_command_imports_another_and_shared_helpers_import_no_command():
+    """A command's package imports the shared helpers of ``experiments/`` (base, devices, machine,
+    measure) and its own modules, never another command's; the shared helpers import no command."""
+    commands = {p.name for p in (PKG / "experiments").iterdir() if (p / "command.py").exists()}
+    assert {"train", "perplexity", "bench", "step_bench"} <= commands
+    crossing = []
+    for module, deps in import_graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["poslsh_cli", "experiments"] or len(parts) < 3:
+            continue
+        mine = parts[2] if parts[2] in commands else None
+        for dep in deps:
+            d = dep.split(".")
+            if d[:2] == ["poslsh_cli", "experiments"] and len(d) > 2 and d[2] in commands and d[2] != mine:
+                crossing.append(f"{module} imports {dep}")
+    assert not crossing, "\n".join(crossing)
 
 
 def test_the_cli_starts_without_the_numerical_stack():
@@ -168,14 +186,17 @@ def test_registry_lists_every_command_once_with_its_yaml():
         assert exp.columns and exp.help.strip()
 
 
-def test_adding_a_command_is_one_module_and_one_yaml(tmp_path):
-    """A toy experiment module + its YAML, placed in a copy of the package, becomes a working
-    command with help, validation, a run directory and a summary: nothing else changes."""
+def test_adding_a_command_is_one_package_and_one_yaml(tmp_path):
+    """A toy experiment package (its command module) + its YAML, placed in a copy of the package,
+    becomes a working command with help, validation, a run directory and a summary: nothing else
+    changes."""
     import shutil
 
     pkg = tmp_path / "poslsh_cli"
     shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "experiments" / "toy.py").write_text('''
+    (pkg / "experiments" / "toy").mkdir()
+    (pkg / "experiments" / "toy" / "__init__.py").write_text("")
+    (pkg / "experiments" / "toy" / "command.py").write_text('''
 from dataclasses import dataclass
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment
@@ -252,3 +273,11 @@ def test_a_cell_has_its_own_work_directory(tmp_path):
         work.checkpoints().save(1, lambda d: (d / "x").write_text("1"))
         assert (work.path / "metrics.csv").exists() and work.checkpoints().latest()[0] == 1
     assert json.loads((tmp_path / "run" / "meta.json").read_text())["command"] == "toy"
+
+
+def test_modules_and_the_readme_stay_short_enough_to_read():
+    """No module over 450 lines (a longer one is two jobs); the README at most 260 lines (the rest is
+    in docs/)."""
+    long = {module_name(p): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
+    assert len((PKG.parent / "README.md").read_text().splitlines()) <= 260

@@ -8,8 +8,8 @@ import pandas as pd
 
 from conftest import RUN, poslsh, status_of
 from poslsh_cli.app import registry
-from poslsh_cli.experiments.bench import _band_pairs
-from poslsh_cli.experiments.bench_report import crossover
+from poslsh_cli.experiments.bench.command import _band_pairs
+from poslsh_cli.experiments.bench.report import crossover
 from poslsh_cli.verdicts.claims import Status
 
 
@@ -198,7 +198,7 @@ def test_usable_cores_follow_the_affinity_and_a_cgroup_quota(tmp_path, monkeypat
 
 def gpu_rows(exact=10.0, poslsh=1.0, paired=None, overloaded=False):
     """CUDA rows at the goal length, causal, forward: exact ALiBi and Positional LSH s=8."""
-    from poslsh_cli.experiments.bench_report import GPU_GOAL_N, GPU_GOAL_S
+    from poslsh_cli.experiments.bench.report import GPU_GOAL_N, GPU_GOAL_S
 
     base = dict(n=GPU_GOAL_N, causal=True, backward=False, device="cuda:0", heads=8, head_dim=64, dtype="float16",
                 planned=True, peak_mem_mb=100.0, rel_fro=math.nan, window_sigmas=math.nan, threads=2, cores=2.0,
@@ -211,7 +211,7 @@ def gpu_rows(exact=10.0, poslsh=1.0, paired=None, overloaded=False):
 
 
 def forward_goal(df):
-    from poslsh_cli.experiments.bench_report import claims_gpu
+    from poslsh_cli.experiments.bench.report import claims_gpu
 
     [v] = [v for v in claims_gpu(df) if "faster than exact ALiBi" in v.claim and "(forward," in v.claim]
     return v
@@ -220,7 +220,7 @@ def forward_goal(df):
 def test_bench_speedups_use_the_exact_time_paired_with_each_row():
     """A row's exact_seconds (exact ALiBi timed interleaved with it) drives its speed-up, the
     crossover and the CUDA goals; runs written before the column use the exact row's time."""
-    from poslsh_cli.experiments.bench_report import summary
+    from poslsh_cli.experiments.bench.report import summary
     from poslsh_cli.verdicts.claims import Status
 
     assert forward_goal(gpu_rows(exact=10.0, poslsh=1.0)).status is Status.SUPPORTED  # no paired time: 10x
@@ -280,7 +280,7 @@ def step_rows(ratio, alone_alibi=1.0, loaded_alibi=None, overloaded=False):
 
 
 def test_step_bench_claims_use_the_interleaved_reference_and_the_load():
-    from poslsh_cli.experiments import step_bench
+    from poslsh_cli.experiments.step_bench import command as step_bench
     from poslsh_cli.verdicts.claims import Status
 
     def long(df):
@@ -296,7 +296,7 @@ def test_step_bench_claims_use_the_interleaved_reference_and_the_load():
 
 
 def test_decode_bench_speed_uses_the_interleaved_reference_and_the_load():
-    from poslsh_cli.experiments import decode_bench
+    from poslsh_cli.experiments.decode_bench import command as decode_bench
     from poslsh_cli.verdicts.claims import Status
 
     def table(speed, alibi_row=10.0, overloaded=False):
@@ -393,7 +393,7 @@ def test_bench_report_groups_by_causal():
 def test_the_sampling_share_at_the_largest_n_is_the_median_over_its_rows():
     """Two Positional-LSH rows of one (s, backend) at the largest n (say iid and sobol masks): the
     share of drawing the masks is their median, and the sentence says how many rows it rests on."""
-    from poslsh_cli.experiments.bench_claims import claim_near_linear_time
+    from poslsh_cli.experiments.bench.claims import claim_near_linear_time
 
     rows = [dict(device="cpu", causal=True, method="exact", s=0, backend="rank1", n=n, seconds=n * 1e-6,
                  sample_seconds=0.0) for n in (1024, 2048, 4096)]

@@ -39,8 +39,8 @@ def test_conf_dir_is_inside_the_package():
 
 
 def test_values_become_concrete_types():
-    from poslsh_cli.experiments.bench import BenchMethod
-    from poslsh_cli.experiments.matrix_error import Computation as Method
+    from poslsh_cli.experiments.bench.command import BenchMethod
+    from poslsh_cli.experiments.matrix_error.command import Computation as Method
 
     cfg = spec_of("matrix-error", ["n=64", "sigma=2", "s=3", "method=both"])
     assert cfg.n == (64,) and cfg.sigma == (2.0,) and cfg.s == (3,) and cfg.method is Method.BOTH

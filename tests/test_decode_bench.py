@@ -5,7 +5,7 @@ from conftest import poslsh
 def test_decode_bench_runs_and_judges_its_goals(tmp_path):
     import pandas as pd
 
-    from poslsh_cli.experiments import decode_bench
+    from poslsh_cli.experiments.decode_bench import command as decode_bench
     from poslsh_cli.verdicts.claims import Status
 
     res = poslsh("decode-bench", "context=[64,512]", "new_tokens=3", "hidden=32", "heads=4",

@@ -192,7 +192,7 @@ def test_fp16_checkpoints_keep_the_loss_scale(tmp_path):
     resume; a checkpoint without one is refused in one line rather than resumed at the initial
     scale. (The fp16 training path itself needs CUDA: tests/test_distributed.py's gpu tests.)"""
     from poslsh_cli.core.errors import ConfigError
-    from poslsh_cli.experiments.stage import SCALER, load_scaler
+    from poslsh_cli.experiments.train.stage import SCALER, load_scaler
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
     w = torch.nn.Parameter(torch.ones(2))

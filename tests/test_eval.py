@@ -134,7 +134,7 @@ def test_eval_keeps_train_runs_lengths_and_steps_apart():
     is 1% of that ALiBi's error rate."""
     import pandas as pd
 
-    from poslsh_cli.experiments.eval import claim_reaches_alibi, interval_table
+    from poslsh_cli.experiments.eval.command import claim_reaches_alibi, interval_table
 
     rows = []
     for run, acc in (("train", {"rope": 0.60, "alibi": 0.70, "poslsh": 0.70}),

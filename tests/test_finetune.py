@@ -292,7 +292,7 @@ def test_init_preset_names_resolve_under_poslsh_models(llama, tmp_path, monkeypa
 
 def test_paper_scale_presets_read_their_corpus_from_poslsh_data(monkeypatch, tmp_path):
     from poslsh_cli.app import registry
-    from poslsh_cli.experiments.train import skip_reason
+    from poslsh_cli.experiments.train.command import skip_reason
 
     exp = registry.get("train")
     monkeypatch.delenv("POSLSH_DATA", raising=False)

@@ -137,7 +137,7 @@ def test_same_command_gives_identical_metrics(tmp_path):
 
 
 def test_matrix_error_table_says_why_a_slope_is_missing(tmp_path):
-    from poslsh_cli.experiments.matrix_error import summary
+    from poslsh_cli.experiments.matrix_error.command import summary
 
     df = pd.read_csv(small_run(tmp_path) / "results.csv")
     head, rows = summary(df)

@@ -260,7 +260,9 @@ def test_evaluation_accuracy_metrics_equal_an_independent_count():
 def test_an_accuracy_metric_is_declared_once_and_reaches_every_reader():
     """lm.evaluate.METRICS is the one list: train's results and metrics log (val_<name>),
     perplexity's results and the window sums all take their columns from it."""
-    from poslsh_cli.experiments import perplexity, stage, train
+    from poslsh_cli.experiments.perplexity import command as perplexity
+    from poslsh_cli.experiments.train import stage
+    from poslsh_cli.experiments.train import command as train
     from poslsh_cli.lm.evaluate import METRICS, WINDOW_SUMS
 
     names = [m.name for m in METRICS]

@@ -10,7 +10,7 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
     import pandas as pd
 
     from poslsh_cli.core.errors import ConfigError
-    from poslsh_cli.experiments.passkey import NEEDLE, prompt
+    from poslsh_cli.experiments.passkey.command import NEEDLE, prompt
 
     encode = lambda text: list(text.encode())  # noqa: E731
     for depth in (0.0, 0.5, 1.0):
@@ -33,7 +33,7 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
 def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_binomial_bound():
     import pandas as pd
 
-    from poslsh_cli.experiments.passkey import binomial_interval, summary
+    from poslsh_cli.experiments.passkey.command import binomial_interval, summary
 
     rows = []
     for run, sigmas in (("train", "standard"), ("train_official", "sigma=8 every head")):
@@ -63,7 +63,7 @@ def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_bino
 def test_a_passkey_run_where_nothing_is_retrieved_says_it_is_at_its_floor(tmp_path):
     import pandas as pd
 
-    from poslsh_cli.experiments.passkey import report
+    from poslsh_cli.experiments.passkey.command import report
 
     rows = [{"checkpoint": f"train/work/position-{p}_s-0_seed-{seed}-abc/final", "position": p, "s": 0,
              "trained_len": 256, "length": n, "depth": d, "trial": k, "seed": k, "key": 10000 + k, "correct": 0,

@@ -142,7 +142,7 @@ def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
     """Every gap of a seed shares that seed's ALiBi value: with seed-to-seed shifts of ALiBi alone,
     15 (s, seed) points fitted as independent give a tight slope; one slope per seed (each exactly
     the same here) gives the interval over 3 seeds, and the evidence lists the per-seed slopes."""
-    from poslsh_cli.experiments.perplexity_claims import Data, Scheme, claim_finetune_approaches_alibi
+    from poslsh_cli.experiments.perplexity.claims import Data, Scheme, claim_finetune_approaches_alibi
     from poslsh_cli.verdicts.stats import t_interval
 
     gaps = {1: 0.3, 2: 0.2, 5: 0.1, 10: 0.05, 20: 0.01}
@@ -192,7 +192,7 @@ def test_extrapolation_needs_its_contrast_and_intervals(tmp_path):
 def test_swapped_table_pairs_each_seed_with_its_own_attention(tmp_path):
     """Swapped rows at the training length: the mean over seeds of each seed's mean over draws, and the
     seed-paired difference from the same models' own attention, recomputed here from the rows."""
-    from poslsh_cli.experiments.perplexity_report import swapped_table
+    from poslsh_cli.experiments.perplexity.report import swapped_table
     from poslsh_cli.verdicts.stats import t_interval
 
     _, df = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.9})
@@ -236,7 +236,9 @@ def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monk
     """Exact ALiBi and exact ALiBi trained with attention dropout (and a model with one sigma for
     every head) are different models: their own rows in the console table, their own curves in
     bits per byte against length, their own legend entries and colours in the learning curves."""
-    from poslsh_cli.experiments import perplexity_plots, perplexity_report, train_report
+    from poslsh_cli.experiments.perplexity import plots as perplexity_plots
+    from poslsh_cli.experiments.perplexity import report as perplexity_report
+    from poslsh_cli.experiments.train import report as train_report
 
     run, df = ppl_run(tmp_path / "p", scratch={A: 1.8, AD: 1.9})
     df = pd.concat([df, df[(df.position == "alibi") & (df.attn_dropout == 0)].assign(
@@ -373,7 +375,7 @@ def test_where_the_gap_comes_from(tmp_path):
     """The gap of a Positional-LSH-trained model to the ALiBi-trained one splits into the
     approximation at inference (own minus the same weights run with exact ALiBi) and the weights
     (those with exact ALiBi minus the ALiBi model); with weights as good as ALiBi's the claim holds."""
-    from poslsh_cli.experiments.perplexity_groups import decomposition
+    from poslsh_cli.experiments.perplexity.groups import decomposition
 
     def run(name, weights_gap):
         r, df = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.9}, seed_sd=0.0005, name=name)
@@ -482,7 +484,7 @@ def test_perplexity_swaps_attention_and_defaults_to_L_to_8L(trained, tmp_path):
     assert len(swapped[swapped.attention == "poslsh"]) == 3 * sum(per_s.values())
     # the swap skipped on the ALiBi model is the same computation as its own forward
     from poslsh_cli.core.config import build_spec
-    from poslsh_cli.experiments import perplexity as ppl
+    from poslsh_cli.experiments.perplexity import command as ppl
     from poslsh_cli.lm.evaluate import evaluate
 
     spec = build_spec(ppl.PerplexitySpec, {"checkpoints": [str(trained)], "attention": ["own", "alibi"]})

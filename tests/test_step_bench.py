@@ -23,7 +23,7 @@ def step_table(poslsh_ratio, mem_ratio, lengths=(2048, 8192, 16384)):
 
 
 def test_long_context_goals_and_crossover():
-    from poslsh_cli.experiments import step_bench
+    from poslsh_cli.experiments.step_bench import command as step_bench
 
     good = step_bench.report(RUN, step_table({2048: 1.3, 8192: 0.8, 16384: 0.4}, 1.2))
     assert status_of(good, "at long context") is Status.SUPPORTED
@@ -41,7 +41,7 @@ def test_the_paper_setting_claim_reads_the_rows_at_its_setting_only():
     """L=8192, one sigma = 256 for every head, s=100: SUPPORTED when the step time and the memory are
     both within 1.5x exact ALiBi's, NOT SUPPORTED when one is not, NOT MEASURED at another setting or
     in a table without the sigmas column."""
-    from poslsh_cli.experiments import step_bench
+    from poslsh_cli.experiments.step_bench import command as step_bench
 
     def table(t_ratio, m_ratio, sigmas="sigma=256 every head", s=100):
         rows = [{"seq_len": 8192, "position": p, "s": k, "backend": "auto", "attention_path": "x", "batch": 2,

@@ -247,7 +247,7 @@ def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(traine
     split (like the validation documents over the corpus): recomputed here from the saved
     checkpoint, and the report's overfitting table uses it, with a t-interval over seeds."""
     from poslsh_cli.lm.windows import spread_sample
-    from poslsh_cli.experiments.train_report import overfitting_table
+    from poslsh_cli.experiments.train.report import overfitting_table
     from poslsh_cli.lm.evaluate import evaluate
 
     df = pd.read_csv(trained / "results.csv")
@@ -401,8 +401,8 @@ def test_a_steps_sweep_trains_each_length_with_its_own_schedule(tmp_path):
     """steps=[3,6] trains a model per length, each with its own warm-up (warmup_fraction of its
     steps) and its own cosine decay ending at 10% of lr at its last step; the shorter ones first, and
     the run with one length keeps its cells' keys (no ``steps``)."""
-    from poslsh_cli.experiments.stage import learning_rate
-    from poslsh_cli.experiments.train import cells
+    from poslsh_cli.experiments.train.stage import learning_rate
+    from poslsh_cli.experiments.train.command import cells
 
     r = poslsh("train", *TRAIN, "position=[alibi]", "steps=[3,6]", "warmup_fraction=0.34", "eval_every=3",
                "checkpoint_every=100", "lr=0.01", f"out={tmp_path}")
@@ -600,7 +600,7 @@ def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002):
 
 
 def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
-    from poslsh_cli.experiments import train_report as tr
+    from poslsh_cli.experiments.train import report as tr
 
     shrinking = _train_run(tmp_path / "a", lambda st: 0.3 / np.sqrt(st / 100))
     sec = registry.get("train").report(tmp_path / "a", shrinking)

@@ -66,7 +66,7 @@ def train_times(ratio, seeds, noise, g, lengths=(256, 1024)):
 
 
 def speed_verdict(df):
-    from poslsh_cli.experiments.train_report import claim_crossover
+    from poslsh_cli.experiments.train.report import claim_crossover
 
     [v] = claim_crossover(df)
     return v

@@ -1,11 +1,13 @@
-"""The experiment registry: every module of :mod:`poslsh_cli.experiments` that exports
-``EXPERIMENT`` is a command. The CLI, Hydra's schemas, ``plot``, ``report`` and ``reproduce``
-all read this registry; adding a command is one module, one YAML in ``conf/`` and its tests.
+"""The experiment registry: every command package of :mod:`poslsh_cli.experiments` whose
+``command`` module exports ``EXPERIMENT`` (or a module of its own that does) is a command. The CLI,
+Hydra's schemas, ``plot``, ``report`` and ``reproduce`` all read this registry; adding a command is
+one module (or package), one YAML in ``conf/`` and its tests.
 """
 from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import pkgutil
 from functools import lru_cache
 from pathlib import Path
@@ -34,7 +36,12 @@ def experiments() -> dict[str, Experiment]:
 
     found = []
     for info in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        name = f"{pkg.__name__}.{info.name}"
+        if info.ispkg:  # a command's package: its command module holds the EXPERIMENT
+            if importlib.util.find_spec(f"{name}.command") is None:
+                continue
+            name += ".command"
+        module = importlib.import_module(name)
         exp = getattr(module, "EXPERIMENT", None)
         if isinstance(exp, Experiment):
             found.append(exp)

@@ -59,6 +59,11 @@ class AttentionSpec:
         if params.endswith("partitions") and not self.partitions:
             raise ValueError(f"{self.method.value} attention needs partitions= (one per head)")
 
+    @property
+    def s(self) -> int:
+        """Masks per head (the scheme's s; the partitions' count), 0 for a method without drawn ones."""
+        return self.partitions[0].num_samples if self.partitions else 0
+
     @cached_property
     def bin_table(self) -> tuple[np.ndarray, np.ndarray]:
         """Partition methods: the widths and shifts of every head's samples, (H, s) float64 each,
@@ -188,8 +193,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         # the cost model weighs the CPU training paths only (on CUDA the plan does not read it)
         cpu_training = backend == "auto" and q.device.type == "cpu" and needs_grad(q, k, v)
         work = work_of(spec, q.shape[-2]) if cpu_training else None
-        s = spec.partitions[0].num_samples if spec.partitions else 0
-        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, s=s)
+        plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, s=spec.s)
     if on_plan is not None:
         on_plan(plan)
     if dropout and plan.backend not in DROPOUT_BACKENDS:
@@ -208,7 +212,7 @@ def _checked(plan: Plan, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, 
         raise ValueError(f"the plan is for {Method(plan.method).value}, the spec for {spec.method.value}")
     kernel = plan.kernel if plan.backend in (Backend.BLOCKS, Backend.CHUNKED, Backend.UNION) and plan.kernel else "auto"
     again = plan_for(spec.method, q, k, v, spec.causal, plan.backend, kernel, dropout=dropout > 0,
-                     s=spec.partitions[0].num_samples if spec.partitions else 0)
+                     s=spec.s)
     if again.backend is not plan.backend or (again.kernel is not None and again.kernel is not plan.kernel):
         raise ValueError(f"the plan {plan.label} cannot run this call (here it would be {again.label})")
     return again

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -92,10 +92,9 @@ def model_label(position: str, s: Any = 0, dropout: Any = 0.0, sigmas: Any = "")
             + (f" ({sigmas})" if sigmas and sigmas != "standard" else ""))
 
 
-#: the keys a saved scheme holds (``to_json``); a scheme saved before ``s`` had its name holds
-#: ``num_samples`` instead
-SAVED_KEYS = ("position", "sigmas", "s", "window_sigmas", "seed", "backend", "native", "sampler")
-
+#: masks per head of a Positional-LSH scheme swapped into a checkpoint that draws none of its own
+#: (``s=0``: the checkpoint's own s, else this)
+SWAP_S = 8
 
 @dataclass
 class Scheme:
@@ -114,6 +113,9 @@ class Scheme:
     seed: int = 0
     backend: str = "auto"
     sampler: str = "iid"
+
+    #: keys a subclass saves besides the scheme's fields (``to_json`` / ``from_json``)
+    SAVED_EXTRA: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self.position = Position(self.position)
@@ -184,7 +186,8 @@ class Scheme:
         """The scheme a checkpoint saved (:meth:`to_json`); one saved before ``s`` had its name keeps it
         under ``num_samples``."""
         d = {("s" if k == "num_samples" else k): v for k, v in d.items()}
-        return cls(**{k: v for k, v in d.items() if k in SAVED_KEYS and k in {f.name for f in fields(cls)}})
+        known = {f.name for f in fields(Scheme)} | set(cls.SAVED_EXTRA)
+        return cls(**{k: v for k, v in d.items() if k in known})
 
     @staticmethod
     def saved_s(d: dict) -> int:

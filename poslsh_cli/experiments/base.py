@@ -196,6 +196,7 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     """Peak bytes of a forward pass without gradients of the checkpoint at ``path`` (its weights as
     stored, its sizes from config.json) at ``batch`` sequences of length ``n``, under its own
     scheme or ``attention`` swapped in with ``s`` masks (:func:`lm_bytes`)."""
+    from poslsh_cli.attention.scheme import SWAP_S
     from poslsh_cli.lm.checkpoint import read_config, saved_scheme, weights_bytes
 
     cfg = read_config(path)
@@ -204,7 +205,7 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     saved = scheme.s if scheme else 0
     shape = LMShape.of_config(cfg)
     att = attention_plan(position, device, n, grad=False).memory_bytes(batch, shape.heads, n, shape.head_dim,
-                                                                       s or saved or 8)
+                                                                       s or saved or SWAP_S)
     return lm_bytes(shape, batch, n, att, training=False, weights=weights_bytes(path))
 
 

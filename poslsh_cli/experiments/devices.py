@@ -68,3 +68,23 @@ def synchronize(device: Any) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Precision(str, enum.Enum):
+    """Arithmetic of the forward and backward passes (autocast); weights and optimizer stay float32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context of ``precision`` on ``device`` (nothing for fp32)."""
+    import contextlib
+
+    import torch
+
+    if precision is Precision.FP32:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float16
+    return torch.autocast(device.type, dtype=dtype)

@@ -6,7 +6,7 @@ swapped in (:func:`~poslsh_cli.lm.loading.with_scheme`).
 Registered as ``poslsh`` in lm-eval's model registry when this module is imported, and declared as
 the ``poslsh`` entry point of the ``lm_eval.models`` group, which lm-eval versions with plugin
 discovery read (``lm_eval run --model poslsh --model_args pretrained=CKPT,attention=poslsh,s=8``).
-``poslsh eval`` (:mod:`poslsh_cli.experiments.eval`) runs it with any lm-eval version, and so does
+``poslsh eval`` (:mod:`poslsh_cli.experiments.eval.command`) runs it with any lm-eval version, and so does
 lm-eval's own command line started through this module (``python -m poslsh_cli.lm.harness run
 --model poslsh ...``).
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.install import install
-from poslsh_cli.attention.scheme import Position
+from poslsh_cli.attention.scheme import SWAP_S, Position
 from poslsh_cli.lm.positions import PositionState
 
 
@@ -133,7 +133,7 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
         if own.native:
             raise ConfigError(f"{where}an ALiBi checkpoint's own attention computes inline; under a swapped "
                               "scheme it runs without a key/value cache (poslsh perplexity measures it)")
-        samples = s or own.s or 8
+        samples = s or own.s or SWAP_S
         runs_on = backends_of(method_of(position)) if position is not Position.ROPE else ()
         kept = own.backend if own.backend == "auto" or Backend(own.backend) in runs_on else "auto"
         state = PositionState(position, own.sigmas, s=samples if randomized(position) else 0,

@@ -10,7 +10,7 @@ loading models with one, :mod:`poslsh_cli.lm.loading`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from poslsh_cli.attention.scheme import Position, Scheme, method_of, model_label, randomized, sigma_label
 
@@ -38,6 +38,8 @@ class PositionState(Scheme):
     _cache: dict = field(default_factory=dict, repr=False)
     #: the poslsh_cli.lm.kvcache.ForgettingCache decoding with this scheme, if any
     _forgetting: Any = field(default=None, repr=False)
+
+    SAVED_EXTRA: ClassVar[tuple[str, ...]] = ("native",)
 
     def attention_spec(self, layer: int, n: int, scale: float | None = None, tag: tuple | None = None,
                        causal: bool = True) -> Any:

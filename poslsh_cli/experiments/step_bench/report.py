@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 from poslsh_cli.attention.plan import Backend
 from poslsh_cli.experiments.measure import judge_load, load_paragraphs
-from poslsh_cli.attention.scheme import Position
+from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, crossover
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
@@ -85,7 +85,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    labels = [f"{r.position}{f' s={r.s}' if r.s else ''}\n{r.attention_path}" for r in df.drop_duplicates(
+    labels = [f"{model_label(r.position, r.s)}\n{r.attention_path}" for r in df.drop_duplicates(
         ["position", "s", "attention_path"]).itertuples()]
     keys = df.drop_duplicates(["position", "s", "attention_path"])[["position", "s", "attention_path"]]
     width = 0.8 / max(1, df.seq_len.nunique())

@@ -7,7 +7,7 @@ metrics log and checkpoints), then per step :meth:`StageRun.train_step`,
 :meth:`StageRun.maybe_evaluate`, :meth:`StageRun.log` and :meth:`StageRun.maybe_checkpoint`, and
 :meth:`StageRun.finish` writing ``final/``. Distributed, LoRA and fp16 details stay in the set-up
 and the save/load helpers. ``spec`` is the command's ``TrainSpec`` and ``ctx`` its ``TrainContext``
-(:mod:`poslsh_cli.experiments.train_spec`); with several processes rank 0 decides and writes, every
+(:mod:`poslsh_cli.experiments.train.spec`); with several processes rank 0 decides and writes, every
 rank trains its share of the global batch.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from poslsh_cli.core import distributed as dist
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainContext, TrainSpec
+from poslsh_cli.experiments.devices import Precision, autocast
+from poslsh_cli.experiments.train.spec import Parallel, TrainContext, TrainSpec
 from poslsh_cli.attention.scheme import Position
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm import evaluate as evaluation
@@ -131,7 +132,11 @@ def _build(spec: TrainSpec, ctx: TrainContext, stage: Stage, resume: Optional[Pa
 
             set_peft_model_state_dict(model, load_file(str(resume / "adapter_model.safetensors")))
     if spec.gradient_checkpointing:
-        lora.base_of(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base, kwargs = lora.base_of(model), {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers' name since it deprecated the old one
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model, state
 
 
@@ -214,18 +219,6 @@ def _load_optimizer(spec: TrainSpec, ctx: TrainContext, model: Model, opt: torch
 
 def _autocast(spec: TrainSpec, device: torch.device) -> contextlib.AbstractContextManager:
     return autocast(spec.precision, device)
-
-
-def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast context of ``precision`` on ``device`` (nothing for fp32)."""
-    import contextlib
-
-    import torch
-
-    if precision is Precision.FP32:
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def train_stage(spec: TrainSpec, ctx: TrainContext, work: CellWork, stage: Stage) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.experiments.perplexity_report import (ALIBI, MARKERS, MODEL_KEYS, OWN, POSLSH, by_protocol,
+from poslsh_cli.experiments.perplexity.report import (ALIBI, MARKERS, MODEL_KEYS, OWN, POSLSH, by_protocol,
                                                       main_protocol, protocol_of, scheme_rank)
 from poslsh_cli.attention.scheme import model_label
 from poslsh_cli.lm.positions import with_model_columns
@@ -146,7 +146,7 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
         g = g.assign(scheme=g.apply(_scheme, axis=1))
         for att, h in g.groupby("attention"):
             for (sch, s), hh in h.groupby(["scheme", "s"]):
-                lab = att if att != POSLSH else f"{POSLSH} s={s}"
+                lab = model_label(att, s if att == POSLSH else 0)
                 ax.plot(hh.bits_per_byte.mean(), rows.index(sch), MARKERS.get(att, "o"), ms=6,
                         mfc="none" if att != OWN else None, color=color[sch] if att == OWN else "0.25", label=lab)
         ax.set_yticks(range(len(rows)), rows)

@@ -289,7 +289,7 @@ def plot_step_time(run: Path, df: Any) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.4))
     for i, ((pos, s), g) in enumerate(sorted(times.groupby(level=[0, 1]), key=lambda kg: _rank(*kg[0]))):
         g = g.droplevel([0, 1]).sort_index()
-        ax.plot(g.index, g.values, "o-", ms=4, color=f"C{i % 10}", label=pos + (f" s={s}" if s else ""))
+        ax.plot(g.index, g.values, "o-", ms=4, color=f"C{i % 10}", label=model_label(pos, s))
     x = crossover_length(df)
     if math.isfinite(x):
         ax.axvline(x, color="k", ls=":", lw=0.9, label=f"Positional LSH faster from L={int(x)}")

@@ -1,5 +1,5 @@
 """``poslsh bench``'s tables, figures and report: the time against n with the crossovers, the
-error-time Pareto front per n, and the claims (:mod:`poslsh_cli.experiments.bench_claims`), each
+error-time Pareto front per n, and the claims (:mod:`poslsh_cli.experiments.bench.claims`), each
 computed from the rows it quotes."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from poslsh_cli.experiments.bench_claims import (  # noqa: F401 (the claims' constants, read by tests)
+from poslsh_cli.experiments.bench.claims import (  # noqa: F401 (the claims' constants, read by tests)
     EXACT, EXACT_ALT, GPU_GOAL_N, GPU_GOAL_S, POSLSH, WINDOWED, claim_near_linear_time, claim_roofline, claims_gpu,
     crossover, exact_time)
 from poslsh_cli.experiments.measure import load_paragraphs

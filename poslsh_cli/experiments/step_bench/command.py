@@ -27,10 +27,9 @@ from poslsh_cli.attention.plan import Backend, backends_of
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices, lm_bytes
-from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
+from poslsh_cli.experiments.devices import Device, Precision, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
-from poslsh_cli.experiments.step_bench_report import plot, report, summary
-from poslsh_cli.experiments.train_spec import Precision
+from poslsh_cli.experiments.step_bench.report import plot, report, summary
 from poslsh_cli.attention.scheme import Position, method_of, randomized, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm.loading import Arch
@@ -215,7 +214,7 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     """(position state, model, ``step(t)`` -> seconds of one timed training step on ``x``)."""
     import torch
 
-    from poslsh_cli.experiments.stage import autocast
+    from poslsh_cli.experiments.devices import autocast
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import build_model
 

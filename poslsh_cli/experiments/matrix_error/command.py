@@ -18,7 +18,7 @@ from typing import Any
 from poslsh_cli.core.config import Spec, check, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
-from poslsh_cli.experiments.matrix_error_report import plot, report, summary
+from poslsh_cli.experiments.matrix_error.report import plot, report, summary
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
 
 NAME = "matrix-error"

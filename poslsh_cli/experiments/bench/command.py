@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from poslsh_cli.experiments.bench_report import plot, report, summary
+from poslsh_cli.experiments.bench.report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, cuda_skip_reason, resolve_device, torch_dtype

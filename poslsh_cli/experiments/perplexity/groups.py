@@ -4,7 +4,7 @@ text), where the gap to exact ALiBi comes from (the approximation at inference o
 weights), the power of each comparison and the error rate the verdicts share.
 
 A group is judged at the longest training of its run; the same run's models trained for fewer steps
-(T/2 beside T) are its ``half``, which the stability rule reads (:mod:`perplexity_claims`). Claims at
+(T/2 beside T) are its ``half``, which the stability rule reads (:mod:`~poslsh_cli.experiments.perplexity.claims`). Claims at
 the training length read the largest evaluation text of each model (``text_tokens``); claims across
 lengths and with swapped attention read the side text, on which every model was also scored at L.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Optional
 
-from poslsh_cli.experiments import perplexity_claims as pc
+from poslsh_cli.experiments.perplexity import claims as pc
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, count, family_wise, half_width, seeds_for_half_width,
                                       spread, t_interval)

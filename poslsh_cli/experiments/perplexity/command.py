@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from poslsh_cli.experiments.perplexity_claims import OWN
-from poslsh_cli.experiments.perplexity_plots import plot
-from poslsh_cli.experiments.perplexity_report import report, summary
+from poslsh_cli.experiments.perplexity.claims import OWN
+from poslsh_cli.experiments.perplexity.plots import plot
+from poslsh_cli.experiments.perplexity.report import report, summary
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
 from poslsh_cli.experiments.devices import Device, resolve_device
-from poslsh_cli.attention.scheme import Position, randomized, sigma_label
+from poslsh_cli.attention.scheme import Position, model_label, randomized, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
@@ -359,7 +359,7 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
     protocol = Protocol(key.get("protocol", Protocol.NONOVERLAPPING.value))
     sliding = protocol is Protocol.SLIDING and length > ck.trained_len
     limit = text_limit(spec, key.get("text", MAIN))
-    said = f"{ck.name} {att.value}" + (f" s={s}" if drawn(att) else "") + f" length {length} {protocol.value}"
+    said = f"{ck.name} {model_label(att.value, s if drawn(att) else 0)} length {length} {protocol.value}"
     ev = evaluate(model, state, ck.tokens, length, ck.trained_len if sliding else spec.stride,
                   None if limit is None else max(limit, length), spec.batch, key="perplexity",
                   own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding,

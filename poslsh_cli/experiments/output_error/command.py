@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Optional, Union
 
 from poslsh_cli.lm import models
-from poslsh_cli.experiments.output_error_report import MODEL_OWN, plot, report, summary
+from poslsh_cli.experiments.output_error.report import MODEL_OWN, plot, report, summary
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices

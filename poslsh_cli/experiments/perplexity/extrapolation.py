@@ -1,7 +1,7 @@
 """The length-extrapolation claims of ``poslsh perplexity``: Positional LSH stays robust at kL (its bits
 per byte at kL minus at L within the relative margin), and RoPE and the model without positions degrade
 more there (difference of degradations, paired by seed); with fewer than three seeds over the evaluation
-windows (evaluation noise only). The models and text are one group of :mod:`perplexity_claims`.
+windows (evaluation noise only). The models and text are one group of :mod:`~poslsh_cli.experiments.perplexity.claims`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from poslsh_cli.experiments.perplexity_claims import NONE, POSLSH, ROPE, Data, Scheme, reference_s
+from poslsh_cli.experiments.perplexity.claims import NONE, POSLSH, ROPE, Data, Scheme, reference_s
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, Interval, count, difference,
                                       paired, paired_windows, ratio_interval, relative_margin)

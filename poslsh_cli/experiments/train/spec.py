@@ -1,7 +1,7 @@
 """What ``poslsh train`` is asked for and what its cells share: the spec (:class:`TrainSpec`, every
 key of ``conf/train.yaml``) with its enums, and the context ``prepare`` builds once per run
 (:class:`TrainContext`: the corpus, the model source, the device). The command
-(:mod:`poslsh_cli.experiments.train`) and its training loop (:mod:`poslsh_cli.experiments.stage`)
+(:mod:`poslsh_cli.experiments.train.command`) and its training loop (:mod:`poslsh_cli.experiments.train.stage`)
 both read them."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
-from poslsh_cli.experiments.devices import Device
+from poslsh_cli.experiments.devices import Device, Precision
 from poslsh_cli.attention.scheme import Position
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes
 from poslsh_cli.store.tracking import Logger
@@ -20,14 +20,6 @@ if TYPE_CHECKING:
 
     from poslsh_cli.lm.convert import Source
     from poslsh_cli.lm.data import Corpus
-
-
-class Precision(str, enum.Enum):
-    """Arithmetic of the forward and backward passes (autocast); weights and optimizer stay float32."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
 
 
 class Parallel(str, enum.Enum):
@@ -151,7 +143,7 @@ class TrainContext:
 
 @dataclass(frozen=True)
 class TrainCell:
-    """One cell of a run, read once from its key (:func:`poslsh_cli.experiments.train.cells`): the
+    """One cell of a run, read once from its key (:func:`poslsh_cli.experiments.train.command.cells`): the
     scheme, its masks per head per step ``s`` (0 for schemes that draw none), the seed, the training
     length, the attention dropout and the optimizer steps (the key holds the last three only when a
     run varies them)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.experiments.perplexity_claims import OWN
+from poslsh_cli.experiments.perplexity.claims import OWN
 from poslsh_cli.lm.evaluate import METRICS
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.lm.positions import with_model_columns
@@ -107,7 +107,7 @@ def swapped_table(df: Any) -> Any:
             common = per_seed.index.intersection(own.index)
             diff = t_interval((per_seed[common] - own[common]).values)
             rows.append({"fine-tuned": k[0], "L": k[1], "trained": _scheme_label(k),
-                         "attention": att + (f" s={s}" if att == "poslsh" else ""),
+                         "attention": model_label(att, s if att == "poslsh" else 0),
                          "bits/byte": round(iv.estimate, 4), "95% interval": _interval_text(iv),
                          "own": round(float(own[common].mean()), 4) if len(common) else float("nan"),
                          "swapped - own": round(diff.estimate, 4) if len(common) else float("nan"),
@@ -241,9 +241,9 @@ def _tagged(verdicts: list, tag: str, key_tag: str = "") -> list:
 
 
 def report(run: Path, df: Any) -> Section:
-    from poslsh_cli.experiments import perplexity_claims as pc
-    from poslsh_cli.experiments import perplexity_extrapolation as pe
-    from poslsh_cli.experiments import perplexity_groups as pg
+    from poslsh_cli.experiments.perplexity import claims as pc
+    from poslsh_cli.experiments.perplexity import extrapolation as pe
+    from poslsh_cli.experiments.perplexity import groups as pg
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
     df = pg.with_group_columns(with_model_columns(df))

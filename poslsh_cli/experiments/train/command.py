@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from poslsh_cli.experiments.train_report import metric_files, plot, report, summary
+from poslsh_cli.experiments.train.report import metric_files, plot, report, summary
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_plan, lm_bytes
-from poslsh_cli.experiments.devices import cuda_skip_reason
-from poslsh_cli.experiments.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
-from poslsh_cli.experiments.train_spec import Parallel, Precision, TrainCell, TrainContext, TrainSpec
+from poslsh_cli.experiments.devices import Precision, cuda_skip_reason
+from poslsh_cli.experiments.train.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
+from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.attention.scheme import Position, model_label, randomized
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
-from poslsh_cli.experiments.block_stats_report import plot, report, summary
+from poslsh_cli.experiments.block_stats.report import plot, report, summary
 
 NAME = "block-stats"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",

@@ -1,0 +1,1 @@
+"""The ``bench`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

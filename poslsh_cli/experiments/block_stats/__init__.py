@@ -1,0 +1,1 @@
+"""The ``block-stats`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

@@ -1,0 +1,1 @@
+"""The ``decode-bench`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

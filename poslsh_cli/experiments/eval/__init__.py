@@ -1,0 +1,1 @@
+"""The ``eval`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

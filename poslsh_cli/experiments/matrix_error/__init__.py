@@ -1,0 +1,1 @@
+"""The ``matrix-error`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

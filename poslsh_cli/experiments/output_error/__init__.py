@@ -1,0 +1,1 @@
+"""The ``output-error`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

@@ -1,0 +1,1 @@
+"""The ``passkey`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

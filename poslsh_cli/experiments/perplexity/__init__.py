@@ -1,0 +1,1 @@
+"""The ``perplexity`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

@@ -1,0 +1,1 @@
+"""The ``sample`` command (``command``: its ``EXPERIMENT``) and what only it uses."""

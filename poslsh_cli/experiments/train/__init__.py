@@ -1,0 +1,1 @@
+"""The ``train`` command (``command``: its ``EXPERIMENT``) and what only it uses."""
