@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 #: Column names that measure the machine (time, memory, load, throughput, hosts), never the method.
-MACHINE = re.compile(r"(seconds|_s$|^wall|time|mem|_mb$|load|overloaded|threads|cores|gflops|fraction|"
+MACHINE = re.compile(r"(seconds|_s$|^wall|time|mem|_mb$|load|overloaded|threads|cores|gflops|fraction|share|"
                      r"tokens_per|per_second|throughput|host|started|finished|speedup|ratio|^device_name)")
 
 
