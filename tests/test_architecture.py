@@ -172,6 +172,40 @@ def test_no_command_imports_another_and_shared_helpers_import_no_command():
     assert not crossing, "\n".join(crossing)
 
 
+def test_every_command_declares_the_scheme_keys_as_the_scheme_does():
+    """A key that chooses a scheme (position, s, sigma, sampler, window_sigmas, alibi) means the same in
+    every command: its help opens with the meaning attention.scheme declares, its element type is the
+    declared one, and its bounds are the declared ones (a command may only widen one, giving the new
+    value a meaning in its help: eval's s=0)."""
+    import dataclasses
+    import typing
+
+    from poslsh_cli.attention.scheme import SCHEME_KEYS, Position
+    from poslsh_cli.numerics.sampling import Sampler, Slopes
+
+    element = {"position": Position, "s": int, "sigma": float, "sampler": Sampler, "window_sigmas": float,
+               "alibi": Slopes}
+    seen, wrong = set(), []
+    for name, exp in registry.experiments().items():
+        hints = typing.get_type_hints(exp.spec)
+        for f in dataclasses.fields(exp.spec):
+            if f.name not in SCHEME_KEYS:
+                continue
+            seen.add(f.name)
+            meaning, bounds = SCHEME_KEYS[f.name]
+            tp = hints[f.name]
+            atoms = {a for a in typing.get_args(tp) or (tp,) if a is not type(None) and a is not Ellipsis}
+            if not f.metadata["help"].startswith(meaning):
+                wrong.append(f"{name}.{f.name}: help does not open with the declared meaning")
+            if atoms != {element[f.name]} and not all(typing.get_args(a) == (element[f.name], ...) for a in atoms):
+                wrong.append(f"{name}.{f.name}: type {tp}, not {element[f.name].__name__} (or a tuple of it)")
+            for b in ("ge", "gt", "noun"):
+                if b in bounds and f.metadata[b] != bounds[b] and not (b == "ge" and f.metadata[b] < bounds[b]):
+                    wrong.append(f"{name}.{f.name}: {b}={f.metadata[b]}, declared {bounds[b]}")
+    assert not wrong, "\n".join(wrong)
+    assert seen == set(SCHEME_KEYS), f"scheme keys no command declares: {set(SCHEME_KEYS) - seen}"
+
+
 def test_the_cli_starts_without_the_numerical_stack():
     code = "import sys, poslsh_cli.app.cli; print(sorted(m for m in ('torch','scipy','pandas','matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -29,8 +29,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from poslsh_cli.core.config import key
 from poslsh_cli.numerics.methods import INFO, Method, method_def, of_scheme
-from poslsh_cli.numerics.sampling import Sampler, Slopes, alibi_sigmas, bandwidths, derive_seed
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes, alibi_sigmas, bandwidths, derive_seed
 
 
 class _Schemes(str, enum.Enum):
@@ -51,6 +52,35 @@ class _Schemes(str, enum.Enum):
 #: is the display order of every table and figure.
 Position = _Schemes("Position", [(INFO[m].scheme.upper(), INFO[m].scheme) for m in Method] + [("ROPE", "rope")],
                     module=__name__, qualname="Position")
+
+
+#: The ALiBi slopes a scheme takes when no sigma is given (the ``alibi`` key)
+ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
+              "Baichuan), standard = the ALiBi paper's, one per head (m_h = 2^(-8h/H) when H is a power of two; "
+              "otherwise those of the next lower power of two, then every other slope of the next higher one, "
+              "as HF get_alibi_slopes), auto = model where the model has ALiBi, else standard")
+
+#: The keys that choose a scheme, declared once: what each means, the bound on its values and the noun
+#: of one value in messages. A command declares such a key with :func:`scheme_key`, choosing only its
+#: default, whether it sweeps (a tuple type) and a note on what it does in that command
+#: (``tests/test_architecture.py`` holds every command's key of these names to this table).
+SCHEME_KEYS: dict[str, tuple[str, dict[str, Any]]] = {
+    "position": ("position schemes: " + ", ".join(p.value for p in Position), {"noun": "position"}),
+    "s": ("Positional-LSH masks per head", {"ge": 1}),
+    "sigma": ("bandwidth sigma = 1/slope, > 0", {"gt": 0}),
+    "sampler": (SAMPLER_HELP, {"noun": "sampler"}),
+    "window_sigmas": ("windowed ALiBi's half-width c in units of sigma: keys with |i-j| <= ceil(c sigma_h)",
+                      {"gt": 0}),
+    "alibi": (ALIBI_HELP, {}),
+}
+
+
+def scheme_key(name: str, default: Any, note: str = "", **bounds: Any) -> Any:
+    """The spec field of the scheme key ``name`` (:data:`SCHEME_KEYS`): its declared meaning, then the
+    command's ``note``; ``bounds`` widen a bound where the command gives a value a meaning of its own
+    (``s=0``: the checkpoint's own)."""
+    meaning, declared = SCHEME_KEYS[name]
+    return key(f"{meaning}; {note}" if note else meaning, default, **{**declared, **bounds})
 
 
 def method_of(position: "Position | str") -> Method:

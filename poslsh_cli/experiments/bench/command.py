@@ -43,7 +43,8 @@ from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, cuda_skip_reason, resolve_device, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
+from poslsh_cli.attention.scheme import scheme_key
+from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
 #: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
@@ -61,13 +62,12 @@ BenchMethod = choices("BenchMethod", list(Method), __name__)
 class BenchSpec(Spec):
     n: tuple[int, ...] = key("sequence lengths (int or list)", [1024, 2048, 4096, 8192, 16384, 32768], ge=2)
     heads: int = key("number of heads; standard ALiBi slopes give one sigma per head", 8, ge=1)
-    sigma: Optional[float] = key("one sigma for every head instead of the ALiBi slopes", None, gt=0)
+    sigma: Optional[float] = scheme_key("sigma", None, "one for every head instead of the ALiBi slopes")
     head_dim: int = key("head dimension d", 64, ge=1)
     causal: tuple[bool, ...] = key("causal attention (bool or list)", [False])
-    s: tuple[int, ...] = key("Positional-LSH sample counts (each is one method point)", [1, 2, 4, 8, 16, 32], ge=1)
-    sampler: tuple[Sampler, ...] = key(SAMPLER_HELP + " (a list: side by side)", [Sampler.IID], noun="sampler")
-    window_sigmas: tuple[float, ...] = key("windowed exact ALiBi half-widths w = ceil(c*sigma), one point per c",
-                                           [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], gt=0)
+    s: tuple[int, ...] = scheme_key("s", [1, 2, 4, 8, 16, 32], "each is one method point")
+    sampler: tuple[Sampler, ...] = scheme_key("sampler", [Sampler.IID], "a list: side by side")
+    window_sigmas: tuple[float, ...] = scheme_key("window_sigmas", [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], "one point per c")
     methods: tuple[BenchMethod, ...] = key("methods to time: " + ", ".join(m.value for m in BenchMethod)
                                            + " (default: every method with a positional bias)",
                                            [BenchMethod(m.value) for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,

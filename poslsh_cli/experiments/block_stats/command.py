@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from poslsh_cli.attention.scheme import scheme_key
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.experiments.block_stats.report import plot, report, summary
@@ -25,8 +26,8 @@ COLUMNS = ("n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "
 @dataclass(frozen=True)
 class BlockStatsSpec(Spec):
     n: tuple[int, ...] = key("sequence lengths (int or list)", [1024, 4096, 16384, 65536, 262144, 1048576], ge=2)
-    sigma: tuple[float, ...] = key("bandwidths sigma > 0 (float or list)", [4.0, 16.0, 64.0], gt=0)
-    s: tuple[int, ...] = key("numbers of samples (int or list)", [16], ge=1)
+    sigma: tuple[float, ...] = scheme_key("sigma", [4.0, 16.0, 64.0], "float or list")
+    s: tuple[int, ...] = scheme_key("s", [16], "int or list")
     s_per_log_n: Optional[float] = key("c > 0: s = ceil(c ln n) for each n instead of s (the paper's regime for "
                                        "b_max ~ sigma log log n); null: the fixed s list", None, gt=0)
     trials: int = key("independent repetitions per (n, sigma, s)", 20, ge=1)

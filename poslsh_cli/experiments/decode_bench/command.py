@@ -29,7 +29,7 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attenti
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
 from poslsh_cli.lm.loading import Arch
-from poslsh_cli.attention.scheme import Position, model_label, randomized, sigma_label
+from poslsh_cli.attention.scheme import Position, model_label, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict
@@ -47,9 +47,9 @@ GOAL_CONTEXT, KV_GOAL, SPEED_GOAL = 65536, 8.0, 4.0
 @dataclass(frozen=True)
 class DecodeBenchSpec(Spec):
     context: tuple[int, ...] = key("context lengths (tokens before decoding)", [1024, 4096, 16384, 65536], ge=1)
-    position: tuple[Position, ...] = key("position schemes (not rope)", [Position.ALIBI, Position.WINDOWED,
-                                                                        Position.POSLSH], noun="position")
-    s: tuple[int, ...] = key("Positional-LSH masks per head (poslsh only)", [8], ge=1)
+    position: tuple[Position, ...] = scheme_key("position", [Position.ALIBI, Position.WINDOWED,
+                                                                   Position.POSLSH], "not rope")
+    s: tuple[int, ...] = scheme_key("s", [8], "poslsh only")
     new_tokens: int = key("tokens decoded after the context (median time reported)", 32, ge=1)
     batch: int = key("sequences decoded together", 1, ge=1)
     hidden: int = key("model width", 64, ge=1)
@@ -58,9 +58,9 @@ class DecodeBenchSpec(Spec):
     kv_heads: int = key("key/value heads", 8, ge=1)
     head_dim: int = key("head dimension", 16, ge=1)
     intermediate: int = key("MLP width", 192, ge=1)
-    sigma: Optional[float] = key("one sigma for every head; null: one per head from the standard ALiBi slopes",
-                                 None, gt=0)
-    window_sigmas: float = key("windowed ALiBi: keys within ceil(c sigma_h) of the query", 4.0, gt=0)
+    sigma: Optional[float] = scheme_key("sigma", None, "one for every head; null: one per head "
+                                                      "from the standard ALiBi slopes")
+    window_sigmas: float = scheme_key("window_sigmas", 4.0)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:

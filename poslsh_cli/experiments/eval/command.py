@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from poslsh_cli.attention.scheme import scheme_key
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
@@ -44,9 +45,8 @@ class TasksSpec(Spec):
     include_path: Optional[str] = key("a directory of lm-eval task YAML files (local tasks)", None)
     attention: tuple[str, ...] = key("own (the checkpoint's scheme) or schemes swapped in: alibi, poslsh, windowed, "
                                      "fixed_block, none (rope: RoPE checkpoints only)", ["own"], noun="attention")
-    s: int = key("masks per head for Positional LSH (0: the checkpoint's own, else 8)", 0, ge=0)
-    sampler: Optional[Sampler] = key("how Positional-LSH masks are drawn: iid, stratified (Latin hypercube), sobol "
-                                     "(scrambled Sobol); null: the checkpoint's own", None)
+    s: int = scheme_key("s", 0, "0: the checkpoint's own, else 8", ge=0)
+    sampler: Optional[Sampler] = scheme_key("sampler", None, "null: the checkpoint's own")
     trials: int = key("mask draws per Positional-LSH cell (other schemes are deterministic: one)", 1, ge=1)
     num_fewshot: Optional[int] = key("few-shot examples (null: each task's default)", None, ge=0)
     limit: Optional[int] = key("documents per task (null: all)", None, ge=1)

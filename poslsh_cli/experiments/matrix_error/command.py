@@ -19,7 +19,8 @@ from poslsh_cli.core.config import Spec, check, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.experiments.matrix_error.report import plot, report, summary
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler
+from poslsh_cli.attention.scheme import scheme_key
+from poslsh_cli.numerics.sampling import Sampler
 
 NAME = "matrix-error"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "sampler", "method", "spectral_err", "spectral_rel", "max_err",
@@ -38,11 +39,11 @@ class Computation(str, enum.Enum):
 @dataclass(frozen=True)
 class MatrixErrorSpec(Spec):
     n: tuple[int, ...] = key("sequence lengths (int or list)", [256, 1024, 4096], ge=2)
-    sigma: tuple[float, ...] = key("bandwidths sigma > 0 (float or list)", [4.0, 16.0], gt=0)
-    s: tuple[int, ...] = key("numbers of samples (int or list)", [1, 2, 4, 8, 16, 32, 64, 128], ge=1)
+    sigma: tuple[float, ...] = scheme_key("sigma", [4.0, 16.0], "float or list")
+    s: tuple[int, ...] = scheme_key("s", [1, 2, 4, 8, 16, 32, 64, 128], "int or list")
     trials: int = key("independent repetitions per (n, sigma, s)", 3, ge=1)
-    sampler: tuple[Sampler, ...] = key(SAMPLER_HELP + " (list: side by side; the theorem's verdicts use iid)",
-                                       [Sampler.IID], noun="sampler")
+    sampler: tuple[Sampler, ...] = scheme_key("sampler", [Sampler.IID], "a list: side by side; the theorem's "
+                                              "verdicts use iid")
     method: Computation = key("fast (O(n) operators + Lanczos), dense (n x n float64 reference) or both", Computation.FAST)
     tol: float = key("relative width of the certified interval for ||L*-M~||_2: spectral_err (a lower bound) and "
                      "spectral_err_bound within tol of each other", 1e-3, gt=0)

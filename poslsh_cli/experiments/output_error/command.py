@@ -21,17 +21,12 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, resolve_device, synchronize, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method, baselines
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes, derive_seed
+from poslsh_cli.attention.scheme import scheme_key
+from poslsh_cli.numerics.sampling import Sampler, Slopes, derive_seed
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
 Baseline = choices("Baseline", baselines(), __name__)
-
-
-ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
-              "Baichuan), standard = the ALiBi paper's, one per head (m_h = 2^(-8h/H) when H is a power of two; "
-              "otherwise those of the next lower power of two, then every other slope of the next higher one, "
-              "as HF get_alibi_slopes), auto = model where the model has ALiBi, else standard")
 
 
 @dataclass(frozen=True)
@@ -42,17 +37,16 @@ class OutputErrorSpec(Spec):
     n: int = key("number of tokens (the first n of the text)", 512, ge=2)
     layers: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of layer indices", "all", ge=0)
     heads: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of head indices", "all", ge=0)
-    sigma: Optional[float] = key("one sigma for every head; null: ALiBi slopes (see alibi)", None, gt=0)
-    alibi: Slopes = key(ALIBI_HELP, Slopes.AUTO)
+    sigma: Optional[float] = scheme_key("sigma", None, "one for every head; null: ALiBi slopes (see alibi)")
+    alibi: Slopes = scheme_key("alibi", Slopes.AUTO)
     causal: Union[Literal["auto"], bool] = key("auto (decoders causal, encoders not), true or false", "auto")
-    s: tuple[int, ...] = key("numbers of sampled masks (int or list)", [1, 2, 4, 8, 16, 32, 64], ge=1)
+    s: tuple[int, ...] = scheme_key("s", [1, 2, 4, 8, 16, 32, 64], "int or list")
     trials: int = key("independent repetitions per s", 3, ge=1)
-    sampler: tuple[Sampler, ...] = key(SAMPLER_HELP + " (a list: side by side)", [Sampler.IID], noun="sampler")
+    sampler: tuple[Sampler, ...] = scheme_key("sampler", [Sampler.IID], "a list: side by side")
     baselines: tuple[Baseline, ...] = key("reference methods: " + ", ".join(b.value for b in Baseline)
                                           + " ([] for none)", list(Baseline),
                                           noun="baseline", empty=True)
-    window_sigmas: tuple[float, ...] = key("windowed baseline half-widths in units of sigma: w = ceil(c*sigma)",
-                                           [4.0], gt=0)
+    window_sigmas: tuple[float, ...] = scheme_key("window_sigmas", [4.0], "the windowed baselines")
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
     dtype: Dtype = key("compute dtype of the approximations (the exact reference is float64)", Dtype.FLOAT32)
     save_qkv: bool = key("write the captured q, k, v of each layer to qkv/layer<L>.npz", False)

@@ -28,7 +28,7 @@ from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, k
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
 from poslsh_cli.experiments.devices import Device, resolve_device
-from poslsh_cli.attention.scheme import Position, model_label, randomized, sigma_label
+from poslsh_cli.attention.scheme import Position, model_label, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.checkpoint import expand_checkpoints
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
@@ -65,10 +65,10 @@ class PerplexitySpec(Spec):
     attention: tuple[Attention, ...] = key("attention at inference: own (as trained), "
                                            + ", ".join(a.value for a in Attention if a is not Attention.OWN),
                                            [Attention.OWN], noun="attention")
-    s: tuple[int, ...] = key("Positional-LSH masks per head at inference (attention=poslsh)", [10], ge=1)
-    sampler: Optional[Sampler] = key("how swapped-in or re-drawn Positional-LSH masks are drawn: iid, stratified "
-                                     "(Latin hypercube), sobol (scrambled Sobol); null: the checkpoint's own", None)
-    window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
+    s: tuple[int, ...] = scheme_key("s", [10], "at inference (attention=poslsh)")
+    sampler: Optional[Sampler] = scheme_key("sampler", None, "of swapped-in or re-drawn masks; null: the "
+                                            "checkpoint's own")
+    window_sigmas: float = scheme_key("window_sigmas", 4.0)
     trials: int = key("mask draws per Positional-LSH point (own or swapped in)", 3, ge=1)
     swapped_at: Literal["trained", "every"] = key(
         "lengths at which a swapped-in attention is evaluated: trained (the checkpoint's training length; the "

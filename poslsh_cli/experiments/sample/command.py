@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 from poslsh_cli.verdicts.claims import Section
 from poslsh_cli.core.config import Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, derive_seed
+from poslsh_cli.attention.scheme import scheme_key
+from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
 COLUMNS = ("head", "sigma", "sample", "seed", "width", "shift", "num_blocks", "max_block", "mean_block")
 
@@ -22,11 +23,11 @@ COLUMNS = ("head", "sigma", "sample", "seed", "width", "shift", "num_blocks", "m
 @dataclass(frozen=True)
 class SampleSpec(Spec):
     n: int = key("sequence length (number of positions), >= 2", 64, ge=2)
-    sigma: Optional[float] = key("kernel bandwidth sigma = 1/slope, > 0 (or give heads=)", 8.0, gt=0)
+    sigma: Optional[float] = scheme_key("sigma", 8.0, "or give heads=")
     heads: Optional[int] = key("ALiBi head count: one sigma per head from the standard slopes (overrides sigma)",
                                None, ge=1)
-    s: int = key("number of sampled partitions (masks), >= 1", 16, ge=1)
-    sampler: Sampler = key(SAMPLER_HELP, Sampler.IID)
+    s: int = scheme_key("s", 16)
+    sampler: Sampler = scheme_key("sampler", Sampler.IID)
 
     def check(self) -> None:
         check(self.heads is not None or self.sigma is not None, "give sigma= or heads=")

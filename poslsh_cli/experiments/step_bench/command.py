@@ -30,7 +30,7 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Precision, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench.report import plot, report, summary
-from poslsh_cli.attention.scheme import Position, method_of, randomized, sigma_label
+from poslsh_cli.attention.scheme import Position, method_of, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm.loading import Arch
 from poslsh_cli.numerics.sampling import bandwidths, derive_seed
@@ -50,9 +50,8 @@ StepBackend = choices("StepBackend", [Backend.DENSE, Backend.RANK1, Backend.BLOC
 @dataclass(frozen=True)
 class StepBenchSpec(Spec):
     seq_len: tuple[int, ...] = key("training lengths L", [256, 1024], ge=2)
-    position: tuple[Position, ...] = key("position schemes", [Position.ROPE, Position.ALIBI, Position.POSLSH],
-                                         noun="position")
-    s: tuple[int, ...] = key("Positional-LSH masks per head (poslsh only)", [10, 20], ge=1)
+    position: tuple[Position, ...] = scheme_key("position", [Position.ROPE, Position.ALIBI, Position.POSLSH])
+    s: tuple[int, ...] = scheme_key("s", [10, 20], "poslsh only")
     backend: tuple[StepBackend, ...] = key("attention paths: auto (the plan, as poslsh train), or a forced backend: "
                                            + ", ".join(b.value for b in StepBackend if b.value != "auto")
                                            + " (each where the scheme has it)",
@@ -63,8 +62,8 @@ class StepBenchSpec(Spec):
     hidden: int = key("model width", 128, ge=1)
     layers: int = key("decoder layers", 4, ge=1)
     heads: int = key("attention heads", 8, ge=1)
-    sigma: Optional[float] = key("one sigma for every head (the paper's code: 256); null: one per head from the "
-                                 "standard ALiBi slopes", None, gt=0)
+    sigma: Optional[float] = scheme_key("sigma", None, "one for every head (the paper's code: "
+                                        "256); null: one per head from the standard ALiBi slopes")
     sigma_ratio: Optional[float] = key("one sigma for every head at this fraction of each L (the paper's 256 / 8192 = "
                                        "0.03125); null: sigma=", None, gt=0)
     batch_tokens: Optional[int] = key("tokens per step: the batch at each L is this over L (at least 1); null: batch=",

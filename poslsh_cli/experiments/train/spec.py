@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Optional
 
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.experiments.devices import Device, Precision
-from poslsh_cli.attention.scheme import Position
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes
+from poslsh_cli.attention.scheme import Position, scheme_key
+from poslsh_cli.numerics.sampling import Sampler, Slopes
 from poslsh_cli.store.tracking import Logger
 
 if TYPE_CHECKING:
@@ -37,13 +37,12 @@ class LoraSave(str, enum.Enum):
 @dataclass(frozen=True)
 class TrainSpec(Spec):
     seed: tuple[int, ...] = key("seeds (list sweeps): each trains its own model", [0], ge=0)
-    position: tuple[Position, ...] = key("position schemes (list sweeps): none, alibi, poslsh, fixed_block, "
-                                         "windowed, rope", [Position.ALIBI, Position.POSLSH], noun="position")
-    s: tuple[int, ...] = key("Positional-LSH masks per head per step (list sweeps; poslsh only)", [10], ge=1)
+    position: tuple[Position, ...] = scheme_key("position", [Position.ALIBI, Position.POSLSH], "list sweeps")
+    s: tuple[int, ...] = scheme_key("s", [10], "drawn afresh each step (list sweeps; poslsh only)")
     all_seeds: Optional[tuple[Position, ...]] = key("schemes trained with every seed; the others with the first "
                                                     "seed only (null: all)", None, noun="position")
-    sampler: Sampler = key(SAMPLER_HELP, Sampler.IID)
-    window_sigmas: float = key("windowed: keys with |i-j| <= ceil(c sigma_h)", 4.0, gt=0)
+    sampler: Sampler = scheme_key("sampler", Sampler.IID)
+    window_sigmas: float = scheme_key("window_sigmas", 4.0)
     attn_dropout: tuple[float, ...] = key("attention dropout (list sweeps): a value above 0 trains the schemes in "
                                           "dropout_positions again with it (the regulariser control)", [0.0], ge=0)
     dropout_positions: tuple[Position, ...] = key("schemes trained with each attn_dropout above 0 (those whose "
@@ -85,12 +84,10 @@ class TrainSpec(Spec):
                               "Qwen2/3, BLOOM, MPT, Falcon-RW), a model preset, or a byte-level checkpoint", None)
     arch: Optional[str] = key("train from scratch at a checkpoint's sizes and with its tokenizer (its config.json; "
                               "a directory or model preset); the byte-model size keys are then unused", None)
-    sigma: Optional[float] = key("one sigma for every head and layer, every scheme of the run (the paper's code: "
-                                 "256, i.e. L/32 at L=8192); null: one per head from the ALiBi slopes (alibi=)",
-                                 None, gt=0)
-    alibi: Slopes = key("ALiBi slopes of every scheme: auto (an ALiBi checkpoint's own, else the standard slopes "
-                        "of the head count), model (the checkpoint's own; ALiBi checkpoints only) or standard",
-                        Slopes.AUTO)
+    sigma: Optional[float] = scheme_key("sigma", None, "one for every head and layer, every scheme of the run "
+                                        "(the paper's code: 256, i.e. L/32 at L=8192); null: one per head from the "
+                                        "ALiBi slopes (alibi=)")
+    alibi: Slopes = scheme_key("alibi", Slopes.AUTO, "every scheme of the run")
     lora_rank: int = key("LoRA adapters of this rank on lora_targets, the rest frozen (0: full fine-tuning; needs "
                          "init= and peft)", 0, ge=0)
     lora_alpha: float = key("LoRA scale numerator (0: twice the rank)", 0.0, ge=0)
