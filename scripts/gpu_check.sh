@@ -69,7 +69,7 @@ else
   MODEL="hidden=64 layers=2 heads=8 kv_heads=8 head_dim=8 intermediate=128"
   PROFILE="--hidden 64 --layers 2 --heads 8 --head-dim 8 --intermediate 128"
   BUDGET=${BUDGET:-1500}
-  SCALE=${SCALE:-3}  # each step's limit times this: CPU steps run uncompiled, often beside other work
+  SCALE=${SCALE:-4}  # each step's limit times this: CPU steps run uncompiled, often beside other work
 fi
 METHODS=${METHODS:-[exact,poslsh,windowed]} PATHS=${PATHS:-[auto]} N=${GRID_N:-$N}
 BENCH=(device="$DEVICE" dtype="$DT" heads=8 head_dim=64 repeats=3 warmup=1 "window_sigmas=[4]")

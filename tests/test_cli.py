@@ -53,7 +53,10 @@ def test_a_closed_pipe_ends_the_output_not_the_command(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["matrix-error", "foo=1"], "unknown key 'foo'"),
-    (["matrix-error", "sigmaa=1"], "unknown key 'sigmaa'; known keys: delta, dense_max_n,"),
+    (["matrix-error", "sigmaa=1"], "unknown key 'sigmaa' (did you mean sigma?); known keys: delta, dense_max_n,"),
+    (["matrix-error", "model=x"], "unknown key 'model'; known keys: delta,"),
+    (["matrx-error", "n=64"], "no command 'matrx-error' (did you mean matrix-error?); commands: matrix-error,"),
+    (["perplexity", "model=/tmp"], "unknown key 'model'; known keys: attention, batch, checkpoints,"),
     (["matrix-error", "sigma=0"], "sigma must be > 0"),
     (["matrix-error", "sigma=[2,-1]"], "sigma must be > 0"),
     (["matrix-error", "s=0"], "s must be >= 1"),
@@ -396,6 +399,9 @@ def test_messages_that_say_what_is_wrong(tmp_path, trained):
     assert r.exit_code == 2 and one_line(r) and "holds a poslsh matrix-error run, not a block-stats run" in r.stderr
     r = poslsh("generate", str(trained), "prompt=hello")
     assert r.exit_code == 2 and one_line(r) and "is a train run" in r.stderr and "/final" in r.stderr, r.stderr
+    r = poslsh("perplexity", str(trained.parent), "lengths=[32]", "max_tokens=256", f"out={tmp_path / 'p'}")
+    n = len(pd.read_csv(trained / "results.csv"))
+    assert r.exit_code == 0 and f"{trained.parent}: {n} checkpoint" in r.stderr.splitlines()[0], r.stderr
 
 
 def test_the_heldout_task_of_a_corpus_without_whole_held_out_documents_says_why():

@@ -27,8 +27,25 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm import models
 from poslsh_cli.experiments.base import Experiment
 
+class _Commands(typer.core.TyperGroup):
+    """The command group, refusing an unknown command in one line like every other error (click draws
+    a box around it), with the closest command's name."""
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        import difflib
+
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            sys.stderr.write(f"poslsh: error: no command {name!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                             + f"; commands: {', '.join(self.list_commands(ctx))}\n")
+            raise SystemExit(2)
+        return super().resolve_command(ctx, args)
+
+
 app = typer.Typer(
     name="poslsh",
+    cls=_Commands,
     help="Reproduce, measure and extend Positional LSH (Wolfson & Wagner, 2026): ALiBi's bias exp(-|i-j|/sigma) "
          "as the mean of random block-diagonal masks.\n\n"
          "Experiment commands take KEY=VALUE overrides (lists, quoted for zsh: 'key=\\[a,b]'); experiment=NAME applies a preset; "

@@ -125,6 +125,9 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     def notice(text: str) -> None:
         err.print(text, markup=False, highlight=False)
 
+    for line in getattr(ctx, "notes", None) or ():  # what prepare found that the user should see first
+        notice(line)
+
     keys = exp.cells(spec, ctx)
     owned = contextlib.ExitStack()
 

@@ -92,7 +92,8 @@ def build_spec(spec_cls: type, raw: Mapping[str, Any], prefix: str = "") -> Any:
     known = {f.name for f in fields(spec_cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown key {prefix + unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        raise ConfigError(unknown_key(unknown[0], known) if not prefix else
+                          unknown_key(prefix + unknown[0], (prefix + k for k in known)))
     values = {}
     for f in fields(spec_cls):
         if f.name not in raw:
@@ -288,9 +289,9 @@ def hydra_message(exc: BaseException, known: Iterable[str] = (), presets: Iterab
     cause = exc.__cause__ or exc
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     full_key = getattr(cause, "full_key", None)
-    if "not in struct" in text or "Key '" in text and "not in" in text:
-        known = sorted(known)
-        return f"unknown key {full_key or text!r}" + (f"; known keys: {', '.join(known)}" if known else "")
+    group = re.search(r"Could not override '([^']*)'\. No match in the defaults list", text)
+    if "not in struct" in text or "Key '" in text and "not in" in text or group:
+        return unknown_key(group.group(1) if group else full_key or text, known)
     missing = re.search(r"Could not find 'experiment/([^']*)'", text)
     if missing:
         names = sorted(presets)
@@ -301,6 +302,16 @@ def hydra_message(exc: BaseException, known: Iterable[str] = (), presets: Iterab
         options = [line.strip() for line in detail if line.startswith("\t")]
         return text.replace("In 'hydra/config': ", "") + (f" (available: {', '.join(options)})" if options else "")
     return f"bad value: {text}"
+
+
+def unknown_key(name: str, known: Iterable[str]) -> str:
+    """The one message for a key the command does not have: the closest known key, then all of them."""
+    import difflib
+
+    known = sorted(known)
+    close = [] if "." in name else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return (f"unknown key {name!r}" + (f" (did you mean {close[0]}?)" if close else "")
+            + (f"; known keys: {', '.join(known)}" if known else ""))
 
 
 def override_text(value: Any) -> str:

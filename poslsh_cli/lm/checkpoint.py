@@ -382,3 +382,14 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
         if found:
             return [(q, str(q.relative_to(p.parent))) for q in found]
     raise ConfigError(f"{entry}: neither a checkpoint directory (config.json, or a LoRA adapter) nor a train run")
+
+
+def search_note(entry: str, found: list[tuple[Path, str]]) -> str | None:
+    """The line a command prints when ``entry`` was a folder searched for checkpoints (neither a
+    checkpoint nor a train run): how many it found, so a wrong folder is seen before the work starts."""
+    p = Path(entry).expanduser().resolve()
+    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file() or (p / "config.yaml").is_file():
+        return None
+    names = [name for _, name in found]
+    return (f"{entry}: {len(names)} checkpoint{'s' * (len(names) != 1)} found in the folders below it ("
+            + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") + ")")

@@ -113,10 +113,9 @@ def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None
                    else "disagrees with the cells")
         # only the owner writes a run (a reader that rewrote the table could lose its temporary
         # file to an owner starting at that moment): the table is rebuilt here in memory only
-        owner = ownership.holder(run)
-        if owner is not None and not ownership.owns(run):
-            notice(f"{table} {problem} while pid {owner.get('pid')} writes the run; read from its cells/")
-        elif current is not None or cells:
+        # a run another process is still writing: its table lags its cells by design, nothing to say
+        written_elsewhere = ownership.holder(run) is not None and not ownership.owns(run)
+        if not written_elsewhere and (current is not None or cells):
             notice(f"{table} {problem}; read from its {len(cells)} cell{'s' if len(cells) != 1 else ''} in "
                    f"{run / 'cells'} (the same command "
                    f"with out={run} rewrites the file)")

@@ -67,6 +67,7 @@ class TasksContext:
     device: Any
     manager: Any  # lm-eval's TaskManager
     trained: dict[str, dict] = field(default_factory=dict)  # name -> run_seed, sigmas, finetuned (poslsh's own runs)
+    notes: list = field(default_factory=list)  # lines printed before the cells (folders searched)
 
 
 def _lm_eval() -> Any:
@@ -78,7 +79,7 @@ def _lm_eval() -> Any:
 
 
 def prepare(spec: TasksSpec) -> TasksContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, saved_scheme
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, saved_scheme, search_note
 
     _lm_eval()
     from lm_eval.tasks import TaskManager
@@ -86,9 +87,11 @@ def prepare(spec: TasksSpec) -> TasksContext:
     check(len(spec.tasks) > 0, "give the tasks to run: 'tasks=[name,...]' (lm-eval names, or local ones with "
                                "include_path=DIR)")
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
-    cks, trained = {}, {}
+    cks, trained, notes = {}, {}, []
     for entry in spec.checkpoints:
-        for path, name in expand_checkpoints(entry):
+        found = expand_checkpoints(entry)
+        notes += [n for n in [search_note(entry, found)] if n]
+        for path, name in found:
             check_checkpoint(path)
             scheme = saved_scheme(read_config(path))
             cks[name] = (path, scheme.position.value if scheme else "rope")
@@ -109,7 +112,7 @@ def prepare(spec: TasksSpec) -> TasksContext:
         raise ConfigError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}")
     for task in spec.tasks:
         _check_data(task, manager)
-    return TasksContext(cks, resolve_device(spec.device), manager, trained)
+    return TasksContext(cks, resolve_device(spec.device), manager, trained, notes)
 
 
 def _trained_columns(path: Path, position: str) -> dict:

@@ -59,22 +59,25 @@ class PasskeyContext:
     checkpoints: dict[str, tuple[Path, int]]  # name -> (path, training length)
     device: Any
     loaded: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)  # lines printed before the cells (folders searched)
 
 
 def prepare(spec: PasskeySpec) -> PasskeyContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, train_info
+    from poslsh_cli.lm.checkpoint import check_checkpoint, search_note, train_info
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh passkey RUN...)")
-    cks = {}
+    cks, notes = {}, []
     for entry in spec.checkpoints:
-        for path, name in expand_checkpoints(entry):
+        found = expand_checkpoints(entry)
+        notes += [n for n in [search_note(entry, found)] if n]
+        for path, name in found:
             check_checkpoint(path)
             info = train_info(path)
             trained = int(info.get("seq_len", 0))
             if spec.lengths is None and not trained:
                 raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
             cks[name] = (path, trained)
-    return PasskeyContext(cks, resolve_device(spec.device))
+    return PasskeyContext(cks, resolve_device(spec.device), notes=notes)
 
 
 def lengths_of(spec: PasskeySpec, trained: int) -> tuple[int, ...]:

@@ -136,6 +136,7 @@ class PerplexityContext:
     device: Any
     loaded: dict = field(default_factory=dict)  # name -> (model, own PositionState)
     meta: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)  # lines printed before the cells (folders searched)
 
 
 def memory(spec: PerplexitySpec) -> MemoryNeed | None:
@@ -169,8 +170,8 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
-    from poslsh_cli.lm.checkpoint import (check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme, train_info,
-                                          training_run)
+    from poslsh_cli.lm.checkpoint import (check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme,
+                                          search_note, train_info, training_run)
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -180,8 +181,11 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
     fast_cpu_math()
     cks: dict[str, Checkpoint] = {}
     corpora: dict[tuple, Any] = {}
+    notes = []
     for entry in spec.checkpoints:
-        for path, name in expand_checkpoints(entry):
+        found = expand_checkpoints(entry)
+        notes += [n for n in [search_note(entry, found)] if n]
+        for path, name in found:
             check_checkpoint(path)
             info = train_info(path)
             cfg = read_config(path)
@@ -203,7 +207,8 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
                 if limit is not None and limit < need:
                     raise ConfigError(f"{what}={limit} is shorter than one window of {need} tokens")
             cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes, training_run(path))
-    return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}})
+    return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}},
+                             notes=notes)
 
 
 def _corpus_for(spec: PerplexitySpec, path: Path, info: dict, cfg: dict, corpora: dict) -> Any:
