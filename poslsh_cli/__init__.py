@@ -3,7 +3,7 @@
 One folder per layer (docs/ARCHITECTURE.md): ``core`` (configuration, files, processes),
 ``numerics`` and ``attention`` (partitions, operators, errors; attention on tensors), ``store``
 (run directories), ``lm`` (models, position schemes, corpora, evaluation), ``verdicts`` (claims,
-intervals, drawing), ``experiments`` (one module per command), ``app`` (the registry, the runner,
+intervals, drawing), ``experiments`` (one package per command), ``app`` (the registry, the runner,
 reports and the command line).
 
 What a Python user imports: ``poslsh_cli.attention`` (``attend``, ``AttentionSpec``,

@@ -61,7 +61,7 @@ if [ "$DEVICE" = cuda ]; then
   MODEL="hidden=512 layers=4 heads=8 kv_heads=8 head_dim=64 intermediate=1536"
   PROFILE="--hidden 512 --layers 4 --heads 8 --head-dim 64 --intermediate 1536"
   BUDGET=${BUDGET:-540}  # seconds for every step together: a step gets what is left of it
-  SCALE=1
+  SCALE=${LIMIT_SCALE:-1}  # each step's limit times this
 else
   # FlexAttention runs uncompiled on the CPU (every score of a call materialised): the per-mask route
   # of svs at a length and s where its calls stay within seconds
@@ -69,7 +69,7 @@ else
   MODEL="hidden=64 layers=2 heads=8 kv_heads=8 head_dim=8 intermediate=128"
   PROFILE="--hidden 64 --layers 2 --heads 8 --head-dim 8 --intermediate 128"
   BUDGET=${BUDGET:-1500}
-  SCALE=${SCALE:-4}  # each step's limit times this: CPU steps run uncompiled, often beside other work
+  SCALE=${LIMIT_SCALE:-4}  # each step's limit times this: CPU steps run uncompiled, often beside other work
 fi
 METHODS=${METHODS:-[exact,poslsh,windowed]} PATHS=${PATHS:-[auto]} N=${GRID_N:-$N}
 BENCH=(device="$DEVICE" dtype="$DT" heads=8 head_dim=64 repeats=3 warmup=1 "window_sigmas=[4]")

@@ -35,7 +35,7 @@ class _Commands(typer.core.TyperGroup):
         import difflib
 
         name = args[0] if args else ""
-        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+        if name and not name.startswith("-") and not ctx.resilient_parsing and self.get_command(ctx, name) is None:
             close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
             sys.stderr.write(f"poslsh: error: no command {name!r}" + (f" (did you mean {close[0]}?)" if close else "")
                              + f"; commands: {', '.join(self.list_commands(ctx))}\n")

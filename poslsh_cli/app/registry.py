@@ -1,7 +1,7 @@
-"""The experiment registry: every command package of :mod:`poslsh_cli.experiments` whose
-``command`` module exports ``EXPERIMENT`` (or a module of its own that does) is a command. The CLI,
-Hydra's schemas, ``plot``, ``report`` and ``reproduce`` all read this registry; adding a command is
-one module (or package), one YAML in ``conf/`` and its tests.
+"""The experiment registry: every package of :mod:`poslsh_cli.experiments` whose ``command``
+module exports ``EXPERIMENT`` is a command. The CLI, Hydra's schemas, ``plot``, ``report`` and
+``reproduce`` all read this registry; adding a command is one package, one YAML in ``conf/`` and
+its tests.
 """
 from __future__ import annotations
 
@@ -37,11 +37,10 @@ def experiments() -> dict[str, Experiment]:
     found = []
     for info in pkgutil.iter_modules(pkg.__path__):
         name = f"{pkg.__name__}.{info.name}"
-        if info.ispkg:  # a command's package: its command module holds the EXPERIMENT
-            if importlib.util.find_spec(f"{name}.command") is None:
-                continue
-            name += ".command"
-        module = importlib.import_module(name)
+        # a command's package: its command module holds the EXPERIMENT (the shared modules hold none)
+        if not info.ispkg or importlib.util.find_spec(f"{name}.command") is None:
+            continue
+        module = importlib.import_module(f"{name}.command")
         exp = getattr(module, "EXPERIMENT", None)
         if isinstance(exp, Experiment):
             found.append(exp)

@@ -55,8 +55,7 @@ Position = _Schemes("Position", [(INFO[m].scheme.upper(), INFO[m].scheme) for m 
 
 
 #: The ALiBi slopes a scheme takes when no sigma is given (the ``alibi`` key)
-ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints: BLOOM, MPT, Falcon-RW, "
-              "Baichuan), standard = the ALiBi paper's, one per head (m_h = 2^(-8h/H) when H is a power of two; "
+ALIBI_HELP = ("slopes when sigma=null: model = the model's own (ALiBi checkpoints only), standard = the ALiBi paper's, one per head (m_h = 2^(-8h/H) when H is a power of two; "
               "otherwise those of the next lower power of two, then every other slope of the next higher one, "
               "as HF get_alibi_slopes), auto = model where the model has ALiBi, else standard")
 

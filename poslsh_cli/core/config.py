@@ -309,7 +309,7 @@ def unknown_key(name: str, known: Iterable[str]) -> str:
     import difflib
 
     known = sorted(known)
-    close = [] if "." in name else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     return (f"unknown key {name!r}" + (f" (did you mean {close[0]}?)" if close else "")
             + (f"; known keys: {', '.join(known)}" if known else ""))
 

@@ -4,9 +4,14 @@ spec is built) and the torch device it resolves to, why a CUDA preset cannot run
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from poslsh_cli.core.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: importing this module does not import torch
+    import contextlib
+
+    import torch
 
 
 class Device(str):

@@ -369,7 +369,7 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
         raise ConfigError(f"{entry} does not exist")
     if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return [(p, str(p))]
-    if (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file()):
+    if _is_train_run(p):
         df = results(p)
         if len(df) and "checkpoint" not in df.columns:
             raise ConfigError(f"{entry}: not a train run (its results have no checkpoint column)")
@@ -384,11 +384,17 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
     raise ConfigError(f"{entry}: neither a checkpoint directory (config.json, or a LoRA adapter) nor a train run")
 
 
+def _is_train_run(p: Path) -> bool:
+    """A run directory (its config.yaml) with cells or a results table: read as a train run."""
+    return (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file())
+
+
 def search_note(entry: str, found: list[tuple[Path, str]]) -> str | None:
     """The line a command prints when ``entry`` was a folder searched for checkpoints (neither a
-    checkpoint nor a train run): how many it found, so a wrong folder is seen before the work starts."""
+    checkpoint nor a train run, :func:`expand_checkpoints`): how many it found, so a wrong folder is
+    seen before the work starts."""
     p = Path(entry).expanduser().resolve()
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file() or (p / "config.yaml").is_file():
+    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file() or _is_train_run(p):
         return None
     names = [name for _, name in found]
     return (f"{entry}: {len(names)} checkpoint{'s' * (len(names) != 1)} found in the folders below it ("

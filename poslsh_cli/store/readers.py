@@ -106,19 +106,17 @@ def results(run: Path, columns: Iterable[str] = (), notice: Callable[[str], None
     if not columns:  # the column order is the experiment's: without it, read only
         return pd.read_csv(io.StringIO(text)) if text.strip() else pd.DataFrame()
     current = table.read_bytes().decode("utf-8", errors="replace") if table.exists() else None
-    if current is None or sorted(current.splitlines()) != sorted(text.splitlines()):
+    # only the owner writes a run (a reader that rewrote the table could lose its temporary file to an
+    # owner starting at that moment): the table is rebuilt here in memory only; a run another process is
+    # still writing has a table that lags its cells by design, which needs no word
+    stale = current is None or sorted(current.splitlines()) != sorted(text.splitlines())
+    if stale and (current is not None or cells) and (ownership.holder(run) is None or ownership.owns(run)):
         problem = ("is missing" if current is None else "is cut mid-line" if not current.endswith("\n")
                    else f"holds {_rows(len(current.splitlines()) - 1)} where the cells hold "
                         f"{_rows(len(text.splitlines()) - 1)}" if len(current.splitlines()) != len(text.splitlines())
                    else "disagrees with the cells")
-        # only the owner writes a run (a reader that rewrote the table could lose its temporary
-        # file to an owner starting at that moment): the table is rebuilt here in memory only
-        # a run another process is still writing: its table lags its cells by design, nothing to say
-        written_elsewhere = ownership.holder(run) is not None and not ownership.owns(run)
-        if not written_elsewhere and (current is not None or cells):
-            notice(f"{table} {problem}; read from its {len(cells)} cell{'s' if len(cells) != 1 else ''} in "
-                   f"{run / 'cells'} (the same command "
-                   f"with out={run} rewrites the file)")
+        notice(f"{table} {problem}; read from its {len(cells)} cell{'s' if len(cells) != 1 else ''} in "
+               f"{run / 'cells'} (the same command with out={run} rewrites the file)")
     if not text.strip():
         return pd.DataFrame(columns=list(columns))
     return pd.read_csv(io.StringIO(text))

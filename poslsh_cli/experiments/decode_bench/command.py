@@ -48,7 +48,7 @@ GOAL_CONTEXT, KV_GOAL, SPEED_GOAL = 65536, 8.0, 4.0
 class DecodeBenchSpec(Spec):
     context: tuple[int, ...] = key("context lengths (tokens before decoding)", [1024, 4096, 16384, 65536], ge=1)
     position: tuple[Position, ...] = scheme_key("position", [Position.ALIBI, Position.WINDOWED,
-                                                                   Position.POSLSH], "not rope")
+                                                                   Position.POSLSH], "any but rope")
     s: tuple[int, ...] = scheme_key("s", [8], "poslsh only")
     new_tokens: int = key("tokens decoded after the context (median time reported)", 32, ge=1)
     batch: int = key("sequences decoded together", 1, ge=1)

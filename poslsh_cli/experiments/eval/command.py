@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from poslsh_cli.attention.scheme import scheme_key
+from poslsh_cli.attention.scheme import SWAP_S, scheme_key
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
@@ -45,7 +45,7 @@ class TasksSpec(Spec):
     include_path: Optional[str] = key("a directory of lm-eval task YAML files (local tasks)", None)
     attention: tuple[str, ...] = key("own (the checkpoint's scheme) or schemes swapped in: alibi, poslsh, windowed, "
                                      "fixed_block, none (rope: RoPE checkpoints only)", ["own"], noun="attention")
-    s: int = scheme_key("s", 0, "0: the checkpoint's own, else 8", ge=0)
+    s: int = scheme_key("s", 0, f"0: the checkpoint's own, else {SWAP_S}", ge=0)
     sampler: Optional[Sampler] = scheme_key("sampler", None, "null: the checkpoint's own")
     trials: int = key("mask draws per Positional-LSH cell (other schemes are deterministic: one)", 1, ge=1)
     num_fewshot: Optional[int] = key("few-shot examples (null: each task's default)", None, ge=0)

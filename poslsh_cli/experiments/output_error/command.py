@@ -38,7 +38,7 @@ class OutputErrorSpec(Spec):
     layers: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of layer indices", "all", ge=0)
     heads: Union[Literal["all"], tuple[int, ...]] = key("all, or a list of head indices", "all", ge=0)
     sigma: Optional[float] = scheme_key("sigma", None, "one for every head; null: ALiBi slopes (see alibi)")
-    alibi: Slopes = scheme_key("alibi", Slopes.AUTO)
+    alibi: Slopes = scheme_key("alibi", Slopes.AUTO, "ALiBi checkpoints: BLOOM, MPT, Falcon-RW, Baichuan")
     causal: Union[Literal["auto"], bool] = key("auto (decoders causal, encoders not), true or false", "auto")
     s: tuple[int, ...] = scheme_key("s", [1, 2, 4, 8, 16, 32, 64], "int or list")
     trials: int = key("independent repetitions per s", 3, ge=1)

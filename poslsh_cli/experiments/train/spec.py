@@ -87,7 +87,8 @@ class TrainSpec(Spec):
     sigma: Optional[float] = scheme_key("sigma", None, "one for every head and layer, every scheme of the run "
                                         "(the paper's code: 256, i.e. L/32 at L=8192); null: one per head from the "
                                         "ALiBi slopes (alibi=)")
-    alibi: Slopes = scheme_key("alibi", Slopes.AUTO, "every scheme of the run")
+    alibi: Slopes = scheme_key("alibi", Slopes.AUTO, "every scheme of the run; the ALiBi checkpoints init= "
+                                                         "converts: BLOOM, MPT, Falcon-RW")
     lora_rank: int = key("LoRA adapters of this rank on lora_targets, the rest frozen (0: full fine-tuning; needs "
                          "init= and peft)", 0, ge=0)
     lora_alpha: float = key("LoRA scale numerator (0: twice the rank)", 0.0, ge=0)
