@@ -6,7 +6,7 @@ weights, whether it is an adapter and where its base is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from poslsh_cli.core.errors import ConfigError
 
@@ -389,13 +389,17 @@ def _is_train_run(p: Path) -> bool:
     return (p / "config.yaml").is_file() and ((p / "cells").is_dir() or (p / "results.csv").is_file())
 
 
-def search_note(entry: str, found: list[tuple[Path, str]]) -> str | None:
-    """The line a command prints when ``entry`` was a folder searched for checkpoints (neither a
-    checkpoint nor a train run, :func:`expand_checkpoints`): how many it found, so a wrong folder is
-    seen before the work starts."""
-    p = Path(entry).expanduser().resolve()
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file() or _is_train_run(p):
-        return None
-    names = [name for _, name in found]
-    return (f"{entry}: {len(names)} checkpoint{'s' * (len(names) != 1)} found in the folders below it ("
-            + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") + ")")
+def checkpoints_of(entries: Iterable[str]) -> tuple[list[tuple[Path, str]], list[str]]:
+    """Every checkpoint of ``entries`` (:func:`expand_checkpoints`), and a line for each entry that was
+    a folder searched for checkpoints (neither a checkpoint nor a train run): how many it held, for
+    the command to print before its work starts, so a wrong folder is seen at once."""
+    found, notes = [], []
+    for entry in entries:
+        these = expand_checkpoints(entry)
+        found += these
+        p = Path(entry).expanduser().resolve()
+        if not ((p / "config.json").is_file() or (p / "adapter_config.json").is_file() or _is_train_run(p)):
+            names = [name for _, name in these]
+            notes.append(f"{entry}: {len(names)} checkpoint{'s' * (len(names) != 1)} found in the folders below "
+                         "it (" + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") + ")")
+    return found, notes

@@ -24,7 +24,7 @@ from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forw
                                          largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm import heldout_task
-from poslsh_cli.lm.checkpoint import expand_checkpoints
+from poslsh_cli.lm.checkpoint import checkpoints_of
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 from poslsh_cli.verdicts.claims import Section, Status, Verdict
 
@@ -79,7 +79,7 @@ def _lm_eval() -> Any:
 
 
 def prepare(spec: TasksSpec) -> TasksContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, saved_scheme, search_note
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, saved_scheme
 
     _lm_eval()
     from lm_eval.tasks import TaskManager
@@ -87,15 +87,13 @@ def prepare(spec: TasksSpec) -> TasksContext:
     check(len(spec.tasks) > 0, "give the tasks to run: 'tasks=[name,...]' (lm-eval names, or local ones with "
                                "include_path=DIR)")
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh eval CKPT...)")
-    cks, trained, notes = {}, {}, []
-    for entry in spec.checkpoints:
-        found = expand_checkpoints(entry)
-        notes += [n for n in [search_note(entry, found)] if n]
-        for path, name in found:
-            check_checkpoint(path)
-            scheme = saved_scheme(read_config(path))
-            cks[name] = (path, scheme.position.value if scheme else "rope")
-            trained[name] = _trained_columns(path, cks[name][1])
+    cks, trained = {}, {}
+    found, notes = checkpoints_of(spec.checkpoints)
+    for path, name in found:
+        check_checkpoint(path)
+        scheme = saved_scheme(read_config(path))
+        cks[name] = (path, scheme.position.value if scheme else "rope")
+        trained[name] = _trained_columns(path, cks[name][1])
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     include = [spec.include_path] if spec.include_path else []
     if heldout_task.TASK in spec.tasks:

@@ -24,7 +24,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forward_bytes, checkpoints_skip_reason,
                                          largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
-from poslsh_cli.lm.checkpoint import expand_checkpoints
+from poslsh_cli.lm.checkpoint import checkpoints_of
 from poslsh_cli.attention.scheme import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section
@@ -63,20 +63,18 @@ class PasskeyContext:
 
 
 def prepare(spec: PasskeySpec) -> PasskeyContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, search_note, train_info
+    from poslsh_cli.lm.checkpoint import check_checkpoint, train_info
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh passkey RUN...)")
-    cks, notes = {}, []
-    for entry in spec.checkpoints:
-        found = expand_checkpoints(entry)
-        notes += [n for n in [search_note(entry, found)] if n]
-        for path, name in found:
-            check_checkpoint(path)
-            info = train_info(path)
-            trained = int(info.get("seq_len", 0))
-            if spec.lengths is None and not trained:
-                raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
-            cks[name] = (path, trained)
+    cks = {}
+    found, notes = checkpoints_of(spec.checkpoints)
+    for path, name in found:
+        check_checkpoint(path)
+        info = train_info(path)
+        trained = int(info.get("seq_len", 0))
+        if spec.lengths is None and not trained:
+            raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
+        cks[name] = (path, trained)
     return PasskeyContext(cks, resolve_device(spec.device), notes=notes)
 
 

@@ -29,7 +29,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.attention.scheme import Position, model_label, randomized, scheme_key, sigma_label
-from poslsh_cli.lm.checkpoint import expand_checkpoints
+from poslsh_cli.lm.checkpoint import checkpoints_of, expand_checkpoints
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 
@@ -171,7 +171,7 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
     from poslsh_cli.lm.checkpoint import (check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme,
-                                          search_note, train_info, training_run)
+                                          train_info, training_run)
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -181,32 +181,29 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
     fast_cpu_math()
     cks: dict[str, Checkpoint] = {}
     corpora: dict[tuple, Any] = {}
-    notes = []
-    for entry in spec.checkpoints:
-        found = expand_checkpoints(entry)
-        notes += [n for n in [search_note(entry, found)] if n]
-        for path, name in found:
-            check_checkpoint(path)
-            info = train_info(path)
-            cfg = read_config(path)
-            refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
-            scheme = saved_scheme(cfg)
-            position = scheme.position.value if scheme else (
-                Position.ALIBI.value if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else Attention.OWN.value)
-            trained = int(info.get("seq_len", 0))
-            if spec.lengths is None and not trained:
-                raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
-            if Protocol.SLIDING in spec.protocol and not trained:
-                raise ConfigError(f"{path}: no training length recorded, which protocol=sliding steps by")
-            corpus = _corpus_for(spec, path, info, cfg, corpora)
-            tokens = corpus.val
-            need = max(spec.lengths or [trained])
-            if len(tokens) < need:
-                raise ConfigError(f"the evaluation text has {len(tokens)} tokens, fewer than one window of {need}")
-            for what, limit in (("max_tokens", spec.max_tokens), ("side_tokens", spec.side_tokens)):
-                if limit is not None and limit < need:
-                    raise ConfigError(f"{what}={limit} is shorter than one window of {need} tokens")
-            cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes, training_run(path))
+    found, notes = checkpoints_of(spec.checkpoints)
+    for path, name in found:
+        check_checkpoint(path)
+        info = train_info(path)
+        cfg = read_config(path)
+        refuse_rotary_falcon(path, cfg.get("model_type"), bool(cfg.get("alibi")))
+        scheme = saved_scheme(cfg)
+        position = scheme.position.value if scheme else (
+            Position.ALIBI.value if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else Attention.OWN.value)
+        trained = int(info.get("seq_len", 0))
+        if spec.lengths is None and not trained:
+            raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
+        if Protocol.SLIDING in spec.protocol and not trained:
+            raise ConfigError(f"{path}: no training length recorded, which protocol=sliding steps by")
+        corpus = _corpus_for(spec, path, info, cfg, corpora)
+        tokens = corpus.val
+        need = max(spec.lengths or [trained])
+        if len(tokens) < need:
+            raise ConfigError(f"the evaluation text has {len(tokens)} tokens, fewer than one window of {need}")
+        for what, limit in (("max_tokens", spec.max_tokens), ("side_tokens", spec.side_tokens)):
+            if limit is not None and limit < need:
+                raise ConfigError(f"{what}={limit} is shorter than one window of {need} tokens")
+        cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes, training_run(path))
     return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}},
                              notes=notes)
 
