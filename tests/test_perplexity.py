@@ -409,6 +409,18 @@ def test_inconclusive_verdicts_say_how_many_seeds_would_decide_and_the_family_is
     assert f"These {judged} language-model verdicts" in family and "Bonferroni" in family
 
 
+def test_byte_models_show_no_top_100_column():
+    """A byte-level model predicts one of about 256 bytes: its top 100 hold the true byte almost always
+    (every trained byte model scored 100%), so its reports show top-1 and top-10 but not top-100; a
+    model with a subword tokenizer (fewer tokens than bytes) keeps it."""
+    from poslsh_cli.experiments.perplexity.report import shown_metrics
+
+    byte_rows = pd.DataFrame({"bytes": [4096, 8192], "tokens": [4096, 8192]})
+    word_rows = pd.DataFrame({"bytes": [4096, 8192], "tokens": [1024, 2050]})
+    assert [m.name for m in shown_metrics(byte_rows)] == ["top1", "top10", "mrr", "entropy"]
+    assert [m.name for m in shown_metrics(word_rows)] == ["top1", "top10", "top100", "mrr", "entropy"]
+
+
 def test_stats_power_helpers_follow_the_t_distribution():
     from scipy import stats
 
