@@ -619,5 +619,12 @@ def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
     # the gap appears over the first half, then shrinks: a fit over the whole curve sees it grow
     appears = _train_run(tmp_path / "d", lambda st: np.where(st <= 500, 0.1 * st / 500, 0.1 - 1e-4 * (st - 500)))
     assert status_of(registry.get("train").report(tmp_path / "d", appears), "shrinks") is Status.SUPPORTED
+    # a scheme ahead of exact ALiBi (a gap below zero, as RoPE's) shrinks its gap as the gap rises towards zero
+    ahead = _train_run(tmp_path / "e", lambda st: -0.3 / np.sqrt(st / 100))
+    v = [v for v in registry.get("train").report(tmp_path / "e", ahead).verdicts if "shrinks" in v.claim][0]
+    assert v.status is Status.SUPPORTED and "change over the second half +0.03" in v.evidence, v.evidence
+    assert "a gap below 0 shrinks as it rises" in v.evidence
+    widening = _train_run(tmp_path / "f", lambda st: -0.05 * np.log(st))
+    assert status_of(registry.get("train").report(tmp_path / "f", widening), "shrinks") is Status.NOT_SUPPORTED
     paths = tr.plot_gap(tmp_path / "a", shrinking)
     assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]
