@@ -624,6 +624,9 @@ def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
     v = [v for v in registry.get("train").report(tmp_path / "e", ahead).verdicts if "shrinks" in v.claim][0]
     assert v.status is Status.SUPPORTED and "change over the second half +0.03" in v.evidence, v.evidence
     assert "a gap below 0 shrinks as it rises" in v.evidence
+    # a gap that starts just below zero and grows through it is behind exact ALiBi over the half: it grows
+    crossing = _train_run(tmp_path / "g", lambda st: -0.004 + 0.02 * (st - 500) / 500)
+    assert status_of(registry.get("train").report(tmp_path / "g", crossing), "shrinks") is Status.NOT_SUPPORTED
     widening = _train_run(tmp_path / "f", lambda st: -0.05 * np.log(st))
     assert status_of(registry.get("train").report(tmp_path / "f", widening), "shrinks") is Status.NOT_SUPPORTED
     paths = tr.plot_gap(tmp_path / "a", shrinking)
