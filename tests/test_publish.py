@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from conftest import poslsh
@@ -85,6 +86,16 @@ def test_publish_stamps_every_section_and_republishing_the_snapshot_gives_the_sa
     _publish(sorted((docs / "results").iterdir()), docs, readme)
     assert (docs / "RESULTS.md").read_text() == md and _block(readme.read_text()) == block
     _same_figures(docs / "figures", again / "figures")
+    # a new run of a published one, given beside the snapshot (DIR/results/* NEW/RUN), replaces its snapshot
+    rerun = tmp_path / "rerun" / "b"
+    r = poslsh("block-stats", "n=[1024]", "sigma=4", "s=8", "trials=4", f"out={rerun}")
+    assert r.exit_code == 0, r.output
+    _publish([*sorted((docs / "results").iterdir()), rerun], docs, readme)
+    assert sorted(p.name for p in (docs / "results").iterdir()) == ["b", "m", "x"]
+    assert pd.read_csv(docs / "results" / "b" / "results.csv").equals(pd.read_csv(rerun / "results.csv"))
+    assert (docs / "RESULTS.md").read_text().count("Source: run `b`") == 1
+    _publish([runs / "b", *(docs / "results" / n for n in ("m", "x"))], docs, readme)
+    assert (docs / "RESULTS.md").read_text() == md
     # a run left out of a later publish leaves the snapshot and its figures
     _publish([docs / "results" / "b"], docs, readme)
     assert sorted(p.name for p in (docs / "results").iterdir()) == ["b"]

@@ -76,6 +76,15 @@ def snapshot_names(runs: list[Path]) -> list[str]:
     return names
 
 
+def replaced(runs: list[Path], results: Path) -> list[Path]:
+    """The runs to publish into ``results``: a published snapshot (``results/NAME``) given beside a run
+    of the same name from elsewhere gives way to that run (``poslsh report DIR/results/* NEW/RUN
+    --publish DIR`` replaces the snapshot of RUN), instead of both being published under two names."""
+    here = Path(results).resolve()
+    fresh = {r.name for r in runs if r.resolve().parent != here}
+    return [r for r in runs if not (r.resolve().parent == here and is_snapshot(r) and r.name in fresh)]
+
+
 def _not_ours(path: Path) -> ConfigError:
     return ConfigError(f"{path} was not written by poslsh report --publish (it has no {SNAPSHOT_MARK}), so "
                        "publishing would replace or remove it: publish it too, or move it out of "
@@ -195,7 +204,7 @@ def publish(run_dirs: list[Path], out: Path, readme: Path | None = None, notice=
         if BEGIN not in text or END not in text:
             raise ConfigError(f"{readme} has no results block: put the lines\n{BEGIN}\n{END}\nwhere it goes")
     out = Path(out)
-    runs = find_runs(run_dirs)
+    runs = replaced(find_runs(run_dirs), out / "results")
     _check_ours(runs, out)
     copies = snapshot(runs, out / "results")
     keep = {c.resolve() for c in copies}
