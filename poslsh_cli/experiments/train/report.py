@@ -131,8 +131,6 @@ def gap_trend(gaps: dict, steps: int) -> tuple[Any, str]:
 def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
     """The gap of each scheme to exact ALiBi shrinks over the second half of training
     (:data:`GAP_RULE`), with how much validation still fell over the last 20% of the steps."""
-    import numpy as np
-
     from poslsh_cli.verdicts.stats import difference
 
     falls = late_falls(run, df)
@@ -140,17 +138,15 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
     for c in gap_curves(run, df):
         iv, basis = gap_trend(c["gaps"], c["steps"])
         half = {k: second_half(g, c["steps"]) for k, g in c["gaps"].items()}
-        start = {k: float(g.gap.iloc[0]) for k, g in half.items() if len(g)}
-        last = {k: float(g.gap.iloc[-1]) for k, g in half.items() if len(g)}
-        start_mean = sum(start.values()) / len(start)
+        start, last = ([float(g.gap.iloc[i]) for g in half.values() if len(g)] for i in (0, -1))
+        start_mean = sum(start) / len(start)
         # a gap below zero over the second half (the scheme ahead of exact ALiBi) shrinks as it rises towards zero
-        ahead = float(np.mean([g.gap.mean() for g in half.values() if len(g)])) < 0
-        shrinking = "positive" if ahead else "negative"
-        status = difference(iv, shrinking) if iv.n >= 2 else Status.INCONCLUSIVE
+        ahead = sum(g.gap.mean() for g in half.values() if len(g)) < 0
+        status = difference(iv, "positive" if ahead else "negative") if iv.n >= 2 else Status.INCONCLUSIVE
         steps = c["steps"] or max(int(g.step.max()) for g in c["gaps"].values())
         fall = falls.get((c["L"], c["steps"], c["model"]))
         ev = (f"L={c['L']}, {steps} steps: gap at step {int(steps) // 2} {start_mean:+.4f}, at the "
-              f"last {sum(last.values()) / len(last):+.4f} bits per byte (mean over seeds); change over the second "
+              f"last {sum(last) / len(last):+.4f} bits per byte (mean over seeds); change over the second "
               f"half {iv.text()}" + (" (a gap below 0 shrinks as it rises)" if ahead else "")
               + f"; {basis}"
               + (f"; validation still fell {fall:.4f} over the last 20% of the steps" if fall is not None else ""))
