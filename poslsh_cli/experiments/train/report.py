@@ -60,7 +60,8 @@ GAP_RULE = ("gap = validation bits per byte of the scheme minus exact ALiBi's (t
             "against the step, times half the steps (the gap's change over the second half), and the 95% "
             "t-interval of these over the seeds (at least 3; with fewer, the slope of the mean gap with the "
             "interval of its fit's residuals, which knows no seed spread): where the gap over the second half is "
-            "above 0 (its mean over seeds and evaluations), below 0 SUPPORTED (the gap shrinks), above 0 NOT SUPPORTED, else INCONCLUSIVE; "
+            "above 0 (its mean over seeds and evaluations), below 0 SUPPORTED (the gap shrinks), above 0 NOT "
+            "SUPPORTED, else INCONCLUSIVE; "
             "where it is below 0 (the scheme ahead of exact ALiBi, as RoPE can be), the same with the signs "
             "exchanged: the gap shrinks as it rises towards 0")
 
@@ -139,13 +140,12 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
         iv, basis = gap_trend(c["gaps"], c["steps"])
         half = {k: second_half(g, c["steps"]) for k, g in c["gaps"].items()}
         start, last = ([float(g.gap.iloc[i]) for g in half.values() if len(g)] for i in (0, -1))
-        start_mean = sum(start) / len(start)
         # a gap below zero over the second half (the scheme ahead of exact ALiBi) shrinks as it rises towards zero
         ahead = sum(g.gap.mean() for g in half.values() if len(g)) < 0
         status = difference(iv, "positive" if ahead else "negative") if iv.n >= 2 else Status.INCONCLUSIVE
         steps = c["steps"] or max(int(g.step.max()) for g in c["gaps"].values())
         fall = falls.get((c["L"], c["steps"], c["model"]))
-        ev = (f"L={c['L']}, {steps} steps: gap at step {int(steps) // 2} {start_mean:+.4f}, at the "
+        ev = (f"L={c['L']}, {steps} steps: gap at step {int(steps) // 2} {sum(start) / len(start):+.4f}, at the "
               f"last {sum(last) / len(last):+.4f} bits per byte (mean over seeds); change over the second "
               f"half {iv.text()}" + (" (a gap below 0 shrinks as it rises)" if ahead else "")
               + f"; {basis}"
