@@ -358,6 +358,38 @@ def test_a_verdict_stands_only_where_the_gap_settled_between_half_and_full_train
     assert better.status is Status.SUPPORTED and "settled" in better.evidence  # none - poslsh moved 0.0
 
 
+def test_tables_and_figures_keep_the_half_and_full_training_of_a_run_apart(tmp_path, monkeypatch):
+    """A run's models trained for T/2 and for T are different models in every table (a steps column)
+    and the figures draw the longest training only: no row or curve averages the two as if they were
+    one model's mask draws (alibi 2.0 at T/2, 1.8 at T; only the T models have swapped rows and 4L)."""
+    from poslsh_cli.experiments.perplexity import plots as perplexity_plots
+    from poslsh_cli.experiments.perplexity.report import accuracy_table, interval_table, swapped_table
+
+    run, half = ppl_run(tmp_path, scratch={A: 2.0, P10: 2.05}, steps=600, name="r", seed_sd=0.0005,
+                        train_run="train_official", far=256)
+    _, full = ppl_run(tmp_path, scratch={A: 1.8, P10: 1.85}, steps=1200, name="r", seed_sd=0.0005,
+                      train_run="train_official")
+    swap = full[(full.position == "alibi") & (full.length == 256)].assign(attention="poslsh", s=100, kl=0.01,
+                                                                        bits_per_byte=lambda x: x.bits_per_byte + 0.01)
+    df = pd.concat([half.drop_duplicates(["checkpoint", "length", "trial"]), full, swap], ignore_index=True)
+    df = df.assign(top1=0.5, top10=0.9, top100=1.0, mrr=0.6, entropy=1.0)
+    own = df[df.attention == "own"]
+    t = interval_table(own)
+    assert set(t.steps) == {600, 1200}, t
+    at = t[(t.scheme == "alibi") & (t.length == 256)].set_index("steps")["bits/byte"]
+    assert at[600] == pytest.approx(2.0, abs=0.003) and at[1200] == pytest.approx(1.8, abs=0.003)
+    assert (t[t.scheme == "alibi"]["draws/seed"] == 1).all()
+    sw = swapped_table(df).iloc[0]
+    assert sw.steps == 1200 and sw["own"] == pytest.approx(1.8, abs=0.003) and sw["swapped - own"] == pytest.approx(0.01)
+    acc = accuracy_table(own)
+    assert set(acc.steps) == {600, 1200} and len(acc) == 6, acc
+    figs = captured_figures(monkeypatch)
+    perplexity_plots.plot(run, df)
+    ax = figs["bpb_vs_length"].axes[0]
+    alibi = [ln for ln in ax.get_lines() if ln.get_label() == "alibi"][0]
+    assert alibi.get_ydata()[0] == pytest.approx(1.8, abs=0.003)  # the T models', not the mean with T/2's
+
+
 def test_finetuned_claims_keep_training_lengths_apart(tmp_path):
     """Fine-tuned models trained at L=128 and at L=256 and both scored at 256 are two groups: the
     claims at L=256 read the models trained at 256 (alibi 2.00), not a mix with those of 128."""

@@ -29,8 +29,20 @@ def with_group_columns(df: Any) -> Any:
         if col not in df.columns:
             df = df.assign(**{col: value})
         else:
-            df = df.assign(**{col: df[col].fillna(value)})
+            column = df[col].astype(object) if isinstance(value, str) else df[col]  # an all-empty column reads as float
+            df = df.assign(**{col: column.fillna(value)})
     return df
+
+
+def longest_training(rows: Any) -> Any:
+    """The rows of each train run's longest-trained models (per run, fine-tuned or not, and training
+    length): the models the figures draw. A run's shorter trainings (T/2 beside T) are other models,
+    read by the stability rule and shown in the tables with their steps."""
+    rows = with_group_columns(rows)
+    if rows.empty:
+        return rows
+    top = rows.groupby(["trained_run", "finetuned", "trained_len"]).trained_steps.transform("max")
+    return rows[rows.trained_steps == top]
 
 
 def main_text(rows: Any) -> Any:

@@ -36,7 +36,11 @@ def _groups(df: Any) -> list[tuple[str, Any]]:
 
 def plot(run: Path, df: Any) -> list[Path]:
     """bits per byte against evaluation length under each model's own attention, the same models
-    with another attention swapped in, and bits per byte against inference-time s."""
+    with another attention swapped in, and bits per byte against inference-time s: each train run's
+    longest-trained models (its T/2 models are in the tables)."""
+    from poslsh_cli.experiments.perplexity.groups import longest_training
+
+    df = longest_training(df)
     every = with_model_columns(protocol_of(df))
     df = with_model_columns(main_protocol(df))
     df = df.assign(multi_length=df.trained_len.nunique() > 1)

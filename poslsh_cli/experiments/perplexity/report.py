@@ -30,21 +30,23 @@ MODEL_KEYS = ["position", "trained_s", "attn_dropout", "sigmas"]
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    """Bits per byte per trained model (scheme, s, dropout, bandwidths), attention and s at each
+    """Bits per byte per trained model (scheme, s, dropout, bandwidths, steps), attention and s at each
     evaluation length, mean over trials and the training seeds counted in ``seeds``, in scheme
     order."""
-    df = with_model_columns(main_protocol(df))
+    from poslsh_cli.experiments.perplexity.groups import with_group_columns
+
+    df = with_group_columns(with_model_columns(main_protocol(df)))
     lengths = sorted(df.length.unique())
-    head = ["trained", "finetuned", "seeds", "attention", "s"] + [f"L={n}" for n in lengths]
-    keys = MODEL_KEYS + ["finetuned", "attention", "s"]
+    head = ["trained", "finetuned", "steps", "seeds", "attention", "s"] + [f"L={n}" for n in lengths]
+    keys = MODEL_KEYS + ["finetuned", "trained_steps", "attention", "s"]
     groups = sorted(df.groupby(keys, sort=False), key=lambda kg: (scheme_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3],
-                                                                  kg[0][4], kg[0][5] != OWN,
-                                                                  scheme_rank(kg[0][5], kg[0][6])))
+                                                                  kg[0][4], kg[0][5], kg[0][6] != OWN,
+                                                                  scheme_rank(kg[0][6], kg[0][7])))
     rows = []
     for k, g in groups:
         by = g.groupby("length").bits_per_byte.mean()
-        rows.append([model_label(*k[:4]), k[4], str(g.run_seed.nunique()), k[5], str(k[6]) if k[6] else "-"]
-                    + [f"{by[n]:.4f}" if n in by else "-" for n in lengths])
+        rows.append([model_label(*k[:4]), k[4], str(int(k[5])) if k[5] else "-", str(g.run_seed.nunique()), k[6],
+                     str(k[7]) if k[7] else "-"] + [f"{by[n]:.4f}" if n in by else "-" for n in lengths])
     return head, rows
 
 
@@ -52,18 +54,34 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 # the report
 
 
-#: the columns a trained scheme is told apart by, in the tables of this report
-SCHEME_KEYS = ["finetuned", "trained_len"] + MODEL_KEYS
+#: the columns a trained model is told apart by, in the tables of this report: its train run, whether
+#: fine-tuned, its training length and steps (a run's T/2 and T models are different models), then
+#: :data:`MODEL_KEYS`
+SCHEME_KEYS = ["trained_run", "finetuned", "trained_len", "trained_steps"] + MODEL_KEYS
 
 
 def _by_scheme(df: Any) -> list:
-    """(key, rows) per trained scheme (``SCHEME_KEYS``), in report order."""
-    return sorted(with_model_columns(df).groupby(SCHEME_KEYS),
-                  key=lambda kg: (kg[0][0], kg[0][1], scheme_rank(kg[0][2], kg[0][3]), kg[0][4], kg[0][5]))
+    """(key, rows) per trained model (``SCHEME_KEYS``), in report order."""
+    from poslsh_cli.experiments.perplexity.groups import with_group_columns
+
+    return sorted(with_group_columns(with_model_columns(df)).groupby(SCHEME_KEYS),
+                  key=lambda kg: (kg[0][:4], scheme_rank(kg[0][4], kg[0][5]), kg[0][6], kg[0][7]))
 
 
 def _scheme_label(k: tuple) -> str:
-    return model_label(*k[2:6])
+    return model_label(*k[4:8])
+
+
+def _trained(k: tuple) -> dict:
+    """The columns that say which training a table row's models had (the run's name: by ``_one_run``)."""
+    return {"run": k[0], "fine-tuned": k[1], "L": int(k[2]), "steps": int(k[3])}
+
+
+def _one_run(table: Any) -> Any:
+    """``table`` without its ``run`` column when every row comes from one train run (or none was recorded)."""
+    if len(table) and "run" in table.columns and table["run"].nunique() <= 1:
+        return table.drop(columns="run")
+    return table
 
 
 def _interval_text(iv: Any) -> str:
@@ -82,11 +100,10 @@ def interval_table(own: Any) -> Any:
         for length, h in g.groupby("length"):
             per_seed = h.groupby("run_seed").bits_per_byte.mean()
             iv = t_interval(per_seed.values)
-            rows.append({"fine-tuned": k[0], "L": k[1],
-                         "scheme": _scheme_label(k),
+            rows.append({**_trained(k), "scheme": _scheme_label(k),
                          "length": length, "bits/byte": round(iv.estimate, 4), "95% interval": _interval_text(iv),
                          "seeds": iv.n, "draws/seed": int(h.groupby("run_seed").size().max())})
-    return pd.DataFrame(rows)
+    return _one_run(pd.DataFrame(rows))
 
 
 def swapped_table(df: Any) -> Any:
@@ -106,7 +123,7 @@ def swapped_table(df: Any) -> Any:
             iv = t_interval(per_seed.values)
             common = per_seed.index.intersection(own.index)
             diff = t_interval((per_seed[common] - own[common]).values)
-            rows.append({"fine-tuned": k[0], "L": k[1], "trained": _scheme_label(k),
+            rows.append({**_trained(k), "trained": _scheme_label(k),
                          "attention": model_label(att, s if att == "poslsh" else 0),
                          "bits/byte": round(iv.estimate, 4), "95% interval": _interval_text(iv),
                          "own": round(float(own[common].mean()), 4) if len(common) else float("nan"),
@@ -114,7 +131,7 @@ def swapped_table(df: Any) -> Any:
                          "difference 95%": _interval_text(diff) if len(common) else "-",
                          "KL": round(float(h.kl.mean()), 4), "seeds": iv.n,
                          "draws/seed": int(h.groupby("run_seed").size().max())})
-    return pd.DataFrame(rows)
+    return _one_run(pd.DataFrame(rows))
 
 
 NONOVERLAPPING, SLIDING = "nonoverlapping", "sliding"
@@ -180,12 +197,12 @@ def protocol_table(own: Any) -> Any:
     rows = []
     for k, g in _by_scheme(long):
         for length, h in g.groupby("length"):
-            row = {"model": _scheme_label(k), "length": int(length)}
+            row = {**_trained(k), "model": _scheme_label(k), "length": int(length)}
             for name, hh in h.groupby("protocol"):
                 row[f"{name} bpb"] = f"{hh.bits_per_byte.mean():.4f}"
                 row[f"{name} tokens"] = int(hh.tokens.iloc[0])
             rows.append(row)
-    return pd.DataFrame(rows)
+    return _one_run(pd.DataFrame(rows))
 
 
 def accuracy_table(own: Any) -> Any:
@@ -201,10 +218,10 @@ def accuracy_table(own: Any) -> Any:
             h = g[g.length == length]
             if h.empty or h.top1.isna().all():
                 continue
-            rows.append({"model": _scheme_label(k), "length": length, "seeds": h.run_seed.nunique(),
+            rows.append({**_trained(k), "model": _scheme_label(k), "length": length, "seeds": h.run_seed.nunique(),
                          **{m.label: f"{m.scale * h[m.name].mean():.{m.digits}f}" for m in metrics},
                          "bpb": f"{h.bits_per_byte.mean():.4f}"})
-    return pd.DataFrame(rows)
+    return _one_run(pd.DataFrame(rows))
 
 
 def shown_metrics(rows: Any) -> list:
