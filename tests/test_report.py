@@ -95,6 +95,13 @@ def test_where_two_protocols_disagree_the_sentence_says_which_scheme_moved_and_w
 
     bare = Verdict("y", Status.SUPPORTED, "e", "r")
     assert "no two-scheme comparison to take apart" in disagreement("y", ("a", bare), ("b", other))
+    # a verdict on one interval (a change between lengths, weights against a model) has no two schemes' values
+    change = lambda st, d: Verdict("z", Status[st], "e", "r", {"unit": "bits per byte", "margin": 0.02, "boundary": 0.02,
+                                                               "diff": {"estimate": d, "low": d - 0.01, "high": d + 0.01,
+                                                                        "n": 3, "source": "seeds", "level": 0.95}})
+    text = disagreement("z", ("a", change("SUPPORTED", 0.0)), ("b", change("INCONCLUSIVE", 0.02)))
+    assert "from +0.0000 [-0.0100, +0.0100] to +0.0200 [+0.0100, +0.0300]" in text
+    assert "each run recorded the difference only" in text
 
 
 def test_the_readme_shows_the_language_model_claims_side_by_side_with_why_they_disagree(tmp_path):

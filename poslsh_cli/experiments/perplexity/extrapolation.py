@@ -59,7 +59,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE)
     else:
         st = Status.INCONCLUSIVE
-    out = [Verdict(robust, st, ev, rule_r, key="extrapolation/robust")]
+    out = [Verdict(robust, st, ev, rule_r, _numbers(iv, margin, margin), key="extrapolation/robust")]
     for sc in others:
         o = _degradation(d, sc)
         common = sorted(set(o) & set(p))
@@ -75,8 +75,18 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE, key=key))
             continue
         out.append(Verdict(claim, difference(div, "positive"), f"L={d.L}: ({sc.label} at {k}L - at L) - (poslsh s={s} at "
-                           f"{k}L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE, key=key))
+                           f"{k}L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE, _numbers(div), key=key))
     return out
+
+
+def _numbers(iv: Optional[Interval], margin: float = math.nan, boundary: float = 0.0) -> Optional[dict]:
+    """The interval a verdict was decided on, its margin and the boundary the rule compares it with
+    (what the power table and the error-rate paragraph re-read); None without an interval."""
+    if iv is None:
+        return None
+    return {"unit": "bits per byte", "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n,
+                                              "source": iv.source, "level": iv.level},
+            "margin": margin, "boundary": boundary}
 
 
 def _combine(hi: Interval, lo: Interval) -> Interval:

@@ -127,7 +127,11 @@ def decomposition(df: Any) -> Any:
                 row[f"s={int(s_inf)} at inference - alibi model"] = round(float((v[common] - ref[common]).mean()), 4) \
                     if common else float("nan")
             rows.append(row)
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    swapped = sorted((c for c in out.columns if c.endswith(" at inference - alibi model")),
+                     key=lambda c: int(c.split()[0][2:]))
+    out = out[[c for c in out.columns if c not in swapped] + swapped]
+    return out.astype({c: object for c in swapped}).fillna({c: "-" for c in swapped})  # "-": its own s (total)
 
 
 WEIGHTS_RULE = (f"non-inferiority, paired by training seed: the Positional-LSH-trained weights run with exact ALiBi at "

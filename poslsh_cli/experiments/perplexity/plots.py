@@ -158,8 +158,8 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
         ax.set_xlabel("bits per byte at the training length")
         ax.set_title(f"{title}: attention swapped at inference")
         ax.grid(True, axis="x", alpha=0.25)
-    labels = sorted({lab for ax in axes[0] for lab in ax.get_legend_handles_labels()[1]},
-                    key=lambda t: (t != OWN, scheme_rank(t.split()[0])))
+    labels = sorted({lab for ax in axes[0] for lab in ax.get_legend_handles_labels()[1]},  # a set: a total order
+                    key=lambda t: (t != OWN, scheme_rank(t.split()[0], int(t.split("s=")[1]) if "s=" in t else 0), t))
     marks = [Line2D([], [], ls="", marker=MARKERS.get(lab.split()[0], "o"), ms=6, color="0.25",
                     mfc="0.25" if lab == OWN else "none") for lab in labels]
     fig.legend(marks, [f"{lab} (filled: the scheme's colour)" if lab == OWN else lab for lab in labels],

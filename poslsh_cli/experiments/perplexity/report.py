@@ -346,7 +346,8 @@ def report(run: Path, df: Any) -> Section:
                                   "the same weights run with exact ALiBi (the approximation at inference); weights = "
                                   "those weights with exact ALiBi minus the exact-ALiBi-trained model (what training "
                                   "under the masks did to the weights); total = inference + weights. The last columns "
-                                  "run the same weights with other s at inference.")
+                                  "run the same weights with other s at inference, minus the exact-ALiBi-trained model "
+                                  "(\"-\" at the s it trained with: that is the total).")
     power = pg.power_table(judged)
     if len(power):
         sec.tables.append(power)
