@@ -579,22 +579,22 @@ def test_a_one_step_run_trains_and_records_its_final_losses(tmp_path):
 # the gap to ALiBi against tokens (train's claim)
 
 
-def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002):
+def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002, total=1000):
     """A train run on disk with only what the gap claim reads: results rows and each cell's metrics."""
     g = np.random.default_rng(0)
     rows = []
     for seed in seeds:
         for pos, s in (("alibi", 0), ("poslsh", 10)):
-            cell = tmp_path / "work" / f"{pos}-{seed}"
+            cell = tmp_path / "work" / f"{pos}-{seed}-{total}"
             (cell / "final").mkdir(parents=True)
-            steps = np.arange(100, 1100, 100)
+            steps = np.arange(100, total + 100, 100)
             base = 3.0 - 0.5 * np.log(steps / 100)
             bpb = base + (gap_of_step(steps) + noise * g.standard_normal(len(steps)) if pos == "poslsh" else 0)
             pd.DataFrame({"step": steps, "tokens": steps * 4096, "loss": bpb, "val_loss": bpb, "val_bpb": bpb}
                          ).to_csv(cell / "metrics.csv", index=False)
-            rows.append(dict(position=pos, s=s, seed=seed, seq_len=256, steps=1000, tokens=4096000, params=1,
+            rows.append(dict(position=pos, s=s, seed=seed, seq_len=256, steps=total, tokens=total * 4096, params=1,
                              train_loss=1.0, val_loss=1.0, val_bpb=float(bpb[-1]), val_ppl=2.7, seconds=1.0,
-                             tokens_per_s=1.0, pretrain="", init="", checkpoint=f"work/{pos}-{seed}/final",
+                             tokens_per_s=1.0, pretrain="", init="", checkpoint=f"work/{pos}-{seed}-{total}/final",
                              step_seconds=0.1, attn_dropout=0.0, passes=1.0, sigmas="standard"))
     return pd.DataFrame(rows)
 
@@ -629,5 +629,12 @@ def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
     assert status_of(registry.get("train").report(tmp_path / "g", crossing), "shrinks") is Status.NOT_SUPPORTED
     widening = _train_run(tmp_path / "f", lambda st: -0.05 * np.log(st))
     assert status_of(registry.get("train").report(tmp_path / "f", widening), "shrinks") is Status.NOT_SUPPORTED
+    # a run that trains T/2 and T judges each, and says which in the claim (and its name)
+    both = pd.concat([_train_run(tmp_path / "h", lambda st: 0.3 / np.sqrt(st / 100), total=t) for t in (500, 1000)])
+    v = {x.claim: x for x in registry.get("train").report(tmp_path / "h", both).verdicts if "shrinks" in x.claim}
+    assert sorted(v) == [f"the gap of poslsh s=10 to exact ALiBi shrinks over the second half of training [{t} steps]"
+                         for t in (1000, 500)], sorted(v)
+    assert len({x.name for x in v.values()}) == 2 and "500 steps: gap at step 250" in next(iter(
+        x.evidence for c, x in v.items() if c.endswith("[500 steps]")))
     paths = tr.plot_gap(tmp_path / "a", shrinking)
     assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]

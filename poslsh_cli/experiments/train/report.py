@@ -134,9 +134,9 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
     (:data:`GAP_RULE`), with how much validation still fell over the last 20% of the steps."""
     from poslsh_cli.verdicts.stats import difference
 
-    falls = late_falls(run, df)
-    out = []
-    for c in gap_curves(run, df):
+    falls, out, curves = late_falls(run, df), [], gap_curves(run, df)
+    longest = {c["L"]: max(x["steps"] for x in curves if x["L"] == c["L"]) for c in curves}
+    for c in curves:  # a run that trains T/2 and T judges each; the claim says which, the name tags the shorter
         iv, basis = gap_trend(c["gaps"], c["steps"])
         half = {k: second_half(g, c["steps"]) for k, g in c["gaps"].items()}
         start, last = ([float(g.gap.iloc[i]) for g in half.values() if len(g)] for i in (0, -1))
@@ -150,8 +150,9 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
               f"half {iv.text()}" + (" (a gap below 0 shrinks as it rises)" if ahead else "")
               + f"; {basis}"
               + (f"; validation still fell {fall:.4f} over the last 20% of the steps" if fall is not None else ""))
-        out.append(Verdict(f"the gap of {c['model']} to exact ALiBi shrinks over the second half of training", status,
-                           ev, GAP_RULE))
+        claim, tag = f"the gap of {c['model']} to exact ALiBi shrinks over the second half of training", f" [{steps} steps]"
+        out.append(Verdict(claim + (tag if len({x["steps"] for x in curves}) > 1 else ""), status, ev, GAP_RULE,
+                           key=claim + (tag if c["steps"] < longest[c["L"]] else "")))
     return out
 
 
