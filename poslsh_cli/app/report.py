@@ -232,10 +232,9 @@ def disagreement(claim: str, a: tuple[str, Any], b: tuple[str, Any]) -> str:
     unit = x["unit"]
     dx, dy = x["diff"], y["diff"]
     wx, wy = dx["high"] - dx["low"], dy["high"] - dy["low"]
-    sides = [k for k in ("a", "b") if k in x and k in y and x[k]["label"] == y[k]["label"]]
     if not all(k in x and k in y for k in ("a", "b")):  # one interval (a change, or weights against a model)
         moves = "each run recorded the difference only"
-    elif len(sides) < 2:
+    elif any(x[k]["label"] != y[k]["label"] for k in ("a", "b")):
         moves = f"the schemes compared differ ({x['a']['label']} vs {x['b']['label']}; {y['a']['label']} vs {y['b']['label']})"
     else:
         base = "b" if x["a"]["label"].startswith("poslsh") else "a"

@@ -116,6 +116,17 @@ class Interval:
     def finite(self) -> bool:
         return math.isfinite(self.low) and math.isfinite(self.high)
 
+    def record(self) -> dict:
+        """The interval as a verdict's ``numbers["diff"]`` (what a later reader re-reads: :meth:`of_record`)."""
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def of_record(cls, d: dict) -> "Interval":
+        """The interval a :meth:`record` holds."""
+        return cls(d["estimate"], d["low"], d["high"], int(d["n"]), d["level"], d["source"])
+
     def text(self, digits: int = 4, sign: bool = True) -> str:
         f = f"{{:{'+' if sign else ''}.{digits}f}}"
         if not self.finite:

@@ -372,8 +372,7 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
                                f"points (exact ALiBi {float(ref.mean()):.2f}%, margin {margin:.2f}: {why}); {iv.n} "
                                f"training seeds, {draws} mask draws each, {int(h.documents.max())} questions", rule,
                                {"unit": "% error", "margin": margin, "boundary": margin,
-                                "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n,
-                                         "source": iv.source, "level": iv.level}}))
+                                "diff": iv.record()}))
     return out
 
 

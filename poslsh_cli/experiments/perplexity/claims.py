@@ -217,8 +217,7 @@ def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, margin: f
                 "draws": _draws(d, sc, length)}
 
     return {"unit": d.metric.unit, "length": length, "a": scheme(a), "b": scheme(b),
-            "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n, "source": iv.source,
-                     "level": iv.level}, "margin": margin, "boundary": boundary}
+            "diff": iv.record(), "margin": margin, "boundary": boundary}
 
 
 def _gap(d: Data, a: Scheme, b: Scheme, length: int) -> Optional[float]:

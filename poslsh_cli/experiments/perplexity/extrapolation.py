@@ -84,9 +84,7 @@ def _numbers(iv: Optional[Interval], margin: float = math.nan, boundary: float =
     (what the power table and the error-rate paragraph re-read); None without an interval."""
     if iv is None:
         return None
-    return {"unit": "bits per byte", "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n,
-                                              "source": iv.source, "level": iv.level},
-            "margin": margin, "boundary": boundary}
+    return {"unit": "bits per byte", "diff": iv.record(), "margin": margin, "boundary": boundary}
 
 
 def _combine(hi: Interval, lo: Interval) -> Interval:

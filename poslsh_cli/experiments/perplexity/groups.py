@@ -15,8 +15,8 @@ from typing import Any, Iterator, Optional
 
 from poslsh_cli.experiments.perplexity import claims as pc
 from poslsh_cli.verdicts.claims import Status, Verdict
-from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, count, family_wise, half_width, seeds_for_half_width,
-                                      spread, t_interval)
+from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, Interval, count, family_wise, half_width,
+                                      seeds_for_half_width, spread, t_interval)
 
 OWN = pc.OWN
 #: the columns rows written before they existed get: no train run, steps and text not recorded
@@ -174,8 +174,7 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
                   f"ALiBi-trained model {iv.text()}; margin {margin:.4f} ({why})")
             out.append(Verdict(claim, status, ev, WEIGHTS_RULE,
                                {"unit": "bits per byte", "length": int(L), "margin": margin, "boundary": margin,
-                                "diff": {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n,
-                                         "source": iv.source, "level": iv.level}}, key=key))
+                                "diff": iv.record()}, key=key))
     return out
 
 
@@ -195,9 +194,7 @@ def power_table(verdicts: list[Verdict]) -> Any:
         diff, margin = n.get("diff"), n.get("margin", math.nan)
         if not diff or diff.get("source") != "seeds" or not (margin == margin):
             continue
-        from poslsh_cli.verdicts.stats import Interval
-
-        iv = Interval(diff["estimate"], diff["low"], diff["high"], int(diff["n"]), diff["level"], diff["source"])
+        iv = Interval.of_record(diff)
         sd = spread(iv)
         if not (sd == sd):
             continue
@@ -220,10 +217,7 @@ def family_paragraph(verdicts: list[Verdict]) -> str:
         diff = n.get("diff")
         if not diff or diff.get("source") != "seeds":
             continue
-        from poslsh_cli.verdicts.stats import Interval
-
-        iv = family_wise(Interval(diff["estimate"], diff["low"], diff["high"], int(diff["n"]), diff["level"], "seeds"),
-                         len(judged))
+        iv = family_wise(Interval.of_record(diff), len(judged))
         b = n.get("boundary", 0.0)
         if iv.finite and (iv.high < b or iv.low >= b):
             holding.append(v.claim)
