@@ -340,6 +340,28 @@ def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
     assert ra.val_loss.iloc[0] == rb.val_loss.iloc[0]
 
 
+def test_a_run_grows_by_seeds_added_keeping_its_cells_and_equal_to_a_run_made_with_them(tmp_path):
+    """Seeds appended to a finished run's list (the power calculation asked for more) add their cells:
+    the cells made stay as they are, the new ones equal those of a run made with every seed at once, and
+    config.yaml holds the grown list. Any other change is still a different configuration."""
+    args = [*TRAIN, "position=[alibi]", "steps=2"]
+    out, ref = tmp_path / "grown", tmp_path / "ref"
+    assert poslsh("train", *args, "seed=[0]", f"out={out}").exit_code == 0
+    first = {p.name: p.read_bytes() for p in (out / "cells").iterdir()}
+    r = poslsh("train", *args, "seed=[0,1]", f"out={out}")
+    assert r.exit_code == 0, r.stderr
+    assert "seed 1 added" in r.stderr and "1/2 cells already done" in r.stderr, r.stderr
+    assert all((out / "cells" / name).read_bytes() == data for name, data in first.items())
+    assert "seed:\n- 0\n- 1" in (out / "config.yaml").read_text()
+    assert poslsh("train", *args, "seed=[0,1]", f"out={ref}").exit_code == 0
+    a, b = pd.read_csv(out / "results.csv"), pd.read_csv(ref / "results.csv")
+    assert list(a.seed) == [0, 1]
+    pd.testing.assert_frame_equal(a[["seed", "train_loss", "val_loss"]], b[["seed", "train_loss", "val_loss"]])
+    for other in ("seed=[1,0,2]", "seed=[0]"):  # reordered, or fewer: not a growth
+        r = poslsh("train", *args, other, f"out={out}")
+        assert r.exit_code == 2 and "different configuration" in r.stderr and "seed: [0, 1] ->" in r.stderr, r.stderr
+
+
 def test_finetuning_shares_one_pretraining_stage(tmp_path):
     out = tmp_path / "ft"
     r = poslsh("train", *TRAIN, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",

@@ -42,6 +42,8 @@ from poslsh_cli.core.files import TMP_PREFIX, atomic_write_text, fault_point, re
 
 #: Keys that do not change any result: a run resumes when only these differ.
 RESUME_IGNORED = ("out", "memory_check")
+#: List keys a run grows by: values appended add cells and leave the finished ones as they are (training seeds).
+GROWABLE = ("seed",)
 
 
 def timestamp() -> str:
@@ -236,6 +238,17 @@ def config_changes(held: str, wanted: str, defaults: Optional[dict[str, Any]] = 
 _ABSENT = object()
 
 
+def grown(held: str, wanted: str) -> dict[str, list]:
+    """The :data:`GROWABLE` keys whose held list the wanted one extends, and by what: ``{"seed": [3, 4]}``."""
+    a, b = _flat_config(held), _flat_config(wanted)
+    out: dict[str, list] = {}
+    for k in GROWABLE:
+        x, y = ([v] if v is not None and not isinstance(v, list) else v for v in (a.get(k), b.get(k)))
+        if isinstance(x, list) and isinstance(y, list) and len(y) > len(x) and y[:len(x)] == x:
+            out[k] = y[len(x):]
+    return out
+
+
 class RunDir:
     """One run directory. :meth:`open` checks it without writing; :meth:`own` makes this process
     its owner (creating it) for the run; only the owner writes."""
@@ -246,6 +259,7 @@ class RunDir:
         self.config_yaml = config_yaml
         self.defaults = defaults or {}
         self.fresh = True
+        self.grown: dict[str, list] = {}  # resuming with more seeds: the values added (:func:`grown`)
         self.cells_dir = self.path / "cells"
         self.meta: dict[str, Any] = {}
         self._created: Optional[Path] = None
@@ -253,9 +267,8 @@ class RunDir:
 
     @classmethod
     def open(cls, path: Path, command: str, config_yaml: str, defaults: Optional[dict[str, Any]] = None) -> "RunDir":
-        """Check that ``path`` can hold this run (new, or the same configuration to resume:
-        :func:`config_changes`, with the command's ``defaults`` for keys added since) and that no
-        live process owns it; nothing is written."""
+        """Check that ``path`` can hold this run (new, or the same configuration to resume, seeds added
+        allowed: :func:`config_changes`, :func:`grown`) and that no live process owns it; writes nothing."""
         run = cls(path, command, config_yaml, defaults)
         run._check()
         ownership.check_free(run.path)
@@ -270,7 +283,9 @@ class RunDir:
                 raise ConfigError(f"out={self.path} holds a poslsh {other} run, not a {self.command} run; use another "
                                   "out=")
             if _config_body(held) != _config_body(self.config_yaml):
-                changes = config_changes(held, self.config_yaml, self.defaults)
+                self.grown = grown(held, self.config_yaml)
+                changes = [c for c in config_changes(held, self.config_yaml, self.defaults)
+                           if c.split(":", 1)[0] not in self.grown]
                 if changes or not _flat_config(held):
                     raise ConfigError(f"out={self.path} holds a run with a different configuration"
                                       + (f" ({'; '.join(changes)})" if changes else "")
@@ -308,8 +323,10 @@ class RunDir:
         """Write config.yaml (new runs) and a meta.json for this session. A previous session whose
         meta.json still says ``running`` died (its lock is free now): it is recorded as such."""
         self.cells_dir.mkdir(parents=True, exist_ok=True)
-        if self.fresh:
+        if self.fresh or self.grown:
             atomic_write_text(self.path / "config.yaml", self.config_yaml)
+        for k, added in self.grown.items():
+            notice(f"{self.path}: {k} {', '.join(map(str, added))} added; the finished cells stay")
         old, why = read_json(self.path / "meta.json")
         if not isinstance(old, dict):
             if not self.fresh:
@@ -403,10 +420,8 @@ class RunDir:
                                      for p in work.rglob("*"))
 
     def discard_if_empty(self) -> bool:
-        """(Owner only) after a failure or an interrupt: remove a run this session created when it
-        holds no work yet (:meth:`holds_work`), and the directories created above it, so nothing
-        half-written stays behind. A directory with any work in it is never removed. True when
-        removed."""
+        """(Owner only) after a failure or an interrupt: remove a run this session created when it holds no
+        work yet (:meth:`holds_work`), and the directories created above it; never one with work. True when removed."""
         if not self.fresh or not ownership.owns(self.path) or self.holds_work():
             return False
         shutil.rmtree(self.path, ignore_errors=True)

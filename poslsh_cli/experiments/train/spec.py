@@ -36,7 +36,8 @@ class LoraSave(str, enum.Enum):
 
 @dataclass(frozen=True)
 class TrainSpec(Spec):
-    seed: tuple[int, ...] = key("seeds (list sweeps): each trains its own model", [0], ge=0)
+    seed: tuple[int, ...] = key("seeds (list sweeps): each trains its own model; seeds appended to a run's list "
+                                "add their models to it (same out=)", [0], ge=0)
     position: tuple[Position, ...] = scheme_key("position", [Position.ALIBI, Position.POSLSH], "list sweeps")
     s: tuple[int, ...] = scheme_key("s", [10], "drawn afresh each step (list sweeps; poslsh only)")
     all_seeds: Optional[tuple[Position, ...]] = key("schemes trained with every seed; the others with the first "
