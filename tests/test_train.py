@@ -343,20 +343,29 @@ def test_killed_training_resumes_to_the_same_weights_and_losses(tmp_path):
 def test_a_run_grows_by_seeds_added_keeping_its_cells_and_equal_to_a_run_made_with_them(tmp_path):
     """Seeds appended to a finished run's list (the power calculation asked for more) add their cells:
     the cells made stay as they are, the new ones equal those of a run made with every seed at once, and
-    config.yaml holds the grown list. Any other change is still a different configuration."""
-    args = [*TRAIN, "position=[alibi]", "steps=2"]
+    config.yaml holds the grown list, meta.json what was added. With a steps sweep the cells made move in
+    the grid (seed 1's short run comes before seed 0's long one): the tables are in the order of a run
+    made with every seed. Any other change is still a different configuration."""
+    from poslsh_cli.store.readers import results
+
+    args = [*TRAIN, "position=[alibi]", "steps=[1,2]"]
     out, ref = tmp_path / "grown", tmp_path / "ref"
     assert poslsh("train", *args, "seed=[0]", f"out={out}").exit_code == 0
-    first = {p.name: p.read_bytes() for p in (out / "cells").iterdir()}
+    first = {p.name: json.loads(p.read_text()) for p in (out / "cells").iterdir()}
     r = poslsh("train", *args, "seed=[0,1]", f"out={out}")
     assert r.exit_code == 0, r.stderr
-    assert "seed 1 added" in r.stderr and "1/2 cells already done" in r.stderr, r.stderr
-    assert all((out / "cells" / name).read_bytes() == data for name, data in first.items())
+    assert "seed 1 added" in r.stderr and "2/4 cells already done" in r.stderr, r.stderr
+    for name, cell in first.items():  # the same models and rows, only their place in the grid updated
+        now = json.loads((out / "cells" / name).read_text())
+        assert {k: v for k, v in now.items() if k != "index"} == {k: v for k, v in cell.items() if k != "index"}
     assert "seed:\n- 0\n- 1" in (out / "config.yaml").read_text()
+    assert json.loads((out / "meta.json").read_text())["grown"] == [{"seed": [1]}]
     assert poslsh("train", *args, "seed=[0,1]", f"out={ref}").exit_code == 0
+    cols = ["seed", "steps", "train_loss", "val_loss"]
     a, b = pd.read_csv(out / "results.csv"), pd.read_csv(ref / "results.csv")
-    assert list(a.seed) == [0, 1]
-    pd.testing.assert_frame_equal(a[["seed", "train_loss", "val_loss"]], b[["seed", "train_loss", "val_loss"]])
+    assert list(zip(a.steps, a.seed)) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    pd.testing.assert_frame_equal(a[cols], b[cols])
+    pd.testing.assert_frame_equal(results(out)[cols], results(ref)[cols])  # the readers' order: by the cells' index
     for other in ("seed=[1,0,2]", "seed=[0]"):  # reordered, or fewer: not a growth
         r = poslsh("train", *args, other, f"out={out}")
         assert r.exit_code == 2 and "different configuration" in r.stderr and "seed: [0, 1] ->" in r.stderr, r.stderr

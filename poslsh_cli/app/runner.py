@@ -204,6 +204,9 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
     from poslsh_cli.store.rundir import cell_id
 
     index = {cell_id(k): i for i, k in enumerate(keys)}
+    for cid, cell in list(run.finished().items()):  # seeds appended to a run move the cells after them in the grid
+        if cid in index and cell.get("index") != index[cid]:
+            run.write_cell(cell["key"], cell["rows"], cell.get("aux"), index[cid])
     if len(todo) < len(keys):
         err.print(f"resuming {run.path}: {len(keys) - len(todo)}/{len(keys)} cells already done", markup=False)
     status, code = "complete", 0

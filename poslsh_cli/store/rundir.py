@@ -320,8 +320,8 @@ class RunDir:
             ownership.release(self.path)
 
     def start(self, argv: str, seed: int, cells_total: int, notice: Callable[[str], None] = print) -> None:
-        """Write config.yaml (new runs) and a meta.json for this session. A previous session whose
-        meta.json still says ``running`` died (its lock is free now): it is recorded as such."""
+        """Write config.yaml (new or grown runs) and this session's meta.json; a previous session still
+        ``running`` there died (its lock is free now), and is recorded as such."""
         self.cells_dir.mkdir(parents=True, exist_ok=True)
         if self.fresh or self.grown:
             atomic_write_text(self.path / "config.yaml", self.config_yaml)
@@ -357,6 +357,7 @@ class RunDir:
             "cells_total": cells_total,
             "cells_done": len(self.done_ids()),
             "history": history,
+            "grown": [*old.get("grown", []), *([self.grown] if self.grown else [])],  # what sessions appended
         }
         self._t0 = _dt.datetime.now()
         self._wall0 = self.meta["wall_seconds"]
