@@ -149,7 +149,7 @@ def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(famil
     path = save_alibi(family, tmp_path / family)
     out = tmp_path / "ppl"
     r = poslsh("perplexity", str(path), "lengths=[32,64]", "attention=[own,alibi,poslsh]", "s=[4]",
-               "swapped_at=every", "max_tokens=3000", f"out={out}")
+               "swapped_at=every", "max_tokens=1000", f"out={out}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(out / "results.csv").set_index(["attention", "length"])
     assert set(df.position) == {"alibi"} and (df.bits_per_token > 0).all()
@@ -167,7 +167,7 @@ def test_perplexity_own_equals_the_projects_exact_alibi_and_kl_is_reported(famil
 
     c = load_corpus("builtin", tokenizer=HFTokenizer.load(path))
     row = df.loc[("own", 32)]
-    assert row.bytes == sum(w.nbytes for w in eval_windows(c.val, 32, max_tokens=3000, token_bytes=c.val_bytes))
+    assert row.bytes == sum(w.nbytes for w in eval_windows(c.val, 32, max_tokens=1000, token_bytes=c.val_bytes))
     assert row.bits_per_byte == pytest.approx(row.bits_per_token * row.tokens / row.bytes, rel=1e-12)
 
 
