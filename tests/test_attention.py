@@ -342,6 +342,23 @@ def test_layout_pads_less_than_twice():
     assert torch.equal(torch.sort(real).values, torch.arange(8 * 8 * 4096))  # each slot exactly once
 
 
+def test_length_buckets_are_each_buckets_count_and_longest_length():
+    """buckets() against its definition, one dict pass: per bucket id in order, how many blocks and the
+    longest; lengths up to EXACT_BUCKET_MAX are their own bucket, longer ones share a geometric one."""
+    from poslsh_cli.attention.blocks import EXACT_BUCKET_MAX, buckets, length_bucket
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        top = int(rng.choice([3, EXACT_BUCKET_MAX, 200, 5000]))
+        lengths = rng.integers(1, top + 1, size=int(rng.integers(1, 3000)))
+        want: dict[int, list[int]] = {}
+        for length, b in zip(lengths.tolist(), length_bucket(lengths).tolist()):
+            count, longest = want.get(b, [0, 0])
+            want[b] = [count + 1, max(longest, length)]
+        assert buckets(lengths) == [(b, c, m) for b, (c, m) in sorted(want.items())], trial
+    assert buckets(np.zeros(0, dtype=np.int64)) == []
+
+
 def _grad_errors(q, k, v, dT, run, dtype=torch.float32):
     """Max |grad - float64 grad| of q, k, v for ``run`` in ``dtype``."""
     x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]

@@ -106,10 +106,15 @@ def buckets(lengths: np.ndarray, bucket: np.ndarray | None = None) -> list[tuple
     order: the grouping both :meth:`BlockLayout.build` and :func:`padded_work` use."""
     lengths = np.asarray(lengths, dtype=np.int64)
     bucket = length_bucket(lengths) if bucket is None else bucket
-    ids, inverse, counts = np.unique(bucket, return_inverse=True, return_counts=True)
-    longest = np.zeros(len(ids), dtype=np.int64)
-    np.maximum.at(longest, inverse, lengths)
-    return [(int(b), int(c), int(L)) for b, c, L in zip(ids, counts, longest)]
+    counts = np.bincount(bucket)  # small non-negative ids: no sort of the (H s n / sigma) lengths
+    ids = np.flatnonzero(counts)
+    longest = np.where(ids <= EXACT_BUCKET_MAX, ids, 0)  # a bucket up to there holds one length, its id
+    big = bucket > EXACT_BUCKET_MAX
+    if big.any():
+        top = np.zeros(len(counts), dtype=np.int64)
+        np.maximum.at(top, bucket[big], lengths[big])
+        longest = np.maximum(longest, top[ids])
+    return [(int(b), int(counts[b]), int(L)) for b, L in zip(ids, longest)]
 
 
 def padded_work(partitions: Sequence[Partitions]) -> tuple[float, float]:
