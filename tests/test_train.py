@@ -630,6 +630,20 @@ def _train_run(tmp_path, gap_of_step, seeds=(0, 1, 2), noise=0.002, total=1000):
     return pd.DataFrame(rows)
 
 
+def test_the_gap_claim_over_one_seed_shows_its_fit_and_decides_nothing(tmp_path):
+    """One seed: the slope of its gap with the interval of the fit's residuals (no seed spread), shown,
+    and the claim INCONCLUSIVE however clearly the gap shrank; three seeds decide the same curves."""
+    shrinking = lambda steps: 0.2 * (1 - steps / 1000)  # noqa: E731
+    for seeds, want in (((0,), Status.INCONCLUSIVE), ((0, 1, 2), Status.SUPPORTED)):
+        run = tmp_path / str(len(seeds))
+        v = [v for v in registry.get("train").report(run, _train_run(run, shrinking, seeds=seeds)).verdicts
+             if "shrinks" in v.claim]
+        assert len(v) == 1 and v[0].status is want, (seeds, v[0].evidence)
+        if len(seeds) == 1:
+            assert "1 seed: slope of the mean gap, interval of its fit (undecided: a verdict needs 3 training " \
+                   "seeds)" in v[0].evidence, v[0].evidence
+
+
 def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
     from poslsh_cli.experiments.train import report as tr
 

@@ -5,10 +5,10 @@ A comparison between two schemes is a statistic: the difference of their bits pe
 training seed (the same seed gives the same initial weights and data order to every scheme), with a
 t-interval over the seeds. Each seed's value is already the mean over its mask draws, so the
 interval covers training seeds and mask draws; every model is evaluated on the same windows.
-With fewer than :data:`MIN_SEEDS` seeds the seed-to-seed spread cannot be estimated, and a rule
-may only use evaluation noise: the per-window differences of the same models on the same
-evaluation windows, whose interval says how sure the measurement is of *these* models, not of
-the schemes. Verdicts say which one they used.
+With fewer than :data:`MIN_SEEDS` seeds the seed-to-seed spread cannot be estimated: the interval
+shown is then over evaluation noise (the per-window differences of the same models on the same
+evaluation windows, or a fit's residuals), which says how sure the measurement is of *these*
+models, not of the schemes, and the verdict is INCONCLUSIVE whatever it says (:func:`on_seeds`).
 
     equivalence    the 90% interval ends below +margin                  -> SUPPORTED ("reaches": at
                    (non-inferiority: "A reaches B")                        most margin worse, or better)
@@ -29,8 +29,10 @@ import numpy as np
 from poslsh_cli.verdicts.claims import Status
 from poslsh_cli.numerics.metrics import fit_line
 
-#: Fewer training seeds than this: a comparison can only use evaluation noise.
+#: Fewer training seeds than this: a comparison can only use evaluation noise, and decides nothing.
 MIN_SEEDS = 3
+#: What a verdict over fewer seeds says.
+NEEDS_SEEDS = f"undecided: a verdict needs {MIN_SEEDS} training seeds"
 #: The one non-inferiority margin of every language-model metric, as a fraction of the baseline's own
 #: value on that metric (docs/THEORY.md, "One margin"): "A reaches B" when A is at most 1% worse than B,
 #: on bits per byte (about 1% in perplexity) as on the top-1 error rate (1% more wrong predictions).
@@ -203,6 +205,12 @@ def equivalence(iv: Interval, margin: float) -> tuple[Status, str]:
     return Status.INCONCLUSIVE, f"the interval crosses +{margin}"
 
 
+def on_seeds(status: Status, iv: "Interval | None") -> Status:
+    """A comparison of trained models is decided on the spread of at least :data:`MIN_SEEDS` training seeds:
+    over an interval of evaluation windows or a fit's points (fewer seeds) it is INCONCLUSIVE."""
+    return status if iv is not None and iv.source == "seeds" and iv.n >= MIN_SEEDS else Status.INCONCLUSIVE
+
+
 def difference(iv: Interval, claimed: str = "positive") -> Status:
     """The difference rule on a 95% interval: is it on the ``claimed`` side of 0?"""
     if not iv.finite:
@@ -217,7 +225,8 @@ def difference(iv: Interval, claimed: str = "positive") -> Status:
 
 DIFFERENCE_RULE = (f"paired by training seed, the 95% t-interval of the difference excludes 0 on the claimed side "
                    f"(SUPPORTED) or on the other side (NOT SUPPORTED), else INCONCLUSIVE. With fewer than {MIN_SEEDS} "
-                   "seeds the interval is over the evaluation windows (evaluation noise only)")
+                   "seeds the interval is over the evaluation windows (evaluation noise only) and the verdict "
+                   "INCONCLUSIVE")
 
 
 # ---------------------------------------------------------------------------------------------

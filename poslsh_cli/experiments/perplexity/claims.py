@@ -23,8 +23,8 @@ import numpy as np
 
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.attention.scheme import Position, model_label
-from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, Interval, count, difference,
-                                      equivalence, paired, paired_windows, relative_margin,
+from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
+                                      difference, equivalence, on_seeds, paired, paired_windows, relative_margin,
                                       seeds_to_decide, slope)
 
 #: the ``attention`` value of a model run as trained (the one definition: perplexity's rows, report and claims)
@@ -71,7 +71,7 @@ def equivalence_rule(unit: str) -> str:
             f"INCONCLUSIVE. Where the run also trained the schemes for half the steps, the verdict stands only if "
             f"the seed-paired gap moved by less than half the margin between the two lengths of training "
             f"(else INCONCLUSIVE). With fewer than {MIN_SEEDS} seeds the interval is over the evaluation windows "
-            f"(evaluation noise only)")
+            f"(evaluation noise only) and the verdict INCONCLUSIVE")
 
 
 EQUIVALENCE_RULE = equivalence_rule("bits per byte")
@@ -182,7 +182,7 @@ class Data:
         if wa is None or wb is None or len(wa[0]) != len(wb[0]):
             return None, f"{count(len(common), 'common seeds')} and no evaluation windows"
         iv = paired_windows(wa[0], wb[0], wa[1], level)
-        return iv, f"{count(len(common), 'training seeds')}: evaluation noise only, over {iv.n} windows"
+        return iv, f"{count(len(common), 'training seeds')}: evaluation noise only, over {iv.n} windows ({NEEDS_SEEDS})"
 
 
 def _draws(d: Data, sc: Scheme, length: int) -> int:
@@ -274,6 +274,7 @@ def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, ke
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule, key=key)
     status, why = equivalence(iv, margin)
+    status = on_seeds(status, iv)
     why = why.replace(str(margin), f"{margin:.4f}")
     decide = _decide(iv, margin, status, margin)
     settled, moved = stability(d, a, b, length, margin)
@@ -293,7 +294,7 @@ def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: in
     iv, basis = d.compare(worse, better, length, 0.95)
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE, key=key)
-    status = difference(iv, "positive")
+    status = on_seeds(difference(iv, "positive"), iv)
     margin = d.margin
     decide = _decide(iv, 0.0, status, margin)
     settled, moved = stability(d, worse, better, length, margin)
@@ -383,7 +384,7 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
             f"least-squares slope of its gaps against ln s (at least three s), and the 95% t-interval of those "
             f"slopes over the seeds (at least {MIN_SEEDS}): below 0 SUPPORTED, above 0 NOT SUPPORTED, else "
             f"INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds, the slope of the seeds' mean gaps with the interval "
-            "of the fit's residuals (evaluation noise only, not the seed-to-seed spread)")
+            "of the fit's residuals (evaluation noise only, not the seed-to-seed spread) and the verdict INCONCLUSIVE")
     if d is None:
         return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule,
                         key="finetune/gap_falls_with_s"),
@@ -415,8 +416,8 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
             iv = slope([math.log(s) for s in gaps], list(gaps.values()))
             n = len(by_seed)
             ev = (f"L={d.L}: slope of the mean gap against ln s {iv.text()} over {len(gaps)} s ({n} seed"
-                  f"{'s' if n != 1 else ''}: the fit's residuals, evaluation noise only); gaps {shown}")
-        out = [Verdict(claim, difference(iv, "negative"), ev, rule, key="finetune/gap_falls_with_s")]
+                  f"{'s' if n != 1 else ''}: the fit's residuals, evaluation noise only; {NEEDS_SEEDS}); gaps {shown}")
+        out = [Verdict(claim, on_seeds(difference(iv, "negative"), iv), ev, rule, key="finetune/gap_falls_with_s")]
     ss = poslsh_s(d)
     if ss:
         out.append(judged_equivalent(d, f"fine-tuned, Positional LSH at the largest s (s={max(ss)}) reaches exact "

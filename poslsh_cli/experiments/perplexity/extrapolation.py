@@ -12,8 +12,8 @@ import numpy as np
 
 from poslsh_cli.experiments.perplexity.claims import NONE, POSLSH, ROPE, Data, Scheme, reference_s
 from poslsh_cli.verdicts.claims import Status, Verdict
-from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, Interval, count, difference,
-                                      paired, paired_windows, ratio_interval, relative_margin)
+from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
+                                      difference, on_seeds, paired, paired_windows, ratio_interval, relative_margin)
 
 
 def _degradation(d: Data, sc: Scheme) -> dict:
@@ -30,7 +30,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     rule_r = (f"per seed, bits per byte at {k}L minus at L (own attention, from scratch, on one evaluation text); "
               f"margin = {MARGIN_FRACTION:.0%} of the model's own bits per byte at L; SUPPORTED when the 95% "
               f"t-interval over the seeds (at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation "
-              "noise only) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; a claim "
+              "noise only, and INCONCLUSIVE) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; a claim "
               "about robustness needs a RoPE or no-position model evaluated at the same lengths to contrast (NOT "
               "MEASURED otherwise)")
     if s is None or not _degradation(d, Scheme(POSLSH, s)):
@@ -48,15 +48,15 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     else:  # the seed-to-seed spread cannot be estimated from fewer seeds
         iv = _windows_change(d, Scheme(POSLSH, s), sorted(p))
         ev = (f"L={d.L}: poslsh s={s} at {k}L minus at L "
-              + (f"{iv.text()}; {count(len(p), 'training seeds')}: evaluation noise only" if iv is not None else
+              + (f"{iv.text()}; {count(len(p), 'training seeds')}: evaluation noise only ({NEEDS_SEEDS})" if iv is not None else
                  f"{np.mean(list(p.values())):+.4f}; {count(len(p), 'training seeds')} and no evaluation windows"))
     ev += f"; margin {margin:.4f}"
     if not others:
         return [Verdict(robust, Status.NOT_MEASURED, ev + f"; no rope or none model evaluated at L and {k}L", rule_r,
                         key="extrapolation/robust")]
     if iv is not None and iv.finite:
-        st = Status.SUPPORTED if iv.high < margin else (
-            Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE)
+        st = on_seeds(Status.SUPPORTED if iv.high < margin else (
+            Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE), iv)
     else:
         st = Status.INCONCLUSIVE
     out = [Verdict(robust, st, ev, rule_r, _numbers(iv, margin, margin), key="extrapolation/robust")]
@@ -69,12 +69,13 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             basis = f"{len(common)} training seeds paired"
         else:
             div = _windows_degradation(d, sc, Scheme(POSLSH, s), common)
-            basis = f"{count(len(common), 'training seeds')}: evaluation noise only" if div else "no evaluation windows"
+            basis = (f"{count(len(common), 'training seeds')}: evaluation noise only ({NEEDS_SEEDS})" if div
+                     else "no evaluation windows")
         key = f"extrapolation/{sc.position}_degrades_more"
         if div is None:
             out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE, key=key))
             continue
-        out.append(Verdict(claim, difference(div, "positive"), f"L={d.L}: ({sc.label} at {k}L - at L) - (poslsh s={s} at "
+        out.append(Verdict(claim, on_seeds(difference(div, "positive"), div), f"L={d.L}: ({sc.label} at {k}L - at L) - (poslsh s={s} at "
                            f"{k}L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE, _numbers(div), key=key))
     return out
 

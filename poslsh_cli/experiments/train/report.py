@@ -59,10 +59,10 @@ GAP_RULE = ("gap = validation bits per byte of the scheme minus exact ALiBi's (t
             "steps on: the first half mostly sees the gap appear); per seed the least-squares slope of the gap "
             "against the step, times half the steps (the gap's change over the second half), and the 95% "
             "t-interval of these over the seeds (at least 3; with fewer, the slope of the mean gap with the "
-            "interval of its fit's residuals, which knows no seed spread): where the gap over the second half is "
+            "interval of its fit's residuals, which knows no seed spread, and INCONCLUSIVE): where the gap over the "
+            "second half is "
             "above 0 (its mean over seeds and evaluations), below 0 SUPPORTED (the gap shrinks), above 0 NOT "
-            "SUPPORTED, else INCONCLUSIVE; "
-            "where it is below 0 (the scheme ahead of exact ALiBi, as RoPE can be), the same with the signs "
+            "SUPPORTED, else INCONCLUSIVE; where it is below 0 (the scheme ahead of exact ALiBi, as RoPE can be), the same with the signs "
             "exchanged: the gap shrinks as it rises towards 0")
 
 
@@ -115,7 +115,7 @@ def gap_trend(gaps: dict, steps: int) -> tuple[Any, str]:
     the steps) with its 95% interval, and what it rests on."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.stats import MIN_SEEDS, Interval, slope, t_interval
+    from poslsh_cli.verdicts.stats import MIN_SEEDS, NEEDS_SEEDS, Interval, count, slope, t_interval
 
     half = {k: second_half(g, steps) for k, g in gaps.items()}
     span = (int(steps) or max(int(g.step.max()) for g in gaps.values())) / 2
@@ -126,13 +126,13 @@ def gap_trend(gaps: dict, steps: int) -> tuple[Any, str]:
     mean = pd.concat(half.values()).groupby("step").gap.mean()
     f = slope(mean.index.to_numpy(dtype=float), mean.to_numpy())
     iv = Interval(f.estimate * span, f.low * span, f.high * span, f.n, f.level, f.source)
-    return iv, f"{len(gaps)} seed{'s' if len(gaps) != 1 else ''}: slope of the mean gap, interval of its fit"
+    return iv, f"{count(len(gaps), 'seeds')}: slope of the mean gap, interval of its fit ({NEEDS_SEEDS})"
 
 
 def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
     """The gap of each scheme to exact ALiBi shrinks over the second half of training
     (:data:`GAP_RULE`), with how much validation still fell over the last 20% of the steps."""
-    from poslsh_cli.verdicts.stats import difference
+    from poslsh_cli.verdicts.stats import difference, on_seeds
 
     falls, out, curves = late_falls(run, df), [], gap_curves(run, df)
     longest = {c["L"]: max(x["steps"] for x in curves if x["L"] == c["L"]) for c in curves}
@@ -142,7 +142,7 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
         start, last = ([float(g.gap.iloc[i]) for g in half.values() if len(g)] for i in (0, -1))
         # a gap below zero over the second half (the scheme ahead of exact ALiBi) shrinks as it rises towards zero
         ahead = sum(g.gap.mean() for g in half.values() if len(g)) < 0
-        status = difference(iv, "positive" if ahead else "negative") if iv.n >= 2 else Status.INCONCLUSIVE
+        status = on_seeds(difference(iv, "positive" if ahead else "negative"), iv)
         steps = c["steps"] or max(int(g.step.max()) for g in c["gaps"].values())
         fall = falls.get((c["L"], c["steps"], c["model"]))
         ev = (f"L={c['L']}, {steps} steps: gap at step {int(steps) // 2} {sum(start) / len(start):+.4f}, at the "
