@@ -410,3 +410,30 @@ def test_the_heldout_task_of_a_corpus_without_whole_held_out_documents_says_why(
 
     with pytest.raises(ConfigError, match="has 1 document, fewer than val_every=10: training held out the last part"):
         heldout_task.build("pydoc-topics")
+
+
+def test_a_log_gets_a_line_every_tenth_and_one_per_kind_of_message_at_the_end():
+    """Off a terminal, a long cell's progress is a line every 10% of its steps; at its last step (a
+    training cell's final evaluations, each reporting its windows) one line for each kind of message,
+    not one per update."""
+    import io
+
+    from rich.console import Console
+
+    from poslsh_cli.app.runner import _Progress
+
+    out = io.StringIO()
+    with _Progress(Console(file=out, force_terminal=False, width=200), 1, 0, "train") as bar:
+        for step in range(1, 101):
+            bar.sub(step, 100, f"alibi seed=0 loss {5 - step / 100:.3f}")
+            if step % 20 == 0 or step == 100:
+                for w in range(8, 257, 8):
+                    bar.sub(step, 100, f"alibi seed=0 validation {w}/256 windows")
+        for w in range(8, 257, 8):
+            bar.sub(100, 100, f"alibi seed=0 final weights on the training split {w}/256 windows")
+        bar.sub(100, 100, "alibi seed=0 loss 4.000 val_bpb 5.000")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 11 + 3, lines  # the first step, 10%, 20%, ... 100%; then three other kinds at 100/100
+    assert lines[-3:] == ["    100/100 alibi seed=0 validation 8/256 windows",
+                          "    100/100 alibi seed=0 final weights on the training split 8/256 windows",
+                          "    100/100 alibi seed=0 loss 4.000 val_bpb 5.000"], lines[-3:]

@@ -298,13 +298,14 @@ def key_text(key: dict) -> str:
 
 class _Progress:
     """Rich progress bar on a terminal; one plain line per cell otherwise (logs, SLURM). A long
-    cell reports its own steps through :meth:`sub` (a second bar, or a line every 10%)."""
+    cell reports its own steps through :meth:`sub` (a second bar, or a line every 10%, and one line for each
+    kind of message at the end: a training cell's final evaluations report at its last step)."""
 
     def __init__(self, console: Any, total: int, done: int, label: str):
         self.console, self.total, self.done, self.label = console, total, done, label
         self.rich = console.is_terminal
         self._sub_task = None
-        self._last_tenth = -1
+        self._last_tenth, self._last_kind = -1, ""
 
     def __enter__(self) -> "_Progress":
         if self.rich:
@@ -324,9 +325,11 @@ class _Progress:
                 self._sub_task = self.progress.add_task("", total=total)
             self.progress.update(self._sub_task, completed=done, total=total, description=f"  {text}")
             return
-        tenth = int(10 * done / max(1, total))
-        if tenth != self._last_tenth or done == total:
-            self._last_tenth = tenth
+        import re
+
+        tenth, kind = int(10 * done / max(1, total)), re.sub(r"[0-9.]+", "#", text)  # the message, numbers aside
+        if tenth != self._last_tenth or (done == total and kind != self._last_kind):
+            self._last_tenth, self._last_kind = tenth, kind
             self.console.print(f"    {done}/{total} {text}", markup=False)
 
     def advance(self, key: dict, seconds: float) -> None:
