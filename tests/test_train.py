@@ -371,6 +371,17 @@ def test_a_run_grows_by_seeds_added_keeping_its_cells_and_equal_to_a_run_made_wi
         assert r.exit_code == 2 and "different configuration" in r.stderr and "seed: [0, 1] ->" in r.stderr, r.stderr
 
 
+def test_a_warm_up_as_long_as_training_is_said_on_stderr(tmp_path):
+    """warmup= at least the steps leaves no cosine decay (the schedule warms up over all but the last step):
+    one line says so, and how to ask for a fraction; a shorter warm-up says nothing."""
+    args = [*TRAIN, "position=[alibi]", "steps=4"]
+    r = poslsh("train", *args, "warmup=6", f"out={tmp_path / 'a'}")
+    assert r.exit_code == 0 and "warmup=6 is not shorter than steps=4: the learning rate warms up over 3 steps and " \
+        "does not decay" in r.stderr, r.stderr
+    r = poslsh("train", *args, f"out={tmp_path / 'b'}")  # TRAIN's warmup=2
+    assert r.exit_code == 0 and "warmup=" not in r.stderr, r.stderr
+
+
 def test_finetuning_shares_one_pretraining_stage(tmp_path):
     out = tmp_path / "ft"
     r = poslsh("train", *TRAIN, "position=[alibi,fixed_block]", "pretrain=rope", "pretrain_steps=3", "steps=2",

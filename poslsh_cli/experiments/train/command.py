@@ -26,6 +26,7 @@ micro-batches of it), so the losses equal one process's; rank 0 writes everythin
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -83,6 +84,10 @@ def prepare(spec: TrainSpec) -> TrainContext:
     if top >= vocab:
         raise ConfigError(f"data={spec.data}: token id {top} does not fit the model's vocabulary of {vocab}")
     meta = {"corpus": corpus_meta(corpus, spec), "model_source": source.describe(), "world_size": world}
+    short = min(spec.steps)
+    if spec.warmup_fraction is None and spec.warmup >= short and short > 1 and dist.is_main():
+        print(f"poslsh train: warmup={spec.warmup} is not shorter than steps={short}: the learning rate warms up over "
+              f"{short - 1} steps and does not decay (warmup_fraction=0.1: 10% of each stage)", file=sys.stderr)
     return TrainContext(corpus, source, device, meta=meta, world=world)
 
 
