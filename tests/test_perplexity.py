@@ -82,6 +82,14 @@ def test_reaches_alibi_is_an_equivalence_test(tmp_path):
     assert status_of(sec, "s=10 reaches") is Status.NOT_MEASURED
 
 
+def test_a_claim_not_measured_names_only_the_models_missing(tmp_path):
+    """The no-position contrast of a run without a no-position model names that model alone (it read
+    "no none or poslsh s=10 models evaluated" on a run whose s=10 models were evaluated)."""
+    sec = ppl_report(tmp_path, scratch={A: 1.8, P10: 1.81})
+    v = [v for v in sec.verdicts if "without positional information" in v.claim][0]
+    assert v.status is Status.NOT_MEASURED and v.evidence.startswith("no none models evaluated at L="), v.evidence
+
+
 @pytest.mark.parametrize("lo,hi,expected", [
     (-0.015, 0.015, Status.SUPPORTED), (-0.03, 0.005, Status.SUPPORTED),   # a better scheme reaches it too
     (-0.08, -0.03, Status.SUPPORTED), (-0.01, 0.0199, Status.SUPPORTED),

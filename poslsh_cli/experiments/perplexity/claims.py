@@ -260,12 +260,16 @@ def _key(name: str, d: Data) -> str:
     return f"{name}/{d.metric.column}"
 
 
+def _absent(d: Data, length: int, *schemes: Scheme) -> str:
+    """Which of the schemes a claim compares were not evaluated at ``length`` (only those)."""
+    return f"no {' or '.join(sc.label for sc in schemes if not d.present(sc, length))} models evaluated at L={length}"
+
+
 def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, key: str = "") -> Verdict:
     rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.unit)
     key = _key(key or f"{a.label} reaches {b.label}", d)
     if not (d.present(a, length) and d.present(b, length)):
-        return Verdict(claim, Status.NOT_MEASURED, f"no {a.label} or {b.label} models evaluated at L={length}", rule,
-                       key=key)
+        return Verdict(claim, Status.NOT_MEASURED, _absent(d, length, a, b), rule, key=key)
     margin = d.margin
     if not (margin == margin):
         return Verdict(claim, Status.NOT_MEASURED, f"no exact-ALiBi model at L={length} to scale the margin", rule,
@@ -289,8 +293,7 @@ def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: in
     """``better`` has lower bits per byte than ``worse``: the interval of worse - better above 0."""
     key = _key(key or f"{better.label} better than {worse.label}", d)
     if not (d.present(worse, length) and d.present(better, length)):
-        return Verdict(claim, Status.NOT_MEASURED, f"no {worse.label} or {better.label} models evaluated at "
-                       f"L={length}", BETTER_RULE, key=key)
+        return Verdict(claim, Status.NOT_MEASURED, _absent(d, length, worse, better), BETTER_RULE, key=key)
     iv, basis = d.compare(worse, better, length, 0.95)
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE, key=key)
