@@ -694,3 +694,12 @@ def test_gap_to_alibi_is_judged_over_the_second_half_of_training(tmp_path):
         x.evidence for c, x in v.items() if c.endswith("[500 steps]")))
     paths = tr.plot_gap(tmp_path / "a", shrinking)
     assert [p.name for p in paths if p.suffix == ".png"] == ["gap_vs_tokens.png"]
+
+
+def test_the_passes_sentence_shows_small_fractions_of_a_pass():
+    """A short run reads a small fraction of its corpus: the sentence says how small (it read '0.00 to 0.00
+    passes' beside a table showing 0.0008)."""
+    from poslsh_cli.experiments.train.report import passes_findings
+
+    text = passes_findings(pd.DataFrame({"passes": [0.000812, 0.00162]}))[0]
+    assert "less than once: 0.000812 to 0.00162 passes" in text, text

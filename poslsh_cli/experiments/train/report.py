@@ -355,7 +355,7 @@ def passes_findings(df: Any) -> list[str]:
         return ["Passes over the training data: not measured (run made before they were recorded)."]
     lo, hi = float(df.passes.min()), float(df.passes.max())
     word = "less than once" if hi < 1 else "more than once" if lo > 1 else "about once"
-    return [f"Every cell read its training tokens {word}: {lo:.2f} to {hi:.2f} passes (tokens read in training, "
+    return [f"Every cell read its training tokens {word}: {lo:.3g} to {hi:.3g} passes (tokens read in training, "
             "the shared pretraining stage included, over the training split)."]
 
 
