@@ -703,3 +703,11 @@ def test_the_passes_sentence_shows_small_fractions_of_a_pass():
 
     text = passes_findings(pd.DataFrame({"passes": [0.000812, 0.00162]}))[0]
     assert "less than once: 0.000812 to 0.00162 passes" in text, text
+
+
+def test_throughput_is_read_from_the_median_step_so_a_paused_run_shows_its_speed(tmp_path):
+    """tokens/s in the report is tokens per step over the median step time: a cell paused or killed and
+    resumed (its wall-clock seconds inflated) shows the speed it trained at, as step_seconds does."""
+    df = _train_run(tmp_path, lambda steps: 0.0 * steps).assign(tokens_per_s=1.0)  # 1.0: as if paused for hours
+    table = registry.get("train").report(tmp_path, df).tables[0]
+    assert (table.tokens_per_s == 4096 / 0.1).all(), table.tokens_per_s.tolist()

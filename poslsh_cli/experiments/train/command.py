@@ -156,7 +156,7 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
            "tokens": int(m.tokens.iloc[-1]), "params": _param_count(final if not spec.lora_rank else ctx.source.path),
            "train_loss": float(tail.loss.mean()), "val_loss": float(last.val_loss), "val_bpb": float(last.val_bpb),
            "val_ppl": math.exp(float(last.val_loss)), "seconds": float(m.seconds.iloc[-1]),
-           "tokens_per_s": float(m.tokens.iloc[-1] / m.seconds.iloc[-1]),
+           "tokens_per_s": float(m.tokens.iloc[-1] / m.step.iloc[-1] / m.step_seconds.median()),  # pauses aside
            "pretrain": spec.pretrain.value if spec.pretrain else "", "init": str(spec.init or spec.arch or ""),
            "checkpoint": work.relative(final), "wall_seconds": time.perf_counter() - t0,
            "step_seconds": float(m.step_seconds.median()), "attn_dropout": dropout,

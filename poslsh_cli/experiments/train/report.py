@@ -36,8 +36,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def metric_files(run: Path, df: Any) -> list[Path]:
-    """The learning-curve files the report reads (each finished cell's metrics.csv), relative to
-    the run: what a published snapshot keeps besides the tables."""
+    """The learning-curve files the report reads (each cell's metrics.csv, relative to the run): what a snapshot keeps."""
     return [p for p in dict.fromkeys(Path(c).parent / "metrics.csv" for c in df.checkpoint.dropna().astype(str))
             if (Path(run) / p).is_file()]
 
@@ -323,6 +322,7 @@ def crossover_length(df: Any, s: int | None = None) -> float:
 
 def report(run: Path, df: Any) -> Section:
     sec = Section("train", run, "Training: validation bits per byte at the training length")
+    df = df.assign(tokens_per_s=df.tokens / df.steps / df.step_seconds) if "step_seconds" in df.columns else df
     cols = ["position", "s", "attn_dropout", "sigmas", "seed", "seq_len", "pretrain", "params", "steps", "val_bpb",
             "val_ppl", "step_seconds", "tokens_per_s", "passes"]
     sec.tables.append(with_model_columns(df)[[c for c in cols if c in df.columns or c == "sigmas"]].round(4))
