@@ -10,6 +10,7 @@ run directory says so); the command line turns them into one line.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -296,6 +297,10 @@ def key_text(key: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in key.items() if not (k == "s" and v == 0))
 
 
+#: The numbers of a progress message, masked to tell its kinds apart (:meth:`_Progress.sub`).
+_NUMBERS = re.compile(r"[0-9.]+")
+
+
 class _Progress:
     """Rich progress bar on a terminal; one plain line per cell otherwise (logs, SLURM). A long
     cell reports its own steps through :meth:`sub` (a second bar, or a line every 10%, and one line for each
@@ -325,9 +330,8 @@ class _Progress:
                 self._sub_task = self.progress.add_task("", total=total)
             self.progress.update(self._sub_task, completed=done, total=total, description=f"  {text}")
             return
-        import re
-
-        tenth, kind = int(10 * done / max(1, total)), re.sub(r"[0-9.]+", "#", text)  # the message, numbers aside
+        tenth = int(10 * done / max(1, total))
+        kind = _NUMBERS.sub("#", text) if done == total else ""  # at the end: the message, numbers aside
         if tenth != self._last_tenth or (done == total and kind != self._last_kind):
             self._last_tenth, self._last_kind = tenth, kind
             self.console.print(f"    {done}/{total} {text}", markup=False)
