@@ -276,7 +276,7 @@ def test_alibi_with_and_without_dropout_are_two_models_everywhere(tmp_path, monk
     head, rows = perplexity_report.summary(df)
     by = {r[0]: r for r in rows}
     assert set(by) == {"alibi", "alibi +dropout 0.1", "alibi (sigma=256 every head)"}, rows
-    col = head.index("L=256")
+    col = head.index("bpb L=256")
     for label, sel in (("alibi", (df.attn_dropout == 0) & (df.sigmas == "")), ("alibi +dropout 0.1", df.attn_dropout > 0)):
         assert by[label][col] == f"{df[sel & (df.length == 256)].bits_per_byte.mean():.4f}"
         assert by[label][head.index("seeds")] == "3"

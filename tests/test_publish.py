@@ -11,6 +11,7 @@ import pytest
 
 from conftest import poslsh
 from poslsh_cli.app.publish import BEGIN, END, local_paths_cut
+from poslsh_cli.store.provenance import device_info, machine_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,8 +59,9 @@ def test_publish_stamps_every_section_and_republishing_the_snapshot_gives_the_sa
     md = (docs / "RESULTS.md").read_text()
     # one stamp per run: run, commit, machine, torch, start, wall time, and the command without local paths
     for name in ("m", "b", "x"):
-        stamp = re.search(rf"Source: run `{name}` · commit (\S+) · (.+) CPUs · torch (\S+) · started (\S+) · (\d+) s", md)
+        stamp = re.search(rf"Source: run `{name}` · commit (\S+) · (.+) · torch (\S+) · started (\S+) · (\d+) s", md)
         assert stamp, name
+        assert stamp.group(2) == machine_text(device_info()), stamp.group(2)  # the processor by name, not "x86_64"
         assert (docs / "results" / name / "results.csv").exists() and not (docs / "results" / name / "cells").exists()
     assert md.count("Command: `poslsh ") == 3
     assert str(tmp_path) not in md and str(runs) not in md
@@ -219,3 +221,14 @@ def test_language_model_runs_publish_their_learning_curves_and_side_by_side_clai
     _publish(sorted((docs / "results").iterdir()), again, readme2)
     assert (again / "RESULTS.md").read_text() == md and _block(readme2.read_text()) == block
     _same_figures(docs / "figures", again / "figures")
+
+
+def test_the_machine_is_named_by_its_gpu_or_its_processor_and_cores():
+    assert machine_text({"cuda": "NVIDIA H200", "machine": "x86_64", "cpu_count": 16}) == "NVIDIA H200"
+    assert machine_text({"cpu": "AMD EPYC 7B13", "machine": "x86_64", "cpu_count": 2}) == "AMD EPYC 7B13, 2 cores"
+    # a run recorded before the processor's name was: its architecture, said to be a CPU's
+    assert machine_text({"machine": "x86_64", "cpu_count": 2}) == "x86_64 CPU, 2 cores"
+    assert machine_text(None) == "unknown CPU"
+    here = device_info()
+    assert here["cpu_count"] and "cpu" in here
+

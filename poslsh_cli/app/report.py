@@ -23,6 +23,7 @@ from poslsh_cli.app import registry
 from poslsh_cli.verdicts.claims import Section, Status
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
+from poslsh_cli.store.provenance import machine_text
 from poslsh_cli.store.readers import find_runs, read_json, results, status
 
 
@@ -152,7 +153,7 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
         provenance.append({"run": run.name, "command": exp.name, "status": status(run, meta),
                            "commit": ((git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else "")) or None,
                            "seed": meta.get("seed"), "wall s": meta.get("wall_seconds"),
-                           "device": (meta.get("device") or {}).get("cuda") or (meta.get("device") or {}).get("machine"),
+                           "device": machine_text(meta.get("device")),
                            "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
     drawn = draw_figures([(run, exp, df) for run, (_, exp, df) in tables.items()])
     for run, (sec, _, _) in tables.items():

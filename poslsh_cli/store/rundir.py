@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
@@ -36,6 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from poslsh_cli.store import ownership
 from poslsh_cli.store.cellwork import CellWork
+from poslsh_cli.store.provenance import device_info, git_commit, package_versions
 from poslsh_cli.store.readers import frames_of, read_cells, read_config_text, read_json
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import TMP_PREFIX, atomic_write_text, fault_point, remove_stale_temporaries
@@ -111,48 +111,6 @@ def remove_created(path: Path, top: Optional[Path]) -> None:
         if p == top or top not in p.parents:
             return
         p = p.parent
-
-
-def git_commit() -> dict[str, Any]:
-    """Commit of the poslsh source tree, when it is a git checkout."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-        return {"commit": commit, "dirty": bool(dirty)}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-
-
-def package_versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("poslsh", "numpy", "scipy", "torch", "pandas", "hydra-core", "omegaconf",
-                 "transformers", "matplotlib", "typer"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def device_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
-                            "cpu_count": os.cpu_count()}
-    import sys
-
-    torch = sys.modules.get("torch")  # only when the experiment used it: importing it costs seconds
-    if torch is not None:
-        try:
-            info["torch_threads"] = torch.get_num_threads()
-            if torch.cuda.is_available():
-                info["cuda"] = torch.cuda.get_device_name(0)
-        except Exception:
-            pass
-    return info
 
 
 def _jsonable(x: Any) -> Any:

@@ -31,13 +31,13 @@ MODEL_KEYS = ["position", "trained_s", "attn_dropout", "sigmas"]
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Bits per byte per trained model (scheme, s, dropout, bandwidths, steps), attention and s at each
-    evaluation length, mean over trials and the training seeds counted in ``seeds``, in scheme
+    evaluation length L in tokens (the columns ``bpb L=n``), mean over trials and the training seeds counted in ``seeds``, in scheme
     order."""
     from poslsh_cli.experiments.perplexity.groups import with_group_columns
 
     df = with_group_columns(with_model_columns(main_protocol(df)))
     lengths = sorted(df.length.unique())
-    head = ["trained", "finetuned", "steps", "seeds", "attention", "s"] + [f"L={n}" for n in lengths]
+    head = ["trained", "finetuned", "steps", "seeds", "attention", "s"] + [f"bpb L={n}" for n in lengths]
     keys = MODEL_KEYS + ["finetuned", "trained_steps", "attention", "s"]
     groups = sorted(df.groupby(keys, sort=False), key=lambda kg: (scheme_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3],
                                                                   kg[0][4], kg[0][5], kg[0][6] != OWN,

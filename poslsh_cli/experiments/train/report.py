@@ -26,7 +26,7 @@ def _model(r: Any) -> str:
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     df = with_model_columns(df)
-    head = ["model", "seed", "L", "params", "train loss", "val bpb", "val ppl", "s/step", "tokens/s",
+    head = ["model", "seed", "L", "params", "train loss (nats/token)", "val bpb", "val ppl", "s/step", "tokens/s",
             "training s", "wall s (this session)"]
     rows = [[_model(r), str(r["seed"]), str(r["seq_len"]), f"{r['params']:,}", f"{r['train_loss']:.3f}",
              f"{r['val_bpb']:.4f}", f"{r['val_ppl']:.3f}", f"{r.get('step_seconds', float('nan')):.3f}",
