@@ -179,6 +179,35 @@ def test_plan_takes_the_union_on_cuda_for_several_masks_and_on_the_cpu_for_many(
     assert cpu.label == "union/fused"  # many masks: their union
 
 
+def test_cpu_inference_weighs_the_blocks_against_the_union_and_gives_the_same_output(monkeypatch):
+    """What a model's evaluation runs (attend, backend auto, no gradients): the cost model's path, the
+    union for the language-model presets' masks (sigma = 8, s = 20 at 4L: 17x faster than the blocks,
+    measured) and the blocks for one mask, the blocks where the union's band would pass its cap; and
+    either path's output is the float64 reference's."""
+    from poslsh_cli.attention import plan as plan_mod
+
+    for n, sigma, s, label in ((1024, 8.0, 20, "union/fused"), (256, 8.0, 10, "union/fused"),
+                               (1024, 8.0, 1, "blocks/fused"), (2048, 64.0, 100, "union/fused")):
+        spec = spec_of(parts_for(n, [sigma] * 4, s, seed=5), True)
+        q, k, v = qkv(1, 4, n, 8, seed=1)
+        got = []
+        with torch.no_grad():
+            out = attend(q.float(), k.float(), v.float(), spec, on_plan=lambda p: got.append(p.label))
+        assert got == [label], (n, s, got)
+        w = mean_mask_weight(spec.partitions)
+        ref, _ = reference_attention(q, k, v, w, True)
+        assert (out.double() - ref).abs().max().item() <= naive_tolerance(q, k, v, w, True, torch.float32), (n, s)
+    # a band past the cap (a head whose blocks span the sequence, at long n): the blocks, whose memory
+    # does not grow with the longest block
+    monkeypatch.setattr(plan_mod, "UNION_MAX_PAIRS_INFER", 1000)
+    spec = spec_of(parts_for(1024, [8.0] * 4, 20, seed=5), True)
+    q, k, v = qkv(1, 4, 1024, 8, seed=1)
+    got = []
+    with torch.no_grad():
+        attend(q, k, v, spec, on_plan=lambda p: got.append(p.label))
+    assert got == ["blocks/fused"]
+
+
 def test_union_table_holds_one_row_per_cell():
     """The table grows with the cells and the longest block (about s n (ln s + 2) / 2 counts per head
     when sigma >= 1), not with n times the union's width: at n=65536 with the standard slopes of

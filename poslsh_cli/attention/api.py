@@ -105,7 +105,16 @@ class AttentionSpec:
 
 
 def work_of(spec: AttentionSpec, n: int) -> Work:
-    """What each training path would compute for ``spec`` at length n (the plan's cost model)."""
+    """What each path would compute for ``spec`` at length n (the plan's cost model), computed once
+    per spec and length (a model's specs are cached per step and layer, so every call of a layer
+    reads it)."""
+    cache = spec.__dict__.setdefault("_work", {})  # a frozen dataclass: its __dict__ holds the cache
+    if n not in cache:
+        cache[n] = _work(spec, n)
+    return cache[n]
+
+
+def _work(spec: AttentionSpec, n: int) -> Work:
     H = spec.sigmas.shape[0]
     if spec.partitions is not None:
         pairs, slots = padded_work(spec.partitions)
@@ -190,9 +199,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     if plan is None:
         if backend == "auto" and layout is not None:
             backend = _LAYOUT_BACKEND[type(layout)]
-        # the cost model weighs the CPU training paths only (on CUDA the plan does not read it)
-        cpu_training = backend == "auto" and q.device.type == "cpu" and needs_grad(q, k, v)
-        work = work_of(spec, q.shape[-2]) if cpu_training else None
+        # the cost model weighs the CPU paths: every method in training, the partition methods'
+        # blocks against their union at inference (on CUDA the plan does not read it)
+        weighed = backend == "auto" and q.device.type == "cpu" and (needs_grad(q, k, v) or spec.partitions is not None)
+        work = work_of(spec, q.shape[-2]) if weighed else None
         plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, s=spec.s)
     if on_plan is not None:
         on_plan(plan)

@@ -77,18 +77,22 @@ DENSE_MAX_N = 4096
 RANK1_MIN_N = 512
 
 
-#: From this many masks on, CPU inference of the partition methods takes the union route rather than
-#: the blocks: measured by `poslsh bench` on a 2-core CPU (float32, 8 heads of the standard slopes,
-#: d=64, causal, alone), the union took 3.6x the blocks' time at s=8 (n=4096; 3.7x at 16384), 0.70x
-#: at s=32 (1.09x at 16384) and 0.35x at s=100 (0.37x at 16384), with 0.17-0.51x their memory from s=32 on.
+#: CPU inference of the partition methods, when the caller gives no :class:`Work` (a bare
+#: :func:`choose`): the union route from this many masks on, the dense bias below
+#: INFER_DENSE_MAX_N, the blocks otherwise. With the work (what :func:`~poslsh_cli.attention.api.attend`
+#: passes) the cost model picks between the blocks and the union instead: measured forward passes
+#: (2-core CPU, float32, causal, alone; 18 settings, n = 256-16384, s = 1-100, sigma = 2-4096) put the
+#: union ahead of the blocks in every setting with s >= 8 (1.3x at n=4096 with the standard slopes, s=8;
+#: 17x at n=1024, sigma=8, s=20) and the blocks ahead at s=1 (0.13-0.9x); the model's choice matched the
+#: faster path in 14 of the 18 and cost at most 3x where it missed (the union at s=4, n=1024, sigma=8),
+#: where these thresholds chose a path up to 17x slower. The dense bias was behind the faster of the
+#: two in every setting it was measured (n <= 2048).
 UNION_MIN_S_CPU = 48
-
-
-#: Below this n CPU inference of the partition methods takes the dense bias (one attention with
-#: log M~, whatever s is): measured by evaluating the language-model presets' model (batch 16, L=256,
-#: 8 heads) on a 2-core CPU, a forward pass with s=10 took 0.82 s dense against 1.16 s on the blocks,
-#: and with s=100 2.23 s against 2.57 s on the union (both with another job on the cores).
 INFER_DENSE_MAX_N = 512
+#: Inference takes the union only while its scored pairs (every head's; its band of counts, H n w bytes
+#: for a band w keys wide, is at most that many bytes) stay below this many; past it (a head whose blocks span most of the sequence,
+#: at long n) the blocks, whose memory grows with s, not with the longest block.
+UNION_MAX_PAIRS_INFER = 2**31
 
 
 #: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
@@ -196,7 +200,9 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     - for inference on the CPU: exact ALiBi (float32 and wider) on the flash kernel with its bias as
       an extra q/k coordinate re-centred per query tile (``rank1``, causal and bidirectional; the
       fastest exact path), windowed ALiBi (and exact in lower precision) by query chunks, the
-      partition methods (poslsh, fixed_block) below INFER_DENSE_MAX_N on the dense bias, beyond on
+      partition methods (poslsh, fixed_block) on the blocks or the union route, whichever the cost
+      model (``work``) prices lower, the blocks where the union's band would pass
+      UNION_MAX_PAIRS_INFER; without ``work`` below INFER_DENSE_MAX_N on the dense bias, beyond on
       the blocks, or on the union route from UNION_MIN_S_CPU masks on.
     - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
       otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (while
@@ -271,6 +277,10 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
     if not grad:
         if rank1:
             return Backend.RANK1  # the flash kernel with a re-centred extra coordinate, causal or not
+        if work is not None and work.union_pairs and Backend.UNION in has and Backend.BLOCKS in has:
+            if work.union_pairs > UNION_MAX_PAIRS_INFER:
+                return Backend.BLOCKS
+            return min((Backend.BLOCKS, Backend.UNION), key=lambda b: work.cost(method, b))
         if n < INFER_DENSE_MAX_N and Backend.DENSE in has and Backend.BLOCKS in has:
             return Backend.DENSE  # at training lengths one attention with the (H, n, n) bias, whatever s is
         if s >= UNION_MIN_S_CPU and Backend.UNION in has:

@@ -78,7 +78,7 @@ class BenchSpec(Spec):
                                           "rel_fro", ["auto"], noun="exact backend")
     partition_backends: tuple[str, ...] = key("Positional-LSH and fixed-block paths to time: auto (CUDA: the union "
                                               "route the plan takes and the per-mask flex route; CPU: the plan's, "
-                                              "blocks, or the union from s=48 on), blocks, union (one attention over "
+                                              "blocks or union by its cost model), blocks, union (one attention over "
                                               "the union of each query's s blocks, weighted by log counts), flex "
                                               "(one FlexAttention call per mask), dense", ["auto"],
                                               noun="partition backend")
@@ -196,16 +196,20 @@ def check_rows(n: int) -> list[int]:
 
 def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1) -> tuple[str, ...]:
     """Backends timed for the partition methods (Positional LSH, fixed blocks) with s masks on
-    ``device``: ``auto`` is the path the plan takes for inference at long context (asked of the plan:
-    :func:`poslsh_cli.attention.choose` at n = INFER_DENSE_MAX_N, causal), and on CUDA beside it the
-    per-mask FlexAttention route it is compared with; others as asked."""
+    ``device``: ``auto`` on the CPU is the path the plan takes for each cell's masks (its cost model
+    weighs the blocks against the union: decided in :func:`run_cell`), on CUDA the path the plan
+    takes (:func:`poslsh_cli.attention.choose`, causal inference) and beside it the per-mask
+    FlexAttention route it is compared with; others as asked."""
     import torch
 
     from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
 
-    planned = choose(Method.POSLSH if s > 1 else Method.FIXED_BLOCK, device=device, dtype=torch.float32,
-                     n=INFER_DENSE_MAX_N, causal=True, grad=False, s=s).backend.value
-    auto = (planned, "flex") if device.type == "cuda" else (planned,)
+    if device.type == "cuda":
+        planned = choose(Method.POSLSH if s > 1 else Method.FIXED_BLOCK, device=device, dtype=torch.float32,
+                         n=INFER_DENSE_MAX_N, causal=True, grad=False, s=s).backend.value
+        auto: tuple[str, ...] = (planned, "flex")
+    else:
+        auto = ("auto",)
     out: list[str] = []
     for b in asked:
         for x in auto if b == "auto" else (b,):
@@ -277,6 +281,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     import torch
 
     from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
+    from poslsh_cli.attention.api import work_of
     from poslsh_cli.experiments.measure import SharedReference, measure, timed_call
     from poslsh_cli.numerics.metrics import output_errors
 
@@ -297,15 +302,6 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     else:
         backend = "auto"
     samples = s if info.randomized else 1
-    try:
-        plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                      backend=backend, s=samples)
-    except ValueError as exc:
-        from poslsh_cli.core.errors import ConfigError
-
-        raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
-    planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                             s=samples)
 
     def build() -> AttentionSpec:
         rng = np.random.default_rng(seed) if info.randomized else None  # heads draw from it in order
@@ -313,6 +309,19 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                                    window_sigmas=None if math.isnan(window_c) else window_c)
 
     fixed = build()
+    # the plan's cost model, as attend() weighs it: on the CPU for training, and for the partition
+    # methods' inference (blocks or union)
+    weighed = ctx.device.type == "cpu" and (spec.backward or fixed.partitions is not None)
+    work = work_of(fixed, n) if weighed else None
+    try:
+        plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                      backend=backend, s=samples, work=work)
+    except ValueError as exc:
+        from poslsh_cli.core.errors import ConfigError
+
+        raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
+    planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                             s=samples, work=work)
     per_call = fixed.partitions is not None  # masks are drawn (and laid out) in every forward pass
 
     def draw() -> tuple[AttentionSpec, Any]:  # the untimed part of a call: masks and their layout
