@@ -405,3 +405,38 @@ def test_the_sampling_share_at_the_largest_n_is_the_median_over_its_rows():
     said = [p for p in paragraphs if "drawing the masks" in p]
     assert said == ["causal, s=8 (union), n=4096: drawing the masks and building their layout take 20.0% of the "
                     "end-to-end 0.0041 s (median of 2 rows)."], said
+
+
+def test_cpu_auto_is_one_path_per_s_the_plans_at_the_longest_n_and_never_timed_twice():
+    """On the CPU 'auto' is the path the plan's forward cost model picks for the grid's masks at its
+    longest n (one series per s): the blocks for one mask, the union for many; asked beside an explicit
+    path it resolves to, that path is timed once."""
+    import torch
+
+    from poslsh_cli.experiments.bench.command import partition_backends
+    from poslsh_cli.numerics.sampling import bandwidths
+
+    cpu, sigmas = torch.device("cpu"), bandwidths(8, None)
+    assert partition_backends(cpu, ("auto",), 1, sigmas, 2**14) == ("blocks",)
+    assert partition_backends(cpu, ("auto",), 100, sigmas, 2**14) == ("union",)
+    assert partition_backends(cpu, ("auto", "blocks"), 1, sigmas, 2**14) == ("blocks",)
+    assert partition_backends(cpu, ("auto", "blocks"), 100, sigmas, 2**14) == ("union", "blocks")
+
+
+def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_may_take_it():
+    """Past the dense bias the CPU may run either the blocks or the union (chosen by the masks drawn),
+    so the estimate is the larger: at least the band of counts (one byte per head, query and key, up
+    to its cap) and at least the blocks' per-sample outputs."""
+    from poslsh_cli.attention import Backend, Method, Plan
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES_INFER
+    from poslsh_cli.experiments.base import inference_attention_bytes
+
+    H, n, d, B = 8, 4096, 16, 4
+    got = inference_attention_bytes("poslsh", "cpu", n, B, H, d, 10)
+    assert got >= H * n * n
+    assert got >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10)
+    huge = inference_attention_bytes("poslsh", "cpu", 2**17, 1, H, d, 10)
+    assert huge < UNION_MAX_BYTES_INFER + Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(1, H, 2**17, d, 10) + 1
+    # below the dense bias and for exact ALiBi: the plan's own estimate, unchanged
+    assert inference_attention_bytes("alibi", "cpu", n, B, H, d, 0) == \
+        Plan(Method.EXACT, Backend.RANK1).memory_bytes(B, H, n, d, 0)

@@ -105,6 +105,7 @@ def test_the_plan_picks_the_training_paths_by_length_and_gradient():
     assert backend(Method.WINDOWED, A.RANK1_MIN_N) is Backend.CHUNKED
     assert backend(Method.FIXED_BLOCK, A.RANK1_MIN_N) is Backend.BLOCKS
     # inference: the dense bias at training lengths (one attention whatever s), the memory-light paths beyond
+    # (without the masks' work the s threshold; attend() weighs blocks against union: tests/test_union.py)
     assert backend(Method.POSLSH, 64, grad=False) is Backend.DENSE
     assert backend(Method.POSLSH, A.INFER_DENSE_MAX_N, grad=False) is Backend.BLOCKS
     assert backend(Method.EXACT, 64, grad=False) is Backend.RANK1  # the fastest exact path, causal or not

@@ -173,20 +173,23 @@ def test_plan_takes_the_union_on_cuda_for_several_masks_and_on_the_cpu_for_many(
         assert plan.backend.value == backend and plan.compiled
     plan = choose(Method.POSLSH, device="cuda", dtype=torch.bfloat16, n=8192, causal=True, grad=True, s=8)
     assert plan.label == "union/flex/compiled"
+    # on the CPU without the masks' work (a bare choose: the commands' memory estimates) the s threshold;
+    # attend() weighs the masks drawn (test_cpu_inference_weighs_the_blocks_against_the_union...)
     cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=8)
-    assert cpu.label == "blocks/fused"  # few masks on the CPU: the blocks (measured faster there)
+    assert cpu.label == "blocks/fused"
     cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=100)
-    assert cpu.label == "union/fused"  # many masks: their union
+    assert cpu.label == "union/fused"
 
 
 def test_cpu_inference_weighs_the_blocks_against_the_union_and_gives_the_same_output(monkeypatch):
-    """What a model's evaluation runs (attend, backend auto, no gradients): the cost model's path, the
-    union for the language-model presets' masks (sigma = 8, s = 20 at 4L: 17x faster than the blocks,
-    measured) and the blocks for one mask, the blocks where the union's band would pass its cap; and
-    either path's output is the float64 reference's."""
+    """What a model's evaluation runs (attend, backend auto, no gradients): the dense bias at training
+    lengths, beyond it the forward cost model's path: the union for the official protocol's masks
+    (sigma = L/32 = 8, s = 20 at 4L: 17x faster than the blocks, measured; s = 4: 3x) and the blocks
+    for one mask, the blocks where the union's band would pass its cap; and each path's output is the
+    float64 reference's."""
     from poslsh_cli.attention import plan as plan_mod
 
-    for n, sigma, s, label in ((1024, 8.0, 20, "union/fused"), (256, 8.0, 10, "union/fused"),
+    for n, sigma, s, label in ((1024, 8.0, 20, "union/fused"), (1024, 8.0, 4, "union/fused"), (256, 8.0, 10, "dense"),
                                (1024, 8.0, 1, "blocks/fused"), (2048, 64.0, 100, "union/fused")):
         spec = spec_of(parts_for(n, [sigma] * 4, s, seed=5), True)
         q, k, v = qkv(1, 4, n, 8, seed=1)
@@ -199,7 +202,7 @@ def test_cpu_inference_weighs_the_blocks_against_the_union_and_gives_the_same_ou
         assert (out.double() - ref).abs().max().item() <= naive_tolerance(q, k, v, w, True, torch.float32), (n, s)
     # a band past the cap (a head whose blocks span the sequence, at long n): the blocks, whose memory
     # does not grow with the longest block
-    monkeypatch.setattr(plan_mod, "UNION_MAX_PAIRS_INFER", 1000)
+    monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES_INFER", 1000)
     spec = spec_of(parts_for(1024, [8.0] * 4, 20, seed=5), True)
     q, k, v = qkv(1, 4, 1024, 8, seed=1)
     got = []

@@ -19,7 +19,7 @@ import torch
 
 from poslsh_cli.attention.alibi import (BAND_CHUNK, alibi_banded, alibi_chunked, alibi_rank1, alibi_rank1_tiled,
                                        no_bias_attention)
-from poslsh_cli.attention.band import BandLayout, band_chunks, band_work, union_banded
+from poslsh_cli.attention.band import BandLayout, band_bytes, band_chunks, band_work, union_banded
 from poslsh_cli.attention.blocks import BlockLayout, merged_block_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias, score_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex, score_flex
@@ -119,7 +119,8 @@ def _work(spec: AttentionSpec, n: int) -> Work:
     if spec.partitions is not None:
         pairs, slots = padded_work(spec.partitions)
         union = band_work(spec.bin_table[0], n, spec.causal)
-        return Work(H, n, block_pairs=pairs, slots=slots, union_pairs=union)
+        return Work(H, n, block_pairs=pairs, slots=slots, union_pairs=union,
+                    union_bytes=band_bytes(spec.bin_table[0], n, spec.causal, spec.s))
     if spec.window is not None:
         reach = (1 if spec.causal else 2)
         band = sum(float(n) * min(n, BAND_CHUNK + reach * w) for w in spec.window)

@@ -252,9 +252,19 @@ def _check(q: torch.Tensor, layout: BandLayout) -> None:
         raise ValueError("the BandLayout was built for another head count or length")
 
 
+def band_bytes(widths: np.ndarray, seq_len: int, causal: bool, num_samples: int) -> float:
+    """Bytes of the band of counts :class:`BandLayout` holds for drawn ``widths`` (H, s): ``(H, n, w)``
+    integers of :func:`count_dtype`, ``w = R`` causal, ``2 R - 1`` bidirectional."""
+    n = int(seq_len)
+    R = int(longest_block(np.asarray(widths, dtype=np.float64).max(), n))
+    heads = math.prod(np.asarray(widths).shape[:-1])
+    return float(heads) * n * (R if causal else 2 * R - 1) * torch.empty((), dtype=count_dtype(num_samples)).element_size()
+
+
 def band_work(widths: np.ndarray, seq_len: int, causal: bool, rows: int = BAND_ROWS) -> float:
-    """Scored pairs per head of the banded route (the plan's cost model): every chunk's rows against
-    its ``rows + w - 1`` keys, cut at the sequence's ends."""
+    """Scored pairs of the banded route over all heads (the plan's cost model), each head charged the
+    widest head's band (a chunk spans every head's band at once): every chunk's rows against its
+    ``rows + w - 1`` keys, cut at the sequence's ends."""
     n = int(seq_len)
     back = int(longest_block(np.asarray(widths, dtype=np.float64).max(), n)) - 1
     total = 0.0

@@ -77,31 +77,36 @@ DENSE_MAX_N = 4096
 RANK1_MIN_N = 512
 
 
-#: CPU inference of the partition methods, when the caller gives no :class:`Work` (a bare
-#: :func:`choose`): the union route from this many masks on, the dense bias below
-#: INFER_DENSE_MAX_N, the blocks otherwise. With the work (what :func:`~poslsh_cli.attention.api.attend`
-#: passes) the cost model picks between the blocks and the union instead: measured forward passes
-#: (2-core CPU, float32, causal, alone; 18 settings, n = 256-16384, s = 1-100, sigma = 2-4096) put the
-#: union ahead of the blocks in every setting with s >= 8 (1.3x at n=4096 with the standard slopes, s=8;
-#: 17x at n=1024, sigma=8, s=20) and the blocks ahead at s=1 (0.13-0.9x); the model's choice matched the
-#: faster path in 14 of the 18 and cost at most 3x where it missed (the union at s=4, n=1024, sigma=8),
-#: where these thresholds chose a path up to 17x slower. The dense bias was behind the faster of the
-#: two in every setting it was measured (n <= 2048).
+#: CPU inference of the partition methods: the dense bias below INFER_DENSE_MAX_N (one attention with
+#: log M~, whatever s is: a whole language-model forward pass at L=256, batch 16, sigma=8, s=20 took
+#: 0.096 s dense, 0.101 s on the union and 0.517 s on the blocks, 2-core CPU, alone); from there on,
+#: float32 and wider with the caller's :class:`Work` (what :func:`~poslsh_cli.attention.api.attend`
+#: passes), the blocks or the union, whichever the forward cost model (COST_*_INFER) prices lower;
+#: without the work (a bare :func:`choose`, the commands' memory estimates) or in lower precision the
+#: union from UNION_MIN_S_CPU masks on, else the blocks.
 UNION_MIN_S_CPU = 48
 INFER_DENSE_MAX_N = 512
-#: Inference takes the union only while its scored pairs (every head's; its band of counts, H n w bytes
-#: for a band w keys wide, is at most that many bytes) stay below this many; past it (a head whose blocks span most of the sequence,
-#: at long n) the blocks, whose memory grows with s, not with the longest block.
-UNION_MAX_PAIRS_INFER = 2**31
+#: The forward cost model of inference (seconds per unit, float32), fitted to forward passes of the
+#: union and the blocks (2-core CPU, causal, alone; 18 settings, n = 256-16384, batch 1-16, s = 1-100,
+#: sigma = 2-4096): the blocks per padded pair and per gathered row, the union per scored pair of its
+#: band and per (head, sample, position) of building it. It picks the faster path in 17 of the 18
+#: (at most 1.14x slower where it misses) where the training model's ratios picked it in 13 (2.95x) and
+#: the s >= 48 threshold chose a path up to 17x slower (the blocks at n=1024, sigma=8, s=20).
+COST_BLOCK_PAIR_INFER, COST_BLOCK_SLOT_INFER = 1.6e-9, 1.5e-7
+COST_UNION_PAIR_INFER, COST_UNION_SLOT_INFER = 1.5e-9, 1e-9
+#: Inference takes the union only while its band of counts (:func:`~poslsh_cli.attention.band.band_bytes`)
+#: stays below this many bytes; past it (a head whose blocks span most of a long sequence) the blocks,
+#: whose memory grows with s, not with the longest block.
+UNION_MAX_BYTES_INFER = 2**31
 
 
 #: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
 DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
 
 
-#: Cost model of the training paths (seconds per unit, forward + backward, float32, head_dim 16),
+#: Cost model of the CPU paths (seconds per unit, forward + backward, float32, head_dim 16),
 #: measured on a 2-core CPU (docs/THEORY.md, "Choosing the training path"): only their ratios
-#: matter. Dense attention with an (H, n, n) bias per scored pair; Positional LSH's log M~ bias is
+#: matter (inference has its own: COST_*_INFER). Dense attention with an (H, n, n) bias per scored pair; Positional LSH's log M~ bias is
 #: rebuilt at every step and costs about twice the cached ALiBi bias. The blocks path per padded
 #: pair and per gathered row; the banded ALiBi path per scored pair.
 COST_DENSE_PAIR = {"alibi": 3.5e-9, "partitions": 8e-9}
@@ -117,9 +122,10 @@ COST_UNION_PAIR, COST_UNION_SLOT = 1.4e-8, 1e-8
 
 @dataclass(frozen=True)
 class Work:
-    """What each training path of one call would compute (per batch element): the inputs of the
-    cost model. ``block_pairs``/``slots``: the blocks layout's padded pairs and gathered rows
-    (partition methods); ``band_pairs``: the banded path's scored pairs (windowed ALiBi)."""
+    """What each CPU path of one call would compute (per batch element, over all heads): the inputs
+    of the cost model. ``block_pairs``/``slots``: the blocks layout's padded pairs and gathered rows
+    (partition methods); ``union_pairs``/``union_bytes``: the union route's scored pairs and its band
+    of counts; ``band_pairs``: the banded path's scored pairs (windowed ALiBi)."""
 
     heads: int
     n: int
@@ -127,8 +133,17 @@ class Work:
     slots: float = 0.0
     band_pairs: float = 0.0
     union_pairs: float = 0.0
+    union_bytes: float = 0.0
 
-    def cost(self, method: Method, backend: Backend) -> float:
+    def cost(self, method: Method, backend: Backend, inference: bool = False) -> float:
+        """Seconds (up to a common factor) of ``backend`` on this work: forward + backward, or the
+        forward pass alone (``inference``: the blocks and the union only)."""
+        if inference:
+            if backend is Backend.BLOCKS:
+                return COST_BLOCK_PAIR_INFER * self.block_pairs + COST_BLOCK_SLOT_INFER * self.slots
+            if backend is Backend.UNION and self.union_pairs:
+                return COST_UNION_PAIR_INFER * self.union_pairs + COST_UNION_SLOT_INFER * self.slots
+            return float("inf")
         dense = self.heads * float(self.n) ** 2
         if backend is Backend.DENSE:
             kind = "partitions" if self.block_pairs else "alibi"
@@ -200,10 +215,11 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
     - for inference on the CPU: exact ALiBi (float32 and wider) on the flash kernel with its bias as
       an extra q/k coordinate re-centred per query tile (``rank1``, causal and bidirectional; the
       fastest exact path), windowed ALiBi (and exact in lower precision) by query chunks, the
-      partition methods (poslsh, fixed_block) on the blocks or the union route, whichever the cost
-      model (``work``) prices lower, the blocks where the union's band would pass
-      UNION_MAX_PAIRS_INFER; without ``work`` below INFER_DENSE_MAX_N on the dense bias, beyond on
-      the blocks, or on the union route from UNION_MIN_S_CPU masks on.
+      partition methods (poslsh, fixed_block) below INFER_DENSE_MAX_N on the dense bias, beyond
+      (float32 and wider, with ``work``) on the blocks or the union route, whichever the forward
+      cost model prices lower, the blocks where the union's band would pass UNION_MAX_BYTES_INFER;
+      in lower precision or without ``work`` on the union from UNION_MIN_S_CPU masks on, else the
+      blocks.
     - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
       otherwise the cheapest path under the cost model (:class:`Work`) among the dense bias (while
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
@@ -277,12 +293,13 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
     if not grad:
         if rank1:
             return Backend.RANK1  # the flash kernel with a re-centred extra coordinate, causal or not
-        if work is not None and work.union_pairs and Backend.UNION in has and Backend.BLOCKS in has:
-            if work.union_pairs > UNION_MAX_PAIRS_INFER:
-                return Backend.BLOCKS
-            return min((Backend.BLOCKS, Backend.UNION), key=lambda b: work.cost(method, b))
         if n < INFER_DENSE_MAX_N and Backend.DENSE in has and Backend.BLOCKS in has:
             return Backend.DENSE  # at training lengths one attention with the (H, n, n) bias, whatever s is
+        if work is not None and work.union_pairs and Backend.UNION in has and Backend.BLOCKS in has \
+                and dtype in (torch.float32, torch.float64):  # measured in float32 (COST_*_INFER)
+            if work.union_bytes > UNION_MAX_BYTES_INFER:
+                return Backend.BLOCKS
+            return min((Backend.BLOCKS, Backend.UNION), key=lambda b: work.cost(method, b, inference=True))
         if s >= UNION_MIN_S_CPU and Backend.UNION in has:
             return Backend.UNION  # many masks: one attention over their union costs less than s of them
         return sparse

@@ -196,7 +196,9 @@ class Scheme:
 
     def plan(self, q: Any, k: Any, v: Any, causal: bool = True, dropout: bool = False) -> Any:
         """The :class:`~poslsh_cli.attention.Plan` this scheme's attention takes for these tensors
-        (its ``backend``, or the plan's choice for ``auto``)."""
+        (its ``backend``, or the plan's choice for ``auto`` before any masks are drawn: at CPU
+        inference past the dense bias :func:`~poslsh_cli.attention.attend` weighs the blocks against
+        the union by the masks themselves)."""
         from poslsh_cli.attention.plan import plan_for
 
         return plan_for(self.method, q, k, v, causal, backend=self.backend, dropout=dropout, s=self.s)

@@ -59,7 +59,8 @@ def cpu_name() -> str | None:
                 return line.split(":", 1)[1].strip() or None
     except OSError:
         pass
-    return platform.processor() or None
+    name = platform.processor()
+    return name if name and name.lower() not in ("unknown", platform.machine().lower()) else None
 
 
 def machine_text(device: dict[str, Any] | None) -> str:

@@ -194,22 +194,30 @@ def check_rows(n: int) -> list[int]:
     return sorted({0, n - 1, *np.linspace(0, n - 1, CHECK_ROWS).round().astype(int).tolist()})
 
 
-def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1) -> tuple[str, ...]:
+def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1, sigmas: Any = None,
+                       n: int | None = None, backward: bool = False) -> tuple[str, ...]:
     """Backends timed for the partition methods (Positional LSH, fixed blocks) with s masks on
-    ``device``: ``auto`` on the CPU is the path the plan takes for each cell's masks (its cost model
-    weighs the blocks against the union: decided in :func:`run_cell`), on CUDA the path the plan
-    takes (:func:`poslsh_cli.attention.choose`, causal inference) and beside it the per-mask
-    FlexAttention route it is compared with; others as asked."""
+    ``device``: ``auto`` is the path the plan takes (:func:`poslsh_cli.attention.choose`, causal):
+    on the CPU, where its cost model weighs the blocks against the union, for s masks of ``sigmas``
+    at the longest length ``n`` of the grid (one path per s for every n, so that a series is one
+    path; each row's ``planned`` says whether it is the plan's at its own n), and on CUDA beside it
+    the per-mask FlexAttention route it is compared with; others as asked."""
     import torch
 
     from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
 
-    if device.type == "cuda":
-        planned = choose(Method.POSLSH if s > 1 else Method.FIXED_BLOCK, device=device, dtype=torch.float32,
-                         n=INFER_DENSE_MAX_N, causal=True, grad=False, s=s).backend.value
-        auto: tuple[str, ...] = (planned, "flex")
-    else:
-        auto = ("auto",)
+    method = Method.POSLSH if s > 1 else Method.FIXED_BLOCK
+    work = None
+    if device.type != "cuda" and sigmas is not None and n:
+        from poslsh_cli.attention.api import AttentionSpec, work_of
+
+        at = min(int(n), 2**16)  # the choice settles long before; the masks of 2^16 positions cost little
+        rng = np.random.default_rng(derive_seed(0, "bench-plan", at, s))
+        work = work_of(AttentionSpec.build(method, sigmas, at, True, s=s, rng=rng), at)
+        n = at
+    planned = choose(method, device=device, dtype=torch.float32, n=n or INFER_DENSE_MAX_N, causal=True,
+                     grad=backward, s=s, work=work).backend.value
+    auto = (planned, "flex") if device.type == "cuda" else (planned,)
     out: list[str] = []
     for b in asked:
         for x in auto if b == "auto" else (b,):
@@ -237,7 +245,11 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     in display order: one cell, one per window c, or one per s; partition methods once per
     backend on CUDA (the backend enters the key only where there is more than one)."""
     device = ctx.device if ctx is not None else _cpu()
-    backends = {s: partition_backends(device, spec.partition_backends, s) for s in (*spec.s, 1)}
+    from poslsh_cli.numerics.sampling import bandwidths
+
+    sigmas = ctx.sigmas if ctx is not None else bandwidths(spec.heads, spec.sigma)
+    backends = {s: partition_backends(device, spec.partition_backends, s, sigmas, max(spec.n), spec.backward)
+                for s in (*spec.s, 1)}
     tag = (lambda b: {"backend": b}) if any(len(b) > 1 for b in backends.values()) else (lambda b: {})
     chosen = {Method(m.value) for m in spec.methods}
     order = [Method.EXACT] + [m for m in Method if m is not Method.EXACT]
@@ -296,7 +308,8 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     seed = derive_seed(spec.seed, "bench", n, s) if info.randomized else -1
     sampler = key.get("sampler", spec.sampler[0].value) if info.randomized else "iid"
     if info.params.endswith("partitions"):
-        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, s or 1)[0])
+        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, s or 1, ctx.sigmas,
+                                                        max(spec.n), spec.backward)[0])
     elif method is Method.EXACT:
         backend = key.get("backend", spec.exact_backends[0])
     else:
@@ -312,16 +325,16 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     # the plan's cost model, as attend() weighs it: on the CPU for training, and for the partition
     # methods' inference (blocks or union)
     weighed = ctx.device.type == "cpu" and (spec.backward or fixed.partitions is not None)
-    work = work_of(fixed, n) if weighed else None
+    cost = work_of(fixed, n) if weighed else None
     try:
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                      backend=backend, s=samples, work=work)
+                      backend=backend, s=samples, work=cost)
     except ValueError as exc:
         from poslsh_cli.core.errors import ConfigError
 
         raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
     planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                             s=samples, work=work)
+                             s=samples, work=cost)
     per_call = fixed.partitions is not None  # masks are drawn (and laid out) in every forward pass
 
     def draw() -> tuple[AttentionSpec, Any]:  # the untimed part of a call: masks and their layout
