@@ -197,7 +197,8 @@ _ABSENT = object()
 
 
 def grown(held: str, wanted: str) -> dict[str, list]:
-    """The :data:`GROWABLE` keys whose held list the wanted one extends, and by what: ``{"seed": [3, 4]}``."""
+    """The :data:`GROWABLE` keys whose held list the wanted one extends, and by what: ``{"seed": [3, 4]}``;
+    with the arguments swapped, the keys a run grew by past the list asked for."""
     a, b = _flat_config(held), _flat_config(wanted)
     out: dict[str, list] = {}
     for k in GROWABLE:
@@ -205,6 +206,15 @@ def grown(held: str, wanted: str) -> dict[str, list]:
         if isinstance(x, list) and isinstance(y, list) and len(y) > len(x) and y[:len(x)] == x:
             out[k] = y[len(x):]
     return out
+
+
+def _grown_hint(held: str, wanted: str) -> str:
+    """Where the run holds a longer list than asked for (a command added to it, perhaps interrupted
+    before the new cells finished): how to resume it."""
+    longer = grown(wanted, held)
+    full = _flat_config(held)
+    return "".join(f"; it grew to {k}={full[k]} (a command added {longer[k]}): resume with "
+                   f"'{k}=[{','.join(map(str, full[k]))}]'" for k in longer)
 
 
 class RunDir:
@@ -247,7 +257,8 @@ class RunDir:
                 if changes or not _flat_config(held):
                     raise ConfigError(f"out={self.path} holds a run with a different configuration"
                                       + (f" ({'; '.join(changes)})" if changes else "")
-                                      + "; use another out= (or the same keys to resume)")
+                                      + (_grown_hint(held, self.config_yaml)
+                                         or "; use another out= (or the same keys to resume)"))
             self.fresh = False
             return
         # a reproduce marker (skipped.json) and the lock do not count: the run replaces them
