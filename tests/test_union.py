@@ -200,6 +200,18 @@ def test_cpu_inference_weighs_the_blocks_against_the_union_and_gives_the_same_ou
         w = mean_mask_weight(spec.partitions)
         ref, _ = reference_attention(q, k, v, w, True)
         assert (out.double() - ref).abs().max().item() <= naive_tolerance(q, k, v, w, True, torch.float32), (n, s)
+    # at training lengths the dense bias whatever the masks: their work is not computed (s=1000 would
+    # cost more to weigh than to run)
+    from poslsh_cli.attention import api
+
+    monkeypatch.setattr(api, "work_of", lambda *a: pytest.fail("work computed for the dense bias"))
+    spec = spec_of(parts_for(256, [8.0] * 4, 1000, seed=5), True)
+    q, k, v = qkv(1, 4, 256, 8, seed=1)
+    got = []
+    with torch.no_grad():
+        attend(q.float(), k.float(), v.float(), spec, on_plan=lambda p: got.append(p.label))
+    assert got == ["dense"]
+    monkeypatch.undo()
     # a band past the cap (a head whose blocks span the sequence, at long n): the blocks, whose memory
     # does not grow with the longest block
     monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES_INFER", 1000)
