@@ -714,3 +714,16 @@ def test_throughput_is_read_from_the_median_step_so_a_paused_run_shows_its_speed
     df = _train_run(tmp_path, lambda steps: 0.0 * steps).assign(tokens_per_s=1.0)  # 1.0: as if paused for hours
     table = registry.get("train").report(tmp_path, df).tables[0]
     assert (table.tokens_per_s == 4096 / 0.1).all(), table.tokens_per_s.tolist()
+
+
+def test_the_train_table_shows_seconds_a_tiny_run_took_and_says_what_its_loss_is_in():
+    """A 0.25 s run reads 0.25 s, not 0; whole seconds from 100 on; the training loss in nats per token
+    beside bits per byte, the wall time that of the session that finished the cell."""
+    from poslsh_cli.experiments.train.report import summary
+
+    row = dict(position="alibi", s=0, seed=0, seq_len=64, params=1000, train_loss=1.0, val_bpb=2.0, val_ppl=3.0,
+               step_seconds=0.01, tokens_per_s=5.0, seconds=0.25, wall_seconds=1234.5)
+    head, rows = summary(pd.DataFrame([row]))
+    got = dict(zip(head, rows[0]))
+    assert got["training s"] == "0.25" and got["wall s (finishing session)"] == "1234"
+    assert "train loss (nats/token)" in head

@@ -26,13 +26,13 @@ def _model(r: Any) -> str:
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     df = with_model_columns(df)
+    _secs = lambda x: f"{x:.0f}" if x >= 100 else f"{x:.3g}"  # noqa: E731 (a tiny run's 0.25 s is not 0)
     head = ["model", "seed", "L", "params", "train loss (nats/token)", "val bpb", "val ppl", "s/step", "tokens/s",
-            "training s", "wall s (this session)"]
-    rows = [[_model(r), str(r["seed"]), str(r["seq_len"]), f"{r['params']:,}", f"{r['train_loss']:.3f}",
-             f"{r['val_bpb']:.4f}", f"{r['val_ppl']:.3f}", f"{r.get('step_seconds', float('nan')):.3f}",
-             f"{r['tokens_per_s']:.0f}", f"{r['seconds']:.0f}", f"{r.get('wall_seconds', float('nan')):.0f}"]
-            for r in df.to_dict("records")]
-    return head, rows
+            "training s", "wall s (finishing session)"]
+    return head, [[_model(r), str(r["seed"]), str(r["seq_len"]), f"{r['params']:,}", f"{r['train_loss']:.3f}",
+                   f"{r['val_bpb']:.4f}", f"{r['val_ppl']:.3f}", f"{r.get('step_seconds', float('nan')):.3f}",
+                   f"{r['tokens_per_s']:.0f}", _secs(r["seconds"]), _secs(r.get("wall_seconds", float("nan")))]
+                  for r in df.to_dict("records")]
 
 
 def metric_files(run: Path, df: Any) -> list[Path]:
