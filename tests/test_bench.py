@@ -421,6 +421,31 @@ def test_cpu_auto_is_one_path_per_s_the_plans_at_the_longest_n_and_never_timed_t
     assert partition_backends(cpu, ("auto",), 100, sigmas, 2**14) == ("union",)
     assert partition_backends(cpu, ("auto", "blocks"), 1, sigmas, 2**14) == ("blocks",)
     assert partition_backends(cpu, ("auto", "blocks"), 100, sigmas, 2**14) == ("union", "blocks")
+    assert partition_backends(cpu, ("blocks",), 100, sigmas, 2**14) == ("blocks",)  # auto not asked: not weighed
+    # in half precision the plan does not weigh the masks (the s threshold), as attend() does not
+    assert partition_backends(cpu, ("auto",), 8, sigmas, 2**14, dtype="bfloat16") == ("blocks",)
+    # past its cap at the grid's n the union's band is not taken, though it is within it at 2^16, where
+    # the paths are weighed
+    import numpy as np
+
+    from poslsh_cli.attention import AttentionSpec
+    from poslsh_cli.attention import plan as plan_mod
+    from poslsh_cli.attention.band import band_bytes
+    from poslsh_cli.numerics.sampling import derive_seed
+
+    at = AttentionSpec.build("poslsh", sigmas, 2**16, True, s=100, rng=np.random.default_rng(derive_seed(0, "bench-plan", 2**16, 100)))
+    cap = 1.5 * band_bytes(at.bin_table[0], 2**16, True, 100)
+    assert band_bytes(at.bin_table[0], 2**17 + 1, True, 100) > cap
+    from poslsh_cli.experiments.bench.paths import _cpu_auto
+
+    old, plan_mod.UNION_MAX_BYTES_INFER = plan_mod.UNION_MAX_BYTES_INFER, cap
+    _cpu_auto.cache_clear()  # choices made under the real cap
+    try:
+        assert partition_backends(cpu, ("auto",), 100, sigmas, 2**16) == ("union",)
+        assert partition_backends(cpu, ("auto",), 100, sigmas, 2**17 + 1) == ("blocks",)
+    finally:
+        plan_mod.UNION_MAX_BYTES_INFER = old
+        _cpu_auto.cache_clear()
 
 
 def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_may_take_it():
@@ -437,6 +462,10 @@ def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_ma
     assert got >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10)
     huge = inference_attention_bytes("poslsh", "cpu", 2**17, 1, H, d, 10)
     assert huge < UNION_MAX_BYTES_INFER + Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(1, H, 2**17, d, 10) + 1
-    # below the dense bias and for exact ALiBi: the plan's own estimate, unchanged
+    # below the dense bias and for exact ALiBi: the plan's own estimate
+    assert inference_attention_bytes("poslsh", "cpu", 256, B, H, d, 10) == \
+        Plan(Method.POSLSH, Backend.DENSE).memory_bytes(B, H, 256, d, 10)
     assert inference_attention_bytes("alibi", "cpu", n, B, H, d, 0) == \
         Plan(Method.EXACT, Backend.RANK1).memory_bytes(B, H, n, d, 0)
+    # counts of two bytes past s = 255
+    assert inference_attention_bytes("poslsh", "cpu", n, B, H, d, 1000) >= 2 * H * n * n

@@ -371,7 +371,9 @@ def test_a_run_grows_by_seeds_added_keeping_its_cells_and_equal_to_a_run_made_wi
         r = poslsh("train", *args, other, f"out={out}")
         assert r.exit_code == 2 and "different configuration" in r.stderr and "seed: [0, 1] ->" in r.stderr, r.stderr
     # the shorter command after the run grew (perhaps interrupted before the new cells): how to resume it
-    assert "it grew to seed=[0, 1] (a command added [1]): resume with 'seed=[0,1]'" in r.stderr, r.stderr
+    assert "it holds seed=[0, 1], [1] beyond the list asked for: resume with 'seed=[0,1]'" in r.stderr, r.stderr
+    r = poslsh("train", *args, "seed=[0]", "lr=0.5", f"out={out}")  # another change too: no such advice
+    assert r.exit_code == 2 and "resume with" not in r.stderr and "use another out=" in r.stderr, r.stderr
 
 
 def test_a_warm_up_as_long_as_training_is_said_on_stderr(tmp_path):

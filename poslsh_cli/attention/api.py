@@ -23,8 +23,8 @@ from poslsh_cli.attention.band import BandLayout, band_bytes, band_chunks, band_
 from poslsh_cli.attention.blocks import BlockLayout, merged_block_attention, padded_work
 from poslsh_cli.attention.dense import alibi_bias, bias_dtype, dense_bias_attention, poslsh_bias, score_bias
 from poslsh_cli.attention.flex import FlexLayout, alibi_flex, poslsh_flex, score_flex
-from poslsh_cli.attention.plan import (DROPOUT_BACKENDS, INFER_DENSE_MAX_N, Backend, Kernel, Plan, Work, choose, needs_grad,
-                                      plan_for)
+from poslsh_cli.attention.plan import (DROPOUT_BACKENDS, Backend, Kernel, Plan, Work, choose, needs_grad, plan_for,
+                                      weighs)
 from poslsh_cli.attention.reference import as_sigmas, head_params, method_bias, method_weight, reference_attention
 from poslsh_cli.attention.union import UnionLayout, union_chunked, union_flex
 from poslsh_cli.numerics.methods import Method, method_def
@@ -203,8 +203,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
             backend = _LAYOUT_BACKEND[type(layout)]
         # the cost model weighs the CPU paths: every method in training, the partition methods'
         # blocks against their union at inference past the dense bias (on CUDA the plan does not read it)
-        infer = spec.partitions is not None and q.shape[-2] >= INFER_DENSE_MAX_N
-        weighed = backend == "auto" and q.device.type == "cpu" and (needs_grad(q, k, v) or infer)
+        weighed = backend == "auto" and weighs(spec.partitions is not None, q.device, q.dtype, q.shape[-2],
+                                               needs_grad(q, k, v))
         work = work_of(spec, q.shape[-2]) if weighed else None
         plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, s=spec.s)
     if on_plan is not None:

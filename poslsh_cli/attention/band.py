@@ -275,4 +275,4 @@ def band_work(widths: np.ndarray, seq_len: int, causal: bool, rows: int = BAND_R
     return total * math.prod(np.asarray(widths).shape[:-1])
 
 
-__all__ = ["BandLayout", "union_banded", "band_chunks", "band_work", "count_dtype"]
+__all__ = ["BandLayout", "union_banded", "band_chunks", "band_bytes", "band_work", "count_dtype"]

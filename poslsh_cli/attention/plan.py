@@ -94,8 +94,8 @@ INFER_DENSE_MAX_N = 512
 #: the s >= 48 threshold chose a path up to 17x slower (the blocks at n=1024, sigma=8, s=20).
 COST_BLOCK_PAIR_INFER, COST_BLOCK_SLOT_INFER = 1.6e-9, 1.5e-7
 COST_UNION_PAIR_INFER, COST_UNION_SLOT_INFER = 1.5e-9, 1e-9
-#: Inference takes the union only while its band of counts (:func:`~poslsh_cli.attention.band.band_bytes`)
-#: stays below this many bytes; past it (a head whose blocks span most of a long sequence) the blocks,
+#: Inference takes the union only while its band of counts (:func:`~poslsh_cli.attention.band.band_bytes`,
+#: the band it holds: building it bidirectionally briefly holds about 2.5 times that) stays below this many bytes; past it (a head whose blocks span most of a long sequence) the blocks,
 #: whose memory grows with s, not with the longest block.
 UNION_MAX_BYTES_INFER = 2**31
 
@@ -178,7 +178,7 @@ class Plan:
         it keeps outputs of order n); the reference path the n x n weights of every sequence; the
         blocks Positional LSH's s per-sample outputs and log-sum-exps (about half a head vector each,
         as measured by step-bench); the union route on the CPU its band of counts (one byte a count,
-        at most n keys a query); any other path (SDPA, rank-1, chunked, FlexAttention) outputs and
+        two past s = 255, at most n keys a query); any other path (SDPA, rank-1, chunked, FlexAttention) outputs and
         log-sum-exps of order n."""
         rows = 4.0 * batch * heads * n
         own = rows * (head_dim + 1) * 2
@@ -189,8 +189,19 @@ class Plan:
         if self.backend is Backend.BLOCKS:
             return rows * max(1, s) * (head_dim + 4) / 2 + own
         if self.backend is Backend.UNION and self.kernel is not Kernel.FLEX:
-            return float(heads) * n * n + own
+            return float(heads) * n * n * (1 if s <= 255 else 2) + own
         return own
+
+
+def weighs(partitions: bool, device: Any, dtype: Any, n: int, grad: bool) -> bool:
+    """Whether the automatic plan reads the cost model's :class:`Work` for this call: on the CPU in
+    training, and at inference for the partition methods past the dense bias in float32 and wider
+    (the one condition :func:`~poslsh_cli.attention.api.attend` and the benchmarks compute the work by)."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return False
+    return grad or (partitions and n >= INFER_DENSE_MAX_N and dtype in (torch.float32, torch.float64))
 
 
 def needs_grad(*ts: Any) -> bool:

@@ -184,7 +184,7 @@ def inference_attention_bytes(position: Any, device: Any, n: int, batch: int, he
         return own
     blocks = Plan(plan.method, Backend.BLOCKS).memory_bytes(batch, heads, n, head_dim, s)
     outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, heads, n, head_dim, s)
-    return max(own, blocks, outputs + min(float(heads) * n * n, UNION_MAX_BYTES_INFER))
+    return max(own, blocks, outputs + min(float(heads) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES_INFER))
 
 
 def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: bool, trainable: Optional[int] = None,

@@ -208,12 +208,14 @@ def grown(held: str, wanted: str) -> dict[str, list]:
     return out
 
 
-def _grown_hint(held: str, wanted: str) -> str:
-    """Where the run holds a longer list than asked for (a command added to it, perhaps interrupted
-    before the new cells finished): how to resume it."""
+def _grown_hint(held: str, wanted: str, changes: list[str]) -> str:
+    """Where the run holds a longer list than asked for (a command added seeds to it, perhaps
+    interrupted before their cells) and nothing else differs: how to resume it."""
     longer = grown(wanted, held)
-    full = _flat_config(held)
-    return "".join(f"; it grew to {k}={full[k]} (a command added {longer[k]}): resume with "
+    if not longer or any(c.split(":", 1)[0] not in longer for c in changes):
+        return ""
+    full = {k: v if isinstance(v, list) else [v] for k, v in _flat_config(held).items() if k in longer}
+    return "".join(f"; it holds {k}={full[k]}, {longer[k]} beyond the list asked for: resume with "
                    f"'{k}=[{','.join(map(str, full[k]))}]'" for k in longer)
 
 
@@ -257,7 +259,7 @@ class RunDir:
                 if changes or not _flat_config(held):
                     raise ConfigError(f"out={self.path} holds a run with a different configuration"
                                       + (f" ({'; '.join(changes)})" if changes else "")
-                                      + (_grown_hint(held, self.config_yaml)
+                                      + (_grown_hint(held, self.config_yaml, changes)
                                          or "; use another out= (or the same keys to resume)"))
             self.fresh = False
             return

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from poslsh_cli.experiments.bench.paths import partition_backends
 from poslsh_cli.experiments.bench.report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
@@ -77,8 +78,8 @@ class BenchSpec(Spec):
                                           "CUDA), rank1, chunked, dense, flex; the first is the reference of "
                                           "rel_fro", ["auto"], noun="exact backend")
     partition_backends: tuple[str, ...] = key("Positional-LSH and fixed-block paths to time: auto (CUDA: the union "
-                                              "route the plan takes and the per-mask flex route; CPU: the plan's, "
-                                              "blocks or union by its cost model), blocks, union (one attention over "
+                                              "route the plan takes and the per-mask flex route; CPU: the plan's at "
+                                              "the grid's longest n), blocks, union (one attention over "
                                               "the union of each query's s blocks, weighted by log counts), flex "
                                               "(one FlexAttention call per mask), dense", ["auto"],
                                               noun="partition backend")
@@ -194,49 +195,25 @@ def check_rows(n: int) -> list[int]:
     return sorted({0, n - 1, *np.linspace(0, n - 1, CHECK_ROWS).round().astype(int).tolist()})
 
 
-def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1, sigmas: Any = None,
-                       n: int | None = None, backward: bool = False) -> tuple[str, ...]:
-    """Backends timed for the partition methods (Positional LSH, fixed blocks) with s masks on
-    ``device``: ``auto`` is the path the plan takes (:func:`poslsh_cli.attention.choose`, causal):
-    on the CPU, where its cost model weighs the blocks against the union, for s masks of ``sigmas``
-    at the longest length ``n`` of the grid (one path per s for every n, so that a series is one
-    path; each row's ``planned`` says whether it is the plan's at its own n), and on CUDA beside it
-    the per-mask FlexAttention route it is compared with; others as asked."""
-    import torch
-
-    from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
-
-    method = Method.POSLSH if s > 1 else Method.FIXED_BLOCK
-    work = None
-    if device.type != "cuda" and sigmas is not None and n:
-        from poslsh_cli.attention.api import AttentionSpec, work_of
-
-        at = min(int(n), 2**16)  # the choice settles long before; the masks of 2^16 positions cost little
-        rng = np.random.default_rng(derive_seed(0, "bench-plan", at, s))
-        work = work_of(AttentionSpec.build(method, sigmas, at, True, s=s, rng=rng), at)
-        n = at
-    planned = choose(method, device=device, dtype=torch.float32, n=n or INFER_DENSE_MAX_N, causal=True,
-                     grad=backward, s=s, work=work).backend.value
-    auto = (planned, "flex") if device.type == "cuda" else (planned,)
-    out: list[str] = []
-    for b in asked:
-        for x in auto if b == "auto" else (b,):
-            if x not in out:
-                out.append(x)
-    return tuple(out)
-
-
 def memory(spec: BenchSpec) -> MemoryNeed:
     """Peak bytes at the largest n: q, k, v, the outputs kept for the error, the per-sample outputs
-    and layout of Positional LSH at the largest s, and the exact path's chunk (bounded), on the
-    bench's device; doubled when the backward pass is timed."""
+    and layout of Positional LSH at the largest s, the union's band of counts where it is timed on the
+    CPU (at most its cap) and the exact path's chunk (bounded), on the bench's device; doubled when
+    the backward pass is timed."""
     from poslsh_cli.attention import BLOCK_BATCH_BYTES, CHUNK_ELEMENTS
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES_INFER
+    from poslsh_cli.numerics.sampling import bandwidths
 
     n, H, d = max(spec.n), spec.heads, spec.head_dim
     elem = {"float64": 8, "float32": 4}.get(spec.dtype.value, 2)
     s = max(spec.s) if any(INFO[Method(m.value)].randomized for m in spec.methods) else 1
     b = elem * (6 * H * n * d + H * s * n * d) + 13.0 * H * s * n + 2 * 4 * CHUNK_ELEMENTS + BLOCK_BATCH_BYTES
     b += elem * H * d * sum(x for x in spec.n if x <= spec.exact_max_n)  # the exact outputs kept per n
+    device = resolve_device(spec.device)
+    if s > 1 and device.type == "cpu" and any(
+            "union" in partition_backends(device, spec.partition_backends, k, bandwidths(H, spec.sigma), n,
+                                          spec.backward, spec.dtype.value, c) for k in spec.s for c in spec.causal):
+        b += min(float(H) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES_INFER)
     return MemoryNeed(b * (2 if spec.backward else 1), f"n={n}, {H} heads, s={s}", spec.device)
 
 
@@ -248,8 +225,8 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     from poslsh_cli.numerics.sampling import bandwidths
 
     sigmas = ctx.sigmas if ctx is not None else bandwidths(spec.heads, spec.sigma)
-    backends = {s: partition_backends(device, spec.partition_backends, s, sigmas, max(spec.n), spec.backward)
-                for s in (*spec.s, 1)}
+    backends = {(s, c): partition_backends(device, spec.partition_backends, s, sigmas, max(spec.n), spec.backward,
+                                           spec.dtype.value, c) for s in (*spec.s, 1) for c in spec.causal}
     tag = (lambda b: {"backend": b}) if any(len(b) > 1 for b in backends.values()) else (lambda b: {})
     chosen = {Method(m.value) for m in spec.methods}
     order = [Method.EXACT] + [m for m in Method if m is not Method.EXACT]
@@ -269,7 +246,7 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
                     several = len(spec.sampler) > 1  # the sampler enters the key only where there is more than one
                     per_s = [{"s": s, **({"sampler": sm.value} if several else {})} for sm in spec.sampler
                              for s in spec.s] if info.randomized else [{}]
-                    out += [{**cell, **x, **tag(b)} for x in per_s for b in backends[x.get("s", 1)]]
+                    out += [{**cell, **x, **tag(b)} for x in per_s for b in backends[(x.get("s", 1), causal)]]
                 else:
                     out.append(cell)
     return out
@@ -294,6 +271,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
 
     from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
     from poslsh_cli.attention.api import work_of
+    from poslsh_cli.attention.plan import weighs
     from poslsh_cli.experiments.measure import SharedReference, measure, timed_call
     from poslsh_cli.numerics.metrics import output_errors
 
@@ -309,7 +287,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     sampler = key.get("sampler", spec.sampler[0].value) if info.randomized else "iid"
     if info.params.endswith("partitions"):
         backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, s or 1, ctx.sigmas,
-                                                        max(spec.n), spec.backward)[0])
+                                                        max(spec.n), spec.backward, spec.dtype.value, causal)[0])
     elif method is Method.EXACT:
         backend = key.get("backend", spec.exact_backends[0])
     else:
@@ -322,10 +300,8 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                                    window_sigmas=None if math.isnan(window_c) else window_c)
 
     fixed = build()
-    # the plan's cost model, as attend() weighs it: on the CPU for training, and for the partition
-    # methods' inference (blocks or union)
-    weighed = ctx.device.type == "cpu" and (spec.backward or fixed.partitions is not None)
-    cost = work_of(fixed, n) if weighed else None
+    # the plan's cost model where attend() weighs it (plan.weighs)
+    cost = work_of(fixed, n) if weighs(fixed.partitions is not None, ctx.device, ctx.dtype, n, spec.backward) else None
     try:
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
                       backend=backend, s=samples, work=cost)
