@@ -438,13 +438,14 @@ def test_cpu_auto_is_one_path_per_s_the_plans_at_the_longest_n_and_never_timed_t
     assert band_bytes(at.bin_table[0], 2**17 + 1, True, 100) > cap
     from poslsh_cli.experiments.bench.paths import _cpu_auto
 
-    old, plan_mod.UNION_MAX_BYTES_INFER = plan_mod.UNION_MAX_BYTES_INFER, cap
+    old, plan_mod.UNION_MAX_BYTES = plan_mod.UNION_MAX_BYTES, cap
     _cpu_auto.cache_clear()  # choices made under the real cap
     try:
         assert partition_backends(cpu, ("auto",), 100, sigmas, 2**16) == ("union",)
         assert partition_backends(cpu, ("auto",), 100, sigmas, 2**17 + 1) == ("blocks",)
+        assert partition_backends(cpu, ("auto",), 100, sigmas, 2**17 + 1, backward=True) == ("blocks",)
     finally:
-        plan_mod.UNION_MAX_BYTES_INFER = old
+        plan_mod.UNION_MAX_BYTES = old
         _cpu_auto.cache_clear()
 
 
@@ -453,7 +454,7 @@ def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_ma
     so the estimate is the larger: at least the band of counts (one byte per head, query and key, up
     to its cap) and at least the blocks' per-sample outputs."""
     from poslsh_cli.attention import Backend, Method, Plan
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES_INFER
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES
     from poslsh_cli.experiments.base import inference_attention_bytes
 
     H, n, d, B = 8, 4096, 16, 4
@@ -461,7 +462,7 @@ def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_ma
     assert got >= H * n * n
     assert got >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10)
     huge = inference_attention_bytes("poslsh", "cpu", 2**17, 1, H, d, 10)
-    assert huge < UNION_MAX_BYTES_INFER + Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(1, H, 2**17, d, 10) + 1
+    assert huge < UNION_MAX_BYTES + Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(1, H, 2**17, d, 10) + 1
     # below the dense bias and for exact ALiBi: the plan's own estimate
     assert inference_attention_bytes("poslsh", "cpu", 256, B, H, d, 10) == \
         Plan(Method.POSLSH, Backend.DENSE).memory_bytes(B, H, 256, d, 10)

@@ -96,12 +96,15 @@ def test_union_chunks_train_with_the_reference_gradients(causal):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit():
+def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit(monkeypatch):
     """With gradients on the CPU past the dense bias (causal n >= 512), Positional LSH at s=100 takes
     the union route (its band of keys per query chunk), at s=1 the blocks; below the limit the
-    dense bias as before (the language-model presets' L=256 paths do not change); and the band keeps
-    one byte a count, a fraction of one float32 score matrix."""
+    dense bias as before (the language-model presets' L=256 paths do not change); the band keeps
+    one byte a count, a fraction of one float32 score matrix; and where the band would pass its cap
+    (the inference's cap, UNION_MAX_BYTES) training takes the blocks too."""
+    from poslsh_cli.attention import plan as plan_mod
     from poslsh_cli.attention.api import work_of
+    from poslsh_cli.attention.band import band_bytes
 
     for n, s, label in ((2048, 100, "union/fused"), (2048, 1, "blocks/fused"), (256, 100, "dense")):
         parts = parts_for(n, [64.0] * 8, s, seed=3)
@@ -111,6 +114,14 @@ def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit()
         assert plan.label == label, (n, s, plan.label)
     band = poslsh_layout(parts_for(2048, [64.0] * 8, 100, seed=3), True, "union", "cpu")
     assert band.counts.element_size() == 1 and band.counts.numel() < 0.4 * 8 * 2048 * 2048
+    parts = parts_for(2048, [64.0] * 8, 100, seed=3)
+    spec = spec_of(parts, True)
+    held = band_bytes(spec.bin_table[0], 2048, True, 100)
+    assert held == band.counts.numel() * band.counts.element_size()  # the cap is on the band held
+    monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES", held - 1)
+    plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=2048, causal=True, grad=True,
+                  work=work_of(spec, 2048), s=100)
+    assert plan.label == "blocks/fused"
 
 
 def test_the_union_layout_is_built_without_reading_the_device(monkeypatch):
@@ -214,7 +225,7 @@ def test_cpu_inference_weighs_the_blocks_against_the_union_and_gives_the_same_ou
     monkeypatch.undo()
     # a band past the cap (a head whose blocks span the sequence, at long n): the blocks, whose memory
     # does not grow with the longest block
-    monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES_INFER", 1000)
+    monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES", 1000)
     spec = spec_of(parts_for(1024, [8.0] * 4, 20, seed=5), True)
     q, k, v = qkv(1, 4, 1024, 8, seed=1)
     got = []

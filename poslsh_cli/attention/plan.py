@@ -94,10 +94,11 @@ INFER_DENSE_MAX_N = 512
 #: the s >= 48 threshold chose a path up to 17x slower (the blocks at n=1024, sigma=8, s=20).
 COST_BLOCK_PAIR_INFER, COST_BLOCK_SLOT_INFER = 1.6e-9, 1.5e-7
 COST_UNION_PAIR_INFER, COST_UNION_SLOT_INFER = 1.5e-9, 1e-9
-#: Inference takes the union only while its band of counts (:func:`~poslsh_cli.attention.band.band_bytes`,
-#: the band it holds: building it bidirectionally briefly holds about 2.5 times that) stays below this many bytes; past it (a head whose blocks span most of a long sequence) the blocks,
-#: whose memory grows with s, not with the longest block.
-UNION_MAX_BYTES_INFER = 2**31
+#: The automatic plan (inference and training) takes the union only while its band of counts
+#: (:func:`~poslsh_cli.attention.band.band_bytes`, the band it holds: building it bidirectionally
+#: briefly holds about 2.5 times that) stays below this many bytes; past it (a head whose blocks span
+#: most of a long sequence) the blocks, whose memory grows with s, not with the longest block.
+UNION_MAX_BYTES = 2**31
 
 
 #: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
@@ -228,7 +229,7 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       fastest exact path), windowed ALiBi (and exact in lower precision) by query chunks, the
       partition methods (poslsh, fixed_block) below INFER_DENSE_MAX_N on the dense bias, beyond
       (float32 and wider, with ``work``) on the blocks or the union route, whichever the forward
-      cost model prices lower, the blocks where the union's band would pass UNION_MAX_BYTES_INFER;
+      cost model prices lower, the blocks where the union's band would pass UNION_MAX_BYTES;
       in lower precision or without ``work`` on the union from UNION_MIN_S_CPU masks on, else the
       blocks.
     - with gradients on the CPU: causal exact ALiBi from n = RANK1_MIN_N on takes ``rank1``;
@@ -236,7 +237,8 @@ def choose(method: Method | str, *, device: Any, dtype: Any, n: int, causal: boo
       n is below :func:`dense_limit`: RANK1_MIN_N causal, so memory keeps pace with exact ALiBi's
       O(n) path, DENSE_MAX_N bidirectional), the blocks (partition methods) and the banded chunks
       (ALiBi); from that limit on the partition methods take the blocks or the union route (its
-      band of keys per query chunk), whichever the cost model prices lower; without ``work`` the
+      band of keys per query chunk), whichever the cost model prices lower, the blocks where the
+      union's band would pass UNION_MAX_BYTES; without ``work`` the
       dense bias below that limit and the blocks or chunks beyond.
     - a method with neither blocks nor chunks (the generic kernels of a declared score): its first
       backend on the CPU (the dense bias), FlexAttention on CUDA.
@@ -308,7 +310,7 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
             return Backend.DENSE  # at training lengths one attention with the (H, n, n) bias, whatever s is
         if work is not None and work.union_pairs and Backend.UNION in has and Backend.BLOCKS in has \
                 and dtype in (torch.float32, torch.float64):  # measured in float32 (COST_*_INFER)
-            if work.union_bytes > UNION_MAX_BYTES_INFER:
+            if work.union_bytes > UNION_MAX_BYTES:
                 return Backend.BLOCKS
             return min((Backend.BLOCKS, Backend.UNION), key=lambda b: work.cost(method, b, inference=True))
         if s >= UNION_MIN_S_CPU and Backend.UNION in has:
@@ -319,7 +321,7 @@ def _backend(method: Method, device: Any, dtype: Any, n: int, causal: bool, grad
     if n >= dense_limit(method, causal) or Backend.DENSE not in has:
         # past the dense bias: the blocks, or the union of each query's blocks (its band of keys)
         # where the cost model says it costs less (many masks)
-        if work is not None and work.union_pairs and Backend.UNION in has:
+        if work is not None and work.union_pairs and Backend.UNION in has and work.union_bytes <= UNION_MAX_BYTES:
             return min((sparse, Backend.UNION), key=lambda b: work.cost(method, b))
         return sparse
     if work is None:

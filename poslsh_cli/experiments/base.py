@@ -174,9 +174,9 @@ def inference_attention_bytes(position: Any, device: Any, n: int, batch: int, he
     """Bytes one attention layer holds in a forward pass without gradients under ``position`` at length
     n (:meth:`~poslsh_cli.attention.plan.Plan.memory_bytes`): where the plan weighs the blocks against
     the union by the masks drawn (CPU, past the dense bias), the larger of the two, the union's band
-    at most UNION_MAX_BYTES_INFER."""
+    at most UNION_MAX_BYTES."""
     from poslsh_cli.attention import Backend, Plan
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES_INFER
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES
 
     plan = attention_plan(position, device, n, grad=False)
     own = plan.memory_bytes(batch, heads, n, head_dim, s)
@@ -184,7 +184,7 @@ def inference_attention_bytes(position: Any, device: Any, n: int, batch: int, he
         return own
     blocks = Plan(plan.method, Backend.BLOCKS).memory_bytes(batch, heads, n, head_dim, s)
     outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, heads, n, head_dim, s)
-    return max(own, blocks, outputs + min(float(heads) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES_INFER))
+    return max(own, blocks, outputs + min(float(heads) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES))
 
 
 def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: bool, trainable: Optional[int] = None,

@@ -201,7 +201,7 @@ def memory(spec: BenchSpec) -> MemoryNeed:
     CPU (at most its cap) and the exact path's chunk (bounded), on the bench's device; doubled when
     the backward pass is timed."""
     from poslsh_cli.attention import BLOCK_BATCH_BYTES, CHUNK_ELEMENTS
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES_INFER
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES
     from poslsh_cli.numerics.sampling import bandwidths
 
     n, H, d = max(spec.n), spec.heads, spec.head_dim
@@ -213,7 +213,7 @@ def memory(spec: BenchSpec) -> MemoryNeed:
     if s > 1 and device.type == "cpu" and any(
             "union" in partition_backends(device, spec.partition_backends, k, bandwidths(H, spec.sigma), n,
                                           spec.backward, spec.dtype.value, c) for k in spec.s for c in spec.causal):
-        b += min(float(H) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES_INFER)
+        b += min(float(H) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES)
     return MemoryNeed(b * (2 if spec.backward else 1), f"n={n}, {H} heads, s={s}", spec.device)
 
 

@@ -52,7 +52,7 @@ def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: 
     from poslsh_cli.attention import choose
     from poslsh_cli.attention.api import AttentionSpec, work_of
     from poslsh_cli.attention.band import band_bytes
-    from poslsh_cli.attention.plan import Backend, UNION_MAX_BYTES_INFER, weighs
+    from poslsh_cli.attention.plan import Backend, UNION_MAX_BYTES, weighs
 
     torch_type = torch_dtype(dtype)
     at = min(n, 2**16)  # the masks of 2^16 positions cost little to draw and weigh
@@ -61,7 +61,7 @@ def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: 
         spec = AttentionSpec.build(method, sigmas, at, causal, s=s,
                                    rng=np.random.default_rng(derive_seed(0, "bench-plan", at, s)))
         work = work_of(spec, at)
-        if not backward and band_bytes(spec.bin_table[0], n, causal, s) > UNION_MAX_BYTES_INFER:
+        if band_bytes(spec.bin_table[0], n, causal, s) > UNION_MAX_BYTES:
             return Backend.BLOCKS.value  # the union's band would pass its cap at the grid's n
     return choose(method, device="cpu", dtype=torch_type, n=at, causal=causal, grad=backward, s=s,
                   work=work).backend.value
