@@ -443,6 +443,8 @@ def test_cpu_auto_is_one_path_per_s_the_plans_at_the_longest_n_and_never_timed_t
     try:
         assert partition_backends(cpu, ("auto",), 100, sigmas, 2**16) == ("union",)
         assert partition_backends(cpu, ("auto",), 100, sigmas, 2**17 + 1) == ("blocks",)
+        # with the backward pass too: the union within the cap, the blocks past it
+        assert partition_backends(cpu, ("auto",), 100, sigmas, 2**16, backward=True) == ("union",)
         assert partition_backends(cpu, ("auto",), 100, sigmas, 2**17 + 1, backward=True) == ("blocks",)
     finally:
         plan_mod.UNION_MAX_BYTES = old
@@ -455,18 +457,42 @@ def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_ma
     to its cap) and at least the blocks' per-sample outputs."""
     from poslsh_cli.attention import Backend, Method, Plan
     from poslsh_cli.attention.plan import UNION_MAX_BYTES
-    from poslsh_cli.experiments.base import inference_attention_bytes
+    from poslsh_cli.experiments.base import attention_bytes
 
     H, n, d, B = 8, 4096, 16, 4
-    got = inference_attention_bytes("poslsh", "cpu", n, B, H, d, 10)
+    got = attention_bytes("poslsh", "cpu", n, B, H, d, 10)
     assert got >= H * n * n
     assert got >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10)
-    huge = inference_attention_bytes("poslsh", "cpu", 2**17, 1, H, d, 10)
+    huge = attention_bytes("poslsh", "cpu", 2**17, 1, H, d, 10)
     assert huge < UNION_MAX_BYTES + Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(1, H, 2**17, d, 10) + 1
     # below the dense bias and for exact ALiBi: the plan's own estimate
-    assert inference_attention_bytes("poslsh", "cpu", 256, B, H, d, 10) == \
+    assert attention_bytes("poslsh", "cpu", 256, B, H, d, 10) == \
         Plan(Method.POSLSH, Backend.DENSE).memory_bytes(B, H, 256, d, 10)
-    assert inference_attention_bytes("alibi", "cpu", n, B, H, d, 0) == \
+    assert attention_bytes("alibi", "cpu", n, B, H, d, 0) == \
         Plan(Method.EXACT, Backend.RANK1).memory_bytes(B, H, n, d, 0)
     # counts of two bytes past s = 255
-    assert inference_attention_bytes("poslsh", "cpu", n, B, H, d, 1000) >= 2 * H * n * n
+    assert attention_bytes("poslsh", "cpu", n, B, H, d, 1000) >= 2 * H * n * n
+    # a training step past the dense bias: the band too (each layer's held for its backward), where the
+    # estimate once assumed the blocks alone
+    step = attention_bytes("poslsh", "cpu", n, B, H, d, 10, training=True)
+    assert step >= H * n * n
+    assert step >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10, training=True)
+
+
+def test_the_bench_memory_estimate_caps_the_band_only_where_the_plan_keeps_it_under_its_cap():
+    """The union's band is under its cap only where the plan weighs the masks ('auto' in float32 and
+    wider); asked for by name, or 'auto' in half precision, the union holds its whole band."""
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES
+    from poslsh_cli.core.config import build_spec
+    from poslsh_cli.experiments.bench.command import BenchSpec, memory
+
+    def need(backends, dtype):
+        return memory(build_spec(BenchSpec, dict(n=[2**17], s=[100], partition_backends=backends, dtype=dtype,
+                                                 causal=[True], methods=["poslsh"], device="cpu"))).bytes
+
+    band = 8 * 2.0**34  # 8 heads x n x n counts of one byte
+    auto, named = need(["auto"], "float32"), need(["union"], "float32")
+    assert named - auto >= band  # the whole band where the union is asked for
+    assert need(["union", "blocks"], "float32") == named
+    assert need(["auto"], "bfloat16") >= band  # no weighing in half precision: the s threshold's union
+    assert need(["blocks"], "float32") <= auto <= need(["blocks"], "float32") + UNION_MAX_BYTES

@@ -101,7 +101,8 @@ def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit(m
     the union route (its band of keys per query chunk), at s=1 the blocks; below the limit the
     dense bias as before (the language-model presets' L=256 paths do not change); the band keeps
     one byte a count, a fraction of one float32 score matrix; and where the band would pass its cap
-    (the inference's cap, UNION_MAX_BYTES) training takes the blocks too."""
+    (UNION_MAX_BYTES, the cap inference keeps to too) training takes the blocks, in the plan and in
+    a step through attend()."""
     from poslsh_cli.attention import plan as plan_mod
     from poslsh_cli.attention.api import work_of
     from poslsh_cli.attention.band import band_bytes
@@ -118,10 +119,15 @@ def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit(m
     spec = spec_of(parts, True)
     held = band_bytes(spec.bin_table[0], 2048, True, 100)
     assert held == band.counts.numel() * band.counts.element_size()  # the cap is on the band held
-    monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES", held - 1)
-    plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=2048, causal=True, grad=True,
-                  work=work_of(spec, 2048), s=100)
-    assert plan.label == "blocks/fused"
+    for cap, label in ((held, "union/fused"), (held - 1, "blocks/fused")):
+        monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES", cap)
+        plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=2048, causal=True, grad=True,
+                      work=work_of(spec, 2048), s=100)
+        assert plan.label == label, cap
+    q, k, v = (t.float().requires_grad_(True) for t in qkv(1, 8, 2048, 8, seed=2))
+    got = []
+    attend(q, k, v, spec, on_plan=lambda p: got.append(p.label)).sum().backward()
+    assert got == ["blocks/fused"] and q.grad is not None
 
 
 def test_the_union_layout_is_built_without_reading_the_device(monkeypatch):

@@ -94,10 +94,12 @@ INFER_DENSE_MAX_N = 512
 #: the s >= 48 threshold chose a path up to 17x slower (the blocks at n=1024, sigma=8, s=20).
 COST_BLOCK_PAIR_INFER, COST_BLOCK_SLOT_INFER = 1.6e-9, 1.5e-7
 COST_UNION_PAIR_INFER, COST_UNION_SLOT_INFER = 1.5e-9, 1e-9
-#: The automatic plan (inference and training) takes the union only while its band of counts
-#: (:func:`~poslsh_cli.attention.band.band_bytes`, the band it holds: building it bidirectionally
-#: briefly holds about 2.5 times that) stays below this many bytes; past it (a head whose blocks span
-#: most of a long sequence) the blocks, whose memory grows with s, not with the longest block.
+#: Where the automatic plan weighs the masks (:func:`weighs`: CPU training, CPU inference in float32
+#: and wider past the dense bias) it takes the union only while its band of counts
+#: (:func:`~poslsh_cli.attention.band.band_bytes`, the band one call holds: building it bidirectionally
+#: briefly holds about 2.5 times that; in training each layer's band stays held for its backward)
+#: stays below this many bytes; past it (a head whose blocks span most of a long sequence) the
+#: blocks, whose memory grows with s, not with the longest block.
 UNION_MAX_BYTES = 2**31
 
 

@@ -169,21 +169,22 @@ def attention_plan(position: Any, device: Any, n: int, grad: bool) -> Any:
     return choose(method_of(position), device=torch.device(device), dtype=torch.float32, n=n, causal=True, grad=grad)
 
 
-def inference_attention_bytes(position: Any, device: Any, n: int, batch: int, heads: int, head_dim: int,
-                              s: int) -> float:
-    """Bytes one attention layer holds in a forward pass without gradients under ``position`` at length
-    n (:meth:`~poslsh_cli.attention.plan.Plan.memory_bytes`): where the plan weighs the blocks against
-    the union by the masks drawn (CPU, past the dense bias), the larger of the two, the union's band
-    at most UNION_MAX_BYTES."""
+def attention_bytes(position: Any, device: Any, n: int, batch: int, heads: int, head_dim: int, s: int,
+                    training: bool = False) -> float:
+    """Bytes one attention layer holds under ``position`` at length n, in a forward pass without
+    gradients or (``training``) in a training step, where the band of each layer stays held for its
+    backward (:meth:`~poslsh_cli.attention.plan.Plan.memory_bytes`): where the plan weighs the blocks
+    against the union by the masks drawn (CPU, past the dense bias), the larger of the two, the
+    union's band at most UNION_MAX_BYTES."""
     from poslsh_cli.attention import Backend, Plan
     from poslsh_cli.attention.plan import UNION_MAX_BYTES
 
-    plan = attention_plan(position, device, n, grad=False)
-    own = plan.memory_bytes(batch, heads, n, head_dim, s)
+    plan = attention_plan(position, device, n, grad=training)
+    own = plan.memory_bytes(batch, heads, n, head_dim, s, training=training)
     if plan.backend not in (Backend.BLOCKS, Backend.UNION) or str(getattr(device, "type", device)).startswith("cuda"):
         return own
-    blocks = Plan(plan.method, Backend.BLOCKS).memory_bytes(batch, heads, n, head_dim, s)
-    outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, heads, n, head_dim, s)
+    blocks = Plan(plan.method, Backend.BLOCKS).memory_bytes(batch, heads, n, head_dim, s, training=training)
+    outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, heads, n, head_dim, s, training=training)
     return max(own, blocks, outputs + min(float(heads) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES))
 
 
@@ -222,7 +223,7 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     position = (scheme.position.value if scheme else "rope") if attention == "own" else attention
     saved = scheme.s if scheme else 0
     shape = LMShape.of_config(cfg)
-    att = inference_attention_bytes(position, device, n, batch, shape.heads, shape.head_dim, s or saved or SWAP_S)
+    att = attention_bytes(position, device, n, batch, shape.heads, shape.head_dim, s or saved or SWAP_S)
     return lm_bytes(shape, batch, n, att, training=False, weights=weights_bytes(path))
 
 

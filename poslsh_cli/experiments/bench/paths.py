@@ -56,12 +56,13 @@ def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: 
 
     torch_type = torch_dtype(dtype)
     at = min(n, 2**16)  # the masks of 2^16 positions cost little to draw and weigh
-    work = None
+    spec = work = None
     if weighs(True, "cpu", torch_type, at, backward):
         spec = AttentionSpec.build(method, sigmas, at, causal, s=s,
                                    rng=np.random.default_rng(derive_seed(0, "bench-plan", at, s)))
         work = work_of(spec, at)
-        if band_bytes(spec.bin_table[0], n, causal, s) > UNION_MAX_BYTES:
-            return Backend.BLOCKS.value  # the union's band would pass its cap at the grid's n
-    return choose(method, device="cpu", dtype=torch_type, n=at, causal=causal, grad=backward, s=s,
-                  work=work).backend.value
+    backend = choose(method, device="cpu", dtype=torch_type, n=at, causal=causal, grad=backward, s=s,
+                     work=work).backend
+    if backend is Backend.UNION and spec is not None and band_bytes(spec.bin_table[0], n, causal, s) > UNION_MAX_BYTES:
+        return Backend.BLOCKS.value  # the union's band would pass its cap at the grid's n
+    return backend.value

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from poslsh_cli.core.config import Spec, key
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, inference_attention_bytes, lm_bytes
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, lm_bytes
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
 from poslsh_cli.lm.loading import Arch
@@ -229,7 +229,7 @@ def memory(spec: DecodeBenchSpec) -> MemoryNeed:
     need = MemoryNeed(0.0, "")
     for p in spec.position:
         s = max(spec.s) if randomized(p) else 0
-        att = inference_attention_bytes(p, device, n, spec.batch, spec.heads, spec.head_dim, s)
+        att = attention_bytes(p, device, n, spec.batch, spec.heads, spec.head_dim, s)
         b = kv + lm_bytes(shape, spec.batch, n, att, training=False)
         if b > need.bytes:
             need = MemoryNeed(b, f"a context of {spec.batch} x {n} tokens and its keys and values, {p.value}",

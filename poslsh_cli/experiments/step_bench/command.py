@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from poslsh_cli.attention.plan import Backend, backends_of
+from poslsh_cli.attention.plan import UNION_MAX_BYTES, Backend, Plan, backends_of
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices, lm_bytes
@@ -293,8 +293,12 @@ def memory(spec: StepBenchSpec) -> MemoryNeed:
         if k["seq_len"] == n:
             plan = planned(Position(k["position"]), k["backend"], n, device, k["s"], sigma_at(spec, n), spec.heads)
             batch = batch_at(spec, n)
-            b = lm_bytes(shape, batch, n, plan.memory_bytes(batch, spec.heads, n, spec.head_dim, k["s"], training=True),
-                         training=True)
+            att = plan.memory_bytes(batch, spec.heads, n, spec.head_dim, k["s"], training=True)
+            if plan.backend is Backend.UNION and k["backend"] == "auto" and device.type == "cpu":
+                # the plan took the union by the masks drawn, only while its band is under the cap
+                outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, spec.heads, n, spec.head_dim, 0, True)
+                att = min(att, outputs + UNION_MAX_BYTES)
+            b = lm_bytes(shape, batch, n, att, training=True)
             if b > need.bytes:
                 need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {k['position']} on {plan.label}",
                                   spec.device)

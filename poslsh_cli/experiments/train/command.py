@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from poslsh_cli.experiments.train.report import metric_files, plot, report, summary
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_plan, lm_bytes
+from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_plan, lm_bytes
 from poslsh_cli.experiments.devices import Precision, cuda_skip_reason
 from poslsh_cli.experiments.train.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec
@@ -229,7 +229,8 @@ def memory(spec: TrainSpec) -> Optional[MemoryNeed]:
     for p in list(spec.position) + ([spec.pretrain] if spec.pretrain is not None else []):
         plan = attention_plan(p, device, n, grad=True)
         s = max(spec.s) if randomized(p) else 0
-        b = lm_bytes(shape, batch, n, plan.memory_bytes(batch, shape.heads, n, shape.head_dim, s, training=True),
+        att = attention_bytes(p, device, n, batch, shape.heads, shape.head_dim, s, training=True)
+        b = lm_bytes(shape, batch, n, att,
                      training=True, trainable=trainable, shards=world if spec.parallel is Parallel.FSDP else 1,
                      recompute=spec.gradient_checkpointing, elem=4.0 if spec.precision is Precision.FP32 else 2.0)
         if b > need.bytes:
