@@ -103,6 +103,14 @@ COST_UNION_PAIR_INFER, COST_UNION_SLOT_INFER = 1.5e-9, 1e-9
 UNION_MAX_BYTES = 2**31
 
 
+def union_band_bound(heads: int, n: int, s: int, capped: bool = False) -> float:
+    """The most bytes the union's band of counts can hold at length n: ``H n n`` counts (a band spanning
+    the sequence), one byte each up to s = 255, two beyond; at most UNION_MAX_BYTES where ``capped`` (the
+    automatic plan, where it weighs the masks, keeps the band under it)."""
+    band = float(heads) * n * n * (1 if s <= 255 else 2)
+    return min(band, UNION_MAX_BYTES) if capped else band
+
+
 #: Paths that apply attention dropout (PyTorch SDPA's dropout_p).
 DROPOUT_BACKENDS = (Backend.SDPA, Backend.DENSE, Backend.RANK1)
 
@@ -192,7 +200,7 @@ class Plan:
         if self.backend is Backend.BLOCKS:
             return rows * max(1, s) * (head_dim + 4) / 2 + own
         if self.backend is Backend.UNION and self.kernel is not Kernel.FLEX:
-            return float(heads) * n * n * (1 if s <= 255 else 2) + own
+            return union_band_bound(heads, n, s) + own
         return own
 
 

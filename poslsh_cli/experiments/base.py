@@ -177,7 +177,7 @@ def attention_bytes(position: Any, device: Any, n: int, batch: int, heads: int, 
     against the union by the masks drawn (CPU, past the dense bias), the larger of the two, the
     union's band at most UNION_MAX_BYTES."""
     from poslsh_cli.attention import Backend, Plan
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES
+    from poslsh_cli.attention.plan import union_band_bound
 
     plan = attention_plan(position, device, n, grad=training)
     own = plan.memory_bytes(batch, heads, n, head_dim, s, training=training)
@@ -185,7 +185,7 @@ def attention_bytes(position: Any, device: Any, n: int, batch: int, heads: int, 
         return own
     blocks = Plan(plan.method, Backend.BLOCKS).memory_bytes(batch, heads, n, head_dim, s, training=training)
     outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, heads, n, head_dim, s, training=training)
-    return max(own, blocks, outputs + min(float(heads) * n * n * (1 if s <= 255 else 2), UNION_MAX_BYTES))
+    return max(own, blocks, outputs + union_band_bound(heads, n, s, capped=True))
 
 
 def lm_bytes(shape: LMShape, batch: int, n: int, attention: float, training: bool, trainable: Optional[int] = None,

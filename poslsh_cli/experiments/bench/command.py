@@ -201,7 +201,7 @@ def memory(spec: BenchSpec) -> MemoryNeed:
     CPU (at most its cap) and the exact path's chunk (bounded), on the bench's device; doubled when
     the backward pass is timed."""
     from poslsh_cli.attention import BLOCK_BATCH_BYTES, CHUNK_ELEMENTS
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES
+    from poslsh_cli.attention.plan import union_band_bound
     from poslsh_cli.numerics.sampling import bandwidths
 
     n, H, d = max(spec.n), spec.heads, spec.head_dim
@@ -213,11 +213,10 @@ def memory(spec: BenchSpec) -> MemoryNeed:
     if s > 1 and device.type == "cpu" and any(
             "union" in partition_backends(device, spec.partition_backends, k, bandwidths(H, spec.sigma), n,
                                           spec.backward, spec.dtype.value, c) for k in spec.s for c in spec.causal):
-        band = float(H) * n * n * (1 if s <= 255 else 2)
         # 'auto' in float32 and wider weighs the masks and keeps the band under its cap; asked for by
         # name, or in half precision (no weighing), the union's band is not capped
         capped = "union" not in spec.partition_backends and spec.dtype.value in ("float32", "float64")
-        b += min(band, UNION_MAX_BYTES) if capped else band
+        b += union_band_bound(H, n, s, capped)
     return MemoryNeed(b * (2 if spec.backward else 1), f"n={n}, {H} heads, s={s}", spec.device)
 
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from poslsh_cli.attention.plan import UNION_MAX_BYTES, Backend, Plan, backends_of
+from poslsh_cli.attention.plan import Backend, Plan, backends_of, union_band_bound
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices, lm_bytes
@@ -297,7 +297,7 @@ def memory(spec: StepBenchSpec) -> MemoryNeed:
             if plan.backend is Backend.UNION and k["backend"] == "auto" and device.type == "cpu":
                 # the plan took the union by the masks drawn, only while its band is under the cap
                 outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, spec.heads, n, spec.head_dim, 0, True)
-                att = min(att, outputs + UNION_MAX_BYTES)
+                att = outputs + union_band_bound(spec.heads, n, k["s"], capped=True)
             b = lm_bytes(shape, batch, n, att, training=True)
             if b > need.bytes:
                 need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {k['position']} on {plan.label}",
