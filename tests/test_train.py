@@ -376,6 +376,65 @@ def test_a_run_grows_by_seeds_added_keeping_its_cells_and_equal_to_a_run_made_wi
     assert r.exit_code == 2 and "resume with" not in r.stderr and "use another out=" in r.stderr, r.stderr
 
 
+def test_seeds_past_the_first_train_only_the_sized_schemes_and_a_finished_run_grows_by_them(tmp_path):
+    """The sized comparisons' extra seeds (THEORY, "Power and the error rate the verdicts share"): with
+    all_seeds and first_seeds, the seeds past the first first_seeds train only the schemes named (a
+    position, poslsh:S for one s, alibi+dropout for the control). A finished run made with every scheme
+    at its seeds grows by them, its cells kept, equal to a run made with those keys at once; a choice
+    that would drop a finished seed's models is a different configuration; a name the run does not
+    train is one error line."""
+    from poslsh_cli.experiments.train.command import cells
+    from poslsh_cli.app.registry import compose_spec, get
+
+    spec = compose_spec(get("train"), ["position=[none,alibi,poslsh]", "s=[10,100]", "seed=[0,1,2,3]",
+                                       "attn_dropout=[0.0,0.1]", "first_seeds=3", "all_seeds=[alibi,poslsh:100]"])
+    got = {(c["seed"], c["position"], c["s"], c.get("attn_dropout", 0.0)) for c in cells(spec)}
+    every = {(p, s, d) for p, s, d in [("none", 0, 0.0), ("alibi", 0, 0.0), ("poslsh", 10, 0.0),
+                                       ("poslsh", 100, 0.0), ("alibi", 0, 0.1)]}
+    assert got == {(seed, *m) for seed in (0, 1, 2) for m in every} | {(3, "alibi", 0, 0.0), (3, "poslsh", 100, 0.0)}
+    spec = compose_spec(get("train"), ["position=[alibi]", "seed=[0,1]", "attn_dropout=[0.0,0.1]",
+                                       "all_seeds=[alibi+dropout]"])
+    assert [(c["seed"], c.get("attn_dropout", 0.0)) for c in cells(spec)] == [(0, 0.0), (0, 0.1), (1, 0.1)]
+
+    args = [*TRAIN, "position=[alibi,poslsh]", "s=[1,2]", "steps=2"]
+    out, ref = tmp_path / "grown", tmp_path / "ref"
+    assert poslsh("train", *args, "seed=[0]", f"out={out}").exit_code == 0
+    first = {p.name: json.loads(p.read_text()) for p in (out / "cells").iterdir()}
+    sized = ["seed=[0,1]", "first_seeds=1", "all_seeds=[alibi,poslsh:2]"]
+    r = poslsh("train", *args, *sized, f"out={out}")
+    assert r.exit_code == 0, r.stderr
+    assert "seed 1 added" in r.stderr and "3/5 cells already done" in r.stderr, r.stderr
+    for name, cell in first.items():
+        now = json.loads((out / "cells" / name).read_text())
+        assert {k: v for k, v in now.items() if k != "index"} == {k: v for k, v in cell.items() if k != "index"}
+    assert poslsh("train", *args, *sized, f"out={ref}").exit_code == 0
+    cols = ["position", "s", "seed", "train_loss", "val_loss"]
+    a, b = pd.read_csv(out / "results.csv"), pd.read_csv(ref / "results.csv")
+    assert sorted(zip(a.seed, a.position, a.s)) == [(0, "alibi", 0), (0, "poslsh", 1), (0, "poslsh", 2),
+                                                    (1, "alibi", 0), (1, "poslsh", 2)]
+    pd.testing.assert_frame_equal(a[cols], b[cols])
+    assert poslsh("train", *args, *sized, f"out={out}").exit_code == 0  # resumed as grown: nothing to do
+    # choices that would drop a finished seed's models: the grown run's seed 1 has no s=1 model, so a third seed
+    # cannot move first_seeds; a run with every scheme at seeds 0 and 1 cannot take first_seeds=1; all_seeds
+    # cannot change without seeds added
+    two = tmp_path / "two"
+    assert poslsh("train", *args, "seed=[0,1]", f"out={two}").exit_code == 0
+    for run, keys in ((out, ["seed=[0,1,2]", "first_seeds=2", "all_seeds=[alibi,poslsh:2]"]),
+                      (two, ["seed=[0,1,2]", "first_seeds=1", "all_seeds=[alibi]"]),
+                      (out, ["seed=[0,1]", "first_seeds=1", "all_seeds=[alibi]"])):
+        r = poslsh("train", *args, *keys, f"out={run}")
+        assert r.exit_code == 2 and "different configuration" in r.stderr, (keys, r.stderr)
+    r = poslsh("train", *args, "seed=[0,1,2]", "first_seeds=2", "all_seeds=[alibi]", f"out={two}")
+    assert r.exit_code == 0 and "seed 2 added" in r.stderr, r.stderr  # seeds 0 and 1 keep every scheme
+    for bad, said in (("all_seeds=[poslsh:7]", "names an s the run does not train"),
+                      ("all_seeds=[bogus]", "unknown scheme 'bogus'"),
+                      ("all_seeds=[rope]", "rope is not among the run's positions"),
+                      ("all_seeds=[alibi+dropout]", "attention-dropout control the run does not train")):
+        r = poslsh("train", *args, "seed=[0,1]", bad, f"out={tmp_path / 'bad'}")
+        assert r.exit_code == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "bad").exists()
+
+
 def test_a_warm_up_as_long_as_training_is_said_on_stderr(tmp_path):
     """warmup= at least the steps leaves no cosine decay (the schedule warms up over all but the last step):
     one line says so, and how to ask for a fraction; a shorter warm-up says nothing."""

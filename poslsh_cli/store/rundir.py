@@ -44,6 +44,9 @@ from poslsh_cli.core.files import TMP_PREFIX, atomic_write_text, fault_point, re
 RESUME_IGNORED = ("out", "memory_check")
 #: List keys a run grows by: values appended add cells and leave the finished ones as they are (training seeds).
 GROWABLE = ("seed",)
+#: Keys that choose which schemes train the seeds past the first ``first_seeds``: set with seeds appended, they
+#: may change while every seed the run held stays within the seeds every scheme trains (its cells unchanged).
+SEED_SELECTORS = ("all_seeds", "first_seeds")
 
 
 def timestamp() -> str:
@@ -208,6 +211,20 @@ def grown(held: str, wanted: str) -> dict[str, list]:
     return out
 
 
+def selects_only_added(held: str, wanted: str, defaults: Optional[dict[str, Any]] = None) -> bool:
+    """Whether the :data:`SEED_SELECTORS` asked for leave the held seeds' cells as they are: the held
+    run trained every scheme with each of its seeds, and so does the run asked for."""
+    a, b = _flat_config(held), _flat_config(wanted)
+    defaults = defaults or {}
+    seeds = a.get("seed")
+    n = len(seeds) if isinstance(seeds, list) else 1
+
+    def full(c: dict) -> bool:
+        return c.get("all_seeds", defaults.get("all_seeds")) is None or n <= int(c.get("first_seeds", defaults.get(
+            "first_seeds", 1)))
+    return full(a) and full(b)
+
+
 def _grown_hint(held: str, wanted: str, changes: list[str]) -> str:
     """Where the run holds a longer list than asked for (a command added seeds to it, perhaps
     interrupted before their cells) and nothing else differs: how to resume it."""
@@ -254,8 +271,10 @@ class RunDir:
                                   "out=")
             if _config_body(held) != _config_body(self.config_yaml):
                 self.grown = grown(held, self.config_yaml)
+                free = [*self.grown, *(SEED_SELECTORS if "seed" in self.grown
+                                       and selects_only_added(held, self.config_yaml, self.defaults) else ())]
                 changes = [c for c in config_changes(held, self.config_yaml, self.defaults)
-                           if c.split(":", 1)[0] not in self.grown]
+                           if c.split(":", 1)[0] not in free]
                 if changes or not _flat_config(held):
                     raise ConfigError(f"out={self.path} holds a run with a different configuration"
                                       + (f" ({'; '.join(changes)})" if changes else "")

@@ -36,7 +36,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_plan, lm_bytes
 from poslsh_cli.experiments.devices import Precision, cuda_skip_reason
 from poslsh_cli.experiments.train.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
-from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec
+from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec, trains_every_seed
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.attention.scheme import Position, model_label, randomized
 
@@ -103,7 +103,8 @@ def corpus_meta(corpus: Any, spec: TrainSpec) -> dict:
 
 def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
     """Every (steps, L, seed, position, s) combination (s only for randomised schemes), and each
-    attention-dropout control (the dropout_positions again with it). The steps, the length and the
+    attention-dropout control (the dropout_positions again with it); the seeds past ``first_seeds``
+    only for the schemes of ``all_seeds``. The steps, the length and the
     dropout enter the key only when used, so runs without them keep their cells. The shorter
     trainings come first (a run at several lengths has its shortest models soonest)."""
     out = []
@@ -114,10 +115,10 @@ def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
             for i, seed in enumerate(spec.seed):
                 for d in spec.attn_dropout:
                     for p in (spec.position if d == 0 else [p for p in spec.position if p in spec.dropout_positions]):
-                        if i > 0 and spec.all_seeds is not None and p not in spec.all_seeds:
-                            continue
                         drop = {"attn_dropout": d} if d > 0 else {}
                         for s in (spec.s if randomized(p) else (0,)):
+                            if i >= spec.first_seeds and not trains_every_seed(spec, p, s, d):
+                                continue
                             out.append({"position": p.value, "s": s, "seed": seed, **at, **drop, **st})
     return out
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
+from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.devices import Device, Precision
-from poslsh_cli.attention.scheme import Position, scheme_key
+from poslsh_cli.attention.scheme import Position, randomized, scheme_key
 from poslsh_cli.numerics.sampling import Sampler, Slopes
 from poslsh_cli.store.tracking import Logger
 
@@ -40,8 +41,13 @@ class TrainSpec(Spec):
                                 "add their models to it (same out=)", [0], ge=0)
     position: tuple[Position, ...] = scheme_key("position", [Position.ALIBI, Position.POSLSH], "list sweeps")
     s: tuple[int, ...] = scheme_key("s", [10], "drawn afresh each step (list sweeps; poslsh only)")
-    all_seeds: Optional[tuple[Position, ...]] = key("schemes trained with every seed; the others with the first "
-                                                    "seed only (null: all)", None, noun="position")
+    all_seeds: Optional[tuple[str, ...]] = key("schemes trained with every seed of the list: a position (alibi), "
+                                               "poslsh:S for one s, alibi+dropout for the attention-dropout "
+                                               "control; the others train the first first_seeds seeds only (null: "
+                                               "every scheme every seed)", None, noun="scheme")
+    first_seeds: int = key("the seeds every scheme trains, from the start of the list (with all_seeds); the seeds "
+                           "past them train only the schemes of all_seeds, as the sized comparisons ask",
+                           1, ge=1)
     sampler: Sampler = scheme_key("sampler", Sampler.IID)
     window_sigmas: float = scheme_key("window_sigmas", 4.0)
     attn_dropout: tuple[float, ...] = key("attention dropout (list sweeps): a value above 0 trains the schemes in "
@@ -108,6 +114,8 @@ class TrainSpec(Spec):
 
     def check(self) -> None:
         check_encoding(self.encoding)
+        for entry in self.all_seeds or ():
+            seed_scope(entry, self)
         check(self.val_fraction < 1, f"val_fraction must be < 1, got {self.val_fraction}")
         check(all(d < 1 for d in self.attn_dropout), "attn_dropout must be < 1")
         check(self.warmup_fraction is None or self.warmup_fraction < 1, "warmup_fraction must be < 1")
@@ -126,6 +134,39 @@ class TrainSpec(Spec):
 
 #: Schemes whose training path applies attention dropout (PyTorch SDPA's dropout_p).
 DROPOUT_SCHEMES = (Position.NONE, Position.ALIBI, Position.ROPE)
+
+
+def seed_scope(entry: str, spec: TrainSpec) -> tuple[Position, Optional[int], bool]:
+    """One entry of ``all_seeds`` read against the run's keys: (position, its s or None for every s,
+    whether it names the attention-dropout control) -- ``alibi``, ``poslsh:100``, ``alibi+dropout``."""
+    text = str(entry).strip()
+    dropout = text.endswith("+dropout")
+    name, _, s_text = text.removesuffix("+dropout").partition(":")
+    try:
+        position = Position(name)
+    except ValueError:
+        raise ConfigError(f"all_seeds: unknown scheme '{entry}' (a position, poslsh:S or alibi+dropout)") from None
+    check(position in spec.position, f"all_seeds: {position.value} is not among the run's positions")
+    s = None
+    if s_text:
+        check(s_text.isdigit() and randomized(position) and int(s_text) in spec.s,
+              f"all_seeds: '{entry}' names an s the run does not train (s={list(spec.s)})")
+        s = int(s_text)
+    check(not dropout or (position in spec.dropout_positions and any(d > 0 for d in spec.attn_dropout)),
+          f"all_seeds: '{entry}' names an attention-dropout control the run does not train")
+    return position, s, dropout
+
+
+def trains_every_seed(spec: TrainSpec, position: Position, s: int, dropout: float) -> bool:
+    """Whether a model trains every seed of the list (all_seeds null, or an entry names it), or only
+    the first ``first_seeds``."""
+    if spec.all_seeds is None:
+        return True
+    for entry in spec.all_seeds:
+        p, es, d = seed_scope(entry, spec)
+        if p is position and (es is None or es == s) and d == (dropout > 0):
+            return True
+    return False
 
 
 @dataclass
