@@ -391,10 +391,14 @@ def test_seeds_past_the_first_train_only_the_sized_schemes_and_a_finished_run_gr
     got = {(c["seed"], c["position"], c["s"], c.get("attn_dropout", 0.0)) for c in cells(spec)}
     every = {(p, s, d) for p, s, d in [("none", 0, 0.0), ("alibi", 0, 0.0), ("poslsh", 10, 0.0),
                                        ("poslsh", 100, 0.0), ("alibi", 0, 0.1)]}
-    assert got == {(seed, *m) for seed in (0, 1, 2) for m in every} | {(3, "alibi", 0, 0.0), (3, "poslsh", 100, 0.0)}
-    spec = compose_spec(get("train"), ["position=[alibi]", "seed=[0,1]", "attn_dropout=[0.0,0.1]",
-                                       "all_seeds=[alibi+dropout]"])
-    assert [(c["seed"], c.get("attn_dropout", 0.0)) for c in cells(spec)] == [(0, 0.0), (0, 0.1), (1, 0.1)]
+    assert got == {(seed, *m) for seed in (0, 1, 2) for m in every} | {(3, "alibi", 0, 0.0), (3, "alibi", 0, 0.1),
+                                                                      (3, "poslsh", 100, 0.0)}
+    for names, second in ((["alibi+dropout"], [0.1]), (["alibi"], [0.0, 0.1])):  # a position: its control too
+        spec = compose_spec(get("train"), ["position=[alibi,none]", "seed=[0,1]", "attn_dropout=[0.0,0.1]",
+                                           f"all_seeds=[{','.join(names)}]"])
+        got = [(c["seed"], c["position"], c.get("attn_dropout", 0.0)) for c in cells(spec)]
+        assert [g for g in got if g[0] == 1] == [(1, "alibi", d) for d in second], got
+        assert len(got) - len(second) == 3  # seed 0: alibi, none, the control
 
     args = [*TRAIN, "position=[alibi,poslsh]", "s=[1,2]", "steps=2"]
     out, ref = tmp_path / "grown", tmp_path / "ref"
@@ -425,11 +429,19 @@ def test_seeds_past_the_first_train_only_the_sized_schemes_and_a_finished_run_gr
         r = poslsh("train", *args, *keys, f"out={run}")
         assert r.exit_code == 2 and "different configuration" in r.stderr, (keys, r.stderr)
     r = poslsh("train", *args, "seed=[0,1,2]", "first_seeds=2", "all_seeds=[alibi]", f"out={two}")
-    assert r.exit_code == 0 and "seed 2 added" in r.stderr, r.stderr  # seeds 0 and 1 keep every scheme
+    assert r.exit_code == 0 and "seed 2 added" in r.stderr and "6/7 cells already done" in r.stderr, r.stderr
+    grown = ["seed=[0,1,2]", "first_seeds=1", "all_seeds=[alibi,poslsh:2]"]  # the sized run grows again
+    r = poslsh("train", *args, *grown, f"out={out}")
+    assert r.exit_code == 0 and "seed 2 added" in r.stderr and "5/7 cells already done" in r.stderr, r.stderr
+    r = poslsh("train", *args, "seed=[0]", f"out={out}")  # the command it started from: how to resume it
+    assert r.exit_code == 2 and "resume with 'seed=[0,1,2] all_seeds=[alibi,poslsh:2]'" in r.stderr, r.stderr
     for bad, said in (("all_seeds=[poslsh:7]", "names an s the run does not train"),
                       ("all_seeds=[bogus]", "unknown scheme 'bogus'"),
                       ("all_seeds=[rope]", "rope is not among the run's positions"),
-                      ("all_seeds=[alibi+dropout]", "attention-dropout control the run does not train")):
+                      ("all_seeds=[alibi+dropout]", "attention-dropout control the run does not train"),
+                      ("all_seeds=[alibi:5]", "alibi draws no masks, so it has no s"),
+                      ("all_seeds=[poslsh:x]", "names an s the run does not train"),
+                      ("all_seeds=[]", "all_seeds must not be empty")):
         r = poslsh("train", *args, "seed=[0,1]", bad, f"out={tmp_path / 'bad'}")
         assert r.exit_code == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "bad").exists()

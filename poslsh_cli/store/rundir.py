@@ -229,11 +229,21 @@ def _grown_hint(held: str, wanted: str, changes: list[str]) -> str:
     """Where the run holds a longer list than asked for (a command added seeds to it, perhaps
     interrupted before their cells) and nothing else differs: how to resume it."""
     longer = grown(wanted, held)
-    if not longer or any(c.split(":", 1)[0] not in longer for c in changes):
+    free = [*longer, *(SEED_SELECTORS if "seed" in longer else ())]
+    if not longer or any(c.split(":", 1)[0] not in free for c in changes):
         return ""
-    full = {k: v if isinstance(v, list) else [v] for k, v in _flat_config(held).items() if k in longer}
-    return "".join(f"; it holds {k}={full[k]}, {longer[k]} beyond the list asked for: resume with "
-                   f"'{k}=[{','.join(map(str, full[k]))}]'" for k in longer)
+    flat = _flat_config(held)
+    full = {k: v if isinstance(v, list) else [v] for k, v in flat.items() if k in longer}
+    keys = [f"{k}=[{','.join(map(str, full[k]))}]" for k in longer]
+    keys += [f"{k}={_override(flat.get(k))}" for k in SEED_SELECTORS
+             if k in flat and any(c.split(":", 1)[0] == k for c in changes)]
+    return "".join(f"; it holds {k}={full[k]}, {longer[k]} beyond the list asked for" for k in longer) + \
+        f": resume with '{' '.join(keys)}'"
+
+
+def _override(v: Any) -> str:
+    """A held value as a command-line override: null, [a,b], or the value."""
+    return "null" if v is None else f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
 
 
 class RunDir:

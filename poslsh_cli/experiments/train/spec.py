@@ -41,10 +41,11 @@ class TrainSpec(Spec):
                                 "add their models to it (same out=)", [0], ge=0)
     position: tuple[Position, ...] = scheme_key("position", [Position.ALIBI, Position.POSLSH], "list sweeps")
     s: tuple[int, ...] = scheme_key("s", [10], "drawn afresh each step (list sweeps; poslsh only)")
-    all_seeds: Optional[tuple[str, ...]] = key("schemes trained with every seed of the list: a position (alibi), "
-                                               "poslsh:S for one s, alibi+dropout for the attention-dropout "
-                                               "control; the others train the first first_seeds seeds only (null: "
-                                               "every scheme every seed)", None, noun="scheme")
+    all_seeds: Optional[tuple[str, ...]] = key("schemes trained with every seed of the list: a position (alibi: "
+                                               "every s, its attention-dropout control too), poslsh:S for one s, "
+                                               "alibi+dropout for the control alone; the others train the first "
+                                               "first_seeds seeds only (null: every scheme every seed)", None,
+                                               noun="scheme")
     first_seeds: int = key("the seeds every scheme trains, from the start of the list (with all_seeds); the seeds "
                            "past them train only the schemes of all_seeds, as the sized comparisons ask",
                            1, ge=1)
@@ -138,7 +139,8 @@ DROPOUT_SCHEMES = (Position.NONE, Position.ALIBI, Position.ROPE)
 
 def seed_scope(entry: str, spec: TrainSpec) -> tuple[Position, Optional[int], bool]:
     """One entry of ``all_seeds`` read against the run's keys: (position, its s or None for every s,
-    whether it names the attention-dropout control) -- ``alibi``, ``poslsh:100``, ``alibi+dropout``."""
+    whether it names the attention-dropout control alone) -- ``alibi`` (with its control), ``poslsh:100``,
+    ``alibi+dropout``."""
     text = str(entry).strip()
     dropout = text.endswith("+dropout")
     name, _, s_text = text.removesuffix("+dropout").partition(":")
@@ -149,7 +151,8 @@ def seed_scope(entry: str, spec: TrainSpec) -> tuple[Position, Optional[int], bo
     check(position in spec.position, f"all_seeds: {position.value} is not among the run's positions")
     s = None
     if s_text:
-        check(s_text.isdigit() and randomized(position) and int(s_text) in spec.s,
+        check(randomized(position), f"all_seeds: '{entry}': {position.value} draws no masks, so it has no s")
+        check(s_text.isdigit() and int(s_text) in spec.s,
               f"all_seeds: '{entry}' names an s the run does not train (s={list(spec.s)})")
         s = int(s_text)
     check(not dropout or (position in spec.dropout_positions and any(d > 0 for d in spec.attn_dropout)),
@@ -164,7 +167,7 @@ def trains_every_seed(spec: TrainSpec, position: Position, s: int, dropout: floa
         return True
     for entry in spec.all_seeds:
         p, es, d = seed_scope(entry, spec)
-        if p is position and (es is None or es == s) and d == (dropout > 0):
+        if p is position and (es is None or es == s) and (dropout > 0 or not d):
             return True
     return False
 
