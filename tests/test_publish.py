@@ -232,3 +232,31 @@ def test_the_machine_is_named_by_its_gpu_or_its_processor_and_cores():
     here = device_info()
     assert here["cpu_count"] and "cpu" in here
 
+
+
+def test_the_readme_folds_a_runs_claims_of_one_rule_into_one_row_with_each_members_verdict(tmp_path):
+    """A run's claims of one rule that differ only in the scheme they are about (the gap of each scheme
+    shrinks over training, at one number of steps) are one README row from FOLD of them on, each member's
+    verdict in it and every count right; a tag (the steps) keeps families apart; fewer than FOLD, or claims
+    of another rule, stay one row each, in the order they came."""
+    from types import SimpleNamespace
+
+    from poslsh_cli.app.publish import FOLD, families, glance_row
+    from poslsh_cli.verdicts.claims import Status, Verdict
+
+    run = SimpleNamespace(run=tmp_path / "train_x")
+    gap = "the gap of {} to exact ALiBi shrinks over the second half of training{}"
+    statuses = [Status.SUPPORTED, Status.INCONCLUSIVE, Status.INCONCLUSIVE, Status.NOT_SUPPORTED]
+    rows = [(run, Verdict(gap.format(m, " [600 steps]"), st, "e", "shrink rule"))
+            for m, st in zip(["none", "poslsh s=10", "poslsh s=100 (sigma=8 every head)", "rope"], statuses)]
+    rows += [(run, Verdict(gap.format(m, " [1200 steps]"), Status.SUPPORTED, "e", "shrink rule"))
+             for m in ["none", "rope"][:FOLD - 2]]  # fewer than FOLD: one row each
+    rows.insert(1, (run, Verdict("poslsh s=10 reaches exact ALiBi", Status.SUPPORTED, "d +0.01", "other rule")))
+    got = families(rows)
+    assert [len(g) for _, g in got] == [4, 1, 1, 1]
+    line = glance_row(*got[0])
+    assert line == ("| the gap of … to exact ALiBi shrinks over the second half of training [600 steps] | 4 claims: "
+                    "1 SUPPORTED, 2 INCONCLUSIVE, 1 NOT SUPPORTED | none: **SUPPORTED**; poslsh s=10: **INCONCLUSIVE**; "
+                    "poslsh s=100 (sigma=8 every head): **INCONCLUSIVE**; rope: **NOT SUPPORTED** | train_x |")
+    assert glance_row(*got[1]) == "| poslsh s=10 reaches exact ALiBi | **SUPPORTED** | d +0.01 | train_x |"
+    assert glance_row(*got[2]).startswith(f"| {gap.format('none', ' [1200 steps]')} | **SUPPORTED** |")

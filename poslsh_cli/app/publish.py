@@ -23,6 +23,7 @@ runs published (then it is published in place, as it is, figures included). A fi
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
@@ -294,6 +295,66 @@ def side_by_side_markdown(sec: Any) -> list[str]:
     return lines + ([""] + sec.highlights if sec.highlights else []) + [""]
 
 
+#: a run's claims of one rule folded into one README row from this many on
+FOLD = 4
+
+
+def _tag(claim: str) -> tuple[str, str]:
+    """A claim without its trailing ``[...]`` tag (the steps or run it is about), and the tag."""
+    m = re.fullmatch(r"(.*?)\s*(\[[^\]]*\])?", claim)
+    return m.group(1), m.group(2) or ""
+
+
+def _common(claims: list[str]) -> tuple[list[str], list[str]]:
+    """The words every claim starts with and ends with."""
+    words = [c.split() for c in claims]
+    head = 0
+    while all(len(w) > head and w[head] == words[0][head] for w in words):
+        head += 1
+    tail = 0
+    while all(len(w) > head + tail and w[-1 - tail] == words[0][-1 - tail] for w in words):
+        tail += 1
+    return words[0][:head], words[0][len(words[0]) - tail:]
+
+
+def families(rows: list) -> list[tuple[Any, list]]:
+    """The rows of a part, a run's claims of one rule and tag that differ only in one place (the scheme
+    they are about) gathered into one family when there are at least :data:`FOLD` of them; in order."""
+    def key(s: Any, v: Any) -> tuple:
+        return id(s), v.rule, _tag(v.claim)[1]
+
+    groups: dict[tuple, list] = {}
+    for s, v in rows:
+        groups.setdefault(key(s, v), []).append(v)
+    folded = {k for k, g in groups.items()
+              if len(g) >= FOLD and sum(map(len, _common([_tag(v.claim)[0] for v in g]))) >= 3}
+    out, done = [], set()
+    for s, v in rows:
+        k = key(s, v)
+        if k not in folded:
+            out.append((s, [v]))
+        elif k not in done:
+            done.add(k)
+            out.append((s, groups[k]))
+    return out
+
+
+def glance_row(s: Any, group: list) -> str:
+    """One README row: a verdict with its evidence cut short, or a family of claims with each member's
+    verdict (their evidence in docs/RESULTS.md)."""
+    if len(group) == 1:
+        v = group[0]
+        return f"| {v.claim} | **{v.status.value}** | {short(v.evidence)} | {preset_of(s.run)} |"
+    texts = [_tag(v.claim)[0] for v in group]
+    head, tail = _common(texts)
+    claim = " ".join([*head, "…", *tail]) + (" " + _tag(group[0].claim)[1] if _tag(group[0].claim)[1] else "")
+    counts = collections.Counter(v.status.value for v in group)
+    each = "; ".join(f"{' '.join(t.split()[len(head):len(t.split()) - len(tail)])}: **{v.status.value}**"
+                     for t, v in zip(texts, group))
+    return (f"| {claim} | {len(group)} claims: " + ", ".join(f"{n} {st}" for st, n in counts.items())
+            + f" | {each} | {preset_of(s.run)} |")
+
+
 def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     """The README block: per part, each verdict in one row, one figure, and the link to the rest."""
     link = os.path.relpath(results_md, base)
@@ -314,8 +375,7 @@ def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
             lines += side_by_side_markdown(paired)
         if rows:
             lines += ["| claim | verdict | evidence | run |", "|---|---|---|---|"]
-            lines += [f"| {v.claim} | **{v.status.value}** | {short(v.evidence)} | {preset_of(s.run)} |"
-                      for s, v in rows]
+            lines += [glance_row(s, group) for s, group in families(rows)]
         if unmeasured:
             lines += ["", f"{unmeasured} more claim{'s' if unmeasured != 1 else ''} of these runs NOT MEASURED "
                           f"(the run was not made for it; which and why: [{link}]({link}))."]
