@@ -345,9 +345,9 @@ def glance_row(s: Any, group: list) -> str:
     if len(group) == 1:
         v = group[0]
         return f"| {v.claim} | **{v.status.value}** | {short(v.evidence)} | {preset_of(s.run)} |"
-    texts = [_tag(v.claim)[0] for v in group]
+    texts, tag = [_tag(v.claim)[0] for v in group], _tag(group[0].claim)[1]
     head, tail = _common(texts)
-    claim = " ".join([*head, "…", *tail]) + (" " + _tag(group[0].claim)[1] if _tag(group[0].claim)[1] else "")
+    claim = " ".join([*head, "…", *tail, *([tag] if tag else [])])
     counts = collections.Counter(v.status.value for v in group)
     each = "; ".join(f"{' '.join(t.split()[len(head):len(t.split()) - len(tail)])}: **{v.status.value}**"
                      for t, v in zip(texts, group))

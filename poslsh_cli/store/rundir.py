@@ -37,6 +37,7 @@ from poslsh_cli.store import ownership
 from poslsh_cli.store.cellwork import CellWork
 from poslsh_cli.store.provenance import device_info, git_commit, package_versions
 from poslsh_cli.store.readers import frames_of, read_cells, read_config_text, read_json
+from poslsh_cli.core.config import override_text
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import TMP_PREFIX, atomic_write_text, fault_point, remove_stale_temporaries
 
@@ -235,15 +236,11 @@ def _grown_hint(held: str, wanted: str, changes: list[str]) -> str:
     flat = _flat_config(held)
     full = {k: v if isinstance(v, list) else [v] for k, v in flat.items() if k in longer}
     keys = [f"{k}=[{','.join(map(str, full[k]))}]" for k in longer]
-    keys += [f"{k}={_override(flat.get(k))}" for k in SEED_SELECTORS
+    keys += [f"{k}={override_text(flat.get(k))}" for k in SEED_SELECTORS
              if k in flat and any(c.split(":", 1)[0] == k for c in changes)]
     return "".join(f"; it holds {k}={full[k]}, {longer[k]} beyond the list asked for" for k in longer) + \
         f": resume with '{' '.join(keys)}'"
 
-
-def _override(v: Any) -> str:
-    """A held value as a command-line override: null, [a,b], or the value."""
-    return "null" if v is None else f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
 
 
 class RunDir:

@@ -107,7 +107,7 @@ def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
     only for the schemes of ``all_seeds``. The steps, the length and the
     dropout enter the key only when used, so runs without them keep their cells. The shorter
     trainings come first (a run at several lengths has its shortest models soonest)."""
-    out = []
+    out, every_seed = [], trains_every_seed(spec)
     for steps in sorted(spec.steps):
         st = {"steps": steps} if len(spec.steps) > 1 else {}
         for L in spec.seq_len:
@@ -117,7 +117,7 @@ def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
                     for p in (spec.position if d == 0 else [p for p in spec.position if p in spec.dropout_positions]):
                         drop = {"attn_dropout": d} if d > 0 else {}
                         for s in (spec.s if randomized(p) else (0,)):
-                            if i >= spec.first_seeds and not trains_every_seed(spec, p, s, d):
+                            if i >= spec.first_seeds and not every_seed(p, s, d):
                                 continue
                             out.append({"position": p.value, "s": s, "seed": seed, **at, **drop, **st})
     return out

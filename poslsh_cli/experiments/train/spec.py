@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
@@ -160,16 +160,14 @@ def seed_scope(entry: str, spec: TrainSpec) -> tuple[Position, Optional[int], bo
     return position, s, dropout
 
 
-def trains_every_seed(spec: TrainSpec, position: Position, s: int, dropout: float) -> bool:
-    """Whether a model trains every seed of the list (all_seeds null, or an entry names it), or only
-    the first ``first_seeds``."""
+def trains_every_seed(spec: TrainSpec) -> Callable[[Position, int, float], bool]:
+    """Whether a model (position, s, attention dropout) trains every seed of the list (all_seeds null,
+    or an entry names it), or only the first ``first_seeds``; the entries read once."""
     if spec.all_seeds is None:
-        return True
-    for entry in spec.all_seeds:
-        p, es, d = seed_scope(entry, spec)
-        if p is position and (es is None or es == s) and (dropout > 0 or not d):
-            return True
-    return False
+        return lambda position, s, dropout: True
+    scopes = [seed_scope(entry, spec) for entry in spec.all_seeds]
+    return lambda position, s, dropout: any(p is position and (es is None or es == s) and (dropout > 0 or not d)
+                                            for p, es, d in scopes)
 
 
 @dataclass
