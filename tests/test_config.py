@@ -73,7 +73,9 @@ def test_every_preset_belongs_to_one_command_and_validates(preset):
     exp = registry.owner_of_preset(preset)
     assert preset in registry.preset_names(exp)
     seed = spec_of(exp.name, [f"experiment={preset}"]).seed
-    assert seed == 0 or seed[0] == 0  # presets start at seed 0
+    # presets start at seed 0, but for a confirmatory experiment, whose registered seeds are new ones
+    # (tests/test_preregistration.py)
+    assert seed == 0 or seed[0] == 0 or preset.startswith("train_confirm")
 
 
 def test_every_preset_has_quick_and_paper_scale():

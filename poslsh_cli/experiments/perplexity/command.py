@@ -412,7 +412,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("perplexity_official", "perplexity", "perplexity_finetune", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
+    presets=("perplexity_official", "perplexity_confirm", "perplexity", "perplexity_finetune", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
              "perplexity_official_qwen3_0_6b_gpu", "perplexity_official_mistral_7b_gpu"),
     opt_in=("perplexity_long",),
     order=60,

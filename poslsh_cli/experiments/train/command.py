@@ -280,7 +280,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
-    presets=("train_pilot", "train_official", "train", "train_finetune", "train_long", "train_gpu", "train_long_gpu",
+    presets=("train_pilot", "train_official", "train_confirm", "train", "train_finetune", "train_long", "train_gpu", "train_long_gpu",
              "finetune_mistral_7b_gpu", "train_qwen3_0_6b_gpu", "train_official_qwen3_0_6b_gpu",
              "finetune_official_mistral_7b_gpu"),
     opt_in=("train_pilot", "train_long"),
