@@ -89,3 +89,43 @@ def test_the_power_rule_gives_the_registered_seed_count():
     n = next(n for n in range(3, 100) if power(n) >= 0.8)
     assert n == len(registered()["seeds"]) == 11
     assert power(n - 1) < 0.8 <= power(n)
+
+
+def test_the_analysis_reads_the_registered_design():
+    """The code's registration (what the report decides with) is the registered block, field for field,
+    and names the commit that added the block."""
+    from poslsh_cli.verdicts.registered import CONFIRM_L256 as reg
+
+    block = registered()
+    assert reg.name == block["registration"] and reg.train_run == block["train_preset"].removesuffix("_paper")
+    assert list(reg.seeds) == block["seeds"] and reg.steps == block["steps"]
+    assert reg.seq_len == block["seq_len"] and reg.sigma == block["sigma"] and reg.mask_draws == block["mask_draws"]
+    assert [(p.id, p.treatment, p.s, p.control) for p in reg.primary] == \
+        [(p["id"], p["treatment"], p["s"], p["control"]) for p in block["primary"]]
+    assert reg.alpha == block["alpha"] and "holm" in block["correction"]
+    assert f"{reg.stability_df} degrees of freedom" in block["stability"]
+    assert f"{reg.stability_level:.0%} interval" in block["stability"]
+
+
+def test_the_registering_commit_added_the_registration_before_any_confirmatory_result():
+    """The commit the analysis names is the one that added docs/PREREGISTRATION.md, and no published
+    snapshot of the registered run is older than it."""
+    import datetime
+    import json
+    import subprocess
+
+    from poslsh_cli.verdicts.registered import CONFIRM_L256 as reg
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("a shallow clone has no history to read the registration from")
+    added = git("log", "--diff-filter=A", "--format=%H %cI", "--", "docs/PREREGISTRATION.md").stdout.split()
+    assert added[:1] == [reg.commit]
+    registered_at = datetime.datetime.fromisoformat(added[1])
+    meta = ROOT / "docs" / "results" / reg.train_run / "meta.json"
+    if meta.exists():  # once published: its first model started after the registration
+        started = datetime.datetime.fromisoformat(json.loads(meta.read_text())["started"]).replace(
+            tzinfo=datetime.timezone.utc)
+        assert started > registered_at

@@ -162,6 +162,11 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
         else:
             sec.figures = drawn[run]
     sections.sort(key=lambda s: order[s.command])
+    for exp in {exp.name: exp for _, exp, _ in tables.values() if exp.across_runs is not None}.values():
+        joint = exp.across_runs([df for _, e, df in tables.values() if e is exp])
+        if joint is not None:  # e.g. the registered primary verdicts, before the runs' own sections
+            first = min((i for i, s in enumerate(sections) if s.command == exp.name), default=len(sections))
+            sections.insert(first, joint)
     smoke = [s for s in sections if s.smoke]
     if smoke:
         notes.insert(0, SMOKE_NOTE.format(n=len(smoke), total=len(sections)))
@@ -358,7 +363,7 @@ def _rel(path: Path, base: Path) -> str:
     return os.path.relpath(path, base)
 
 
-_CLASS = {Status.SUPPORTED: "ok", Status.NOT_SUPPORTED: "no", Status.INCONCLUSIVE: "unsure", Status.NOT_MEASURED: "na"}
+_CLASS = {Status.SUPPORTED: "ok", Status.NOT_SUPPORTED: "no", Status.INCONCLUSIVE: "unsure", Status.NOT_MEASURED: "na", Status.ESTIMATE: "na"}
 
 
 def _html(sections: list[Section], provenance: list[dict], notes: list[str]) -> str:

@@ -23,6 +23,9 @@ class Status(enum.Enum):
     NOT_SUPPORTED = "NOT SUPPORTED"
     INCONCLUSIVE = "INCONCLUSIVE"
     NOT_MEASURED = "NOT MEASURED"
+    #: a secondary comparison of a registered experiment: an estimate with its interval and
+    #: direction, never a verdict (docs/PREREGISTRATION.md)
+    ESTIMATE = "ESTIMATE"
 
 
 @dataclass(frozen=True)

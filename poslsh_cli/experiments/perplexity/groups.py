@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 
 from poslsh_cli.experiments.perplexity import claims as pc
 from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.registered import REGISTERED
 from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, Interval, count, family_wise, half_width,
                                       seeds_for_half_width, spread, t_interval)
 
@@ -169,6 +170,8 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
                                    f"{MIN_SEEDS} needed)", WEIGHTS_RULE, key=key))
                 continue
             status, why = equivalence(iv, margin)
+            if str(run).split("/")[0] in REGISTERED:  # a registered run's secondary comparison: an estimate
+                status, why = Status.ESTIMATE, "secondary comparison of a registered experiment: no verdict"
             why = why.replace(str(margin), f"{margin:.4f}")
             ev = (f"L={int(L)}, {int(steps)} steps{', ' + run if run else ''}: weights with exact ALiBi minus the "
                   f"ALiBi-trained model {iv.text()}; margin {margin:.4f} ({why})")

@@ -261,6 +261,7 @@ def report(run: Path, df: Any) -> Section:
     from poslsh_cli.experiments.perplexity import claims as pc
     from poslsh_cli.experiments.perplexity import extrapolation as pe
     from poslsh_cli.experiments.perplexity import groups as pg
+    from poslsh_cli.experiments.perplexity import registered as pr
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
     df = pg.with_group_columns(with_model_columns(df))
@@ -301,14 +302,20 @@ def report(run: Path, df: Any) -> Section:
             at_L = pg.main_text(pown[pown.length == pown.trained_len])
             accuracy = "top1" in at_L.columns and at_L.top1.notna().all() and len(at_L)
             for gtag, d in pg.groups(at_L, windows, finetuned=False):
+                # a registered run's primary comparisons are decided once, in the registered section
+                # (app/report.py); everything else it measured is secondary: estimates, no verdicts
+                reg = pr.registration_of(d.rows.trained_run.iloc[0])
+                claims = ((pc.claim_beats_no_bias, pc.claim_beats_original_and_fixed_blocks, pc.claim_beats_alibi)
+                          if reg else (pc.claim_reaches_alibi, pc.claim_beats_no_bias,
+                                       pc.claim_beats_original_and_fixed_blocks, pc.claim_beats_alibi))
+                role = pr.secondary if reg else list
                 for tag, h in _by_bandwidths(d.rows):
                     dd = _restrict(d, h)
-                    for claim in (pc.claim_reaches_alibi, pc.claim_beats_no_bias,
-                                  pc.claim_beats_original_and_fixed_blocks, pc.claim_beats_alibi):
-                        judged += _tagged(claim(dd), _join(tag, gtag), tag)
+                    for claim in claims:
+                        judged += _tagged(role(claim(dd)), _join(tag, gtag), tag)
                     if accuracy:
-                        judged += _tagged(pc.claim_reaches_alibi_accuracy(dd.with_metric(pc.TOP1_MISS)), _join(tag, gtag),
-                                          tag)
+                        judged += _tagged(role(pc.claim_reaches_alibi_accuracy(dd.with_metric(pc.TOP1_MISS))),
+                                          _join(tag, gtag), tag)
             tuned = list(pg.groups(at_L, windows, finetuned=True))
             for gtag, d in tuned or [("", None)]:
                 for tag, h in _by_bandwidths(d.rows) if d is not None else [("", None)]:
@@ -321,7 +328,8 @@ def report(run: Path, df: Any) -> Section:
                 # the protocol is part of the claim's name even where a run scored one (it lines up with a
                 # run that scored several)
                 proto = ptag or (str(protocol_of(pown).protocol.iloc[0]) if len(pown) else "")
-                judged += _tagged(pe.claim_extrapolation(_restrict(d, h, keep_half=False)), _join(tag, gtag, ptag),
+                role = pr.secondary if pr.registration_of(d.rows.trained_run.iloc[0]) else list
+                judged += _tagged(role(pe.claim_extrapolation(_restrict(d, h, keep_half=False))), _join(tag, gtag, ptag),
                                   _join(tag, proto))
     judged += pg.claim_weights_reach_alibi(main_protocol(df))
     sec.verdicts += judged

@@ -1,0 +1,163 @@
+"""The registered confirmatory experiment's analysis from ``poslsh perplexity`` rows
+(docs/PREREGISTRATION.md; the statistics in :mod:`poslsh_cli.verdicts.registered`).
+
+The primary comparisons are decided here, once, under Holm's correction, on the registered endpoint:
+each model under its own attention at the training length, non-overlapping windows, its largest
+evaluation text, a Positional-LSH value the mean over its mask draws, paired by training seed. A
+verdict needs every registered seed: with fewer evaluated it is NOT MEASURED and shows no gap (an
+interim look was not registered). The stability check reads the same gap at the earlier training
+lengths the registration names (from another run's rows, when the report holds it).
+
+Every other comparison of a registered run is secondary: the run's own section shows it as an
+estimate (:data:`~poslsh_cli.verdicts.claims.Status` ``ESTIMATE``), never as a verdict
+(:func:`secondary`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from poslsh_cli.experiments.perplexity.claims import ALIBI, OWN, POSLSH
+from poslsh_cli.experiments.perplexity.groups import main_text, with_group_columns
+from poslsh_cli.lm.positions import with_model_columns
+from poslsh_cli.verdicts.claims import Section, Status, Verdict
+from poslsh_cli.verdicts.registered import (REGISTERED, GapPoint, Primary, Registration, Stability, decide_primary,
+                                            stability)
+
+NONOVERLAPPING = "nonoverlapping"
+SECONDARY_RULE = ("secondary comparison of a registered experiment (docs/PREREGISTRATION.md): an estimate with its "
+                  "interval and direction, no verdict")
+
+
+def registration_of(run: str) -> Optional[Registration]:
+    """The registration of a train run (by its run name), or None for an exploratory run."""
+    return REGISTERED.get(str(run).split("/")[0])
+
+
+def secondary(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    """The verdicts of a registered run's secondary comparisons, as estimates: the numbers and the
+    interval stay, the status becomes ESTIMATE (a NOT MEASURED stays NOT MEASURED), the rule says why."""
+    return [v if v.status is Status.NOT_MEASURED else
+            dataclasses.replace(v, status=Status.ESTIMATE, rule=f"{SECONDARY_RULE}; computed as: {v.rule}")
+            for v in verdicts]
+
+
+def endpoint_rows(df: Any, run: str, steps: int) -> Any:
+    """The registered endpoint's rows of one train run at one training length: own attention at the
+    training length, non-overlapping windows, each model's largest evaluation text, not fine-tuned,
+    no attention dropout."""
+    rows = with_group_columns(with_model_columns(df))
+    rows = rows[(rows.attention == OWN) & (rows.trained_run.astype(str).str.split("/").str[0] == run)
+                & (rows.trained_steps == steps) & (rows.length == rows.trained_len) & (rows.finetuned != "yes")
+                & (rows.attn_dropout.fillna(0.0) == 0.0)]
+    if "protocol" in rows.columns:
+        rows = rows[rows.protocol == NONOVERLAPPING]
+    return main_text(rows)
+
+
+def _per_seed(rows: Any, position: str, s: int = 0) -> dict:
+    r = rows[rows.position == position]
+    if position == POSLSH:
+        r = r[r.trained_s == s]
+    return r.groupby("run_seed").bits_per_byte.mean().to_dict()
+
+
+def seed_gaps(rows: Any, primary: Primary) -> dict:
+    """Per training seed, the treatment's bits per byte (mean over its draws) minus the control's."""
+    a, b = _per_seed(rows, primary.treatment, primary.s), _per_seed(rows, primary.control)
+    return {k: a[k] - b[k] for k in sorted(set(a) & set(b))}
+
+
+def gap_point(rows: Any, primary: Primary, steps: int) -> Optional[GapPoint]:
+    """The seed-paired gap at one training length with its standard error (None under two seeds)."""
+    g = np.array(list(seed_gaps(rows, primary).values()), float)
+    if g.size < 2:
+        return None
+    return GapPoint(steps, float(g.mean()), float(g.std(ddof=1) / math.sqrt(g.size)), int(g.size))
+
+
+def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
+    """The registered primary verdicts from the rows of every perplexity run of the report (the
+    registered run's and, for the stability check, the earlier runs')."""
+    import pandas as pd
+
+    df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
+    rows = endpoint_rows(df, reg.train_run, reg.steps)
+    control = _per_seed(rows, ALIBI)
+    gaps = {p: seed_gaps(rows, p) for p in reg.primary}
+    registered = set(reg.seeds)
+    complete = all(set(g) >= registered for g in gaps.values()) and set(control) >= registered
+    rule = (f"registered {reg.name} (commit {reg.commit[:10]}): one-sided paired t over the {len(reg.seeds)} registered "
+            f"seeds against the margin ({reg.margin_fraction:.0%} of exact ALiBi's mean), Holm over the "
+            f"{len(reg.primary)} primary comparisons at family-wise {reg.alpha:.0%}: reaching rejected SUPPORTED, "
+            "worse by more than the margin rejected NOT SUPPORTED, otherwise INCONCLUSIVE; a verdict needs every "
+            "registered seed")
+    if not complete:
+        done = min([len(set(g) & registered) for g in gaps.values()] + [len(set(control) & registered)])
+        return [Verdict(_claim(p, reg), Status.NOT_MEASURED,
+                        f"{done} of the {len(reg.seeds)} registered seeds evaluated: the registered analysis runs on all "
+                        "of them (no interim look was registered)", rule, key=_key(p)) for p in reg.primary]
+    margin = reg.margin_fraction * float(np.mean([control[k] for k in reg.seeds]))
+    decided = decide_primary({p: [gaps[p][k] for k in reg.seeds] for p in reg.primary}, margin, reg.alpha)
+    out = []
+    for p in reg.primary:
+        r = decided[p]
+        t = r.test
+        stab = _stability(df, reg, p, margin, GapPoint(reg.steps, t.gap, t.se, t.n))
+        side = "upper" if r.status is not Status.NOT_SUPPORTED else "lower"
+        step = r.worse if r.status is Status.NOT_SUPPORTED else r.reach
+        ev = (f"L={reg.seq_len}, {reg.steps} steps, {t.n} seeds x {reg.mask_draws} draws: gap {t.gap:+.4f} bits per byte "
+              f"({100 * t.gap / (margin / reg.margin_fraction):+.2f}% of exact ALiBi's), 90% [{t.low90:+.4f}, "
+              f"{t.high90:+.4f}]; margin {margin:.4f}; Holm rank {step.rank}, one-sided level {step.level:.4f}: "
+              f"{side} bound {r.bound:+.4f}, adjusted p {r.adjusted_p:.4f}; "
+              + (stab.text() if isinstance(stab, Stability) else stab))
+        numbers = {"unit": "bits per byte", "length": reg.seq_len, "steps": reg.steps, "margin": margin,
+                   "boundary": margin, "gap": t.gap, "low90": t.low90, "high90": t.high90, "bound": r.bound,
+                   "adjusted_p": r.adjusted_p, "seeds": t.n, "primary": p.id,
+                   "stability": (dataclasses.asdict(stab) if isinstance(stab, Stability) else None)}
+        out.append(Verdict(_claim(p, reg), r.status, ev, rule, numbers, key=_key(p)))
+    return out
+
+
+def _claim(p: Primary, reg: Registration) -> str:
+    return (f"primary ({reg.name}): Positional LSH s={p.s} reaches exact ALiBi's bits per byte within "
+            f"{reg.margin_fraction:.0%} at T = {reg.steps}")
+
+
+def _key(p: Primary) -> str:
+    return f"primary/{p.id}"
+
+
+def _stability(df: Any, reg: Registration, p: Primary, margin: float, last: GapPoint) -> Stability | str:
+    points = [gap_point(endpoint_rows(df, run, steps), p, steps) for run, steps in reg.earlier]
+    missing = [f"{run} at {steps} steps" for (run, steps), pt in zip(reg.earlier, points) if pt is None]
+    if missing:
+        return f"stability not measured: no {', '.join(missing)} among the runs reported"
+    return stability([*points, last], margin / 2, reg.stability_level, reg.stability_df)
+
+
+def section(dfs: list[Any]) -> Optional[Section]:
+    """The registered experiments' section of a report, from the rows of every perplexity run in it
+    (None when no registered run is among them)."""
+    runs = {str(x).split("/")[0] for d in dfs if "trained_run" in d.columns for x in d.trained_run.dropna().unique()}
+    regs = [REGISTERED[r] for r in sorted(runs) if r in REGISTERED]
+    if not regs:
+        return None
+    from pathlib import Path
+
+    sec = Section("perplexity", Path("registered"), "Registered confirmatory experiment: does Positional LSH reach exact "
+                  "ALiBi?")
+    for reg in regs:
+        sec.verdicts += primary_verdicts(dfs, reg)
+        sec.paragraphs.append(
+            f"{reg.name}, registered in docs/PREREGISTRATION.md at commit {reg.commit[:10]} before its first model "
+            f"trained: {len(reg.seeds)} seeds ({reg.seeds[0]}-{reg.seeds[-1]}), T = {reg.steps} steps, L = {reg.seq_len}, "
+            f"sigma = {reg.sigma:g} every head; each primary verdict is decided under Holm's correction over the "
+            f"{len(reg.primary)} comparisons and carries the registered stability check (the gap's slope per "
+            f"doubling of training over " + ", ".join(f"{st}" for _, st in reg.earlier) + f" and {reg.steps} steps, "
+            f"{reg.stability_level:.0%} interval against half the margin). Every other comparison of the run is "
+            "secondary: an estimate, in the run's own section.")
+    return sec

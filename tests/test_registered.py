@@ -1,0 +1,172 @@
+"""The registered confirmatory analysis: Holm's correction over the primary comparisons, the stability
+check on the gap's slope against log2 T, a verdict only with every registered seed, and no verdict for
+a secondary comparison (docs/PREREGISTRATION.md; poslsh_cli/verdicts/registered.py)."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from poslsh_cli.app import registry
+from poslsh_cli.app.report import sections_of
+from poslsh_cli.experiments.perplexity import registered as pr
+from poslsh_cli.verdicts.claims import Status
+from poslsh_cli.verdicts.registered import (CONFIRM_L256, GapPoint, Reading, holm, noninferiority, stability)
+from test_perplexity import A, NONE, ROPE, ppl_run
+
+P10, P20, P100 = ("poslsh", 10, 0.0), ("poslsh", 20, 0.0), ("poslsh", 100, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Holm
+
+
+def test_holm_steps_down_and_rejects_more_than_bonferroni():
+    """0.01, 0.02, 0.04 at 5%: 0.01 <= 0.05/3, 0.02 <= 0.05/2, 0.04 <= 0.05: all three (Bonferroni,
+    every p against 0.05/3, rejects only the first)."""
+    steps = holm({"a": 0.04, "b": 0.01, "c": 0.02}, 0.05)
+    assert [steps[k].rank for k in "bca"] == [1, 2, 3]
+    assert [steps[k].level for k in "bca"] == pytest.approx([0.05 / 3, 0.05 / 2, 0.05])
+    assert all(steps[k].rejected for k in "abc")
+    assert sum(p <= 0.05 / 3 for p in (0.04, 0.01, 0.02)) == 1  # Bonferroni's count
+    # adjusted p-values: max over the steps so far of (m - i + 1) p_(i)
+    assert [steps[k].adjusted for k in "bca"] == pytest.approx([0.03, 0.04, 0.04])
+
+
+def test_holm_stops_at_the_first_hypothesis_it_keeps():
+    """0.01, 0.03, 0.031: 0.03 > 0.05/2 keeps the second, and the third (0.031 > ... though below 0.05)
+    is kept with it: the procedure stops."""
+    steps = holm({"a": 0.01, "b": 0.03, "c": 0.031}, 0.05)
+    assert steps["a"].rejected and not steps["b"].rejected and not steps["c"].rejected
+    assert steps["c"].adjusted == pytest.approx(0.06)  # max(0.03, 0.06, 0.031)
+    one = holm({"a": 0.049}, 0.05)
+    assert one["a"].rejected and one["a"].level == 0.05
+
+
+def test_holm_ranks_a_missing_p_value_last_and_never_rejects_it():
+    steps = holm({"a": math.nan, "b": 0.001}, 0.05)
+    assert steps["b"].rank == 1 and steps["b"].rejected and not steps["a"].rejected
+
+
+def test_noninferiority_p_values_are_the_paired_t_tests_against_the_margin():
+    gaps = [0.010, 0.002, 0.007, 0.012, 0.004]
+    t = noninferiority(gaps, 0.018)
+    d = np.array(gaps)
+    tstat = (d.mean() - 0.018) / (d.std(ddof=1) / math.sqrt(5))
+    assert t.p_reach == pytest.approx(stats.t.cdf(tstat, 4)) and t.p_worse == pytest.approx(stats.t.sf(tstat, 4))
+    assert t.p_reach + t.p_worse == pytest.approx(1.0)
+    half = stats.t.ppf(0.95, 4) * d.std(ddof=1) / math.sqrt(5)
+    assert (t.low90, t.high90) == pytest.approx((d.mean() - half, d.mean() + half))
+    # the one-sided upper bound at level a is below the margin exactly when p_reach <= a
+    for a in (0.05 / 3, 0.025, 0.05, 0.2):
+        assert (t.bound(a, upper=True) < 0.018) == (t.p_reach <= a)
+
+
+# ---------------------------------------------------------------------------------------------
+# stability
+
+
+def test_stability_is_the_weighted_slope_per_doubling_with_its_interval():
+    pts = [GapPoint(600, 0.038, 0.004, 5), GapPoint(1200, 0.036, 0.003, 5), GapPoint(2400, 0.035, 0.002, 11)]
+    st = stability(pts, band=0.009, level=0.90, df=4)
+    x, y, w = np.log2([600, 1200, 2400]), np.array([0.038, 0.036, 0.035]), 1 / np.array([0.004, 0.003, 0.002]) ** 2
+    b, *_ = np.linalg.lstsq(np.sqrt(w)[:, None] * np.c_[np.ones(3), x], np.sqrt(w) * y, rcond=None)
+    assert st.slope == pytest.approx(b[1])
+    xm = (w * x).sum() / w.sum()
+    half = stats.t.ppf(0.95, 4) / math.sqrt((w * (x - xm) ** 2).sum())
+    assert (st.low, st.high) == pytest.approx((b[1] - half, b[1] + half))
+    assert st.reading is Reading.SETTLED and "settled" in st.text()
+
+
+def test_stability_reads_a_gap_still_moving_and_says_which_way():
+    shrinking = stability([GapPoint(600, 0.06, 0.001, 5), GapPoint(1200, 0.04, 0.001, 5),
+                           GapPoint(2400, 0.02, 0.001, 11)], band=0.009, level=0.90, df=4)
+    assert shrinking.reading is Reading.MOVING and "shrinking by 0.0200 per doubling" in shrinking.text()
+    growing = stability([GapPoint(600, 0.00, 0.001, 5), GapPoint(2400, 0.04, 0.001, 11)], 0.009, 0.90, 4)
+    assert growing.reading is Reading.MOVING and "growing" in growing.text()
+    # the same move measured with wide intervals decides nothing: the two-point-estimate rule would
+    # have read it as moving (0.012 > 0.009) on point estimates alone
+    noisy = stability([GapPoint(1200, 0.00, 0.01, 5), GapPoint(2400, 0.012, 0.01, 11)], 0.009, 0.90, 4)
+    assert noisy.reading is Reading.UNDETERMINED
+    with pytest.raises(ValueError):
+        stability([GapPoint(2400, 0.01, 0.001, 11)], 0.009, 0.90, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the registered run's report
+
+
+def confirm_rows(tmp_path, gaps, seeds=CONFIRM_L256.seeds, name="perplexity_confirm", secondary=True):
+    scratch = {A: 1.70, **{(p, s, d): 1.70 + gaps[s] for (p, s, d) in (P10, P20, P100)}}
+    if secondary:
+        scratch.update({NONE: 2.7, ROPE: 1.6})
+    return ppl_run(tmp_path, scratch=scratch, seeds=seeds, seed_sd=0.001, steps=2400, train_run="train_confirm",
+                   name=name)
+
+
+def official_rows(tmp_path, gaps, steps):
+    scratch = {A: 1.9, **{(p, s, d): 1.9 + gaps[s] for (p, s, d) in (P10, P20, P100)}}
+    return ppl_run(tmp_path, scratch=scratch, seeds=(0, 1, 2, 3, 4), seed_sd=0.001, steps=steps,
+                   train_run="train_official", name="perplexity_official")
+
+
+def test_primary_verdicts_are_decided_under_holm_over_every_registered_seed(tmp_path):
+    _, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0165})
+    verdicts = {v.key: v for v in pr.primary_verdicts([df], CONFIRM_L256)}
+    assert set(verdicts) == {f"primary/reaches_alibi_s{s}" for s in (10, 20, 100)}
+    s10, s20, s100 = (verdicts[f"primary/reaches_alibi_s{s}"] for s in (10, 20, 100))
+    assert s10.status is Status.NOT_SUPPORTED and s20.status is Status.SUPPORTED
+    assert s100.status is Status.INCONCLUSIVE  # on the margin (0.017)
+    assert "11 seeds x 3 draws" in s20.evidence and "Holm rank" in s20.evidence and "adjusted p" in s20.evidence
+    assert s20.numbers["bound"] < s20.numbers["margin"] < s10.numbers["bound"]
+    assert "stability not measured: no train_official at 600 steps, train_official at 1200 steps" in s20.evidence
+
+
+def test_a_primary_verdict_needs_every_registered_seed_and_shows_no_gap_before(tmp_path):
+    _, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0}, seeds=CONFIRM_L256.seeds[:7])
+    verdicts = pr.primary_verdicts([df], CONFIRM_L256)
+    assert {v.status for v in verdicts} == {Status.NOT_MEASURED}
+    assert all(v.evidence.startswith("7 of the 11 registered seeds evaluated") for v in verdicts)
+    assert not any("gap" in v.evidence.split(":")[0] or "+0.0" in v.evidence for v in verdicts)
+
+
+def test_the_stability_check_reads_the_earlier_runs_of_the_report(tmp_path):
+    _, df = confirm_rows(tmp_path, {10: 0.030, 20: 0.020, 100: 0.005})
+    _, half = official_rows(tmp_path, {10: 0.045, 20: 0.025, 100: 0.010}, 600)
+    _, full = official_rows(tmp_path, {10: 0.038, 20: 0.021, 100: 0.006}, 1200)
+    verdicts = {v.key: v for v in pr.primary_verdicts([df, pd.concat([half, full])], CONFIRM_L256)}
+    st = verdicts["primary/reaches_alibi_s10"].numbers["stability"]
+    assert st["slope"] < 0 and [p["steps"] for p in st["points"]] == [600, 1200, 2400]
+    assert "per doubling of training" in verdicts["primary/reaches_alibi_s10"].evidence
+
+
+def test_a_registered_runs_other_comparisons_are_estimates_not_verdicts(tmp_path):
+    """The same rows under an exploratory run's name carry verdicts; under the registered run's name
+    every comparison but the primary ones is an ESTIMATE (and its reaches-ALiBi claims are left to
+    the registered section)."""
+    run, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0})
+    sec = registry.get("perplexity").report(run, df)
+    decided = {Status.SUPPORTED, Status.NOT_SUPPORTED, Status.INCONCLUSIVE}
+    assert sec.verdicts and not [v.claim for v in sec.verdicts if v.status in decided]
+    assert any(v.status is Status.ESTIMATE and "RoPE" in v.claim for v in sec.verdicts)
+    assert not any("reaches the bits per byte" in v.claim for v in sec.verdicts)
+    explored = registry.get("perplexity").report(run, df.assign(trained_run="train_official"))
+    assert any(v.status in decided for v in explored.verdicts)
+
+
+def test_the_report_puts_the_registered_section_before_the_language_model_sections(tmp_path):
+    run, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0})
+    # a perplexity run directory the report can read: config, meta, results
+    from poslsh_cli.core.config import CONF_DIR  # noqa: F401  (the run's config is composed by the readers)
+    import json
+    import yaml
+
+    spec_cfg = {"checkpoints": ["train_confirm"], "seed": 0}
+    (run / "config.yaml").write_text(yaml.safe_dump(spec_cfg))
+    (run / "meta.json").write_text(json.dumps({"command": "perplexity", "status": "complete", "argv": "poslsh perplexity"}))
+    df.to_csv(run / "results.csv", index=False)
+    sections, _, _ = sections_of([run], notice=lambda _: None)
+    titles = [s.title for s in sections]
+    assert titles[0].startswith("Registered confirmatory experiment"), titles
+    assert {v.key for v in sections[0].verdicts} == {f"primary/reaches_alibi_s{s}" for s in (10, 20, 100)}
