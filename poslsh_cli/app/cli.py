@@ -314,8 +314,10 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
         sys.stderr.flush()
 
     try:
+        from poslsh_cli.experiments.machine import available_memory
+
         opts = parse(list(settings or []))
-        out = generate(checkpoint, **opts, stream=stream, notice=notice)
+        out = generate(checkpoint, **opts, stream=stream, notice=notice, memory_bytes=available_memory("cpu"))
     except ConfigError as exc:
         fail("generate", str(exc))
         return

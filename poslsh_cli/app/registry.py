@@ -84,8 +84,25 @@ def compose_config(exp: Experiment, overrides: list[str]) -> Any:
     import dataclasses
 
     register_all_schemas()
+    _refuse_anothers_preset(exp, overrides)
     return compose(exp.config_name, overrides, known=[f.name for f in dataclasses.fields(exp.spec)],
                    presets=preset_names(exp))
+
+
+def _refuse_anothers_preset(exp: Experiment, overrides: list[str]) -> None:
+    """``experiment=NAME`` naming another command's preset: one line saying whose it is (Hydra's own
+    message for it ends at a colon)."""
+    for o in overrides:
+        key, _, name = o.partition("=")
+        if key.lstrip("+~") != "experiment" or name in preset_names(exp):
+            continue
+        if (CONF_DIR / "experiment" / f"{name}.yaml").exists():
+            try:
+                owner = owner_of_preset(name).name
+            except ConfigError:
+                continue
+            raise ConfigError(f"experiment={name} is a preset of poslsh {owner}, not of poslsh {exp.name} (poslsh "
+                              f"{owner} experiment={name}; this command's presets: {', '.join(preset_names(exp))})")
 
 
 def compose_spec(exp: Experiment, overrides: list[str]) -> Any:

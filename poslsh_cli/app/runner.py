@@ -159,6 +159,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
             todo = dist.decide(started)
         except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM while the directory was being set up
             return _interrupted(run, len(keys), err, stopped_code(exc))
+        if hasattr(ctx, "todo"):  # a context that says what the session will cost (train)
+            ctx.todo = len(todo)
         return _loop(exp, spec, ctx, run, keys, todo, err, notice)
 
 

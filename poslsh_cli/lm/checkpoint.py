@@ -370,6 +370,10 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
     if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return [(p, str(p))]
     if _is_train_run(p):
+        made_by = _command_of(p)
+        if made_by not in ("", "train"):
+            raise ConfigError(f"{entry} is a {made_by} run, not a training run: give a train run (poslsh train's out=) "
+                              "or a checkpoint directory")
         df = results(p)
         if len(df) and "checkpoint" not in df.columns:
             raise ConfigError(f"{entry}: not a train run (its results have no checkpoint column)")
@@ -382,6 +386,15 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
         if found:
             return [(q, str(q.relative_to(p.parent))) for q in found]
     raise ConfigError(f"{entry}: neither a checkpoint directory (config.json, or a LoRA adapter) nor a train run")
+
+
+def _command_of(run: Path) -> str:
+    """The command that made a run directory, from its meta.json ("" when unreadable or unsaid)."""
+    from poslsh_cli.store.readers import read_json
+
+    meta, _ = read_json(run / "meta.json")
+    command = meta.get("command") if isinstance(meta, dict) else None
+    return command if isinstance(command, str) else ""
 
 
 def _is_train_run(p: Path) -> bool:

@@ -56,6 +56,10 @@ def parse(args: list[str]) -> dict[str, Any]:
         raise ConfigError(f"max_new_tokens must be >= 1, got {out['max_new_tokens']}")
     if out["temperature"] <= 0:
         raise ConfigError(f"temperature must be > 0, got {out['temperature']}")
+    if out["top_k"] < 0:
+        raise ConfigError(f"top_k must be >= 0 (0: every token), got {out['top_k']}")
+    if not out["do_sample"] and (out["temperature"] != DEFAULTS["temperature"] or out["top_k"] != DEFAULTS["top_k"]):
+        raise ConfigError("temperature= and top_k= shape sampling: add do_sample=true (greedy decoding ignores them)")
     if out["s"] < 0:
         raise ConfigError(f"s must be >= 0 (0: the checkpoint's own), got {out['s']}")
     return out
@@ -64,11 +68,12 @@ def parse(args: list[str]) -> dict[str, Any]:
 def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own", s: int = 0, seed: int = 0,
              sampler: str = "own", do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
              cache: bool = True, stream: Optional[Callable[[str], None]] = None,
-             notice: Optional[Callable[[str], None]] = None) -> Generated:
+             notice: Optional[Callable[[str], None]] = None, memory_bytes: Optional[float] = None) -> Generated:
     """Continue ``prompt`` by ``max_new_tokens`` tokens (greedy unless ``do_sample``); Positional-LSH
     masks drawn by ``sampler`` (``own``: the checkpoint's); ``stream`` gets the text as it comes (the
     prompt, then each new piece), ``notice`` a line when the text goes past the length the model was
-    trained at. A rotary model refuses more tokens than it has positions (:func:`check_length`)."""
+    trained at. A rotary model refuses more tokens than it has positions (:func:`check_length`); a
+    key/value cache that keeps every key refuses to grow past ``memory_bytes`` (:func:`check_cache`)."""
     import torch
 
     from poslsh_cli.lm.loading import load_model, with_scheme
@@ -83,7 +88,11 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     encode, decode = codec(Path(path))
     ids = torch.as_tensor(encode(prompt), dtype=torch.long)[None]
     label = state.label
-    check_length(Path(path), model, state, label, int(ids.shape[1]), max_new_tokens, notice)
+    forgets = cache and state.position is not Position.ROPE and not state.native and forgetting(state.position)
+    checks = [lambda: check_cache(model, label, int(ids.shape[1]) + max_new_tokens, forgets, memory_bytes, notice),
+              lambda: check_length(Path(path), model, state, label, int(ids.shape[1]), max_new_tokens, notice)]
+    for check in checks[::-1] if state.position is Position.ROPE else checks:  # a rotary model's positions first
+        check()
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=cache, do_sample=do_sample,
                                   pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
     if cache and state.position is not Position.ROPE and not state.native:
@@ -146,6 +155,57 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
     if trained and total > trained and notice is not None:
         notice(f"the prompt and the new tokens reach position {total}, past the length the model was trained at "
                f"({trained}): {label} has no position limit and extrapolates")
+
+
+def forgetting(position: Any) -> bool:
+    """Whether a scheme's key/value cache forgets keys it can no longer see (its method declares a
+    forgetting rule: Positional LSH, fixed blocks, windowed ALiBi), so the cache stays bounded."""
+    from poslsh_cli.attention.scheme import method_of
+    from poslsh_cli.numerics.methods import method_def
+
+    try:
+        return method_def(method_of(position)).forget is not None
+    except (ValueError, KeyError):
+        return False
+
+
+def cache_bytes_per_token(model: Any) -> int:
+    """Bytes the key/value cache holds per token: layers x (key + value) x key/value heads x head
+    width x the element size of the model's weights."""
+    cfg = model.config
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg, "n_layer", 0) or 1)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0) or 1)
+    kv = int(getattr(cfg, "num_key_value_heads", 0) or heads)
+    width = int(getattr(cfg, "head_dim", 0) or (int(getattr(cfg, "hidden_size", 0) or 0) // heads) or 1)
+    element = next(model.parameters()).element_size()
+    return layers * 2 * kv * width * element
+
+
+def check_cache(model: Any, label: str, total: int, forgets: bool, memory_bytes: Optional[float],
+                notice: Optional[Callable[[str], None]] = None) -> None:
+    """What decoding ``total`` tokens costs, said before it starts when it is long, and refused when
+    a cache that keeps every key would outgrow ``memory_bytes``: one decoding step a token; a
+    forgetting cache keeps only the keys the scheme can still see, any other grows by
+    :func:`cache_bytes_per_token` a token (every step then attends to all of them)."""
+    per_token = cache_bytes_per_token(model)
+    grown = per_token * total
+    if not forgets and memory_bytes is not None and grown > memory_bytes:
+        raise ConfigError(f"{total:,} tokens: {label}'s key/value cache keeps every key and would grow to "
+                          f"{_bytes(grown)} ({_bytes(per_token)} a token), more than the {_bytes(memory_bytes)} "
+                          "available: ask for fewer new tokens")
+    positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if notice is not None and positions and total > positions:
+        notice(f"{total:,} tokens, one decoding step each: " + (
+            f"the cache keeps only the keys {label} can still see, so each step costs about the same"
+            if forgets else f"the cache grows to {_bytes(grown)} and each step attends to every token before it, "
+                            "so steps slow down as it grows") + " (Ctrl-C stops it)")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 class Streamer:

@@ -277,6 +277,9 @@ class RunDir:
                 raise ConfigError(f"out={self.path} holds a poslsh {other} run, not a {self.command} run; use another "
                                   "out=")
             if _config_body(held) != _config_body(self.config_yaml):
+                if not _flat_config(held):  # cut, emptied or not YAML: say so, not "a different configuration"
+                    raise ConfigError(f"{cfg_file} cannot be read as a poslsh configuration (empty, cut or malformed "
+                                      "YAML): restore it, move the directory away or use another out=")
                 self.grown = grown(held, self.config_yaml)
                 free = [*self.grown, *(SEED_SELECTORS if "seed" in self.grown
                                        and selects_only_added(held, self.config_yaml, self.defaults) else ())]

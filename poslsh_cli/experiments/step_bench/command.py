@@ -120,10 +120,11 @@ def prepare(spec: StepBenchSpec) -> StepBenchContext:
 
 
 def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, sigma: Optional[float] = None,
-            heads: int = 8) -> Any:
+            heads: int = 8, draw: bool = True) -> Any:
     """The plan a training step at length n takes (cells are told apart by its label; the
     ``attention_path`` column is recorded from the run itself): the plan with the cost model of one
-    draw of the step's masks, as a training step chooses it (RoPE: SDPA without bias)."""
+    draw of the step's masks, as a training step chooses it (RoPE: SDPA without bias). ``draw=False``:
+    without drawing them (the plan from sizes alone; O(1) memory whatever n)."""
     import numpy as np
     import torch
 
@@ -134,7 +135,7 @@ def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, s
         return Plan(Method.NO_BIAS, Backend.SDPA)
     method = method_of(position)
     work = None
-    if randomized(position) and torch.device(device).type == "cpu" and backend == "auto":
+    if draw and randomized(position) and torch.device(device).type == "cpu" and backend == "auto":
         spec = AttentionSpec.build(method, bandwidths(heads, sigma), n, True, s=s, rng=np.random.default_rng(0))
         work = work_of(spec, n)
     return choose(method, device=device, dtype=torch.float32, n=n, causal=True, grad=True, backend=backend,
@@ -289,19 +290,24 @@ def memory(spec: StepBenchSpec) -> MemoryNeed:
     device, n = resolve_device(spec.device), max(spec.seq_len)
     shape = LMShape(VOCAB, spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate)
     need = MemoryNeed(0.0, "")
-    for k in cells(spec, StepBenchContext(device, None)):
-        if k["seq_len"] == n:
-            plan = planned(Position(k["position"]), k["backend"], n, device, k["s"], sigma_at(spec, n), spec.heads)
-            batch = batch_at(spec, n)
-            att = plan.memory_bytes(batch, spec.heads, n, spec.head_dim, k["s"], training=True)
-            if plan.backend is Backend.UNION and k["backend"] == "auto" and device.type == "cpu":
-                # the plan took the union by the masks drawn, only while its band is under the cap
-                outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, spec.heads, n, spec.head_dim, 0, True)
-                att = outputs + union_band_bound(spec.heads, n, k["s"], capped=True)
-            b = lm_bytes(shape, batch, n, att, training=True)
-            if b > need.bytes:
-                need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {k['position']} on {plan.label}",
-                                  spec.device)
+    batch = batch_at(spec, n)
+    # from the sizes alone (no masks drawn: a length past memory is refused before anything of its
+    # size exists); where the plan would weigh the drawn masks, the larger of its two paths
+    for p in spec.position:
+        for backend in (spec.backend if p is not Position.ROPE else (StepBackend.AUTO,)):
+            if backend.value != "auto" and not _has(p, backend.value):
+                continue
+            for s in (spec.s if randomized(p) else (0,)):
+                plan = planned(p, backend.value, n, device, s, sigma_at(spec, n), spec.heads, draw=False)
+                att = plan.memory_bytes(batch, spec.heads, n, spec.head_dim, s, training=True)
+                if randomized(p) and backend.value == "auto" and device.type == "cpu":
+                    # the plan may take the union by the masks drawn, only while its band is under the cap
+                    outputs = Plan(plan.method, Backend.SDPA).memory_bytes(batch, spec.heads, n, spec.head_dim, 0, True)
+                    att = max(att, outputs + union_band_bound(spec.heads, n, s, capped=True))
+                b = lm_bytes(shape, batch, n, att, training=True)
+                if b > need.bytes:
+                    need = MemoryNeed(b, f"a training step of {batch} x {n} tokens, {p.value} on {plan.label}",
+                                      spec.device)
     return need
 
 

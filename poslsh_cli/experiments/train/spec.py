@@ -180,6 +180,10 @@ class TrainContext:
     device: torch.device
     meta: dict = field(default_factory=dict)
     world: int = 1
+    #: the cells this session will train (the runner sets it once it knows which are done), and whether
+    #: the cost of the run was said (after the first steps of the first of them: :func:`stage.say_cost`)
+    todo: int = 0
+    cost_said: bool = False
 
 
 @dataclass(frozen=True)
