@@ -437,3 +437,25 @@ def test_a_log_gets_a_line_every_tenth_and_one_per_kind_of_message_at_the_end():
     assert lines[-3:] == ["    100/100 alibi seed=0 validation 8/256 windows",
                           "    100/100 alibi seed=0 final weights on the training split 8/256 windows",
                           "    100/100 alibi seed=0 loss 4.000 val_bpb 5.000"], lines[-3:]
+
+
+def test_a_log_never_stays_silent_longer_than_the_quiet_limit(monkeypatch):
+    """Off a terminal, a line at least every QUIET_S seconds besides one every tenth: a tenth of a
+    1200-step cell took 20-40 s on a busy machine with nothing printed."""
+    import io
+
+    from rich.console import Console
+
+    from poslsh_cli.app import runner
+
+    now = [0.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    with runner._Progress(Console(file=out, force_terminal=False, width=200), 1, 0, "train") as bar:
+        for step in range(1, 1001):
+            now[0] += 0.35  # a step of a third of a second: a tenth of the cell is 35 s
+            bar.sub(step, 1000, f"alibi seed=0 loss {5 - step / 1000:.3f}")
+    lines = out.getvalue().splitlines()
+    assert len(lines) > 30  # every ~10 s of 350 s, besides the tenths
+    steps = [int(line.split("/")[0]) for line in lines]
+    assert max(b - a for a, b in zip(steps, steps[1:])) * 0.35 <= runner.QUIET_S + 0.35

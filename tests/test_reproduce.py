@@ -90,6 +90,29 @@ def test_the_report_is_written_as_soon_as_an_evaluation_finishes(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    assert out.count("report: ") == 2, out[-2000:]
+    written = [line for line in out.splitlines() if line.startswith("report: ") and line.endswith("report.md")]
+    assert len(written) == 2, out[-2000:]
     # the first report comes right after perplexity_official, before block_stats starts
-    assert out.index("report: ") < out.index("== block_stats:"), out[-3000:]
+    assert out.index(written[0]) < out.index("== block_stats:"), out[-3000:]
+    assert "report: reading the runs under" in out and "report: drawing the figures of" in out  # never silent
+
+
+def test_a_report_written_after_the_last_preset_is_not_written_again(tmp_path, monkeypatch, capsys):
+    """The last preset an evaluation: its report covers every run, and reproduce says it once (it
+    built and printed the same report twice, minutes apart)."""
+    import poslsh_cli.app.reproduce as r
+    from poslsh_cli.app import report
+
+    built = []
+    monkeypatch.setattr(report, "build", lambda dirs, out, progress=None, **kw: built.append(out) or
+                        (out / "report.md", out / "report.html"))
+
+    def wave(entries, root, launcher, limit, done, failed, include=()):
+        done.append(root / "train_official")
+        done.append(root / "perplexity_official")
+        r._report(root, len(done))  # what the wave does when an evaluation preset finishes
+
+    monkeypatch.setattr(r, "_run_wave", wave)
+    monkeypatch.setattr(r, "plan", lambda scale: [("block_stats", "block-stats", "block_stats_quick")])
+    assert r.main("quick", str(tmp_path)) == 0
+    assert len(built) == 1 and capsys.readouterr().out.count("report.md") == 1

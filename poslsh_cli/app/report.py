@@ -109,10 +109,12 @@ def _wall_times(root: Path) -> dict[str, float]:
     return out
 
 
-def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, notice=_print) -> tuple[Path, Path]:
+def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, notice=_print,
+          progress: Callable[[str], None] | None = None) -> tuple[Path, Path]:
     """Write report.md and report.html into ``out_dir``; returns their paths. Repairs of a run's
-    tables are said through ``notice`` and listed in the report."""
-    sections, provenance, notes = sections_of(run_dirs, notes, notice)
+    tables are said through ``notice`` and listed in the report; ``progress`` hears each run as it is
+    read and the figures before they are drawn."""
+    sections, provenance, notes = sections_of(run_dirs, notes, notice, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
@@ -121,16 +123,19 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
     return md_path, html_path
 
 
-def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_print) -> tuple[list, list, list]:
+def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_print,
+                progress: Callable[[str], None] | None = None) -> tuple[list, list, list]:
     """(sections in report order with their figures drawn, provenance rows, notes) of the runs at
-    or below ``run_dirs``."""
+    or below ``run_dirs``; ``progress`` hears each run as it is read and the figures before they are drawn."""
     runs = find_runs(run_dirs)
     notes = list(notes or []) + [n for n in notes_of([Path(p) for p in run_dirs]) if n not in (notes or [])]
     experiments = registry.experiments()
     order = {name: i for i, name in enumerate(experiments)}
     sections, provenance = [], []
     tables = {}
-    for run in runs:
+    for i, run in enumerate(runs, start=1):
+        if progress is not None:
+            progress(f"{run.name} ({i}/{len(runs)})")
         said: list[str] = []
 
         def tell(text: str) -> None:
@@ -155,6 +160,8 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
                            "seed": meta.get("seed"), "wall s": meta.get("wall_seconds"),
                            "device": machine_text(meta.get("device")),
                            "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
+    if progress is not None:
+        progress(f"drawing the figures of {len(tables)} runs")
     drawn = draw_figures([(run, exp, df) for run, (_, exp, df) in tables.items()])
     for run, (sec, _, _) in tables.items():
         if isinstance(drawn[run], str):  # a figure that cannot be drawn must not lose the numbers

@@ -188,17 +188,26 @@ def _main(scale: str, root: Path, launcher: str, jobs: int | None, include: tupl
         print(f"interrupted; run the same command again to resume ({root})", file=sys.stderr)
         return stopped_code(exc)
     _record_session(root, scale, started, time.time() - t0, len(done), failed)
-    if done:
+    if done and _REPORTED.get(root) != len(done):  # unless the last preset's report already covers them all
         _report(root)
     return 1 if failed else 0
 
 
-def _report(root: Path) -> None:
-    """The report of every run under ``root`` so far (report.md, report.html), said where it is."""
+#: reproduce root -> how many presets had finished when its report was last written (by this process)
+_REPORTED: dict[Path, int] = {}
+
+
+def _report(root: Path, finished: int | None = None) -> None:
+    """The report of every run under ``root`` so far (report.md, report.html), said where it is; a
+    line before it starts and one per run read, since reading every run and drawing its figures takes
+    minutes at the paper scale."""
     from poslsh_cli.app import report
 
-    md, html_path = report.build([root], root)
+    print(f"report: reading the runs under {root} and drawing their figures", flush=True)
+    md, html_path = report.build([root], root, progress=lambda text: print(f"report: {text}", flush=True))
     print(f"report: {md}\n        {html_path}", flush=True)
+    if finished is not None:
+        _REPORTED[root] = finished
 
 
 def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list,
@@ -238,7 +247,7 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
                         print(f"== finished {name} (log: {logs[name]})", flush=True)
                     if name in evaluations:  # its claims are in the report now, not only at the end
                         try:
-                            _report(root)
+                            _report(root, len(done))
                         except Exception as exc:  # noqa: BLE001  (a report is rebuilt at the end; the runs go on)
                             print(f"== report not written yet: {type(exc).__name__}: {exc}", flush=True)
             if block and running:

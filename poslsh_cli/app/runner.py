@@ -299,6 +299,9 @@ def key_text(key: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in key.items() if not (k == "s" and v == 0))
 
 
+#: Off a terminal, the longest a cell's progress stays silent: a line at least this often (seconds)
+#: besides one every tenth of the cell (a tenth of a long training cell is minutes on a busy machine).
+QUIET_S = 10.0
 #: The numbers of a progress message, masked to tell its kinds apart (:meth:`_Progress.sub`).
 _NUMBERS = re.compile(r"[0-9.]+")
 
@@ -313,6 +316,7 @@ class _Progress:
         self.rich = console.is_terminal
         self._sub_task = None
         self._last_tenth, self._last_kind = -1, ""
+        self._last_line = time.monotonic()
 
     def __enter__(self) -> "_Progress":
         if self.rich:
@@ -334,8 +338,9 @@ class _Progress:
             return
         tenth = int(10 * done / max(1, total))
         kind = _NUMBERS.sub("#", text) if done == total else ""  # at the end: the message, numbers aside
-        if tenth != self._last_tenth or (done == total and kind != self._last_kind):
-            self._last_tenth, self._last_kind = tenth, kind
+        quiet = time.monotonic() - self._last_line >= QUIET_S  # a tenth of a long cell may take minutes
+        if tenth != self._last_tenth or (done == total and kind != self._last_kind) or quiet:
+            self._last_tenth, self._last_kind, self._last_line = tenth, kind, time.monotonic()
             self.console.print(f"    {done}/{total} {text}", markup=False)
 
     def advance(self, key: dict, seconds: float) -> None:

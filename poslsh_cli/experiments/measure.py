@@ -268,7 +268,8 @@ def timed_call(setup: Callable[[], Any], attend: Callable[[Any], Any], device: A
 
 def measure(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any, repeats: int,
             warmup: int, backward: bool, inputs: tuple[Any, ...],
-            reference: Optional[tuple[Callable[[], Any], Callable[[Any], Any]]] = None) -> Timing:
+            reference: Optional[tuple[Callable[[], Any], Callable[[Any], Any]]] = None,
+            progress: Optional[Callable[[int, int, str], None]] = None) -> Timing:
     """Time ``attend(setup())``: end to end and each part, within the same calls.
 
     ``setup`` is the method's per-call set-up (for Positional LSH: drawing the masks and
@@ -282,11 +283,14 @@ def measure(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any,
     ``reference``, a (setup, attend) pair of the path this one is compared with, is warmed up the
     same way (without a memory pass) and timed alternately with it (A B A B ...), so both medians
     see the same machine: a ratio of the two stays honest when the load changes during the run.
-    The load is sampled during the timed calls (:class:`LoadProbe`).
+    The load is sampled during the timed calls (:class:`LoadProbe`). ``progress(done, total, text)``
+    hears each call as it finishes (a large cell's calls take a minute on a busy machine).
     """
+    say = progress or (lambda done, total, text: None)
     call = timed_call(setup, attend, device, backward, inputs)
     other = timed_call(*reference, device, backward, inputs) if reference is not None else None
     t0 = time.perf_counter()
+    say(0, repeats, "memory and warm-up call")
     peak, out = peak_memory_mb(lambda: call()[2], device)
     if time.perf_counter() - t0 < WARM_AFTER_S:
         for _ in range(warmup):
@@ -297,7 +301,7 @@ def measure(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any,
             break
     prep, att, total, ref = [], [], [], []
     with LoadProbe(device) as probe:
-        for _ in range(repeats):
+        for i in range(repeats):
             a, b, _ = call()
             prep.append(a)
             att.append(b)
@@ -305,6 +309,7 @@ def measure(setup: Callable[[], Any], attend: Callable[[Any], Any], device: Any,
             if other is not None:
                 a, b, _ = other()
                 ref.append(a + b)
+            say(i + 1, repeats, "timed calls")
     return Timing(statistics.median(total), statistics.median(prep), statistics.median(att), peak, out,
                   statistics.median(ref) if ref else math.nan, probe.load, tuple(total), time.perf_counter() - t0)
 

@@ -333,7 +333,9 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
         pairs = H * (n * (n + 1) / 2 if causal else float(n) * n)
     paired = method is not Method.EXACT and n <= spec.exact_max_n and \
         Method.EXACT.value in {m.value for m in spec.methods}
-    t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v))
+    t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v),
+                progress=None if work is None else
+                lambda done, total, text: work.progress(done, total, f"{method.value} n={n} {text}"))
     first_exact = method is Method.EXACT and key.get("backend", spec.exact_backends[0]) == spec.exact_backends[0]
     if first_exact or paired:
         ref = ctx.refs.get((n, causal))
