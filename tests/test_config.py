@@ -133,7 +133,7 @@ def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
     from poslsh_cli.app import reproduce
 
     # the long-context CPU runs and the pilot that sized the language-model presets
-    assert set(reproduce.opt_in()) == {"train_pilot", "train_pilot_l1024", "train_long", "perplexity_long"}
+    assert set(reproduce.opt_in()) == {"train_pilot", "train_pilot_l1024", "train_first", "train_long", "perplexity_long"}
     assert "--with train_long" in reproduce.not_asked("train_long", "train_long_paper", ())
     assert reproduce.not_asked("train_long", "train_long_paper", ("train_long",)) is None
     assert reproduce.not_asked("train_long", "train_long_quick", ()) is None  # the smoke test runs every preset
@@ -144,7 +144,7 @@ def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
         assert reproduce.not_asked(name, f"{name}_paper", ()) is None
         assert (name, command, f"{name}_paper") in reproduce.plan("paper")
     assert reproduce.check_with(["all"]) == tuple(reproduce.opt_in())
-    with pytest.raises(ConfigError, match="--with must be one of train_pilot, train_pilot_l1024, train_long, perplexity_long or all, "
+    with pytest.raises(ConfigError, match="--with must be one of train_pilot, train_pilot_l1024, train_first, train_long, perplexity_long or all, "
                                           "got 'trian'"):
         reproduce.check_with(["trian"])
     # the driver leaves it out and says why in its run directory, running nothing

@@ -12,6 +12,8 @@ def test_every_python_block_of_the_readme_runs(capsys):
         exec(compile(code, str(README), "exec"), {})
     err = float(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < err < 0.5  # Positional LSH with s=16 approximates exact ALiBi (the printed relative error)
+    said = re.search(r"print\(.*\)\s+# ([0-9.]+):", "".join(blocks))
+    assert said and abs(err - float(said.group(1))) < 5e-4, "the README states what its example prints"
 
 
 def test_the_loader_is_importable_from_the_package():

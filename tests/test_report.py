@@ -39,10 +39,11 @@ def test_a_smoke_scale_run_says_its_verdicts_are_a_smoke_test(tmp_path):
     md = (runs / "report.md").read_text()
     assert "1 of these 2 runs are at smoke scale" in md and "decide none of the paper's claims" in md
     summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0]
-    quick = [line for line in summary.splitlines() if "(quick)" in line]
-    plain = [line for line in summary.splitlines() if "(plain)" in line]
+    quick = [line for line in summary.splitlines() if "[quick]" in line]
+    plain = [line for line in summary.splitlines() if "[plain]" in line]
     assert quick and all("(smoke test)**" in line for line in quick)
     assert plain and not any("smoke test" in line for line in plain)
+    assert md.index("1 of these 2 runs are at smoke scale") < md.index("## Summary")  # it qualifies the summary
     assert "(smoke test)" in (runs / "report.html").read_text()
 
 
@@ -123,3 +124,26 @@ def test_the_readme_shows_the_language_model_claims_side_by_side_with_why_they_d
     assert lines[2].startswith("| c1 | **SUPPORTED**: L=256: poslsh s=10 2.5 (3 seeds x 3 draws); …")
     assert lines[2].endswith("| not judged in this run |")
     assert "Where the protocols disagree (1 of the 1 claims ...):" in lines and "perplexity: bandwidths standard" not in lines
+
+
+def test_the_summary_lists_the_decided_claims_by_part_with_links_and_a_contents(tmp_path):
+    """A report a person reads first: the summary lists one line per claim a rule decided, grouped by
+    the paper's parts, each linking to its section's anchor; the undecided ones are counted; a table
+    of contents follows; every section's title names its run; the HTML's notes render their code."""
+    runs = tmp_path / "runs"
+    r = poslsh("block-stats", "n=[1024,8192]", "sigma=4", "s=8", "trials=10", f"out={runs / 'plain'}")
+    assert r.exit_code == 0, r.output
+    r = poslsh("matrix-error", "n=[256]", "sigma=[4]", "s=[1,4,16]", "trials=2", f"out={runs / 'm'}")
+    assert r.exit_code == 0, r.output
+    assert poslsh("report", runs).exit_code == 0
+    md = (runs / "report.md").read_text()
+    summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    decided = [line for line in summary.splitlines() if line.startswith("- **")]
+    assert decided and all(("**SUPPORTED" in line or "**NOT SUPPORTED" in line) and "](#" in line for line in decided)
+    assert "**Theory: masks, matrix error, block sizes**" in summary
+    assert "INCONCLUSIVE" not in "".join(decided)
+    for target in {line.rsplit("](#", 1)[1].rstrip(")") for line in decided}:
+        assert f'<a id="{target}"></a>' in md  # every link lands on a section
+    assert "## Contents" in md and "(plain)" in md.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    html = (runs / "report.html").read_text()
+    assert "id='contents'" in html and "href='#block-stats-plain'" in html and "id='block-stats-plain'" in html

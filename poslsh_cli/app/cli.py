@@ -21,7 +21,7 @@ import typer
 
 from poslsh_cli import __version__
 from poslsh_cli.app import registry
-from poslsh_cli.app.launch import check_launcher, terminate_as_interrupt, fail, launch
+from poslsh_cli.app.launch import check_launcher, launcher_help, terminate_as_interrupt, fail, launch
 from poslsh_cli.core.config import CONF_DIR, key_help
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm import models
@@ -141,8 +141,7 @@ def _epilog(exp: Experiment) -> str:
     presets = registry.preset_names(exp)
     if presets:
         lines.append(f"  [cyan]experiment[/cyan]=NAME  a preset from conf/experiment/: {escape(', '.join(presets))}\n\n")
-    lines.append("  [cyan]hydra/launcher[/cyan]=NAME  with -m: basic (default), joblib (parallel on this machine), "
-                 "submitit_local or submitit_slurm (SLURM array); the last three need pip install -e \".\\[launchers]\"\n\n")
+    lines.append("  [cyan]hydra/launcher[/cyan]=NAME  with -m: " + escape(launcher_help()) + "\n\n")
     return "".join(lines)
 
 

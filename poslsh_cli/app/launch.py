@@ -29,6 +29,20 @@ LAUNCHERS = {"basic": (None, None), "local": (None, None), "joblib": ("hydra_plu
              "slurm": ("hydra_plugins.hydra_submitit_launcher", "sbatch")}
 
 
+#: what each launcher name does, in the order --help, the guide and the error line give them
+LAUNCHER_WORDS = {"basic": "one job after another (the default)", "local": "the same as basic",
+                  "joblib": "jobs in parallel on this machine",
+                  "slurm": "a SLURM array with this project's settings (requeued jobs resume)",
+                  "submitit_slurm": "a SLURM array with the plugin's own defaults",
+                  "submitit_local": "SLURM's code path on this machine"}
+
+
+def launcher_help() -> str:
+    """The launchers in one line: each name and what it does (the last four need the launchers extra)."""
+    return ("; ".join(f"{name}: {LAUNCHER_WORDS[name]}" for name in LAUNCHERS)
+            + "; joblib, slurm, submitit_slurm and submitit_local need pip install -e \".[launchers]\"")
+
+
 def fail(command: str, message: "str | BaseException", code: int = 2) -> None:
     """The error on stderr, never a traceback, then exit non-zero. A message written for the user
     (a :class:`ConfigError`, or text) is kept whole: one line, or a first line and the lines it
@@ -105,7 +119,7 @@ def check_launcher(name: str, multirun: bool) -> None:
     import shutil
 
     if name not in LAUNCHERS:
-        raise ConfigError(f"unknown launcher {name!r} (choose from {', '.join(LAUNCHERS)})")
+        raise ConfigError(f"unknown launcher {name!r} (choose from {launcher_help()})")
     if not multirun:
         raise ConfigError(f"hydra/launcher={name} applies to a multirun: add -m")
     module, program = LAUNCHERS[name]

@@ -64,8 +64,8 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     time paired with it (:func:`exact_time`) and the speed-up over it; the cheapest window at least
     as accurate, with its own speed-up."""
     df, _ = first_sampler(df)
-    head = ["n", "causal", "exact s", "poslsh", "e2e s", "of which sampling", "speed-up", "rel_fro", "window@≤err",
-            "window s", "win speed-up"]
+    head = ["n", "causal", "exact secs", "poslsh", "e2e secs", "of which sampling", "speed-up", "rel_fro", "window@≤err",
+            "window secs", "win speed-up"]
     df = split_exact(df)
     exact = exact_time(df)
     rows = []

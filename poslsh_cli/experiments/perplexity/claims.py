@@ -199,7 +199,7 @@ def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: s
     unit = "" if d.metric is BPB else f" ({d.metric.unit}, 100 minus the top-1 accuracy in %)"
     falls = [(sc.label, d.fall(sc)) for sc in (a, b)]
     trained = "; ".join(f"{lab} {f:.4f}" for lab, f in falls if f == f)
-    return (f"L={length}{unit}: {means}; difference {iv.text()}; {basis}"
+    return (f"L={length}{unit}: {means}; difference {a.label} - {b.label} {iv.text()}; {basis}"
             + (f"; validation fell over the last 20% of training: {trained}" if trained else ""))
 
 
@@ -290,21 +290,22 @@ def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, ke
 
 
 def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int, key: str = "") -> Verdict:
-    """``better`` has lower bits per byte than ``worse``: the interval of worse - better above 0."""
+    """``better`` has lower bits per byte than ``worse``: the interval of better - worse below 0 (every
+    difference a report shows is the claim's scheme minus the other, as "reaches" shows it)."""
     key = _key(key or f"{better.label} better than {worse.label}", d)
     if not (d.present(worse, length) and d.present(better, length)):
-        return Verdict(claim, Status.NOT_MEASURED, _absent(d, length, worse, better), BETTER_RULE, key=key)
-    iv, basis = d.compare(worse, better, length, 0.95)
+        return Verdict(claim, Status.NOT_MEASURED, _absent(d, length, better, worse), BETTER_RULE, key=key)
+    iv, basis = d.compare(better, worse, length, 0.95)
     if iv is None:
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE, key=key)
-    status = on_seeds(difference(iv, "positive"), iv)
+    status = on_seeds(difference(iv, "negative"), iv)
     margin = d.margin
     decide = _decide(iv, 0.0, status, margin)
-    settled, moved = stability(d, worse, better, length, margin)
+    settled, moved = stability(d, better, worse, length, margin)
     if settled is False:
         status, decide = Status.INCONCLUSIVE, ""
-    ev = _evidence(d, worse, better, length, iv, basis) + f"; {moved}" + decide
-    return Verdict(claim, status, ev, BETTER_RULE, _numbers(d, worse, better, length, iv, margin, 0.0), key=key)
+    ev = _evidence(d, better, worse, length, iv, basis) + f"; {moved}" + decide
+    return Verdict(claim, status, ev, BETTER_RULE, _numbers(d, better, worse, length, iv, margin, 0.0), key=key)
 
 
 def poslsh_s(d: Data) -> list[int]:

@@ -30,9 +30,8 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     rule_r = (f"per seed, bits per byte at {k}L minus at L (own attention, from scratch, on one evaluation text); "
               f"margin = {MARGIN_FRACTION:.0%} of the model's own bits per byte at L; SUPPORTED when the 95% "
               f"t-interval over the seeds (at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation "
-              "noise only, and INCONCLUSIVE) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; a claim "
-              "about robustness needs a RoPE or no-position model evaluated at the same lengths to contrast (NOT "
-              "MEASURED otherwise)")
+              "noise only, and INCONCLUSIVE) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; "
+              "whether RoPE or no-position models degrade more is a claim of its own")
     if s is None or not _degradation(d, Scheme(POSLSH, s)):
         return [Verdict(robust, Status.NOT_MEASURED, f"no poslsh model evaluated at L and {k}L", rule_r,
                         key="extrapolation/robust")]
@@ -52,8 +51,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
                  f"{np.mean(list(p.values())):+.4f}; {count(len(p), 'training seeds')} and no evaluation windows"))
     ev += f"; margin {margin:.4f}"
     if not others:
-        return [Verdict(robust, Status.NOT_MEASURED, ev + f"; no rope or none model evaluated at L and {k}L", rule_r,
-                        key="extrapolation/robust")]
+        ev += f" (no rope or none model evaluated at L and {k}L to set beside it)"
     if iv is not None and iv.finite:
         st = on_seeds(Status.SUPPORTED if iv.high < margin else (
             Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE), iv)
