@@ -54,7 +54,7 @@ def test_perplexity_of_another_commands_run_says_what_run_it_is(tmp_path):
     run = small_run(tmp_path)  # a matrix-error run: config.yaml, cells, results.csv
     res = poslsh("perplexity", str(run))
     line = res.stderr
-    assert one_line(res) and "is a matrix-error run, not a training run" in line, line
+    assert one_line(res) and "is a matrix-error run, not a training run: its cells hold no checkpoints" in line, line
 
 
 def test_a_run_directory_whose_config_cannot_be_read_is_named(tmp_path):

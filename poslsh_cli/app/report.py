@@ -8,20 +8,15 @@ read from the run directories, so any report over them says what is missing and 
 """
 from __future__ import annotations
 
-import collections
+import json
 import math
 import re
-
-import base64
-import datetime as _dt
-import html
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
-from poslsh_cli.app import registry
+from poslsh_cli.app import registry, render
 from poslsh_cli.verdicts.claims import Section, Status
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
@@ -122,7 +117,7 @@ def build(run_dirs: list[Path], out_dir: Path, notes: list[str] | None = None, n
     read and the figures before they are drawn."""
     sections, provenance, notes = sections_of(run_dirs, notes, notice, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, body = _markdown(sections, provenance, out_dir, notes), _html(sections, provenance, notes)
+    md, body = render.markdown(sections, provenance, out_dir, notes), render.html_page(sections, provenance, notes)
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
     atomic_write_text(md_path, md)
     atomic_write_text(html_path, body)
@@ -182,7 +177,7 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
             sections.insert(first, joint)
     smoke = [s for s in sections if s.smoke]
     if smoke:
-        notes.insert(0, Lead(SMOKE_NOTE.format(n=len(smoke), total=len(sections))))
+        notes.insert(0, render.Lead(SMOKE_NOTE.format(n=len(smoke), total=len(sections))))
     lm_runs = [sec for sec in sections if sec.facts.get("protocol")]
     if len(lm_runs) > 1:
         last = max(i for i, sec in enumerate(sections) if sec in lm_runs)
@@ -326,201 +321,4 @@ SMOKE_NOTE = ("{n} of these {total} runs are at smoke scale (`*_quick` presets: 
 
 def is_smoke(meta: dict) -> bool:
     """Whether a run was made from a smoke-scale preset (``experiment=<name>_quick``)."""
-    import re
-
     return bool(re.search(r"experiment=\S+_quick\b", str(meta.get("argv") or "")))
-
-
-def verdict_text(sec: Section, v: Any) -> str:
-    """A verdict's status as the summary prints it: with ``(smoke test)`` for a smoke-scale run."""
-    return v.status.value + (" (smoke test)" if sec.smoke else "")
-
-
-#: The paper's parts, by the experiments' report order (``Experiment.order``): up to the first
-#: bound, then up to the next (the report's summary and the README group their claims by them).
-PARTS = (("Theory: masks, matrix error, block sizes", 30),
-         ("Attention: output error and speed", 50),
-         ("Language models: training, extrapolation, retrieval", float("inf")))
-#: what the summary lists one line each: the verdicts a rule decided
-DECIDED = (Status.SUPPORTED, Status.NOT_SUPPORTED)
-
-
-def anchor(sec: Section) -> str:
-    """A section's anchor in report.md and report.html: its command and run, lower case, dashed."""
-    return re.sub(r"[^a-z0-9]+", "-", f"{sec.command} {sec.run.name}".lower()).strip("-")
-
-
-def heading(sec: Section) -> str:
-    """A section's title with the run it reports (several sections of one command are told apart)."""
-    return sec.title if sec.run.name in ("", "registered") else f"{sec.title} ({sec.run.name})"
-
-
-def _part(sec: Section) -> int:
-    order = registry.get(sec.command).order if sec.command in registry.experiments() else math.inf
-    return next(i for i, (_, bound) in enumerate(PARTS) if order < bound)
-
-
-def summary_lines(sections: list[Section]) -> list[tuple[int, Section, Any]]:
-    """(part, section, verdict) of every decided verdict, grouped by the paper's parts in report order."""
-    rows = [(_part(s), s, v) for s in sections for v in s.verdicts if v.status in DECIDED]
-    return sorted(rows, key=lambda r: r[0])
-
-
-def _undecided(sections: list[Section], part: int) -> str:
-    counts = collections.Counter(v.status.value for s in sections if _part(s) == part for v in s.verdicts
-                                 if v.status not in DECIDED)
-    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-
-
-class Lead(str):
-    """A note every verdict of the report depends on (that its runs are at smoke scale): before the
-    summary, where the other notes come after it."""
-
-
-def _lead(sections: list[Section], notes: list[str]) -> tuple[list[str], list[str]]:
-    """(the notes that lead, the other notes)."""
-    return [n for n in notes if isinstance(n, Lead)], [n for n in notes if not isinstance(n, Lead)]
-
-
-def _markdown(sections: list[Section], provenance: list[dict], out_dir: Path, notes: list[str]) -> str:
-    lines = ["# Positional LSH: claims and measurements", "",
-             f"Generated {_dt.datetime.now().isoformat(timespec='seconds')} by `poslsh report`.", ""]
-    lead, notes = _lead(sections, notes)
-    lines += [f"- {n}" for n in lead] + ([""] if lead else [])
-    lines += ["## Summary", "", "The claims a rule decided, by the paper's part; each links to its section, where its "
-              "evidence, its rule and the claims left undecided are.", ""]
-    rows = summary_lines(sections)
-    for i, (title, _) in enumerate(PARTS):
-        here = [(s, v) for part, s, v in rows if part == i]
-        rest = _undecided(sections, i)
-        if not here and not rest:
-            continue
-        lines += [f"**{title}**", ""]
-        lines += [f"- **{verdict_text(s, v)}** {v.claim} ([{s.run.name or s.command}](#{anchor(s)}))" for s, v in here]
-        if rest:
-            lines.append(f"- not decided: {rest} (in the sections)")
-        lines.append("")
-    lines += [f"- {n}" for n in notes] + ([""] if notes else [])
-    lines += ["## Contents", ""] + [f"- [{heading(s)}](#{anchor(s)})" for s in sections] + ["- [Provenance](#provenance)"]
-    for sec in sections:
-        lines += section_markdown(sec, f"Run: `{sec.run}`",
-                                  details_in=lambda sec: f"report.html and `{_rel(sec.run / 'results.csv', out_dir)}`",
-                                  figure_link=lambda f: _rel(f, out_dir), anchored=True)
-    lines += ["", "<a id=\"provenance\"></a>", "", "## Provenance", ""]
-    lines.append(pd.DataFrame(provenance).to_markdown(index=False))
-    return "\n".join(lines) + "\n"
-
-
-def section_markdown(sec: Section, run_line: str, details_in: Callable[[Section], str],
-                     figure_link: Callable[[Path], str], level: str = "##", anchored: bool = False) -> list[str]:
-    """One section as markdown lines: title, where it came from, verdicts with their rules, the
-    computed sentences, tables, where the full tables are, figures (``anchored``: the title under an
-    anchor the report's summary and contents link to, and naming its run)."""
-    lines = (["", f"<a id=\"{anchor(sec)}\"></a>", "", f"{level} {heading(sec)}"] if anchored else
-             ["", f"{level} {sec.title}"]) + ["", run_line, ""]
-    for v in sec.verdicts:
-        lines.append(f"- **{verdict_text(sec, v)}**: {v.claim}. {v.evidence}. *Rule: {v.rule}.*")
-    lines += [""] + sec.paragraphs
-    for t in sec.tables:
-        lines += ["", t.to_markdown(index=False)]
-    for caption, _ in sec.details:
-        lines += ["", f"({caption}: in {details_in(sec)}.)"]
-    for f in sec.figures:
-        lines += ["", f"![{f.stem}]({figure_link(f)})"]
-    return lines
-
-
-def _rel(path: Path, base: Path) -> str:
-    import os
-
-    return os.path.relpath(path, base)
-
-
-def embedded_png(path: Path) -> str:
-    """A figure for the self-contained HTML, base64: the PNG with a palette of 256 colours (the line
-    figures lose nothing visible, and the file a quarter of its size); the file as it is when it
-    cannot be read as an image."""
-    import io
-
-    raw = Path(path).read_bytes()
-    try:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(raw)) as im:
-            out = io.BytesIO()
-            im.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=256).save(out, "PNG", optimize=True)
-        smaller = out.getvalue()
-        raw = smaller if len(smaller) < len(raw) else raw
-    except Exception:  # noqa: BLE001  (not an image Pillow reads: embed the bytes as they are)
-        pass
-    return base64.b64encode(raw).decode()
-
-
-def _inline(text: str) -> str:
-    """Plain text with markdown's inline code (`...`) as HTML <code> (a note's backticks showed as such)."""
-    return re.sub(r"`([^`]+)`", lambda m: f"<code>{m.group(1)}</code>", html.escape(text))
-
-
-_CLASS = {Status.SUPPORTED: "ok", Status.NOT_SUPPORTED: "no", Status.INCONCLUSIVE: "unsure", Status.NOT_MEASURED: "na", Status.ESTIMATE: "na"}
-
-
-def _html(sections: list[Section], provenance: list[dict], notes: list[str]) -> str:
-    e = html.escape
-    css = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}"
-           ".scroll{overflow-x:auto;max-width:100%}"
-           "table{border-collapse:collapse;margin:.8em 0;font-size:.85em}td,th{border:1px solid #ccc;padding:3px 7px;"
-           "text-align:right;vertical-align:top}th{background:#f3f3f3}td.text{text-align:left}"
-           "td.argv{text-align:left;font-family:monospace;font-size:.9em;word-break:break-all;min-width:16em}"
-           ".ok{color:#0a0;font-weight:bold}.no{color:#c00;font-weight:bold}.unsure{color:#b60;font-weight:bold}"
-           ".na{color:#888;font-weight:bold}.rule{color:#555;font-size:.9em}"
-           "img{max-width:100%;border:1px solid #eee;margin:.5em 0}code{background:#f5f5f5;padding:1px 3px;word-break:break-all}"
-           "details{margin:.6em 0}summary{cursor:pointer;color:#036}")
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>poslsh report</title><style>{css}</style></head><body>",
-             "<h1>Positional LSH: claims and measurements</h1>",
-             f"<p>Generated {e(_dt.datetime.now().isoformat(timespec='seconds'))} by <code>poslsh report</code>.</p>"]
-    lead, notes = _lead(sections, notes)
-    if lead:
-        parts.append("<ul>" + "".join(f"<li>{_inline(n)}</li>" for n in lead) + "</ul>")
-    parts.append("<h2 id='summary'>Summary</h2><p>The claims a rule decided, by the paper's part; each links to its "
-                 "section, where its evidence, its rule and the claims left undecided are.</p>")
-    rows = summary_lines(sections)
-    for i, (title, _) in enumerate(PARTS):
-        here = [(s, v) for part, s, v in rows if part == i]
-        rest = _undecided(sections, i)
-        if not here and not rest:
-            continue
-        parts.append(f"<h3>{e(title)}</h3><ul>")
-        parts += [f"<li><span class='{_CLASS[v.status]}'>{e(verdict_text(s, v))}</span> {e(v.claim)} "
-                  f"(<a href='#{anchor(s)}'>{e(s.run.name or s.command)}</a>)</li>" for s, v in here]
-        if rest:
-            parts.append(f"<li class='rule'>not decided: {e(rest)} (in the sections)</li>")
-        parts.append("</ul>")
-    if notes:
-        parts.append("<ul>" + "".join(f"<li>{_inline(n)}</li>" for n in notes) + "</ul>")
-    parts.append("<h2 id='contents'>Contents</h2><ul>" + "".join(
-        f"<li><a href='#{anchor(s)}'>{e(heading(s))}</a></li>" for s in sections)
-        + "<li><a href='#provenance'>Provenance</a></li></ul>")
-    for sec in sections:
-        parts.append(f"<h2 id='{anchor(sec)}'>{e(heading(sec))}</h2><p>Run: <code>{e(str(sec.run))}</code> "
-                     "<a href='#contents'>(contents)</a></p><ul>")
-        for v in sec.verdicts:
-            parts.append(f"<li><span class='{_CLASS[v.status]}'>{e(verdict_text(sec, v))}</span>: {e(v.claim)}. "
-                         f"{e(v.evidence)}."
-                         f"<br><span class='rule'>Rule: {e(v.rule)}.</span></li>")
-        parts.append("</ul>")
-        parts += [f"<p>{e(p)}</p>" for p in sec.paragraphs]
-        parts += [f"<div class='scroll'>{t.to_html(index=False, border=0, escape=True)}</div>" for t in sec.tables]
-        for caption, t in sec.details:
-            parts.append(f"<details><summary>{e(caption)}</summary><div class='scroll'>"
-                         f"{t.to_html(index=False, border=0, escape=True)}</div></details>")
-        for f in sec.figures:
-            parts.append(f"<img alt='{e(f.stem)}' src='data:image/png;base64,{embedded_png(f)}'>")
-    parts.append("<h2 id='provenance'>Provenance</h2><div class='scroll'><table><tr>"
-                 + "".join(f"<th>{e(c)}</th>" for c in (provenance[0] if provenance else {})) + "</tr>")
-    for row in provenance:
-        parts.append("<tr>" + "".join(f"<td class='{'argv' if k == 'argv' else 'text'}'>{e(str(v))}</td>"
-                                      for k, v in row.items()) + "</tr>")
-    parts.append("</table></div></body></html>")
-    return "\n".join(parts)
-
-

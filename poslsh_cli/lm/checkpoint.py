@@ -370,13 +370,12 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
     if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return [(p, str(p))]
     if _is_train_run(p):
-        made_by = _command_of(p)
-        if made_by not in ("", "train"):
-            raise ConfigError(f"{entry} is a {made_by} run, not a training run: give a train run (poslsh train's out=) "
-                              "or a checkpoint directory")
         df = results(p)
-        if len(df) and "checkpoint" not in df.columns:
-            raise ConfigError(f"{entry}: not a train run (its results have no checkpoint column)")
+        if len(df) and ("checkpoint" not in df.columns or not any((p / str(c)).exists() for c in df.checkpoint)):
+            # another command's run (a perplexity run names the checkpoints it read, elsewhere)
+            made_by = _command_of(p)
+            raise ConfigError(f"{entry} is {'a ' + made_by if made_by else 'a'} run, not a training run: its cells "
+                              "hold no checkpoints (give a training run or a checkpoint directory)")
         if not len(df):
             raise ConfigError(f"{entry}: the train run has no finished cell yet")
         return [(p / c, f"{p.name}/{c}") for c in df.checkpoint]

@@ -348,14 +348,16 @@ def report(run: Path, df: Any) -> Section:
         parts = pg.decomposition(main_protocol(df))
         if len(parts):
             sec.tables.append(parts)
-            sec.paragraphs.append("Where the gap to exact ALiBi comes from, for every Positional-LSH-trained scheme at its "
-                                  "training length (seed-paired, mean over seeds with 95% t-intervals): total = its own "
-                                  "attention minus the exact-ALiBi-trained model; inference = its own attention minus "
-                                  "the same weights run with exact ALiBi (the approximation at inference); weights = "
-                                  "those weights with exact ALiBi minus the exact-ALiBi-trained model (what training "
-                                  "under the masks did to the weights); total = inference + weights. The last columns "
-                                  "run the same weights with other s at inference, minus the exact-ALiBi-trained model "
-                                  "(\"-\" at the s it trained with: that is the total).")
+            sec.paragraphs.append("The training kernel crossed with the inference kernel, for every Positional-LSH-trained "
+                                  "scheme at its training length (bits per byte, mean over seeds): AA, the "
+                                  "exact-ALiBi-trained weights run with exact ALiBi; AP, the same weights with that "
+                                  "scheme's masks; PA, the Positional-LSH-trained weights with exact ALiBi; PP, those "
+                                  "weights with their own masks. The effects are seed-paired with 95% t-intervals: the "
+                                  "total gap PP-AA, the inference kernel's effect on each set of weights, the training "
+                                  "kernel's under each inference, and their interaction (PP-PA)-(AP-AA). Where the "
+                                  "interaction is as large as the effects, the gap has no share that belongs to inference "
+                                  "or to the weights alone, and no verdict is drawn from it. The last columns run the "
+                                  "Positional-LSH weights with other s at inference, minus AA (\"-\" at its own s: PP).")
     power = pg.power_table(judged)
     if len(power):
         sec.tables.append(power)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from poslsh_cli.core import distributed as dist
+from poslsh_cli.experiments.train.cost import PACE_STEPS, say_cost
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.devices import Precision, autocast
 from poslsh_cli.experiments.train.spec import Parallel, TrainContext, TrainSpec
@@ -243,32 +244,6 @@ def train_stage(spec: TrainSpec, ctx: TrainContext, work: CellWork, stage: Stage
         return run.finish()
     finally:
         run.tracker.close()
-
-
-#: the training steps of the session's first model whose median time says what the run will cost
-PACE_STEPS = 10
-
-
-def say_cost(seconds: list[float], steps: int, spec: TrainSpec, models: int) -> str:
-    """What a training session will cost, from the median of its first steps (the first is left out
-    where there are more: it warms up): this model's ``steps`` and the session's ``models`` at their
-    longest training, evaluations and saving not counted."""
-    import statistics
-
-    pace = statistics.median(seconds[1:] if len(seconds) > 2 else seconds)
-    longest = max(spec.steps)
-    return (f"train: {pace:.3g} s a step (the median of the first {len(seconds)}): this model about "
-            f"{_duration(pace * steps)}; the session's {models} model{'s' * (models != 1)} of up to {longest} steps "
-            f"about {_duration(pace * longest * models)} at this pace (evaluations not counted; schemes differ in "
-            "cost, and so does a shared machine)")
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _starting_point(work: CellWork) -> tuple[str, Optional[str], int]:
