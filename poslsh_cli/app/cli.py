@@ -302,21 +302,29 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
     generate; the text on stdout as it comes, tokens and speed on stderr). A RoPE model stops at its
     max_position_embeddings; the other schemes have no position limit and extrapolate past the
     length the model was trained at (a line on stderr says so)."""
+    import contextlib
+
+    from poslsh_cli.app.runner import waiting
+    from poslsh_cli.experiments.machine import available_memory
     from poslsh_cli.lm.generate import generate, parse
 
+    loading = contextlib.ExitStack()  # a spinner on a terminal until the first line or text
+
     def stream(text: str) -> None:
+        loading.close()
         sys.stdout.write(text)
         sys.stdout.flush()
 
     def notice(text: str) -> None:
+        loading.close()
         sys.stderr.write(f"poslsh generate: {text}\n")
         sys.stderr.flush()
 
     try:
-        from poslsh_cli.experiments.machine import available_memory
-
         opts = parse(list(settings or []))
-        out = generate(checkpoint, **opts, stream=stream, notice=notice, memory_bytes=available_memory("cpu"))
+        with loading:
+            loading.enter_context(waiting(f"poslsh generate: loading {checkpoint} ..."))
+            out = generate(checkpoint, **opts, stream=stream, notice=notice, memory_bytes=available_memory("cpu"))
     except ConfigError as exc:
         fail("generate", str(exc))
         return

@@ -37,6 +37,18 @@ class RunFailed(RuntimeError):
     """An unexpected failure inside a cell; finished cells are kept."""
 
 
+@contextlib.contextmanager
+def waiting(text: str) -> Any:
+    """A spinner on a terminal's stderr while a silent step runs (loading data or a model, which takes
+    tens of seconds on a busy machine); nothing off a terminal, where logs keep only real lines."""
+    err = console()
+    if not err.is_terminal:
+        yield
+        return
+    with err.status(text, spinner="dots"):
+        yield
+
+
 def console(stderr: bool = True) -> Any:
     from rich.console import Console
 
@@ -117,7 +129,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
         found["run"] = RunDir.open(run_dir, exp.name, config_text if config_text is not None else config_yaml(spec),
                                    spec_defaults(exp.spec))
         check_memory(exp, spec)
-        found["ctx"] = exp.prepare(spec) if exp.prepare is not None else None
+        with waiting(f"poslsh {exp.name}: preparing (data, models) ..."):
+            found["ctx"] = exp.prepare(spec) if exp.prepare is not None else None
 
     dist.decide(checked)
     run, ctx = found["run"], found["ctx"]
