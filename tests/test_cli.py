@@ -459,3 +459,21 @@ def test_a_log_never_stays_silent_longer_than_the_quiet_limit(monkeypatch):
     assert len(lines) > 30  # every ~10 s of 350 s, besides the tenths
     steps = [int(line.split("/")[0]) for line in lines]
     assert max(b - a for a, b in zip(steps, steps[1:])) * 0.35 <= runner.QUIET_S + 0.35
+
+
+def test_a_silent_step_off_a_terminal_says_it_is_still_working_and_a_quick_one_says_nothing(monkeypatch, capsys):
+    """Preparing (data, models) took tens of seconds on a busy machine with nothing in the log: off a
+    terminal, the step's text every QUIET_S seconds it lasts; a step (or a refusal) quicker than that
+    prints nothing, so one-line errors stay one line."""
+    import time as _time
+
+    from poslsh_cli.app import runner
+
+    monkeypatch.setattr(runner, "QUIET_S", 0.2)
+    with runner.waiting("poslsh train: preparing"):
+        _time.sleep(0.5)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("poslsh train: preparing (")]
+    assert len(said) == 2, said
+    with runner.waiting("poslsh train: preparing"):
+        pass
+    assert "preparing" not in capsys.readouterr().err

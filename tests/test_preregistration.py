@@ -104,6 +104,9 @@ def test_the_analysis_reads_the_registered_design():
         [(p["id"], p["treatment"], p["s"], p["control"]) for p in block["primary"]]
     assert reg.alpha == block["alpha"] and "holm" in block["correction"]
     assert f"{reg.stability_df} degrees of freedom" in block["stability"]
+    assert f"{reg.margin_fraction:g} x exact ALiBi's mean" in block["margin"]
+    assert [st for _, st in reg.earlier] == [int(x) for x in re.findall(r"T = ([0-9, ]+)", block["stability"])[0]
+                                              .replace(" ", "").split(",")][:-1]
     assert f"{reg.stability_level:.0%} interval" in block["stability"]
 
 

@@ -44,6 +44,33 @@ def test_holm_stops_at_the_first_hypothesis_it_keeps():
     assert one["a"].rejected and one["a"].level == 0.05
 
 
+def test_holm_decides_what_an_unadjusted_test_would_not():
+    """Three primary comparisons, one-sided 5%: s=20 plainly reaches (p ~ 0), s=10 plainly does not
+    (p ~ 1), s=100 has p_reach ~ 0.03. Unadjusted, s=100 would read SUPPORTED (0.03 <= 0.05); under Holm
+    it is tested second against 0.05/2 and stays INCONCLUSIVE, with its bound marked as at that level."""
+    from poslsh_cli.verdicts.registered import decide_primary
+
+    z = np.array([-1.5, -1.2, -0.9, -0.5, -0.2, 0.0, 0.2, 0.5, 0.9, 1.2, 1.5])
+    z = (z - z.mean()) / z.std(ddof=1)  # 11 standardised deviations: each comparison's mean and sd exact
+    margin, sd = 0.017, 0.008
+    se = sd / math.sqrt(11)
+    t_needed = stats.t.ppf(0.03, 10)  # p_reach = 0.03
+    gaps = {CONFIRM_L256.primary[0]: 0.06 + sd * z, CONFIRM_L256.primary[1]: 0.0 + sd * z,
+            CONFIRM_L256.primary[2]: margin + t_needed * se + sd * z}
+    out = {p.s: r for p, r in decide_primary(gaps, margin, 0.05).items()}
+    assert out[100].test.p_reach == pytest.approx(0.03, abs=1e-6)
+    assert out[20].status is Status.SUPPORTED and out[10].status is Status.NOT_SUPPORTED
+    assert out[100].status is Status.INCONCLUSIVE and out[100].reach.rank == 2 and out[100].reach.tested
+    assert out[100].test.p_reach <= 0.05  # what an unadjusted test would have called SUPPORTED
+    assert out[100].bound > margin  # the bound at Holm's level 0.025 is above the margin
+
+
+def test_holm_marks_what_it_never_tested():
+    steps = holm({"a": 0.03, "b": 0.04, "c": 0.5}, 0.05)
+    assert not steps["a"].rejected and steps["a"].tested
+    assert not steps["b"].tested and not steps["c"].tested
+
+
 def test_holm_ranks_a_missing_p_value_last_and_never_rejects_it():
     steps = holm({"a": math.nan, "b": 0.001}, 0.05)
     assert steps["b"].rank == 1 and steps["b"].rejected and not steps["a"].rejected
@@ -121,6 +148,23 @@ def test_primary_verdicts_are_decided_under_holm_over_every_registered_seed(tmp_
     assert "11 seeds x 3 draws" in s20.evidence and "Holm rank" in s20.evidence and "adjusted p" in s20.evidence
     assert s20.numbers["bound"] < s20.numbers["margin"] < s10.numbers["bound"]
     assert "stability not measured: no train_official at 600 steps, train_official at 1200 steps" in s20.evidence
+
+
+def test_a_primary_verdict_needs_the_registered_draws_and_no_missing_value(tmp_path):
+    _, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0})
+    two = df[~((df.position == "poslsh") & (df.trial == 2))]  # two mask draws where three were registered
+    assert all(v.status is Status.NOT_MEASURED and "3 registered" in v.evidence
+               for v in pr.primary_verdicts([two], CONFIRM_L256))
+    nan = df.copy()
+    nan.loc[nan.index[0], "bits_per_byte"] = float("nan")
+    assert all(v.status is Status.NOT_MEASURED and "NaN" in v.evidence for v in pr.primary_verdicts([nan], CONFIRM_L256))
+
+
+def test_the_margin_is_one_percent_of_exact_alibis_mean_over_the_registered_seeds(tmp_path):
+    _, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0})
+    alibi = df[(df.position == "alibi") & (df.length == 256)].groupby("run_seed").bits_per_byte.mean()
+    v = pr.primary_verdicts([df], CONFIRM_L256)[0]
+    assert v.numbers["margin"] == pytest.approx(0.01 * alibi[list(CONFIRM_L256.seeds)].mean())
 
 
 def test_a_primary_verdict_needs_every_registered_seed_and_shows_no_gap_before(tmp_path):

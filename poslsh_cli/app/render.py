@@ -35,8 +35,10 @@ DECIDED = (Status.SUPPORTED, Status.NOT_SUPPORTED)
 
 
 def anchor(sec: Section) -> str:
-    """A section's anchor in report.md and report.html: its command and run, lower case, dashed."""
-    return re.sub(r"[^a-z0-9]+", "-", f"{sec.command} {sec.run.name}".lower()).strip("-")
+    """A section's anchor in report.md and report.html: its command and run (the run's parent too, so
+    two runs of one name in different folders, or a multirun's numbered jobs, stay apart), dashed."""
+    where = f"{sec.run.parent.name} {sec.run.name}" if sec.run.parent.name else sec.run.name
+    return re.sub(r"[^a-z0-9]+", "-", f"{sec.command} {where}".lower()).strip("-")
 
 
 def heading(sec: Section) -> str:
@@ -45,8 +47,9 @@ def heading(sec: Section) -> str:
 
 
 def _part(sec: Section) -> int:
+    """The paper's part a section belongs to (the last for a section of no registered command)."""
     order = registry.get(sec.command).order if sec.command in registry.experiments() else math.inf
-    return next(i for i, (_, bound) in enumerate(PARTS) if order < bound)
+    return next((i for i, (_, bound) in enumerate(PARTS) if order < bound), len(PARTS) - 1)
 
 
 def summary_lines(sections: list[Section]) -> list[tuple[int, Section, Any]]:

@@ -39,14 +39,29 @@ class RunFailed(RuntimeError):
 
 @contextlib.contextmanager
 def waiting(text: str) -> Any:
-    """A spinner on a terminal's stderr while a silent step runs (loading data or a model, which takes
-    tens of seconds on a busy machine); nothing off a terminal, where logs keep only real lines."""
+    """While a silent step runs (loading data or a model, tens of seconds on a busy machine): a spinner
+    on a terminal's stderr; off a terminal, ``text`` with the seconds so far once every
+    :data:`QUIET_S` it lasts (a step that ends sooner, a refusal included, prints nothing)."""
+    import threading
+
     err = console()
-    if not err.is_terminal:
-        yield
+    if err.is_terminal:
+        with err.status(text, spinner="dots"):
+            yield
         return
-    with err.status(text, spinner="dots"):
+    done, t0 = threading.Event(), time.monotonic()
+
+    def say() -> None:
+        while not done.wait(QUIET_S):
+            err.print(f"{text} ({time.monotonic() - t0:.0f} s)", markup=False, highlight=False)
+
+    talker = threading.Thread(target=say, daemon=True)
+    talker.start()
+    try:
         yield
+    finally:
+        done.set()
+        talker.join()
 
 
 def console(stderr: bool = True) -> Any:

@@ -11,7 +11,8 @@ secondary: an estimate with its interval and direction (:data:`~poslsh_cli.verdi
                  mean g, standard error se = sd / sqrt(m), margin delta;
                  p_reach_i = P(t_{m-1} <= (g - delta) / se)     (H0: gap >= delta)
                  p_worse_i = P(t_{m-1} >= (g - delta) / se)     (H0': gap <= delta)
-                 each family of p-values through Holm at alpha: SUPPORTED where H0 is rejected,
+                 each family of p-values through Holm at alpha (so at most alpha of wrong verdicts in
+                 each direction): SUPPORTED where H0 is rejected,
                  NOT SUPPORTED where H0' is, INCONCLUSIVE where neither
     stability    the gap at several training lengths T (mean, standard error each); the weighted
                  least-squares slope b of the gap against log2 T (per doubling, weights 1/se^2), its
@@ -94,6 +95,7 @@ class HolmStep:
     level: float
     adjusted: float
     rejected: bool
+    tested: bool = True  # False: the procedure stopped at a smaller p-value before reaching this one
 
 
 def holm(pvalues: Mapping[str, float], alpha: float) -> dict[str, HolmStep]:
@@ -110,9 +112,10 @@ def holm(pvalues: Mapping[str, float], alpha: float) -> dict[str, HolmStep]:
         level = alpha / (m - rank + 1)
         adjusted = min(1.0, (m - rank + 1) * p) if p == p else math.nan
         running = max(running, adjusted) if adjusted == adjusted else math.nan
-        rejected = not stopped and p == p and p <= level
+        tested = not stopped
+        rejected = tested and p == p and p <= level
         stopped = stopped or not rejected
-        out[key] = HolmStep(p, rank, level, running, rejected)
+        out[key] = HolmStep(p, rank, level, running, rejected, tested)
     return out
 
 

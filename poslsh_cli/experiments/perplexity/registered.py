@@ -86,20 +86,16 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
 
     df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
     rows = endpoint_rows(df, reg.train_run, reg.steps)
-    control = _per_seed(rows, ALIBI)
-    gaps = {p: seed_gaps(rows, p) for p in reg.primary}
-    registered = set(reg.seeds)
-    complete = all(set(g) >= registered for g in gaps.values()) and set(control) >= registered
     rule = (f"registered {reg.name} (commit {reg.commit[:10]}): one-sided paired t over the {len(reg.seeds)} registered "
             f"seeds against the margin ({reg.margin_fraction:.0%} of exact ALiBi's mean), Holm over the "
-            f"{len(reg.primary)} primary comparisons at family-wise {reg.alpha:.0%}: reaching rejected SUPPORTED, "
-            "worse by more than the margin rejected NOT SUPPORTED, otherwise INCONCLUSIVE; a verdict needs every "
-            "registered seed")
-    if not complete:
-        done = min([len(set(g) & registered) for g in gaps.values()] + [len(set(control) & registered)])
-        return [Verdict(_claim(p, reg), Status.NOT_MEASURED,
-                        f"{done} of the {len(reg.seeds)} registered seeds evaluated: the registered analysis runs on all "
-                        "of them (no interim look was registered)", rule, key=_key(p)) for p in reg.primary]
+            f"{len(reg.primary)} primary comparisons at {reg.alpha:.0%} in each direction (reaching rejected: SUPPORTED; "
+            "worse by more than the margin rejected: NOT SUPPORTED; otherwise INCONCLUSIVE); a verdict needs every "
+            "registered seed, evaluated as registered")
+    why = _not_as_registered(rows, reg)
+    if why:
+        return [Verdict(_claim(p, reg), Status.NOT_MEASURED, why, rule, key=_key(p)) for p in reg.primary]
+    control = _per_seed(rows, ALIBI)
+    gaps = {p: seed_gaps(rows, p) for p in reg.primary}
     margin = reg.margin_fraction * float(np.mean([control[k] for k in reg.seeds]))
     decided = decide_primary({p: [gaps[p][k] for k in reg.seeds] for p in reg.primary}, margin, reg.alpha)
     out = []
@@ -109,10 +105,11 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
         stab = _stability(df, reg, p, margin, GapPoint(reg.steps, t.gap, t.se, t.n))
         side = "upper" if r.status is not Status.NOT_SUPPORTED else "lower"
         step = r.worse if r.status is Status.NOT_SUPPORTED else r.reach
+        tested = (f"Holm rank {step.rank}, one-sided level {step.level:.4f}: {side} bound {r.bound:+.4f}"
+                  if step.tested else f"Holm rank {step.rank}: not tested (the procedure stopped before it)")
         ev = (f"L={reg.seq_len}, {reg.steps} steps, {t.n} seeds x {reg.mask_draws} draws: gap {t.gap:+.4f} bits per byte "
               f"({100 * t.gap / (margin / reg.margin_fraction):+.2f}% of exact ALiBi's), 90% [{t.low90:+.4f}, "
-              f"{t.high90:+.4f}]; margin {margin:.4f}; Holm rank {step.rank}, one-sided level {step.level:.4f}: "
-              f"{side} bound {r.bound:+.4f}, adjusted p {r.adjusted_p:.4f}; "
+              f"{t.high90:+.4f}]; margin {margin:.4f}; {tested}, adjusted p {r.adjusted_p:.4f}; "
               + (stab.text() if isinstance(stab, Stability) else stab))
         numbers = {"unit": "bits per byte", "length": reg.seq_len, "steps": reg.steps, "margin": margin,
                    "boundary": margin, "gap": t.gap, "low90": t.low90, "high90": t.high90, "bound": r.bound,
@@ -120,6 +117,31 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
                    "stability": (dataclasses.asdict(stab) if isinstance(stab, Stability) else None)}
         out.append(Verdict(_claim(p, reg), r.status, ev, rule, numbers, key=_key(p)))
     return out
+
+
+def _not_as_registered(rows: Any, reg: Registration) -> str:
+    """Why the endpoint's rows cannot be judged as registered ("" when they can): every registered
+    seed of every primary scheme and of the control at the registered length, each Positional-LSH
+    model with the registered number of mask draws, no missing value, one evaluation text for all."""
+    registered = set(reg.seeds)
+    rows = rows[rows.trained_len == reg.seq_len]
+    schemes = [(ALIBI, 0)] + [(p.treatment, p.s) for p in reg.primary]
+    seen = [set(rows[(rows.position == pos) & ((rows.trained_s == s) if pos == POSLSH else True)].run_seed)
+            for pos, s in schemes]
+    done = min(len(s & registered) for s in seen)
+    if done < len(registered):
+        return (f"{done} of the {len(reg.seeds)} registered seeds evaluated at L={reg.seq_len} after {reg.steps} steps: "
+                "the registered analysis runs on all of them (no interim look was registered)")
+    rows = rows[rows.run_seed.isin(registered)]
+    if rows.bits_per_byte.isna().any():
+        return "a registered model's bits per byte is missing (NaN): not measured as registered"
+    draws = rows[rows.position == POSLSH].groupby(["trained_s", "run_seed"]).size()
+    if len(draws) and (draws != reg.mask_draws).any():
+        return (f"Positional-LSH models evaluated with {sorted(set(int(x) for x in draws))} mask draws, "
+                f"{reg.mask_draws} registered")
+    if rows.text_tokens.nunique() > 1:
+        return "the registered models were scored on different evaluation texts"
+    return ""
 
 
 def _claim(p: Primary, reg: Registration) -> str:
