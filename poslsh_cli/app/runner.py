@@ -39,29 +39,15 @@ class RunFailed(RuntimeError):
 
 @contextlib.contextmanager
 def waiting(text: str) -> Any:
-    """While a silent step runs (loading data or a model, tens of seconds on a busy machine): a spinner
-    on a terminal's stderr; off a terminal, ``text`` with the seconds so far once every
-    :data:`QUIET_S` it lasts (a step that ends sooner, a refusal included, prints nothing)."""
-    import threading
-
+    """A spinner on a terminal's stderr while a silent step runs (loading data or a model, tens of
+    seconds on a busy machine). Off a terminal nothing: a line there could stand beside a refusal that
+    the step raises, and a refusal is one line."""
     err = console()
-    if err.is_terminal:
-        with err.status(text, spinner="dots"):
-            yield
-        return
-    done, t0 = threading.Event(), time.monotonic()
-
-    def say() -> None:
-        while not done.wait(QUIET_S):
-            err.print(f"{text} ({time.monotonic() - t0:.0f} s)", markup=False, highlight=False)
-
-    talker = threading.Thread(target=say, daemon=True)
-    talker.start()
-    try:
+    if not err.is_terminal:
         yield
-    finally:
-        done.set()
-        talker.join()
+        return
+    with err.status(text, spinner="dots"):
+        yield
 
 
 def console(stderr: bool = True) -> Any:
