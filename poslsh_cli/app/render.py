@@ -58,6 +58,23 @@ def summary_lines(sections: list[Section]) -> list[tuple[int, Section, Any]]:
     return sorted(rows, key=lambda r: r[0])
 
 
+SUMMARY_TEXT = ("The claims a rule decided, by the paper's part; each links to its section, where its evidence, its "
+                "rule and the claims left undecided are.")
+
+
+def summary_parts(sections: list[Section]) -> list[tuple[str, list, str]]:
+    """Per part of the paper with anything to say: (its title, its decided (section, verdict) pairs,
+    the count of the undecided ones as text)."""
+    rows = summary_lines(sections)
+    out = []
+    for i, (title, _) in enumerate(PARTS):
+        here = [(s, v) for part, s, v in rows if part == i]
+        rest = _undecided(sections, i)
+        if here or rest:
+            out.append((title, here, rest))
+    return out
+
+
 def _undecided(sections: list[Section], part: int) -> str:
     counts = collections.Counter(v.status.value for s in sections if _part(s) == part for v in s.verdicts
                                  if v.status not in DECIDED)
@@ -80,14 +97,8 @@ def markdown(sections: list[Section], provenance: list[dict], out_dir: Path, not
              f"Generated {_dt.datetime.now().isoformat(timespec='seconds')} by `poslsh report`.", ""]
     lead, notes = _lead(sections, notes)
     lines += [f"- {n}" for n in lead] + ([""] if lead else [])
-    lines += ["## Summary", "", "The claims a rule decided, by the paper's part; each links to its section, where its "
-              "evidence, its rule and the claims left undecided are.", ""]
-    rows = summary_lines(sections)
-    for i, (title, _) in enumerate(PARTS):
-        here = [(s, v) for part, s, v in rows if part == i]
-        rest = _undecided(sections, i)
-        if not here and not rest:
-            continue
+    lines += ["## Summary", "", SUMMARY_TEXT, ""]
+    for title, here, rest in summary_parts(sections):
         lines += [f"**{title}**", ""]
         lines += [f"- **{verdict_text(s, v)}** {v.claim} ([{s.run.name or s.command}](#{anchor(s)}))" for s, v in here]
         if rest:
@@ -175,14 +186,8 @@ def html_page(sections: list[Section], provenance: list[dict], notes: list[str])
     lead, notes = _lead(sections, notes)
     if lead:
         parts.append("<ul>" + "".join(f"<li>{_inline(n)}</li>" for n in lead) + "</ul>")
-    parts.append("<h2 id='summary'>Summary</h2><p>The claims a rule decided, by the paper's part; each links to its "
-                 "section, where its evidence, its rule and the claims left undecided are.</p>")
-    rows = summary_lines(sections)
-    for i, (title, _) in enumerate(PARTS):
-        here = [(s, v) for part, s, v in rows if part == i]
-        rest = _undecided(sections, i)
-        if not here and not rest:
-            continue
+    parts.append(f"<h2 id='summary'>Summary</h2><p>{e(SUMMARY_TEXT)}</p>")
+    for title, here, rest in summary_parts(sections):
         parts.append(f"<h3>{e(title)}</h3><ul>")
         parts += [f"<li><span class='{_CLASS[v.status]}'>{e(verdict_text(s, v))}</span> {e(v.claim)} "
                   f"(<a href='#{anchor(s)}'>{e(s.run.name or s.command)}</a>)</li>" for s, v in here]
