@@ -206,6 +206,26 @@ def test_every_command_declares_the_scheme_keys_as_the_scheme_does():
     assert seen == set(SCHEME_KEYS), f"scheme keys no command declares: {set(SCHEME_KEYS) - seen}"
 
 
+
+def test_every_command_that_builds_the_byte_model_declares_its_sizes_as_declared():
+    """The byte model's size keys (hidden, layers, heads, kv_heads, head_dim, intermediate) are declared
+    once (lm.loading.ARCH_KEYS): every command that builds the model (train, step-bench, decode-bench)
+    declares all of them with that help and bound, choosing only the default."""
+    import dataclasses
+
+    from poslsh_cli.lm.loading import ARCH_KEYS
+
+    builders, wrong = [], []
+    for name, exp in registry.experiments().items():
+        fields = {f.name: f for f in dataclasses.fields(exp.spec)}
+        if not set(ARCH_KEYS) <= set(fields):
+            continue
+        builders.append(name)
+        for k, meaning in ARCH_KEYS.items():
+            if fields[k].metadata["help"] != meaning or fields[k].metadata.get("ge") != 1:
+                wrong.append(f"{name}.{k}")
+    assert sorted(builders) == ["decode-bench", "step-bench", "train"] and not wrong, (builders, wrong)
+
 def test_the_cli_starts_without_the_numerical_stack():
     code = "import sys, poslsh_cli.app.cli; print(sorted(m for m in ('torch','scipy','pandas','matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -315,3 +335,15 @@ def test_modules_and_the_readme_stay_short_enough_to_read():
     long = {module_name(p): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
     assert len((PKG.parent / "README.md").read_text().splitlines()) <= 260
+
+
+def test_no_function_is_longer_than_eighty_lines():
+    """A function over 80 lines does several things; each gets a name of its own (docstrings count)."""
+    import ast
+
+    long = []
+    for p in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{module_name(p)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long

@@ -8,7 +8,7 @@ import pandas as pd
 
 from conftest import RUN, poslsh, status_of
 from poslsh_cli.app import registry
-from poslsh_cli.experiments.bench.command import _band_pairs
+from poslsh_cli.experiments.bench.references import band_pairs as _band_pairs
 from poslsh_cli.experiments.bench.report import crossover
 from poslsh_cli.verdicts.claims import Status
 
@@ -198,7 +198,7 @@ def test_usable_cores_follow_the_affinity_and_a_cgroup_quota(tmp_path, monkeypat
 
 def gpu_rows(exact=10.0, poslsh=1.0, paired=None, overloaded=False):
     """CUDA rows at the goal length, causal, forward: exact ALiBi and Positional LSH s=8."""
-    from poslsh_cli.experiments.bench.report import GPU_GOAL_N, GPU_GOAL_S
+    from poslsh_cli.experiments.bench.claims import GPU_GOAL_N, GPU_GOAL_S
 
     base = dict(n=GPU_GOAL_N, causal=True, backward=False, device="cuda:0", heads=8, head_dim=64, dtype="float16",
                 planned=True, peak_mem_mb=100.0, rel_fro=math.nan, window_sigmas=math.nan, threads=2, cores=2.0,

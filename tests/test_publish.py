@@ -246,12 +246,16 @@ def test_the_readme_folds_a_runs_claims_of_one_rule_into_one_row_with_each_membe
 
     run = SimpleNamespace(run=tmp_path / "train_x")
     gap = "the gap of {} to exact ALiBi shrinks over the second half of training{}"
+    family = dict(family="train/gap_shrinks", family_text=gap.format("…", ""))
     statuses = [Status.SUPPORTED, Status.INCONCLUSIVE, Status.INCONCLUSIVE, Status.NOT_SUPPORTED]
-    rows = [(run, Verdict(gap.format(m, " [600 steps]"), st, "e", "shrink rule"))
+    rows = [(run, Verdict(gap.format(m, " [600 steps]"), st, "e", "shrink rule", key=f"g[{m}, 600]", member=m,
+                          tag="[600 steps]", **family))
             for m, st in zip(["none", "poslsh s=10", "poslsh s=100 (sigma=8 every head)", "rope"], statuses)]
-    rows += [(run, Verdict(gap.format(m, " [1200 steps]"), Status.SUPPORTED, "e", "shrink rule"))
+    rows += [(run, Verdict(gap.format(m, " [1200 steps]"), Status.SUPPORTED, "e", "shrink rule", key=f"g[{m}]",
+                           member=m, tag="[1200 steps]", **family))
              for m in ["none", "rope"][:FOLD - 2]]  # fewer than FOLD: one row each
-    rows.insert(1, (run, Verdict("poslsh s=10 reaches exact ALiBi", Status.SUPPORTED, "d +0.01", "other rule")))
+    rows.insert(1, (run, Verdict("poslsh s=10 reaches exact ALiBi", Status.SUPPORTED, "d +0.01", "other rule",
+                                 key="reaches")))
     got = families(rows)
     assert [len(g) for _, g in got] == [4, 1, 1, 1]
     line = glance_row(*got[0])
@@ -260,3 +264,44 @@ def test_the_readme_folds_a_runs_claims_of_one_rule_into_one_row_with_each_membe
                     "poslsh s=100 (sigma=8 every head): **INCONCLUSIVE**; rope: **NOT SUPPORTED** | train_x |")
     assert glance_row(*got[1]) == "| poslsh s=10 reaches exact ALiBi | **SUPPORTED** | d +0.01 | train_x |"
     assert glance_row(*got[2]).startswith(f"| {gap.format('none', ' [1200 steps]')} | **SUPPORTED** |")
+
+
+@pytest.mark.skipif(not (ROOT / "docs" / "results").is_dir(), reason="no committed results snapshot")
+def test_rewording_every_claim_changes_no_row_of_the_readme(tmp_path, monkeypatch):
+    """Every claim has an id and the README's rows are made from the verdicts' fields (id, family, member,
+    tag, status, evidence), never from their sentences: with every sentence reworded as it is made (words
+    joined by "_", so no word is shared and no tag can be read back), the published language-model runs
+    (train, perplexity, both protocols: the folded families and the side-by-side table) and a run of each
+    other command that has claims give the same rows, verdicts, evidence and runs; only the claim column
+    changes."""
+    import dataclasses
+
+    from poslsh_cli.app import publish, report
+    from poslsh_cli.verdicts import claims
+
+    names = ["train", "train_official", "perplexity", "perplexity_official", "eval", "bench", "step_bench",
+             "block_stats", "matrix_error", "output_error_minilm", "decode_bench"]
+    for name in names:
+        shutil.copytree(ROOT / "docs" / "results" / name, tmp_path / name)
+    monkeypatch.setattr(report, "draw_figures", lambda items: {item[0]: [] for item in items})
+
+    def readme_rows() -> list[list[str]]:
+        sections, _, _ = report.sections_of([tmp_path / n for n in names], notice=lambda text: None)
+        assert all(v.key for s in sections for v in s.verdicts)
+        md = publish.glance_markdown(sections, tmp_path / "RESULTS.md", tmp_path)
+        return [line.split(" | ")[1:] for line in md.splitlines() if line.startswith("| ")]
+
+    plain = readme_rows()
+    made = claims.Verdict.__post_init__
+
+    def reworded(self) -> None:
+        made(self)
+        object.__setattr__(self, "claim", "~" + self.claim.replace(" ", "_"))
+        if self.family_text:
+            object.__setattr__(self, "family_text", "~" + self.family_text.replace(" ", "_"))
+
+    monkeypatch.setattr(claims.Verdict, "__post_init__", reworded)
+    again = readme_rows()
+    assert again == plain and len(plain) > 40
+    assert any("claims:" in row[0] for row in plain)  # a folded family is among them
+    assert dataclasses.replace(claims.Verdict("a b", claims.Status.SUPPORTED, "", "", key="k")).claim.startswith("~")

@@ -188,15 +188,19 @@ def test_the_stability_check_reads_the_earlier_runs_of_the_report(tmp_path):
 def test_a_registered_runs_other_comparisons_are_estimates_not_verdicts(tmp_path):
     """The same rows under an exploratory run's name carry verdicts; under the registered run's name
     every comparison but the primary ones is an ESTIMATE (and its reaches-ALiBi claims are left to
-    the registered section)."""
-    run, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0})
+    the registered section). An estimate's evidence says no count of seeds that would decide it, where
+    the exploratory verdict of an undecided comparison does (s=10 against exact ALiBi: no gap)."""
+    run, df = confirm_rows(tmp_path, {10: 0.0, 20: 0.005, 100: 0.0})
     sec = registry.get("perplexity").report(run, df)
     decided = {Status.SUPPORTED, Status.NOT_SUPPORTED, Status.INCONCLUSIVE}
     assert sec.verdicts and not [v.claim for v in sec.verdicts if v.status in decided]
     assert any(v.status is Status.ESTIMATE and "RoPE" in v.claim for v in sec.verdicts)
     assert not any("reaches the bits per byte" in v.claim for v in sec.verdicts)
+    # an estimate is decided by no number of seeds: its evidence says none would
+    assert not any("would decide" in v.evidence or "no number of seeds" in v.evidence for v in sec.verdicts)
     explored = registry.get("perplexity").report(run, df.assign(trained_run="train_official"))
     assert any(v.status in decided for v in explored.verdicts)
+    assert any("would decide" in v.evidence or "no number of seeds" in v.evidence for v in explored.verdicts)
 
 
 def test_the_report_puts_the_registered_section_before_the_language_model_sections(tmp_path):

@@ -65,12 +65,12 @@ def test_report_to_an_existing_file_or_of_a_file_is_one_line(tmp_path):
 def _compared(claim, status, a, b, diff):
     from poslsh_cli.verdicts.claims import Status, Verdict
 
-    side = lambda label, mean, seeds: {"label": label, "mean": mean, "low": mean - 0.01, "high": mean + 0.01,
-                                       "seeds": seeds, "draws": 3 if label.startswith("poslsh") else 1}
+    side = lambda label, mean, seeds: {"label": label, "position": label.split()[0], "mean": mean, "low": mean - 0.01,
+                                       "high": mean + 0.01, "seeds": seeds, "draws": 3 if label.startswith("poslsh") else 1}
     return Verdict(claim, Status[status], "evidence", "rule",
                    {"unit": "bits per byte", "length": 256, "a": side(*a), "b": side(*b),
                     "diff": {"estimate": diff[0], "low": diff[1], "high": diff[2], "n": 3, "source": "seeds",
-                             "level": 0.9}})
+                             "level": 0.9}}, key=claim)
 
 
 def test_where_two_protocols_disagree_the_sentence_says_which_scheme_moved_and_which_interval_is_wider():
@@ -94,28 +94,27 @@ def test_where_two_protocols_disagree_the_sentence_says_which_scheme_moved_and_w
     assert "the baseline moved rope 2.6000 -> 2.4500" in text and "the larger move is the baseline's" in text
     from poslsh_cli.verdicts.claims import Status, Verdict
 
-    bare = Verdict("y", Status.SUPPORTED, "e", "r")
+    bare = Verdict("y", Status.SUPPORTED, "e", "r", key="y")
     assert "no two-scheme comparison to take apart" in disagreement("y", ("a", bare), ("b", other))
     # a verdict on one interval (a change between lengths, weights against a model) has no two schemes' values
     change = lambda st, d: Verdict("z", Status[st], "e", "r", {"unit": "bits per byte", "margin": 0.02, "boundary": 0.02,
                                                                "diff": {"estimate": d, "low": d - 0.01, "high": d + 0.01,
-                                                                        "n": 3, "source": "seeds", "level": 0.95}})
+                                                                        "n": 3, "source": "seeds", "level": 0.95}},
+                                   key="z")
     text = disagreement("z", ("a", change("SUPPORTED", 0.0)), ("b", change("INCONCLUSIVE", 0.02)))
     assert "from +0.0000 [-0.0100, +0.0100] to +0.0200 [+0.0100, +0.0300]" in text
     assert "each run recorded the difference only" in text
 
 
 def test_the_readme_shows_the_language_model_claims_side_by_side_with_why_they_disagree(tmp_path):
-    import pandas as pd
-
     from poslsh_cli.app.publish import side_by_side_markdown
     from poslsh_cli.app.report import SIDE_BY_SIDE
-    from poslsh_cli.verdicts.claims import Section
+    from poslsh_cli.verdicts.claims import Joined, Section, Status, Verdict
 
     sec = Section("perplexity", tmp_path, SIDE_BY_SIDE)
-    sec.tables.append(pd.DataFrame([
-        {"claim": "c1", "perplexity: per-head σ": "SUPPORTED: L=256: poslsh s=10 2.5 (3 seeds x 3 draws); " + "x" * 200,
-         "perplexity_official: σ = 8 every head": "not judged in this run"}]))
+    judged = Verdict("c1", Status.SUPPORTED, "L=256: poslsh s=10 2.5 (3 seeds x 3 draws); " + "x" * 200, "r", key="c1")
+    sec.joined = Joined(["perplexity: per-head σ", "perplexity_official: σ = 8 every head"],
+                        [("c1", {"perplexity: per-head σ": judged})])
     sec.paragraphs += ["perplexity: bandwidths standard", "Where the protocols disagree (1 of the 1 claims ...):",
                        "- *c1*: SUPPORTED under a, INCONCLUSIVE under b. The difference ..."]
     sec.highlights = sec.paragraphs[1:]  # what the section says a summary shows, not found by reading its sentences
@@ -150,3 +149,24 @@ def test_the_summary_lists_the_decided_claims_by_part_with_links_and_a_contents(
 
     target = re.search(r"id='(block-stats-[a-z0-9-]*plain)'", html).group(1)
     assert "id='contents'" in html and f"href='#{target}'" in html
+
+
+def test_a_run_records_its_preset_and_an_older_run_is_read_from_its_command(tmp_path):
+    """meta.json names the preset a run was made with (``preset``), which the report's smoke note and the
+    README's run column read; a run written before the field existed is read from its recorded command
+    (the one migration, ``store.provenance.preset_of``); a run made from keys alone has none."""
+    import json
+
+    from poslsh_cli.app.report import is_smoke
+    from poslsh_cli.store.provenance import preset_of
+
+    r = poslsh("block-stats", "experiment=block_stats_quick", "n=[1024,4096]", "trials=2", f"out={tmp_path / 'b'}")
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert meta["preset"] == "block_stats_quick" and preset_of(meta) == "block_stats_quick" and is_smoke(meta)
+    old = {"argv": "poslsh train experiment=train_official_paper out=/x"}
+    assert preset_of(old) == "train_official_paper" and not is_smoke(old)
+    r = poslsh("block-stats", "n=[1024]", "sigma=[4.0]", "s=[2]", "trials=2", f"out={tmp_path / 'k'}")
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "k" / "meta.json").read_text())
+    assert "preset" not in meta and preset_of(meta) is None and not is_smoke(meta)

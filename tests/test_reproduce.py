@@ -95,6 +95,7 @@ def test_the_report_is_written_as_soon_as_an_evaluation_finishes(tmp_path):
     # the first report comes right after perplexity_official, before block_stats starts
     assert out.index(written[0]) < out.index("== block_stats:"), out[-3000:]
     assert "report: reading the runs under" in out and "report: drawing the figures of" in out  # never silent
+    assert "report: figures of block_stats drawn (" in out  # each run's figures said as they are done
 
 
 def test_a_report_written_after_the_last_preset_is_not_written_again(tmp_path, monkeypatch, capsys):

@@ -151,8 +151,6 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     owned by this process for the sweep (a second sweep on it is refused), and everything it
     created is removed again when no job made a run there.
     """
-    import tempfile
-
     from poslsh_cli.store import ownership
     from poslsh_cli.store.rundir import check_writable, missing_top, reserve_default, timestamp
 
@@ -190,18 +188,7 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     except ConfigError as exc:
         fail(exp.name, exc)
         return
-    hydra_args = [a for a in args if a.startswith(_HYDRA_PREFIXES)]
-    user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
-    argv = [f"poslsh {exp.name}"] + user_args + [f"out={out}"] + [
-        "hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    scratch = None
-    if multirun:  # and one table from the sweep when it ends (poslsh collect)
-        argv = argv[:1] + ["--multirun"] + argv[1:] + [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}",
-                                                        "+hydra.callbacks.collect._target_=poslsh_cli.app.sweep.CollectCallback"]
-    else:
-        scratch = tempfile.mkdtemp(prefix="poslsh-hydra-")
-        argv += [f"hydra.run.dir={scratch}", "hydra/hydra_logging=disabled"]
-    argv += hydra_args
+    argv, scratch = _hydra_argv(exp, args, out, multirun)
     replay = " ".join(["poslsh", exp.name] + (["-m"] if multirun else []) + list(args))
     top = reserved if not given and dist.is_main() else missing_top(Path(out))
     try:
@@ -226,6 +213,27 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
             import shutil
 
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+
+def _hydra_argv(exp: Experiment, args: list[str], out: str, multirun: bool) -> tuple[list[str], str | None]:
+    """The argument vector ``hydra.main`` runs with, and the scratch directory a single run gives
+    Hydra (None for a multirun, whose sweep directory is ``out``; the sweep ends with one table,
+    poslsh collect)."""
+    import tempfile
+
+    hydra_args = [a for a in args if a.startswith(_HYDRA_PREFIXES)]
+    user_args = [a for a in args if not a.startswith(_HYDRA_PREFIXES) and not a.startswith("out=")]
+    argv = [f"poslsh {exp.name}"] + user_args + [f"out={out}"] + [
+        "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    scratch = None
+    if multirun:
+        argv = argv[:1] + ["--multirun"] + argv[1:] + [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}",
+                                                        "+hydra.callbacks.collect._target_=poslsh_cli.app.sweep.CollectCallback"]
+    else:
+        scratch = tempfile.mkdtemp(prefix="poslsh-hydra-")
+        argv += [f"hydra.run.dir={scratch}", "hydra/hydra_logging=disabled"]
+    return argv + hydra_args, scratch
 
 
 def _remove_if_no_run(out: Path, top: Optional[Path]) -> None:
@@ -287,10 +295,11 @@ def _run_hydra(exp: Experiment, argv: list[str], replay: str, multirun: bool) ->
     def task(cfg: Any) -> None:
         terminate_as_interrupt()
         run_dir = Path(cfg.out)
-        meta = {}
+        preset = HydraConfig.get().runtime.choices.get("experiment")
+        meta = {"preset": preset} if preset and preset != "null" else {}
         if multirun:
             run_dir = run_dir / str(HydraConfig.get().job.num)
-            meta = {"job": HydraConfig.get().job.num, "job_overrides": list(HydraConfig.get().overrides.task)}
+            meta.update(job=HydraConfig.get().job.num, job_overrides=list(HydraConfig.get().overrides.task))
         try:
             rc = execute(exp, build_spec(exp.spec, cfg), run_dir, replay, _config_text(cfg), meta)
         except ConfigError as exc:

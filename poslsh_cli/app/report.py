@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
 from poslsh_cli.app import registry, render
-from poslsh_cli.verdicts.claims import Section, Status
+from poslsh_cli.attention.scheme import Position
+from poslsh_cli.verdicts.claims import Joined, Section, Status
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
-from poslsh_cli.store.provenance import machine_text
+from poslsh_cli.store.provenance import machine_text, preset_of
 from poslsh_cli.store.readers import find_runs, read_json, results, status
 
 
@@ -163,7 +163,7 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
                            "torch": (meta.get("versions") or {}).get("torch"), "argv": meta.get("argv")})
     if progress is not None:
         progress(f"drawing the figures of {len(tables)} runs")
-    drawn = draw_figures([(run, exp, df) for run, (_, exp, df) in tables.items()])
+    drawn = draw_figures([(run, exp, df) for run, (_, exp, df) in tables.items()], progress)
     for run, (sec, _, _) in tables.items():
         if isinstance(drawn[run], str):  # a figure that cannot be drawn must not lose the numbers
             sec.paragraphs.append(f"(figures unavailable: {drawn[run]})")
@@ -199,21 +199,35 @@ def _figures_of(item: tuple) -> list[Path] | str:
         return str(exc) or type(exc).__name__
 
 
-def draw_figures(items: list[tuple]) -> dict[Path, list[Path] | str]:
+def draw_figures(items: list[tuple], progress: Callable[[str], None] | None = None) -> dict[Path, list[Path] | str]:
     """Every run's figures, PNG only, drawn in parallel over the runs (one process per core, forked
-    so nothing is re-imported); each run's result is its files or the reason it has none."""
+    so nothing is re-imported); each run's result is its files or the reason it has none.
+    ``progress`` hears each run as its figures are done."""
     import concurrent.futures
     import multiprocessing
     import os
 
+    def done(i: int, run: Path) -> None:
+        if progress is not None:
+            progress(f"figures of {run.name} drawn ({i}/{len(items)})")
+
     workers = min(len(items), os.cpu_count() or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return {item[0]: _figures_of(item) for item in items}
+        out = {}
+        for i, item in enumerate(items, start=1):
+            out[item[0]] = _figures_of(item)
+            done(i, item[0])
+        return out
     global _DRAWING
     _DRAWING = items  # the forked workers find the runs here (an experiment's functions need not pickle)
     try:
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return dict(zip([item[0] for item in items], pool.map(_figures_at, range(len(items)))))
+            futures = {pool.submit(_figures_at, i): item[0] for i, item in enumerate(items)}
+            out = {}
+            for i, future in enumerate(concurrent.futures.as_completed(futures), start=1):
+                out[futures[future]] = future.result()
+                done(i, futures[future])
+            return {item[0]: out[item[0]] for item in items}
     finally:
         _DRAWING = []
 
@@ -251,7 +265,7 @@ def disagreement(claim: str, a: tuple[str, Any], b: tuple[str, Any]) -> str:
     elif any(x[k]["label"] != y[k]["label"] for k in ("a", "b")):
         moves = f"the schemes compared differ ({x['a']['label']} vs {x['b']['label']}; {y['a']['label']} vs {y['b']['label']})"
     else:
-        base = "b" if x["a"]["label"].startswith("poslsh") else "a"
+        base = "b" if x["a"].get("position") == Position.POSLSH.value else "a"
         other = "a" if base == "b" else "b"
         shift = {k: y[k]["mean"] - x[k]["mean"] for k in ("a", "b")}
         bigger = base if abs(shift[base]) >= abs(shift[other]) else other
@@ -284,9 +298,10 @@ def side_by_side(runs: list[Section]) -> Section:
                 keys.append(v.name)
                 label[v.name] = v.claim
             judged[(v.name, name)] = v
-    sec.tables.append(pd.DataFrame([{"claim": label[k], **{n: (f"{judged[(k, n)].status.value}: {judged[(k, n)].evidence}"
-                                                               if (k, n) in judged else "not judged in this run")
-                                                           for n in names}} for k in keys]))
+    sec.joined = Joined(names, [(label[k], {n: judged[(k, n)] for n in names if (k, n) in judged}) for k in keys])
+    sec.tables.append(pd.DataFrame([{"claim": claim, **{n: (f"{cells[n].status.value}: {cells[n].evidence}"
+                                                            if n in cells else "not judged in this run") for n in names}}
+                                    for claim, cells in sec.joined.rows]))
     sec.paragraphs += [s.facts["described"] for s in runs if s.facts.get("described")]
     sec.paragraphs.append("Each cell is the verdict of that run's rule on its own rows (the rule is in its section); "
                           "rows join the runs' verdicts of one claim by its name, and a row's wording is the first "
@@ -321,4 +336,4 @@ SMOKE_NOTE = ("{n} of these {total} runs are at smoke scale (`*_quick` presets: 
 
 def is_smoke(meta: dict) -> bool:
     """Whether a run was made from a smoke-scale preset (``experiment=<name>_quick``)."""
-    return bool(re.search(r"experiment=\S+_quick\b", str(meta.get("argv") or "")))
+    return (preset_of(meta) or "").endswith("_quick")

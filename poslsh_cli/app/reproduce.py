@@ -210,6 +210,19 @@ def _report(root: Path, finished: int | None = None) -> None:
         _REPORTED[root] = finished
 
 
+def _spawn(cmd: list[str], log_path: Path | None, env: dict) -> subprocess.Popen:
+    """A preset's child process: its output in ``log_path`` when presets run side by side (a resumed
+    preset's log follows its interrupted attempt's), else on this terminal."""
+    if log_path is None:
+        return subprocess.Popen(cmd)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        if log.tell():
+            log.write(f"\n== resumed {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            log.flush()
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit: int, done: list, failed: list,
               include: tuple[str, ...] = ()) -> None:
     """Run a wave's presets, at most ``limit`` at a time; a child that fails is recorded."""
@@ -272,14 +285,7 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
             cmd = [sys.executable, "-m", "poslsh_cli", *args]
             if side_by_side:
                 logs[name] = root / "logs" / f"{name}.log"
-                logs[name].parent.mkdir(parents=True, exist_ok=True)
-                with open(logs[name], "a") as log:  # a resumed preset's log follows its interrupted attempt's
-                    if log.tell():
-                        log.write(f"\n== resumed {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-                        log.flush()
-                    running.append((name, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
-            else:
-                running.append((name, out, subprocess.Popen(cmd)))
+            running.append((name, out, _spawn(cmd, logs.get(name), env)))
         while running:
             reap(block=True)
     except KeyboardInterrupt:

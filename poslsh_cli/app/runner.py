@@ -112,7 +112,6 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     """
     from poslsh_cli.core import distributed as dist
     from poslsh_cli.experiments.base import check_memory
-    from poslsh_cli.core.files import atomic_write_bytes
     from poslsh_cli.store.rundir import RunDir, cell_id
 
     if dist.active():
@@ -148,23 +147,7 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
 
     def started() -> list[dict]:
         owned.enter_context(run.own(argv))
-        try:
-            run.start(argv, spec.seed, len(keys), notice)
-            run.drop_unreadable_cells(notice)
-            if meta:
-                run.write_meta(**meta)
-            if getattr(ctx, "meta", None):  # provenance only the experiment knows (a corpus hash)
-                run.write_meta(**ctx.meta)
-            if dist.active():
-                run.write_meta(world_size=dist.world().size)
-            for rel, produce in (getattr(ctx, "files", None) or {}).items():
-                target = run.path / rel
-                if not target.exists():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    atomic_write_bytes(target, produce())
-        except OSError as exc:
-            run.discard_if_empty()
-            raise ConfigError(f"cannot write {run.path}: {exc.strerror}") from None
+        _begin(run, ctx, argv, spec.seed, len(keys), meta, notice)
         done = run.done_ids()
         return [k for k in keys if cell_id(k) not in done]
 
@@ -176,6 +159,33 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
         if hasattr(ctx, "todo"):  # a context that says what the session will cost (train)
             ctx.todo = len(todo)
         return _loop(exp, spec, ctx, run, keys, todo, err, notice)
+
+def _begin(run: Any, ctx: Any, argv: str, seed: int, cells: int, meta: dict | None, notice: Any) -> None:
+    """Start (or resume) the owned run directory: its meta.json (with what only the experiment knows:
+    ``ctx.meta``, a corpus hash), cells that cannot be read dropped, and the files the experiment
+    writes once (``ctx.files``); a directory that cannot be written is one error line, and left as it
+    was found when it was empty."""
+    from poslsh_cli.core import distributed as dist
+    from poslsh_cli.core.files import atomic_write_bytes
+
+    try:
+        run.start(argv, seed, cells, notice)
+        run.drop_unreadable_cells(notice)
+        if meta:
+            run.write_meta(**meta)
+        if getattr(ctx, "meta", None):
+            run.write_meta(**ctx.meta)
+        if dist.active():
+            run.write_meta(world_size=dist.world().size)
+        for rel, produce in (getattr(ctx, "files", None) or {}).items():
+            target = run.path / rel
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(target, produce())
+    except OSError as exc:
+        run.discard_if_empty()
+        raise ConfigError(f"cannot write {run.path}: {exc.strerror}") from None
+
 
 
 def _interrupted(run: Any, total: int, err: Any, code: int) -> int:

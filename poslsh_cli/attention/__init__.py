@@ -18,6 +18,13 @@ Modules, one job each:
     merge      the merge of attention over disjoint key sets by their lse
     dropout    attention dropout on the CPU flash kernel (FlashDropout) and its keep mask
     flex       FlexAttention: ALiBi score_mod, Positional LSH with bins as documents
+    union      one attention over the union of each query's s blocks, the counts C_ij as a log bias
+               (UnionLayout: the counts table; FlexAttention and chunked routes)
+    band       the union route on the CPU: the counts over each query's band of keys (BandLayout)
+    positioned every method at explicit positions (a decoding step through a key/value cache, a
+               padded batch)
+    scheme     Scheme: a method with everything that fixes what it computes, from the keys to the kernel
+    transfer   one non-blocking host-to-device copy of the drawn scalars and small tables
 """
 from typing import Any
 

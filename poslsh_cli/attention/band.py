@@ -98,7 +98,7 @@ class BandLayout:
                  fwd: torch.Tensor | None) -> "BandLayout":
         """The band from every (head, sample, position)'s place in the left band, ``R - 1 - reach back``,
         and (bidirectional) its reach forward cut at ``R - 1``, (H, s, n) int64 each."""
-        acc = count_dtype(s) if s <= 255 else torch.int16 if s <= 32767 else torch.int32
+        acc = count_dtype(s)
         ones = torch.ones(H, n, left_at.shape[1], dtype=acc, device=left_at.device)
         # left side, in band order: a +1 at u = R-1 - reach, so a cumulative sum along u counts the blocks
         # reaching back at least R-1-u (and, a reach never passing position 0, nothing before it)
@@ -171,13 +171,6 @@ class BandLayout:
         for a in range(0, self.seq_len, rows):
             b = min(self.seq_len, a + rows)
             yield (a, b, *self.keys(a, b))
-
-    def dense_counts(self) -> torch.Tensor:
-        """The whole (H, n, n) count matrix (tests)."""
-        out = torch.zeros(self.heads, self.seq_len, self.seq_len, dtype=torch.int64, device=self.counts.device)
-        for a, b, lo, hi in self.chunks():
-            out[:, a:b, lo:hi] = self.chunk_counts(a, b).to(torch.int64)
-        return out
 
 
 class BandedUnion(torch.autograd.Function):

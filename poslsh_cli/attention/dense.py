@@ -11,7 +11,6 @@ one attention whatever the number of samples s is; the memory is O(H n^2).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Sequence
 
 import torch

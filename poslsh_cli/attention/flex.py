@@ -102,15 +102,6 @@ def _twin(fn: Any) -> Any:
     return twin
 
 
-def reset_compiled() -> None:
-    """Forget every compiled variant (tests)."""
-    for fn in _COMPILED.values():
-        torch._C._dynamo.eval_frame.reset_code(_code_of(fn))
-    _COMPILED.clear()
-    _STATIC.clear()
-    _DYNAMIC_KINDS.clear()
-
-
 class FlexTooLarge(ValueError):
     """An uncompiled FlexAttention call on CUDA that would materialise its scores."""
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from poslsh_cli.attention.band import count_dtype
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import scale_of
 from poslsh_cli.attention.transfer import to_device
@@ -76,9 +77,34 @@ def _cumulative_counts(marks: Callable[[], Iterator[tuple[torch.Tensor, torch.Te
         return diff.cumsum_(0).to(dtype)
 
 
-def count_dtype(num_samples: int) -> torch.dtype:
-    """The narrowest integer type that holds counts 0..s."""
-    return torch.uint8 if num_samples <= 255 else torch.int16 if num_samples <= 32767 else torch.int32
+def _geometry(widths: np.ndarray, shifts: np.ndarray, n: int, causal: bool) -> tuple[np.ndarray, ...]:
+    """Host-side sizes of a union layout, (H,) each: a row's width (the longest block, ``ceil(delta)``
+    positions and one more for rounding, on one side or both), the row's length (one more column
+    collects the -1s the table never reads), the cells (at least as many as there are), and the
+    first cell and table entry of every head."""
+    longest = longest_block(widths.max(1), n)
+    width = longest if causal else 2 * longest - 1
+    row = width + 1
+    bounds = bin_index(n - 1, widths, shifts) - bin_index(0, widths, shifts)  # boundaries per sample
+    cells = np.minimum(n, 1 + bounds.sum(1)).astype(np.int64)
+    cbase = np.concatenate([[0], np.cumsum(cells)[:-1]])
+    tbase = np.concatenate([[0], np.cumsum(cells * row)[:-1]])
+    return width, row, cells, cbase, tbase
+
+
+def _cell_starts(pos: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(H, n) bool: whether a cell (a run of positions no sample splits) starts at each position,
+    from the bins of every sample, :data:`BUILD_ELEMENTS` elements at a time."""
+    H, s = w.shape
+    n = pos.numel()
+    step = max(1, BUILD_ELEMENTS // max(1, H * n))
+    new = torch.zeros(H, n, dtype=torch.bool, device=pos.device)
+    new[:, 0] = True
+    for a in range(0, s, step):
+        b = bin_index(pos, w[:, a:a + step, None], u[:, a:a + step, None])  # (H, c, n)
+        new[:, 1:] |= (b[..., 1:] != b[..., :-1]).any(1)
+        del b
+    return new
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,14 +166,7 @@ class UnionLayout:
         H, s = widths.shape
         n = int(seq_len)
         dev = torch.device(device)
-        # host: the longest block (ceil(delta) positions; one more for rounding), cells and row widths
-        longest = longest_block(widths.max(1), n)  # (H,)
-        width = longest if causal else 2 * longest - 1
-        row = width + 1  # a last column that collects the -1s the table never reads
-        bounds = bin_index(n - 1, widths, shifts) - bin_index(0, widths, shifts)  # boundaries per sample
-        cells = np.minimum(n, 1 + bounds.sum(1)).astype(np.int64)  # (H,) at least the cells there are
-        cbase = np.concatenate([[0], np.cumsum(cells)[:-1]])
-        tbase = np.concatenate([[0], np.cumsum(cells * row)[:-1]])
+        width, row, cells, cbase, tbase = _geometry(widths, shifts, n, causal)
         total_cells, total = int(cells.sum()), int((cells * row).sum())
         if padded_size(total) >= 2**31:
             raise ValueError(f"the union layout needs {total} counts (n={n}, s={s}): more than int32 indexes; "
@@ -156,13 +175,7 @@ class UnionLayout:
         cells_t, cbase_t, tbase_t, row_t, width_t = to_device(np.stack([cells, cbase, tbase, row, width]), dev)
 
         pos = torch.arange(n, device=dev)
-        step = max(1, BUILD_ELEMENTS // max(1, H * n))
-        new = torch.zeros(H, n, dtype=torch.bool, device=dev)  # a cell starts at i
-        new[:, 0] = True
-        for a in range(0, s, step):
-            b = bin_index(pos, w[:, a:a + step, None], u[:, a:a + step, None])  # (H, c, n)
-            new[:, 1:] |= (b[..., 1:] != b[..., :-1]).any(1)
-            del b
+        new = _cell_starts(pos, w, u)  # (H, n): a cell starts at i
         count = new.sum(1)  # (H,) cells of each head
         gcell = torch.cumsum(new, 1) - 1 + cbase_t[:, None]  # (H, n) global cell of each position
         first = torch.full((total_cells,), n - 1, dtype=torch.int64, device=dev)
@@ -287,4 +300,4 @@ def union_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Uni
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-__all__ = ["UnionLayout", "union_flex", "union_chunked", "count_dtype"]
+__all__ = ["UnionLayout", "union_flex", "union_chunked"]

@@ -112,13 +112,6 @@ def init() -> World:
     return w
 
 
-def shutdown() -> None:
-    if initialized():
-        import torch.distributed as td
-
-        td.destroy_process_group()
-
-
 def device(requested: str) -> str:
     """The device this rank trains on: CUDA device ``LOCAL_RANK`` when the run asks for CUDA (or
     auto finds it), the CPU otherwise."""

@@ -13,6 +13,7 @@ import os
 import statistics
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -215,12 +216,13 @@ def judge_load(verdict: Any, rows: Any) -> Any:
     """``verdict`` of a speed claim, INCONCLUSIVE (with :func:`overload_reason` in its evidence and
     :data:`LOAD_RULE` in its rule) when one of ``rows``, the rows it was computed from, was measured
     overloaded; a claim without measurements stays NOT MEASURED."""
-    from poslsh_cli.verdicts.claims import Status, Verdict
+    from poslsh_cli.verdicts.claims import Status
 
     why = overload_reason(rows)
     if why is None or verdict.status is Status.NOT_MEASURED:
         return verdict
-    return Verdict(verdict.claim, Status.INCONCLUSIVE, f"{verdict.evidence}; {why}", f"{verdict.rule}; {LOAD_RULE}")
+    return dataclasses.replace(verdict, status=Status.INCONCLUSIVE, evidence=f"{verdict.evidence}; {why}",
+                               rule=f"{verdict.rule}; {LOAD_RULE}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,10 +9,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from poslsh_cli.core.config import key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.install import install
 from poslsh_cli.attention.scheme import SWAP_S, Position
 from poslsh_cli.lm.positions import PositionState
+
+
+#: The byte model's size keys, declared once: a command that builds the model declares each with
+#: :func:`arch_key`, choosing only its default (``tests/test_architecture.py`` holds them to this table).
+ARCH_KEYS = {"hidden": "byte model: width", "layers": "byte model: decoder layers",
+             "heads": "byte model: attention heads (one ALiBi slope each)",
+             "kv_heads": "byte model: key/value heads (grouped-query attention)",
+             "head_dim": "byte model: head dimension", "intermediate": "byte model: MLP width"}
+
+
+def arch_key(name: str, default: int) -> Any:
+    """The spec field of the byte model's size key ``name`` (:data:`ARCH_KEYS`)."""
+    return key(ARCH_KEYS[name], default, ge=1)
 
 
 @dataclass(frozen=True)
@@ -26,6 +40,11 @@ class Arch:
     intermediate: int
     head_dim: int
     max_positions: int
+
+    @classmethod
+    def of(cls, spec: Any, max_positions: int) -> "Arch":
+        """The sizes a command's keys name (:data:`ARCH_KEYS`), with room for ``max_positions``."""
+        return cls(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim, max_positions)
 
     def config(self) -> dict:
         """Its transformers ``Qwen3Config`` arguments (vocabulary 256, tied embeddings)."""

@@ -157,17 +157,3 @@ def check_free(directory: Path, what: str = "out") -> None:
     info = holder(directory)
     if info is not None:
         raise RunBusy(f"{what}={directory} is in use by {_describe(info)}; wait for it to finish or use another {what}=")
-
-
-class Owned:
-    """``with Owned(dir, command): ...``: :func:`acquire` on entry, :func:`release` on exit."""
-
-    def __init__(self, directory: Path, command: str, what: str = "out"):
-        self.directory, self.command, self.what = Path(directory), command, what
-
-    def __enter__(self) -> "Owned":
-        acquire(self.directory, self.command, self.what)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        release(self.directory)

@@ -72,3 +72,16 @@ def machine_text(device: dict[str, Any] | None) -> str:
     cpu = dev.get("cpu") or (f"{dev['machine']} CPU" if dev.get("machine") else "unknown CPU")
     n = dev.get("cpu_count")
     return f"{cpu}, {n} cores" if n else cpu
+
+
+def preset_of(meta: Any) -> str | None:
+    """The preset (``experiment=NAME``) a run was made with, as its meta.json records it (``preset``);
+    for a run written before meta.json had the field, read from its recorded command. None: no preset."""
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("preset"):
+        return str(meta["preset"])
+    import re
+
+    found = re.search(r"experiment=(\S+)", str(meta.get("argv") or ""))
+    return found.group(1) if found else None

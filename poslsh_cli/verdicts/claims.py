@@ -37,14 +37,25 @@ class Verdict:
     #: the same numbers, structured, where a later comparison reads them (a two-scheme comparison:
     #: each scheme's label, mean and interval over seeds, and the difference's interval)
     numbers: dict | None = field(default=None, compare=False)
-    #: the claim's name, stable whatever its sentence says (readers join verdicts of several runs on
-    #: it, never on the sentence); empty: the sentence itself
+    #: the claim's id, ``<command>/<name>``, stable whatever its sentence says: readers join verdicts of
+    #: several runs on it and group them by it and the fields below, never by the sentence
     key: str = field(default="", compare=False)
+    #: a claim made of each of several schemes: the family's id (empty: a claim of its own), its
+    #: sentence with "…" where the members differ, and the member this verdict is about (a scheme's label)
+    family: str = field(default="", compare=False)
+    family_text: str = field(default="", compare=False)
+    member: str = field(default="", compare=False)
+    #: what the claim is restricted to, shown after it ("[600 steps]"); verdicts of one family and tag fold
+    tag: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError(f"a verdict needs its claim's id (key=): {self.claim!r}")
 
     @property
     def name(self) -> str:
-        """The claim's name (its ``key``, else its sentence)."""
-        return self.key or self.claim
+        """The claim's id (:attr:`key`)."""
+        return self.key
 
 
 @dataclass
@@ -66,12 +77,24 @@ class Section:
     facts: dict = field(default_factory=dict)
     #: the lines a summary of the section shows (the README's block), apart from its paragraphs
     highlights: list[str] = field(default_factory=list)
+    #: several runs' verdicts joined on the claim's id (the side-by-side section), for readers that
+    #: show them as a table
+    joined: "Joined | None" = None
 
     def add_table(self, head: list[str], rows: list[list[Any]]) -> None:
         """A table from a command's ``summary(df)`` (its header and rows)."""
         import pandas as pd
 
         self.tables.append(pd.DataFrame(rows, columns=head))
+
+
+@dataclass
+class Joined:
+    """Verdicts of several runs joined on their claims' ids: the runs' column names, and per claim its
+    sentence (the first run's) and each run's verdict (a run that did not judge it is absent)."""
+
+    runs: list[str]
+    rows: list[tuple[str, dict[str, Verdict]]]
 
 
 #: How a claim made over several groups ((n, sigma), layers, lengths) is judged from its groups'
@@ -136,13 +159,13 @@ class Groups:
             return Status.NOT_MEASURED
         return Status.SUPPORTED if all(s is Status.SUPPORTED for s in self.statuses) else Status.NOT_SUPPORTED
 
-    def verdict(self, claim: str, rule: str, *, none: str = "", lead: str = "", evidence: str | None = None,
+    def verdict(self, claim: str, rule: str, *, key: str, none: str = "", lead: str = "", evidence: str | None = None,
                 every: bool = False) -> Verdict:
-        """The claim's verdict; its evidence is ``evidence`` when given, else ``lead`` and the groups'
-        evidence joined by "; ", or ``none`` when there is none."""
+        """The verdict of claim ``key`` (its sentence ``claim``); its evidence is ``evidence`` when given,
+        else ``lead`` and the groups' evidence joined by "; ", or ``none`` when there is none."""
         if evidence is None:
             evidence = lead + "; ".join(self.evidence) if self.evidence else none
-        return Verdict(claim, self.status(every), evidence, rule if every else over_groups(rule))
+        return Verdict(claim, self.status(every), evidence, rule if every else over_groups(rule), key=key)
 
 
 # ---------------------------------------------------------------------------------------------

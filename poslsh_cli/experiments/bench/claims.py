@@ -74,13 +74,14 @@ def claim_roofline(df: Any) -> Verdict:
     rows = df[(df.method == POSLSH) & df.backend.astype(str).str.startswith("blocks") & (df.n >= ROOFLINE_N)]
     claim = f"Positional-LSH blocks reach {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at n >= {ROOFLINE_N}"
     if rows.empty or rows.fraction.isna().all():
-        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH blocks rows with n >= {ROOFLINE_N}", rule)
+        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH blocks rows with n >= {ROOFLINE_N}", rule,
+                       key="bench/roofline")
     worst = rows.loc[rows.fraction.idxmin()]
     ev = (f"lowest fraction {worst.fraction:.0%} (s={worst.s}, n={int(worst.n)}, "
           f"{'causal' if worst.causal else 'bidirectional'}); highest {rows.fraction.max():.0%}; "
           f"{len(rows)} rows")
     return judge_load(Verdict(claim, Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else
-                              Status.NOT_SUPPORTED, ev, rule), rows)
+                              Status.NOT_SUPPORTED, ev, rule, key="bench/roofline"), rows)
 
 
 def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
@@ -114,7 +115,7 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
             fit = fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds)
             groups.add(None, f"{mode} exact: {fit.slope:.2f}")
     verdict = groups.verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", TIME_RULE,
-                             lead="log-log slopes over the larger n: ", none="no Positional-LSH rows")
+                             key="bench/near_linear", lead="log-log slopes over the larger n: ", none="no Positional-LSH rows")
     verdict = judge_load(verdict, df[df.method.isin([POSLSH, EXACT])])
     return verdict, paragraphs
 
@@ -139,19 +140,21 @@ def claims_gpu(df: Any) -> list[Verdict]:
         what = "forward + backward" if backward else "forward"
         claim = (f"on CUDA, causal Positional LSH s={GPU_GOAL_S} is at least {goal:g}x faster than exact ALiBi at "
                  f"n={GPU_GOAL_N} ({what}, the plan's paths)")
+        key = f"bench/gpu_speedup[{what}]"
         rule = (f"median end-to-end time of exact ALiBi (timed interleaved with Positional LSH: exact_seconds; else "
                 f"its own row) over Positional LSH s={GPU_GOAL_S} (masks drawn in the call) in one run; SUPPORTED when "
                 f"at least {goal:g}, else NOT SUPPORTED; NOT MEASURED without both rows")
         sel = g[(g.n == GPU_GOAL_N) & g.causal.astype(bool) & (g.backward == backward)]
         ex, p = sel[sel.method == EXACT], sel[(sel.method == POSLSH) & (sel.s == GPU_GOAL_S)]
         if ex.empty or p.empty:
-            out.append(Verdict(claim, Status.NOT_MEASURED, f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}", rule))
+            out.append(Verdict(claim, Status.NOT_MEASURED, f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}", rule,
+                               key=key))
             continue
         exact = float(exact_time(sel).loc[p.index].median())
         r = exact / float(p.seconds.median())
         out.append(judge_load(Verdict(claim, Status.SUPPORTED if r >= goal else Status.NOT_SUPPORTED,
                                       f"exact {exact:.4g} s ({ex.backend.iloc[0]}), Positional LSH "
-                                      f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x", rule),
+                                      f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x", rule, key=key),
                               sel[sel.index.isin(ex.index) | sel.index.isin(p.index)]))
     claim = (f"on CUDA, Positional LSH's peak memory is at most {GPU_MEMORY_GOAL:g}x exact ALiBi's plus the masks' "
              "integers, at every n and s")
@@ -169,7 +172,8 @@ def claims_gpu(df: Any) -> list[Verdict]:
             memory.add(bool(r.peak_mem_mb <= allow),
                        f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
                        f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
-    out.append(memory.verdict(claim, rule, every=True, none="no CUDA rows of exact ALiBi and Positional LSH"))
+    out.append(memory.verdict(claim, rule, key="bench/gpu_memory", every=True,
+                              none="no CUDA rows of exact ALiBi and Positional LSH"))
     claim = (f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of "
              "Positional LSH's end-to-end time at the largest n")
     rule = (f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at "
@@ -177,12 +181,13 @@ def claims_gpu(df: Any) -> list[Verdict]:
     p = g[(g.method == POSLSH)]
     p = p[p.n == p.n.max()] if len(p) else p
     if p.empty:
-        out.append(Verdict(claim, Status.NOT_MEASURED, "no CUDA Positional-LSH rows", rule))
+        out.append(Verdict(claim, Status.NOT_MEASURED, "no CUDA Positional-LSH rows", rule, key="bench/gpu_mask_share"))
     else:
         share = p.sample_seconds / p.seconds
         ev = "; ".join(f"{'causal' if r.causal else 'bidirectional'}{' fwd+bwd' if r.backward else ''} s={r.s}: "
                        f"{r.sample_seconds * 1e3:.2f} of {r.seconds * 1e3:.2f} ms = {r.sample_seconds / r.seconds:.0%}"
                        for r in p.itertuples())
         out.append(judge_load(Verdict(claim, Status.SUPPORTED if bool((share <= SAMPLE_SHARE_GOAL).all()) else
-                                      Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}", rule), p))
+                                      Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}", rule,
+                                      key="bench/gpu_mask_share"), p))
     return out

@@ -39,6 +39,8 @@ from typing import Any, Optional
 import numpy as np
 
 from poslsh_cli.experiments.bench.paths import partition_backends
+from poslsh_cli.experiments.bench.references import (check_rows, exact_output, exact_path, inputs, machine_gflops,
+                                                        reference64, useful_pairs)
 from poslsh_cli.experiments.bench.report import plot, report, summary
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
@@ -51,8 +53,6 @@ from poslsh_cli.numerics.sampling import Sampler, derive_seed
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
 #: Paths of the partition methods (Positional LSH, fixed blocks) bench can time side by side
 PARTITION_BACKENDS = ("auto", "blocks", "union", "flex", "dense")
-#: Query rows whose float64 exact output checks every row's output (``max_err_f64``)
-CHECK_ROWS = 128
 
 
 #: The methods bench can time: every attention method.
@@ -168,33 +168,6 @@ def prepare(spec: BenchSpec) -> BenchContext:
     return ctx
 
 
-#: Sequence length of the dense problem that measures the machine's attainable attention throughput
-MACHINE_N = 4096
-
-
-def machine_gflops(spec: BenchSpec, ctx: BenchContext, causal: bool) -> float:
-    """Useful GFLOP/s of the bias-free flash kernel (PyTorch SDPA) on one dense problem of the
-    bench's heads, head dimension, dtype and direction (n = MACHINE_N, or the largest n when
-    shorter): what attention can attain on this machine, the denominator of ``fraction``."""
-    from poslsh_cli.attention import no_bias_attention
-    from poslsh_cli.experiments.measure import measure
-
-    n = min(MACHINE_N, max(spec.n))
-    q, k, v = _inputs(spec, ctx, n)
-    if spec.backward:
-        for t in (q, k, v):
-            t.requires_grad_(True)
-    t = measure(lambda: None, lambda _: no_bias_attention(q, k, v, causal), ctx.device, max(3, spec.repeats),
-                max(1, spec.warmup), spec.backward, (q, k, v))
-    pairs = spec.heads * (n * (n + 1) / 2 if causal else float(n) * n)
-    return 4.0 * spec.head_dim * pairs / 1e9 * (3.0 if spec.backward else 1.0) / t.seconds
-
-
-def check_rows(n: int) -> list[int]:
-    """The query rows the float64 check uses: the first and last, and CHECK_ROWS spread evenly."""
-    return sorted({0, n - 1, *np.linspace(0, n - 1, CHECK_ROWS).round().astype(int).tolist()})
-
-
 def memory(spec: BenchSpec) -> MemoryNeed:
     """Peak bytes at the largest n: q, k, v, the outputs kept for the error, the per-sample outputs
     and layout of Positional LSH at the largest s, the union's band of counts where it is timed on the
@@ -261,26 +234,14 @@ def _cpu() -> Any:
     return torch.device("cpu")
 
 
-def _inputs(spec: BenchSpec, ctx: BenchContext, n: int) -> tuple[Any, Any, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(derive_seed(spec.seed, "bench-inputs", n, spec.heads, spec.head_dim))
-    shape = (1, spec.heads, n, spec.head_dim)
-    return tuple(torch.randn(shape, generator=g).to(device=ctx.device, dtype=ctx.dtype) for _ in range(3))
-
-
 def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any = None) -> tuple[list[dict], dict]:
-    import torch
-
-    from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
-    from poslsh_cli.attention.api import work_of
-    from poslsh_cli.attention.plan import weighs
+    from poslsh_cli.attention import AttentionSpec, attend, layout_for
     from poslsh_cli.experiments.measure import SharedReference, measure, timed_call
     from poslsh_cli.numerics.metrics import output_errors
 
     n, causal, method = key["n"], key["causal"], Method(key["method"])
     info = INFO[method]
-    q, k, v = _inputs(spec, ctx, n)
+    q, k, v = inputs(spec, ctx, n)
     if spec.backward:
         for t in (q, k, v):
             t.requires_grad_(True)
@@ -288,13 +249,6 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     s, window_c = key.get("s", 0), key.get("window_sigmas", math.nan)
     seed = derive_seed(spec.seed, "bench", n, s) if info.randomized else -1
     sampler = key.get("sampler", spec.sampler[0].value) if info.randomized else "iid"
-    if info.params.endswith("partitions"):
-        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, s or 1, ctx.sigmas,
-                                                        max(spec.n), spec.backward, spec.dtype.value, causal)[0])
-    elif method is Method.EXACT:
-        backend = key.get("backend", spec.exact_backends[0])
-    else:
-        backend = "auto"
     samples = s if info.randomized else 1
 
     def build() -> AttentionSpec:
@@ -303,17 +257,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                                    window_sigmas=None if math.isnan(window_c) else window_c)
 
     fixed = build()
-    # the plan's cost model where attend() weighs it (plan.weighs)
-    cost = work_of(fixed, n) if weighs(fixed.partitions is not None, ctx.device, ctx.dtype, n, spec.backward) else None
-    try:
-        plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                      backend=backend, s=samples, work=cost)
-    except ValueError as exc:
-        from poslsh_cli.core.errors import ConfigError
-
-        raise ConfigError(f"{'partition' if info.params.endswith('partitions') else 'exact'}_backends: {exc}") from None
-    planned = plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                             s=samples, work=cost)
+    plan, planned = _plan(spec, key, ctx, fixed, samples)
     per_call = fixed.partitions is not None  # masks are drawn (and laid out) in every forward pass
 
     def draw() -> tuple[AttentionSpec, Any]:  # the untimed part of a call: masks and their layout
@@ -323,14 +267,9 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     def run(ready: tuple[AttentionSpec, Any]) -> Any:
         return attend(q, k, v, ready[0], layout=ready[1], plan=plan)
 
+    pairs = useful_pairs(fixed, n, causal, H)
     if fixed.partitions is not None:
-        lengths = np.concatenate([np.diff(o) for p in fixed.partitions for o in p.offsets]).astype(np.float64)
-        pairs = float(np.sum(lengths * (lengths + 1) / 2 if causal else lengths**2))
         s = fixed.partitions[0].num_samples
-    elif fixed.window is not None:
-        pairs = sum(_band_pairs(n, wh, causal) for wh in fixed.window)
-    else:
-        pairs = H * (n * (n + 1) / 2 if causal else float(n) * n)
     paired = method is not Method.EXACT and n <= spec.exact_max_n and \
         Method.EXACT.value in {m.value for m in spec.methods}
     t = measure(draw, run, ctx.device, spec.repeats, spec.warmup, spec.backward, (q, k, v),
@@ -350,21 +289,8 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     if first_exact:
         ctx.exact[(n, causal)] = t.out[0]
     elif n <= spec.exact_max_n and Method.EXACT.value in {m.value for m in spec.methods}:
-        ref = ctx.exact.get((n, causal))
-        if ref is None:  # resumed run: recompute the reference, untimed
-            with torch.no_grad():
-                ref = ctx.exact[(n, causal)] = attend(
-                    q.detach(), k.detach(), v.detach(), AttentionSpec(Method.EXACT, ctx.sigmas, causal),
-                    plan=choose(Method.EXACT, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=False,
-                                backend="auto" if spec.exact_backends[0] == "auto" else spec.exact_backends[0]))[0]
-        rel = float(np.median(output_errors(ref, t.out[0])[0]))
-    if (n, causal) not in ctx.exact64:
-        from poslsh_cli.attention.reference import alibi_rows_reference
-
-        with torch.no_grad():
-            ctx.exact64[(n, causal)] = alibi_rows_reference(q.detach(), k.detach(), v.detach(), ctx.sigmas, causal,
-                                                            check_rows(n))
-    err64 = float((t.out[:, :, check_rows(n)].double() - ctx.exact64[(n, causal)]).abs().max())
+        rel = float(np.median(output_errors(exact_output(spec, ctx, n, causal, (q, k, v)), t.out[0])[0]))
+    err64 = float((t.out[:, :, check_rows(n)].double() - reference64(ctx, n, causal, (q, k, v))).abs().max())
     machine = ctx.machine.get(causal, math.nan)
     row = BenchRow(method=method.value, n=n, head_dim=d, heads=H, s=s, causal=causal, seconds=t.seconds,
                    peak_mem_mb=t.peak_mem_mb, rel_fro=rel, window_sigmas=window_c, dtype=spec.dtype.value,
@@ -377,23 +303,31 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
     return [asdict(row)], {}
 
 
-def exact_path(spec: BenchSpec, ctx: BenchContext, n: int, causal: bool, qkv: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-    """(set-up, attention) of exact ALiBi on the reference path (the first of ``exact_backends``),
-    as its own cell times it: what a compared row is timed interleaved with."""
-    from poslsh_cli.attention import AttentionSpec, attend, choose, layout_for
+def _plan(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, att: Any, samples: int) -> tuple[Any, bool]:
+    """The path a cell times (its ``backend``: asked, or the plan's) and whether it is the plan's own
+    choice for these masks (the plan's cost model weighed where attend() weighs it: plan.weighs)."""
+    from poslsh_cli.attention import choose
+    from poslsh_cli.attention.api import work_of
+    from poslsh_cli.attention.plan import weighs
 
-    plan = choose(Method.EXACT, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
-                  backend=spec.exact_backends[0], s=1)
-    att = AttentionSpec.build(Method.EXACT, ctx.sigmas, n, causal)
-    return (lambda: (att, layout_for(att, plan, ctx.device, grad=spec.backward)),
-            lambda ready: attend(*qkv, ready[0], layout=ready[1], plan=plan))
+    n, causal, method = key["n"], key["causal"], Method(key["method"])
+    partitioned = INFO[method].params.endswith("partitions")
+    if partitioned:
+        backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, key.get("s", 0) or 1,
+                                                        ctx.sigmas, max(spec.n), spec.backward, spec.dtype.value,
+                                                        causal)[0])
+    else:
+        backend = key.get("backend", spec.exact_backends[0]) if method is Method.EXACT else "auto"
+    cost = work_of(att, n) if weighs(att.partitions is not None, ctx.device, ctx.dtype, n, spec.backward) else None
+    try:
+        plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                      backend=backend, s=samples, work=cost)
+    except ValueError as exc:
+        from poslsh_cli.core.errors import ConfigError
 
-
-def _band_pairs(n: int, w: int, causal: bool) -> float:
-    """Number of (i, j) with |i - j| <= w (and j <= i when causal)."""
-    w = min(w, n - 1)
-    one_side = w * n - w * (w + 1) / 2  # pairs with 1 <= i - j <= w
-    return n + one_side if causal else n + 2 * one_side
+        raise ConfigError(f"{'partition' if partitioned else 'exact'}_backends: {exc}") from None
+    return plan, plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
+                                s=samples, work=cost)
 
 
 EXPERIMENT = Experiment(

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from poslsh_cli.experiments.bench.claims import (  # noqa: F401 (the claims' constants, read by tests)
-    EXACT, EXACT_ALT, GPU_GOAL_N, GPU_GOAL_S, POSLSH, WINDOWED, claim_near_linear_time, claim_roofline, claims_gpu,
+    EXACT, EXACT_ALT, POSLSH, WINDOWED, claim_near_linear_time, claim_roofline, claims_gpu,
     crossover, exact_time)
 from poslsh_cli.experiments.measure import load_paragraphs
 from poslsh_cli.verdicts.claims import Section

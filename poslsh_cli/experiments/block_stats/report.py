@@ -146,13 +146,13 @@ def exact_law_verdict(df: Any) -> Verdict:
     ev = (f"smallest Kolmogorov–Smirnov p-value {min(pvals):.3g} over {len(groups)} (σ, s) groups; power to reject "
           f"a law {WIDER - 1:.0%} wider {power:.2f} at {len(g)} values a group (the least, σ={sigma:g}, s={s})")
     if min(pvals) <= alpha:
-        return Verdict(claim, Status.NOT_SUPPORTED, ev, LAW_RULE)
+        return Verdict(claim, Status.NOT_SUPPORTED, ev, LAW_RULE, key="block_stats/width_law")
     if power >= POWER:
-        return Verdict(claim, Status.SUPPORTED, ev, LAW_RULE)
+        return Verdict(claim, Status.SUPPORTED, ev, LAW_RULE, key="block_stats/width_law")
     need = ks_values_needed(*law, alpha, rng, start=len(g))
     per_trial = max(1, len(g) // max(1, g.trial.nunique()))  # values a trial adds to the group (its n)
     ev += (f", below {POWER:g}: about {need} values a group reach it (trials={math.ceil(need / per_trial)})")
-    return Verdict(claim, Status.INCONCLUSIVE, ev, LAW_RULE)
+    return Verdict(claim, Status.INCONCLUSIVE, ev, LAW_RULE, key="block_stats/width_law")
 
 
 def report(run: Path, df: Any) -> Section:
@@ -175,13 +175,14 @@ def report(run: Path, df: Any) -> Section:
             "the realised largest block b_max follows the law of max ceil(δ_k)",
             Status.SUPPORTED if p > 0.01 else Status.NOT_SUPPORTED,
             f"{k}/{m} cells ({k / m:.1%}) inside the law's 5–95% range; binomial lower-tail p = {p:.3g}",
-            "at least 90% of cells expected inside; NOT SUPPORTED when fewer is significant at 1%"))
+            "at least 90% of cells expected inside; NOT SUPPORTED when fewer is significant at 1%",
+            key="block_stats/realised_largest_block"))
     logs, fixed = df[df.s_per_log_n.notna()], df[df.s_per_log_n.isna()]
     # 3. s ~ log n: b_max / (sigma log log n) bounded
     if logs.empty:
         sec.verdicts.append(Verdict("b_max / (σ log log n) stays bounded as n grows when s grows like log n",
                                     Status.NOT_MEASURED, "this run keeps s fixed (run experiment=block_stats_loglog_paper)",
-                                    BAND_RULE))
+                                    BAND_RULE, key="block_stats/bounded_loglog"))
     else:
         groups = Groups()
         for sigma, g in logs.groupby("sigma"):
@@ -196,7 +197,7 @@ def report(run: Path, df: Any) -> Section:
                       f"(exact law ×{law.max() / law.min():.2f})")
         c = float(logs.s_per_log_n.iloc[0])
         sec.verdicts.append(groups.verdict(f"b_max / (σ log log n) stays bounded as n grows when s = ⌈{c:g} ln n⌉",
-                                           BAND_RULE))
+                                           BAND_RULE, key="block_stats/bounded_loglog"))
     # fixed s: does b_max grow with n? (its law does not depend on n)
     for (sigma, s), g in fixed.groupby(["sigma", "s"]):
         if g.n.nunique() < 2:

@@ -28,7 +28,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, lm_bytes
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
-from poslsh_cli.lm.loading import Arch
+from poslsh_cli.lm.loading import Arch, arch_key
 from poslsh_cli.attention.scheme import Position, model_label, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.numerics.sampling import derive_seed
@@ -42,6 +42,8 @@ ALIBI, WINDOWED, POSLSH = Position.ALIBI.value, Position.WINDOWED.value, Positio
 #: Goals at the longest context measured (at least GOAL_CONTEXT): Positional LSH holds at most
 #: 1/KV_GOAL of exact ALiBi's keys and values and decodes at least SPEED_GOAL times as fast.
 GOAL_CONTEXT, KV_GOAL, SPEED_GOAL = 65536, 8.0, 4.0
+#: the ids of its two claims
+KV_KEY, SPEED_KEY = "decode_bench/kv_held", "decode_bench/decodes_faster"
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,12 @@ class DecodeBenchSpec(Spec):
     s: tuple[int, ...] = scheme_key("s", [8], "poslsh only")
     new_tokens: int = key("tokens decoded after the context (median time reported)", 32, ge=1)
     batch: int = key("sequences decoded together", 1, ge=1)
-    hidden: int = key("model width", 64, ge=1)
-    layers: int = key("decoder layers", 2, ge=1)
-    heads: int = key("attention heads", 8, ge=1)
-    kv_heads: int = key("key/value heads", 8, ge=1)
-    head_dim: int = key("head dimension", 16, ge=1)
-    intermediate: int = key("MLP width", 192, ge=1)
+    hidden: int = arch_key("hidden", 64)
+    layers: int = arch_key("layers", 2)
+    heads: int = arch_key("heads", 8)
+    kv_heads: int = arch_key("kv_heads", 8)
+    head_dim: int = arch_key("head_dim", 16)
+    intermediate: int = arch_key("intermediate", 192)
     sigma: Optional[float] = scheme_key("sigma", None, "one for every head; null: one per head "
                                                       "from the standard ALiBi slopes")
     window_sigmas: float = scheme_key("window_sigmas", 4.0)
@@ -80,8 +82,7 @@ def prepare(spec: DecodeBenchSpec) -> DecodeBenchContext:
 
     fast_cpu_math()
     longest = max(spec.context) + spec.new_tokens
-    return DecodeBenchContext(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
-                                                                spec.intermediate, spec.head_dim, longest))
+    return DecodeBenchContext(resolve_device(spec.device), Arch.of(spec, longest))
 
 
 def cells(spec: DecodeBenchSpec, ctx: DecodeBenchContext | None = None) -> list[dict[str, Any]]:
@@ -200,8 +201,8 @@ def claims(df: Any) -> list[Verdict]:
     speed_claim = f"Positional LSH decodes at least {SPEED_GOAL:g}x as fast as exact ALiBi"
     if not both or max(both) < GOAL_CONTEXT:
         why = f"needs alibi and poslsh rows at a context of at least {GOAL_CONTEXT}"
-        return [Verdict(kv_claim, Status.NOT_MEASURED, why, rule_kv),
-                Verdict(speed_claim, Status.NOT_MEASURED, why, rule_speed)]
+        return [Verdict(kv_claim, Status.NOT_MEASURED, why, rule_kv, key=KV_KEY),
+                Verdict(speed_claim, Status.NOT_MEASURED, why, rule_speed, key=SPEED_KEY)]
     n = max(both)
     g = df[df.context == n]
     a = g[g.position == ALIBI].iloc[0]
@@ -213,8 +214,8 @@ def claims(df: Any) -> list[Verdict]:
                                           f"{a.kv_bytes / 2**20:.2f} MiB = 1/{1 / kv:.0f}")
         speeds.add(bool(speed >= SPEED_GOAL), f"context {n}, s={int(r.s)}: {r.tokens_per_s:.1f} / "
                                               f"{beside:.1f} tokens/s = {speed:.2f}x")
-    return [held.verdict(kv_claim, rule_kv, every=True),
-            judge_load(speeds.verdict(speed_claim, rule_speed, every=True), g[g.position.isin([ALIBI, POSLSH])])]
+    return [held.verdict(kv_claim, rule_kv, key=KV_KEY, every=True),
+            judge_load(speeds.verdict(speed_claim, rule_speed, key=SPEED_KEY, every=True), g[g.position.isin([ALIBI, POSLSH])])]
 
 
 def memory(spec: DecodeBenchSpec) -> MemoryNeed:

@@ -360,9 +360,12 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
             tag = ", ".join(t for t in (run if many and run else "",
                                         f"{steps} steps" if lengths.get(run, 1) > 1 else "") if t)
             claim = f"{label} reaches exact ALiBi's accuracy on {task}" + (f" [{tag}]" if tag else "")
+            names = dict(key=f"eval/reaches_alibi[{label}, {task}{', ' + tag if tag else ''}]",
+                         family=f"eval/reaches_alibi[{task}]", family_text=f"… reaches exact ALiBi's accuracy on {task}",
+                         member=label, tag=f"[{tag}]" if tag else "")
             if not len(ref) or iv.n < MIN_SEEDS:
                 out.append(Verdict(claim, Status.INCONCLUSIVE,
-                                   f"{iv.n} training seed(s) with both schemes, fewer than {MIN_SEEDS}", rule))
+                                   f"{iv.n} training seed(s) with both schemes, fewer than {MIN_SEEDS}", rule, **names))
                 continue
             margin = relative_margin(float(ref.mean()))
             status, why = equivalence(iv, margin)
@@ -372,7 +375,7 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
                                f"points (exact ALiBi {float(ref.mean()):.2f}%, margin {margin:.2f}: {why}); {iv.n} "
                                f"training seeds, {draws} mask draws each, {int(h.documents.max())} questions", rule,
                                {"unit": "% error", "margin": margin, "boundary": margin,
-                                "diff": iv.record()}))
+                                "diff": iv.record()}, **names))
     return out
 
 

@@ -188,9 +188,9 @@ def report(run: Path, df: Any) -> Section:
                      "spectral_rel at s_max": fmt(top.spectral_rel.mean()), "max_err at s_max": fmt(top.max_err.mean())})
     sec.tables.append(pd.DataFrame(rows))
     if spec_groups.statuses:
-        for claim, groups in (("spectral error decays like s^-1/2", spec_groups),
-                              ("max-norm error decays like s^-1/2", max_groups)):
-            sec.verdicts.append(groups.verdict(claim, DECAY_RULE, evidence=f"(n, σ) groups: {groups.tally()}; "
+        for claim, groups, key in (("spectral error decays like s^-1/2", spec_groups, "matrix_error/spectral_decay"),
+                                   ("max-norm error decays like s^-1/2", max_groups, "matrix_error/max_decay")):
+            sec.verdicts.append(groups.verdict(claim, DECAY_RULE, key=key, evidence=f"(n, σ) groups: {groups.tally()}; "
                                                                            f"slopes {few(groups.evidence)}"))
         a, b = float(np.nanmedian(all_max)), float(np.nanmedian(asym_max))
         if math.isfinite(a) and math.isfinite(b):
@@ -202,7 +202,8 @@ def report(run: Path, df: Any) -> Section:
             sec.paragraphs.append(text)
     elif not dense_check:
         sec.verdicts.append(Verdict("spectral error decays like s^-1/2", Status.NOT_MEASURED,
-                                    f"fewer than three s ≥ {ASYMPTOTIC_S} in every (n, σ)", DECAY_RULE))
+                                    f"fewer than three s ≥ {ASYMPTOTIC_S} in every (n, σ)", DECAY_RULE,
+                                    key="matrix_error/spectral_decay"))
     _report_theorem(sec, main)
     if len(samplers) > 1:
         _report_samplers(sec, every)
@@ -284,7 +285,8 @@ def _report_theorem(sec: Section, df: Any) -> None:
         evidence += (f"; exceeded at e.g. n={int(worst.n)} σ={worst.sigma:g} s={int(worst.s)}: "
                      f"{worst.mean_err:.4g} > {worst.bound:.4g}")
     sec.verdicts.append(Verdict("Theorem 2.1's expectation bound holds in every cell",
-                                Status.SUPPORTED if holds.all() else Status.NOT_SUPPORTED, evidence, THEOREM_RULE))
+                                Status.SUPPORTED if holds.all() else Status.NOT_SUPPORTED, evidence, THEOREM_RULE,
+                                key="matrix_error/expectation_bound"))
     sec.details.append(("Theorem 2.1 per cell: mean certified error, expectation bound, tail bound at the mean error, "
                         "s needed", cells))
 
@@ -310,6 +312,6 @@ def _report_dense_check(sec: Section, df: Any) -> None:
         f"largest relative spectral difference {rel.max():.2g} over {len(rel)} cells; dense inside every certified "
         f"interval: {inside}; max norm bit-identical: {exact}",
         f"relative spectral difference at most the certified interval's width ({tol:g}), the dense value inside "
-        "the interval, and max norms equal bit for bit"))
+        "the interval, and max norms equal bit for bit", key="matrix_error/fast_equals_dense"))
     sec.paragraphs.append("Dense time over fast time (median over cells): "
                           + ", ".join(f"n={n}: {x:.1f}x" for n, x in speed.items()) + ".")

@@ -165,18 +165,20 @@ def report(run: Path, df: Any) -> Section:
     sec.tables.append(pd.DataFrame(rows))
     if p_all.empty:
         sec.verdicts.append(Verdict("output error falls like s^-1/2", Status.NOT_MEASURED, "no Positional-LSH rows",
-                                    DECAY_RULE))
+                                    DECAY_RULE, key="output_error/decay"))
         return sec
     slopes = f"; slopes {few(decay.evidence)}" if decay.evidence else f"; fewer than three s ≥ {ASYMPTOTIC_S}"
     sec.verdicts.append(decay.verdict("output error falls like s^-1/2", DECAY_RULE + "; per layer, on the median over "
-                                      "heads", evidence=f"layers: {decay.tally()}{slopes}"))
+                                      "heads", key="output_error/decay",
+                                      evidence=f"layers: {decay.tally()}{slopes}"))
     smax = int(p_all.s.max())
     for m in (m for m in baselines() if INFO[m].params != "window"):
         layers = beats.get(m, Groups())
         won = f"{layers.statuses.count(Status.SUPPORTED)}/{len(layers.statuses)} layers" if layers.statuses else None
         sec.verdicts.append(layers.verdict(f"at the largest s Positional LSH is more accurate than the {m.value} baseline",
                                            f"median over heads at s={smax} below the baseline's median, in every layer",
-                                           every=True, evidence=won, none=f"no {m.value} rows in this run (baselines=)"))
+                                           key=f"output_error/beats_{m.value}", every=True, evidence=won,
+                                           none=f"no {m.value} rows in this run (baselines=)"))
     for m in (m for m in present if INFO[m].params == "window"):
         win = df[df.method == m.value]
         top = p_all[p_all.s == smax].rel_fro.median()

@@ -103,6 +103,8 @@ class Data:
     metric: Metric = BPB
     half: Optional["Data"] = None
     steps: int = 0
+    #: a registered run's secondary comparison: an estimate, so no count of seeds that would decide it
+    estimate: bool = False
 
     @property
     def margin(self) -> float:
@@ -113,7 +115,7 @@ class Data:
     def with_metric(self, metric: Metric) -> "Data":
         """The same group (and its ``half``) judged on another metric."""
         half = None if self.half is None else self.half.with_metric(metric)
-        return Data(with_metric_rows(metric, self.rows), self.windows, self.L, metric, half, self.steps)
+        return Data(with_metric_rows(metric, self.rows), self.windows, self.L, metric, half, self.steps, self.estimate)
 
     def fall(self, sc: Scheme) -> float:
         """How far the scheme's validation bits per byte still fell over the last 20% of its training
@@ -213,7 +215,7 @@ def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, margin: f
 
     def scheme(sc: Scheme) -> dict:
         ti = t_interval(d.per_seed(sc, length).values())
-        return {"label": sc.label, "mean": ti.estimate, "low": ti.low, "high": ti.high, "seeds": ti.n,
+        return {"label": sc.label, "position": sc.position, "mean": ti.estimate, "low": ti.low, "high": ti.high, "seeds": ti.n,
                 "draws": _draws(d, sc, length)}
 
     return {"unit": d.metric.unit, "length": length, "a": scheme(a), "b": scheme(b),
@@ -280,7 +282,7 @@ def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, ke
     status, why = equivalence(iv, margin)
     status = on_seeds(status, iv)
     why = why.replace(str(margin), f"{margin:.4f}")
-    decide = _decide(iv, margin, status, margin)
+    decide = "" if d.estimate else _decide(iv, margin, status, margin)
     settled, moved = stability(d, a, b, length, margin)
     if settled is False:
         status, decide = Status.INCONCLUSIVE, ""
@@ -300,7 +302,7 @@ def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: in
         return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE, key=key)
     status = on_seeds(difference(iv, "negative"), iv)
     margin = d.margin
-    decide = _decide(iv, 0.0, status, margin)
+    decide = "" if d.estimate else _decide(iv, 0.0, status, margin)
     settled, moved = stability(d, better, worse, length, margin)
     if settled is False:
         status, decide = Status.INCONCLUSIVE, ""

@@ -104,7 +104,7 @@ def decomposition(df: Any) -> Any:
     columns run the Positional-LSH weights with other s at inference, minus ``AA``."""
     import pandas as pd
 
-    rows = []
+    rows, swapped_s = [], set()
     d = side_text(with_group_columns(df[df.length == df.trained_len]))
     for (run, ft, L, steps), g in d.groupby(["trained_run", "finetuned", "trained_len", "trained_steps"]):
         alibi = g[(g.position == pc.ALIBI) & (g.attn_dropout.fillna(0) == 0)]
@@ -133,13 +133,19 @@ def decomposition(df: Any) -> Any:
             for s_inf, hh in h[h.attention == pc.POSLSH].groupby("s"):
                 v = hh.groupby("run_seed").bits_per_byte.mean()
                 common = sorted(set(v.index) & set(aa.index))
-                row[f"s={int(s_inf)} at inference - AA"] = round(float((v[common] - aa[common]).mean()), 4) \
+                swapped_s.add(int(s_inf))
+                row[_swapped_column(s_inf)] = round(float((v[common] - aa[common]).mean()), 4) \
                     if common else float("nan")
             rows.append(row)
     out = pd.DataFrame(rows)
-    swapped = sorted((c for c in out.columns if c.endswith(" at inference - AA")), key=lambda c: int(c.split()[0][2:]))
+    swapped = [_swapped_column(s) for s in sorted(swapped_s)]
     out = out[[c for c in out.columns if c not in swapped] + swapped]
     return out.astype({c: object for c in swapped}).fillna({c: "-" for c in swapped})  # "-": its own s (PP)
+
+
+def _swapped_column(s: int) -> str:
+    """The decomposition's column of the Positional-LSH weights run with s masks at inference."""
+    return f"s={int(s)} at inference - AA"
 
 
 WEIGHTS_RULE = ("an estimate, no verdict: the Positional-LSH-trained weights run with exact ALiBi at inference minus "

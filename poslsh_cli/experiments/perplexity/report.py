@@ -5,6 +5,7 @@ RoPE).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -258,10 +259,7 @@ def _tagged(verdicts: list, tag: str, key_tag: str = "") -> list:
 
 
 def report(run: Path, df: Any) -> Section:
-    from poslsh_cli.experiments.perplexity import claims as pc
-    from poslsh_cli.experiments.perplexity import extrapolation as pe
     from poslsh_cli.experiments.perplexity import groups as pg
-    from poslsh_cli.experiments.perplexity import registered as pr
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
     df = pg.with_group_columns(with_model_columns(df))
@@ -294,6 +292,31 @@ def report(run: Path, df: Any) -> Section:
     if len(protocols) > 1:
         sec.tables.append(protocol_table(own))
         sec.paragraphs.append(PROTOCOL_TEXT)
+    judged = _judged(protocols)
+    judged += pg.claim_weights_reach_alibi(main_protocol(df))
+    sec.verdicts += judged
+    if "top1" in own.columns and own.top1.notna().any():
+        sec.tables.append(accuracy_table(pg.main_text(own)))
+        sec.paragraphs.append(ACCURACY_TEXT)
+    _swapped(sec, df)
+    power = pg.power_table(judged)
+    if len(power):
+        sec.tables.append(power)
+        sec.paragraphs.append("Power of each comparison judged over seeds: the measured seed-paired spread, the 90% "
+                              "interval's half-width against half the margin, and the seeds that would make that "
+                              "half-width at most half the margin at this spread.")
+    sec.paragraphs.append(pg.family_paragraph(judged))
+    return sec
+
+
+def _judged(protocols: list) -> list:
+    """The verdicts at the training length (judged once, with the first protocol) and beyond it (under
+    each protocol): a registered run's comparisons other than its primary ones as estimates."""
+    from poslsh_cli.experiments.perplexity import claims as pc
+    from poslsh_cli.experiments.perplexity import extrapolation as pe
+    from poslsh_cli.experiments.perplexity import groups as pg
+    from poslsh_cli.experiments.perplexity import registered as pr
+
     judged: list = []
     for i, (ptag, pown, windows) in enumerate(protocols):
         # claims at the training length read the same windows under every protocol: judged once,
@@ -310,7 +333,7 @@ def report(run: Path, df: Any) -> Section:
                                        pc.claim_beats_original_and_fixed_blocks, pc.claim_beats_alibi))
                 role = pr.secondary if reg else list
                 for tag, h in _by_bandwidths(d.rows):
-                    dd = _restrict(d, h)
+                    dd = dataclasses.replace(_restrict(d, h), estimate=bool(reg))
                     for claim in claims:
                         judged += _tagged(role(claim(dd)), _join(tag, gtag), tag)
                     if accuracy:
@@ -331,11 +354,13 @@ def report(run: Path, df: Any) -> Section:
                 role = pr.secondary if pr.registration_of(d.rows.trained_run.iloc[0]) else list
                 judged += _tagged(role(pe.claim_extrapolation(_restrict(d, h, keep_half=False))), _join(tag, gtag, ptag),
                                   _join(tag, proto))
-    judged += pg.claim_weights_reach_alibi(main_protocol(df))
-    sec.verdicts += judged
-    if "top1" in own.columns and own.top1.notna().any():
-        sec.tables.append(accuracy_table(pg.main_text(own)))
-        sec.paragraphs.append(ACCURACY_TEXT)
+    return judged
+
+
+def _swapped(sec: Section, df: Any) -> None:
+    """The rows run with another attention than the model's own, and the 2 x 2 decomposition of the gap."""
+    from poslsh_cli.experiments.perplexity import groups as pg
+
     swapped = df[df.attention != OWN]
     if len(swapped):
         sec.tables.append(swapped_table(pg.side_text(main_protocol(df))))
@@ -358,14 +383,6 @@ def report(run: Path, df: Any) -> Section:
                                   "interaction is as large as the effects, the gap has no share that belongs to inference "
                                   "or to the weights alone, and no verdict is drawn from it. The last columns run the "
                                   "Positional-LSH weights with other s at inference, minus AA (\"-\" at its own s: PP).")
-    power = pg.power_table(judged)
-    if len(power):
-        sec.tables.append(power)
-        sec.paragraphs.append("Power of each comparison judged over seeds: the measured seed-paired spread, the 90% "
-                              "interval's half-width against half the margin, and the seeds that would make that "
-                              "half-width at most half the margin at this spread.")
-    sec.paragraphs.append(pg.family_paragraph(judged))
-    return sec
 
 
 def protocol_label(own: Any) -> str:

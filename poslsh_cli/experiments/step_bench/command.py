@@ -32,7 +32,7 @@ from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench.report import plot, report, summary
 from poslsh_cli.attention.scheme import Position, method_of, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
-from poslsh_cli.lm.loading import Arch
+from poslsh_cli.lm.loading import Arch, arch_key
 from poslsh_cli.numerics.sampling import bandwidths, derive_seed
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
@@ -59,18 +59,18 @@ class StepBenchSpec(Spec):
     batch: int = key("sequences per step", 16, ge=1)
     steps: int = key("timed steps (median reported)", 5, ge=1)
     warmup: int = key("untimed steps first", 2, ge=0)
-    hidden: int = key("model width", 128, ge=1)
-    layers: int = key("decoder layers", 4, ge=1)
-    heads: int = key("attention heads", 8, ge=1)
+    hidden: int = arch_key("hidden", 128)
+    layers: int = arch_key("layers", 4)
+    heads: int = arch_key("heads", 8)
     sigma: Optional[float] = scheme_key("sigma", None, "one for every head (the paper's code: "
                                         "256); null: one per head from the standard ALiBi slopes")
     sigma_ratio: Optional[float] = key("one sigma for every head at this fraction of each L (the paper's 256 / 8192 = "
                                        "0.03125); null: sigma=", None, gt=0)
     batch_tokens: Optional[int] = key("tokens per step: the batch at each L is this over L (at least 1); null: batch=",
                                       None, ge=1)
-    kv_heads: int = key("key/value heads", 8, ge=1)
-    head_dim: int = key("head dimension", 16, ge=1)
-    intermediate: int = key("MLP width", 384, ge=1)
+    kv_heads: int = arch_key("kv_heads", 8)
+    head_dim: int = arch_key("head_dim", 16)
+    intermediate: int = arch_key("intermediate", 384)
     precision: Precision = key("fp32, bf16 or fp16: the arithmetic of the forward and backward passes (autocast, "
                                "as poslsh train; fp16 on CUDA only)", Precision.FP32)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
@@ -115,8 +115,7 @@ def prepare(spec: StepBenchSpec) -> StepBenchContext:
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     fast_cpu_math()
-    return StepBenchContext(resolve_device(spec.device), Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads,
-                                                     spec.intermediate, spec.head_dim, max(8192, 4 * max(spec.seq_len))))
+    return StepBenchContext(resolve_device(spec.device), Arch.of(spec, max(8192, 4 * max(spec.seq_len))))
 
 
 def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, sigma: Optional[float] = None,

@@ -154,7 +154,8 @@ def claim_alibi_near_rope(df: Any) -> list[Verdict]:
                                       f"({', '.join(prec)})",
                                       f"median step time of alibi on the path poslsh train takes (auto) over rope "
                                       f"(timed interleaved with it), at every L (goal {ALIBI_GOAL_CUDA}x on CUDA, "
-                                      f"{ALIBI_GOAL}x on the CPU)", none="needs rope and alibi (auto) rows"),
+                                      f"{ALIBI_GOAL}x on the CPU)", key="step_bench/alibi_near_rope",
+                                      none="needs rope and alibi (auto) rows"),
                        _rows(df, ROPE, ALIBI))]
 
 
@@ -170,14 +171,16 @@ def claim_paper_setting(df: Any) -> list[Verdict]:
     g = df[(df.seq_len == n) & (df.sigmas.fillna("").astype(str) == sig)] if "sigmas" in df.columns else None
     a, p = (_auto(g, ALIBI), _auto(g, POSLSH, s)) if g is not None else (None, None)
     if a is None or a.empty or p.empty:
-        return [Verdict(claim, Status.NOT_MEASURED, f"no alibi and poslsh s={s} rows at L={n} with {sig}", rule)]
+        return [Verdict(claim, Status.NOT_MEASURED, f"no alibi and poslsh s={s} rows at L={n} with {sig}", rule,
+                        key="step_bench/paper_setting")]
     ref = _paired(p, ALIBI, float(a.step_seconds.median()), backend="auto")
     t, m = float(p.step_seconds.median()) / ref, float(p.peak_mem_mb.median()) / float(a.peak_mem_mb.median())
     ok = t <= PAPER_GOAL and m <= PAPER_GOAL
     verdict = Verdict(claim, Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
                       f"step {p.step_seconds.median():.3f} s ({p.attention_path.iloc[0]}) vs {ref:.3f} s "
                       f"({a.attention_path.iloc[0]}) = {t:.2f}x; memory {p.peak_mem_mb.median():.0f} vs "
-                      f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule)
+                      f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule,
+                      key="step_bench/paper_setting")
     return [verdict if m > PAPER_GOAL else judge_load(verdict, g[g.index.isin(a.index) | g.index.isin(p.index)])]
 
 
@@ -209,7 +212,8 @@ def claim_paper_ratio(df: Any) -> list[Verdict]:
                                       f"costs at most {POSLSH_GOAL}x exact ALiBi's time and {MEMORY_GOAL}x its memory",
                                       "median step time of poslsh over alibi (timed interleaved with it) and peak "
                                       "memory ratio, both backend=auto, one sigma = L/32 for every head, at every L "
-                                      "measured", none=f"needs poslsh s={s} and alibi rows with sigma = L/32"),
+                                      "measured", key="step_bench/paper_ratio",
+                                      none=f"needs poslsh s={s} and alibi rows with sigma = L/32"),
                        _rows(g, ALIBI, POSLSH))]
 
 
@@ -228,7 +232,8 @@ def claim_mask_share(df: Any) -> list[Verdict]:
                                       "seconds to draw a step's masks and build the dense bias, block layout or band "
                                       "of counts for every layer (timed apart, median of 3 fresh steps) over the "
                                       "step's median time, backend=auto, at every (L, s)",
-                                      none="needs poslsh rows with backend=auto"), _auto(df, POSLSH))]
+                                      key="step_bench/mask_share", none="needs poslsh rows with backend=auto"),
+                       _auto(df, POSLSH))]
 
 
 def claim_dense_route(df: Any) -> list[Verdict]:
@@ -242,7 +247,7 @@ def claim_dense_route(df: Any) -> list[Verdict]:
     return [judge_load(groups.verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the "
                                       "same dense-bias route, whatever s",
                                       "median step time ratio at every L and s (exact ALiBi timed interleaved with it "
-                                      "where it was)", none="needs poslsh and alibi with backend=dense rows"),
+                                      "where it was)", key="step_bench/dense_route", none="needs poslsh and alibi with backend=dense rows"),
                        df[df.attention_path == DENSE])]
 
 
@@ -256,7 +261,8 @@ def claim_long_context(df: Any) -> list[Verdict]:
     return [judge_load(groups.verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})",
                                       "median step time of poslsh over alibi (timed interleaved with it), both on the "
                                       "path poslsh train takes, at each goal length measured (NOT MEASURED without "
-                                      "one)", none="needs poslsh and alibi rows with backend=auto"),
+                                      "one)", key="step_bench/long_context",
+                                      none="needs poslsh and alibi rows with backend=auto"),
                        _rows(df[df.seq_len.isin(list(LONG_GOALS))], ALIBI, POSLSH))]
 
 
@@ -267,7 +273,7 @@ def claim_memory(df: Any) -> list[Verdict]:
             groups.add(p / a <= MEMORY_GOAL, f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
     return [groups.verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory",
                            "peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every L",
-                           none="needs poslsh and alibi rows with backend=auto")]
+                           key="step_bench/memory", none="needs poslsh and alibi rows with backend=auto")]
 
 
 def crossover_findings(df: Any) -> list[str]:

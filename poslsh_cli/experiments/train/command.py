@@ -49,8 +49,7 @@ COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "tra
 def _byte_config(spec: TrainSpec) -> dict:
     from poslsh_cli.lm.loading import Arch
 
-    return Arch(spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate, spec.head_dim,
-                max(32 * max(spec.seq_len), 8192)).config()
+    return Arch.of(spec, max(32 * max(spec.seq_len), 8192)).config()
 
 
 def prepare(spec: TrainSpec) -> TrainContext:

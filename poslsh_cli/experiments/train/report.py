@@ -7,9 +7,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.verdicts.claims import Section, Status, Verdict, crossover
+from poslsh_cli.verdicts.claims import Section, Verdict
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.lm.positions import with_model_columns
+from poslsh_cli.experiments.train.claims import (claim_crossover, claim_schemes_compared,  # noqa: F401 (tests)
+                                                 crossover_length, step_times)
 
 SCHEMES = [p.value for p in Position]
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
@@ -149,9 +151,12 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
               f"half {iv.text()}" + (" (a gap below 0 shrinks as it rises)" if ahead else "")
               + f"; {basis}"
               + (f"; validation still fell {fall:.4f} over the last 20% of the steps" if fall is not None else ""))
-        claim, tag = f"the gap of {c['model']} to exact ALiBi shrinks over the second half of training", f" [{steps} steps]"
-        out.append(Verdict(claim + (tag if len({x["steps"] for x in curves}) > 1 else ""), status, ev, GAP_RULE,
-                           key=claim + (tag if c["steps"] < longest[c["L"]] else "")))
+        claim, tag = f"the gap of {c['model']} to exact ALiBi shrinks over the second half of training", f"[{steps} steps]"
+        shown = tag if len({x["steps"] for x in curves}) > 1 else ""
+        out.append(Verdict(claim + (" " + shown if shown else ""), status, ev, GAP_RULE,
+                           key=f"train/gap_shrinks[{c['model']}" + (f", {tag[1:]}" if c["steps"] < longest[c["L"]] else "]"),
+                           family="train/gap_shrinks", member=c["model"], tag=shown,
+                           family_text="the gap of … to exact ALiBi shrinks over the second half of training"))
     return out
 
 
@@ -272,17 +277,6 @@ def plot_learning_curves(run: Path, df: Any) -> list[Path]:
     return save(fig, run, "learning_curves")
 
 
-def step_times(df: Any) -> Any:
-    """Median training-step seconds per (scheme, s, L), mean over seeds, of the runs without
-    attention dropout (a dropout run is a regulariser control with its own cost, not the scheme's
-    attention path)."""
-    col = "step_seconds" if "step_seconds" in df.columns else None
-    if col is None:
-        return None
-    df = with_model_columns(df)
-    return df[df.attn_dropout == 0].groupby(["position", "s", "seq_len"])[col].mean()
-
-
 def plot_step_time(run: Path, df: Any) -> list[Path]:
     """Seconds per training step against the training length, per scheme (log-log)."""
     from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
@@ -302,22 +296,6 @@ def plot_step_time(run: Path, df: Any) -> list[Path]:
     ax.legend()
     ax.set_title("Training-step time against the training length")
     return save(fig, run, "step_time_vs_length")
-
-
-def crossover_length(df: Any, s: int | None = None) -> float:
-    """Smallest trained L from which Positional LSH (at ``s``, default the largest) steps faster
-    than exact ALiBi at every larger trained L; NaN when it never does."""
-    times = step_times(df)
-    if times is None:
-        return math.nan
-    try:
-        alibi = times.loc[(ALIBI, 0)]
-        ps = sorted(times.loc[POSLSH].index.get_level_values(0).unique())
-        p = times.loc[(POSLSH, s if s is not None else max(ps))]
-    except KeyError:
-        return math.nan
-    best = crossover({L: p[L] / alibi[L] for L in set(alibi.index) & set(p.index)})
-    return math.nan if best is None else best
 
 
 def report(run: Path, df: Any) -> Section:
@@ -398,53 +376,3 @@ def overfitting_table(df: Any) -> Any:
                      "train measured by": (by.get(how[0], how[0]) if len(how) == 1 else "mixed: " + ", ".join(how))
                      if evaluated else "loss of the last tenth of steps (biased high)"})
     return pd.DataFrame(rows)
-
-
-def claim_schemes_compared(df: Any) -> list[Verdict]:
-    if df.position.nunique() < 2:
-        return [Verdict("schemes compared at the training length", Status.NOT_MEASURED, "one scheme in this run",
-                        "needs two or more schemes")]
-    return []
-
-
-SPEED_RULE = ("seed-paired: per training seed, ln(median step time of Positional LSH at its largest s / exact "
-              "ALiBi's) at the longest L trained with both, and the 95% t-interval of these over the seeds: it ends "
-              "below 0 SUPPORTED (faster), it starts above 0 NOT SUPPORTED, otherwise INCONCLUSIVE (one seed: no "
-              "interval); the crossover, the smallest L from which the mean step time of Positional LSH stays below "
-              "exact ALiBi's, is descriptive")
-
-
-def claim_crossover(df: Any) -> list[Verdict]:
-    """Positional LSH trains faster than exact ALiBi at long L (near-linear against quadratic),
-    judged on the seed-paired log ratio of step times at the longest L (:data:`SPEED_RULE`): the
-    same timing law with noise is SUPPORTED at most at the interval's error rate."""
-    import numpy as np
-    import pandas as pd
-
-    from poslsh_cli.verdicts.stats import difference, t_interval
-
-    times = step_times(df)
-    claim = "Positional LSH trains faster than exact ALiBi at the longest trained length"
-    if times is None or ALIBI not in times.index.get_level_values(0) or POSLSH not in times.index.get_level_values(0):
-        return [Verdict(claim, Status.NOT_MEASURED, "needs alibi and poslsh cells at several L", SPEED_RULE)]
-    t = times.unstack("seq_len")
-    x = crossover_length(df)
-    smax = max(s for (p, s) in t.index if p == POSLSH)
-    both = [L for L in t.columns if pd.notna(t.loc[(ALIBI, 0), L]) and pd.notna(t.loc[(POSLSH, smax), L])]
-    if not both:
-        return [Verdict(claim, Status.NOT_MEASURED, f"no L trained with both alibi and poslsh s={smax}", SPEED_RULE)]
-    Lmax = max(both)
-    d = with_model_columns(df)
-    d = d[(d.attn_dropout == 0) & (d.seq_len == Lmax)]
-
-    def per_seed(position: str, s: int) -> Any:
-        return np.log(d[(d.position == position) & (d.s == s)].groupby("seed").step_seconds.mean())
-
-    a, p = per_seed(ALIBI, 0), per_seed(POSLSH, smax)
-    iv = t_interval((p - a).dropna().to_numpy())
-    ev = "; ".join(f"L={L}: poslsh s={smax} {t.loc[(POSLSH, smax), L]:.3g} s, alibi {t.loc[(ALIBI, 0), L]:.3g} s"
-                   for L in both)
-    ev += (f"; at L={Lmax} ln(poslsh / alibi) over seeds {iv.text(3)}, ratio {math.exp(iv.estimate):.2f}x"
-           + (f" [{math.exp(iv.low):.2f}x, {math.exp(iv.high):.2f}x]" if iv.finite else ""))
-    ev += f"; crossover L={int(x)}" if math.isfinite(x) else "; no crossover at the trained lengths"
-    return [Verdict(claim, difference(iv, claimed="negative"), ev, SPEED_RULE)]

@@ -13,6 +13,7 @@ from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, k
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.devices import Device, Precision
 from poslsh_cli.attention.scheme import Position, randomized, scheme_key
+from poslsh_cli.lm.loading import arch_key
 from poslsh_cli.numerics.sampling import Sampler, Slopes
 from poslsh_cli.store.tracking import Logger
 
@@ -78,12 +79,12 @@ class TrainSpec(Spec):
     precision: Precision = key("fp32, bf16 or fp16 (autocast; fp16 with loss scaling, CUDA only)", Precision.FP32)
     gradient_checkpointing: bool = key("recompute each layer's activations in the backward pass", False)
     parallel: Parallel = key("with several processes: ddp (replicated) or fsdp (sharded, fully_shard)", Parallel.DDP)
-    hidden: int = key("byte model: width", 128, ge=1)
-    layers: int = key("byte model: decoder layers", 4, ge=1)
-    heads: int = key("byte model: attention heads (one ALiBi slope each)", 8, ge=1)
-    kv_heads: int = key("byte model: key/value heads (grouped-query attention)", 8, ge=1)
-    head_dim: int = key("byte model: head dimension", 16, ge=1)
-    intermediate: int = key("byte model: MLP width", 384, ge=1)
+    hidden: int = arch_key("hidden", 128)
+    layers: int = arch_key("layers", 4)
+    heads: int = arch_key("heads", 8)
+    kv_heads: int = arch_key("kv_heads", 8)
+    head_dim: int = arch_key("head_dim", 16)
+    intermediate: int = arch_key("intermediate", 384)
     eval_every: int = key("evaluate on the validation text every this many steps (at least five times per stage, "
                           "and at its last step; 0: five times)", 100, ge=0)
     eval_tokens: int = key("validation tokens per evaluation (non-overlapping windows of L)", 32768, ge=2)
