@@ -113,6 +113,7 @@ def poslsh_checkpoint(tmp_path_factory):
     s=8, trained at 128), saved as poslsh train saves, for a test that needs *a* checkpoint. Built
     once; a test that changes it copies it first."""
     from poslsh_cli.lm.convert import save
+    from poslsh_cli.lm.trained import TrainInfo
     from poslsh_cli.lm.loading import Arch, build_model
     from poslsh_cli.lm.positions import PositionState
 
@@ -120,7 +121,7 @@ def poslsh_checkpoint(tmp_path_factory):
     state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), s=8, seed=3)
     model = build_model(arch, state, seed=1).eval()
     path = tmp_path_factory.mktemp("ck") / "poslsh"
-    save(model, path, {"scheme": model.poslsh_position.to_json(), "seq_len": 128}, None)
+    save(model, path, TrainInfo.of({"scheme": model.poslsh_position.to_json(), "seq_len": 128}), None)
     return path
 
 

@@ -296,12 +296,14 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_line(tmp_path):
     import numpy as np
 
     from poslsh_cli.lm.convert import save
+    from poslsh_cli.lm.trained import TrainInfo
     from poslsh_cli.lm.loading import Arch, build_model
     from poslsh_cli.lm.positions import PositionState
 
     arch = Arch(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, head_dim=8, max_positions=256)
     ck = tmp_path / "ck"
-    save(build_model(arch, PositionState("alibi", np.array([2.0, 4.0, 8.0, 16.0])), seed=0), ck, {"seq_len": 64}, None)
+    model = build_model(arch, PositionState("alibi", np.array([2.0, 4.0, 8.0, 16.0])), seed=0)
+    save(model, ck, TrainInfo(seq_len=64), None)
     (ck / "manifest.json").unlink(missing_ok=True)
     cfg = json.loads((ck / "config.json").read_text())
     (ck / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 5}))

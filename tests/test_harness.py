@@ -15,6 +15,7 @@ pytest.importorskip("lm_eval")
 
 from conftest import poslsh  # noqa: E402
 from poslsh_cli.lm.convert import save  # noqa: E402
+from poslsh_cli.lm.trained import TrainInfo
 from poslsh_cli.lm.loading import Arch, build_model  # noqa: E402
 from poslsh_cli.lm.models import minilm_path  # noqa: E402
 from poslsh_cli.lm.positions import PositionState  # noqa: E402
@@ -96,7 +97,7 @@ def sobol_ck(tmp_path_factory):
     state = PositionState("poslsh", np.array([2.0, 4.0, 8.0, 16.0]), s=8, seed=3, sampler="sobol",
                           backend="dense")
     path = tmp_path_factory.mktemp("ck") / "sobol"
-    save(build_model(ARCH, state, seed=1).eval(), path, {"scheme": state.to_json(), "seq_len": 128}, None)
+    save(build_model(ARCH, state, seed=1).eval(), path, TrainInfo.of({"scheme": state.to_json(), "seq_len": 128}), None)
     return path
 
 

@@ -75,3 +75,50 @@ def test_a_passkey_run_where_nothing_is_retrieved_says_it_is_at_its_floor(tmp_pa
     assert floor.startswith("At its floor: no model retrieved a key at any length") and "below" in floor
     assert "24.0 to 28.0 nats, against 11.5 for a uniform guess over its 5 digits" in floor, floor
     assert not any("[0.00, 0.00]" in str(t) for t in sec.tables)
+
+
+def test_a_needle_placed_by_its_distance_in_sigmas(tmp_path, poslsh_checkpoint):
+    """distances=[c...]: the needle's last token round(c sigma) tokens before the question, sigma the
+    checkpoint's largest bandwidth (16 here) or distance_sigma; the table and the report give accuracy
+    per distance; a distance past the prompt is one error line; a rope checkpoint needs distance_sigma."""
+    import pandas as pd
+
+    from poslsh_cli.app import registry
+    from poslsh_cli.core.errors import ConfigError
+    from poslsh_cli.experiments.passkey.command import NEEDLE, QUESTION, prompt, summary
+
+    encode = lambda text: list(text.encode())  # noqa: E731
+    for gap in (0, 17, 100):
+        ids, m = prompt(encode, 300, 0.0, "12345", gap)
+        text = bytes(ids).decode()
+        end = text.index(NEEDLE.format(key="12345")) + len(NEEDLE.format(key="12345"))
+        assert len(ids) == 300 and text.index(QUESTION) - end == gap
+    with pytest.raises(ConfigError, match="too short for the needle 290 tokens before"):
+        prompt(encode, 300, 0.0, "12345", 290)
+    res = poslsh("passkey", str(poslsh_checkpoint), "lengths=[256]", "distances=[1,4]", "trials=2",
+                 f"out={tmp_path / 'p'}")
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "p" / "results.csv")
+    assert sorted(zip(df.distance_sigmas, df.distance_tokens)) == [(1.0, 16)] * 2 + [(4.0, 64)] * 2
+    head, rows = summary(df)
+    assert "needle distance" in head and [r[head.index("needle distance")] for r in rows] == \
+        ["1 σ (16 tokens)", "4 σ (64 tokens)"]
+    sec = registry.get("passkey").report(tmp_path / "p", df)
+    assert "per needle distance from the question (2 distances" in " ".join(sec.paragraphs)
+    res = poslsh("passkey", str(poslsh_checkpoint), "lengths=[256]", "distances=[2]", "distance_sigma=10",
+                 "trials=1", f"out={tmp_path / 'q'}")
+    assert res.exit_code == 0, res.output
+    assert pd.read_csv(tmp_path / "q" / "results.csv").distance_tokens.tolist() == [20]
+    import json
+    import shutil
+
+    from poslsh_cli.experiments.passkey.command import PasskeySpec, distance_unit
+
+    rope = tmp_path / "rope"
+    shutil.copytree(poslsh_checkpoint, rope)
+    cfg = json.loads((rope / "config.json").read_text())
+    cfg["poslsh"]["position"] = "rope"
+    (rope / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="no bandwidth to measure distances= in .* give distance_sigma="):
+        distance_unit(PasskeySpec(distances=(1.0,)), rope, "rope")
+    assert distance_unit(PasskeySpec(distances=(1.0,), distance_sigma=32.0), rope, "rope") == 32.0

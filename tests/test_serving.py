@@ -20,6 +20,7 @@ from poslsh_cli.attention.positioned import (allowed_from_mask, is_causal_paddin
 from poslsh_cli.attention.reference import reference_attention
 from poslsh_cli.lm.checkpoint import POSLSH_MODEL_TYPE
 from poslsh_cli.lm.convert import save
+from poslsh_cli.lm.trained import TrainInfo
 from poslsh_cli.lm.loading import Arch, build_model, load_model
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.numerics.methods import Method
@@ -292,7 +293,7 @@ def test_plain_loading_is_the_same_function_or_refuses(position, tmp_path, token
     checkpoint refuses (it needs trust_remote_code, whose modeling files load it through poslsh);
     a RoPE checkpoint is the architecture itself and loads plainly as the same function."""
     model = _model(position)
-    save(model, tmp_path / "ck", {"scheme": model.poslsh_position.to_json()}, None)
+    save(model, tmp_path / "ck", TrainInfo.of({"scheme": model.poslsh_position.to_json()}), None)
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["use_cache"] is True
     loaded, state = load_model(tmp_path / "ck")
@@ -336,7 +337,7 @@ def test_a_scheme_re_drawn_or_swapped_keeps_the_checkpoints_sampler_and_backend(
     from poslsh_cli.lm.loading import with_scheme
 
     trained = PositionState("poslsh", SIGMAS, s=8, seed=3, sampler="sobol", backend="dense")
-    save(build_model(ARCH, trained, seed=1).eval(), tmp_path / "ck", {"scheme": trained.to_json()}, None)
+    save(build_model(ARCH, trained, seed=1).eval(), tmp_path / "ck", TrainInfo.of({"scheme": trained.to_json()}), None)
     model, own = load_model(tmp_path / "ck")
     assert (own.sampler, own.backend) == ("sobol", "dense")
     x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))

@@ -21,6 +21,7 @@ from poslsh_cli.app import registry
 from poslsh_cli import attention as A
 from poslsh_cli.attention import AttentionSpec, Backend, Method, attend, choose, reference_attention
 from poslsh_cli.lm.data import load_corpus
+from poslsh_cli.lm.trained import TRAIN_INFO_SCHEMA, TrainInfo, train_info
 from poslsh_cli.lm.windows import count_predicted, eval_windows
 from poslsh_cli.lm.positions import Position, PositionState
 from poslsh_cli.lm.loading import Arch, build_model, load_model
@@ -240,7 +241,28 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
         assert model.config.poslsh["position"] == r.position
         model2, state = load_model(final)
         assert state.position.value == r.position
+        info = train_info(final)  # the typed record a training cell hands to evaluation, its layout recorded
+        assert info.recorded and info.schema == TRAIN_INFO_SCHEMA and info.position == r.position
+        assert (info.s, info.seq_len, info.steps, info.step) == (r.s, 32, 6, 6)
     assert poslsh("plot", trained).exit_code == 0 and (trained / "figures" / "learning_curves.png").exists()
+
+
+def test_the_train_record_of_every_layout_reads_as_one_type(tmp_path):
+    """poslsh_train.json of layout 1 (no ``schema``; what a checkpoint written before it holds, fields
+    missing or null) reads as a TrainInfo with the defaults every reader assumed; the record round-trips
+    through its file; a checkpoint poslsh did not train has none (``recorded`` False)."""
+    layout1 = {"position": "alibi", "s": 0, "seed": 100, "seq_len": 256, "steps": 2400, "data": "builtin",
+               "init": None, "tokenizer": "bytes", "scheme": {"position": "alibi", "sigmas": [8.0] * 8, "s": 0},
+               "trainable": 820480, "step": 2400}
+    info = TrainInfo.of(layout1)
+    assert info.recorded and info.schema == TRAIN_INFO_SCHEMA  # read into the current layout
+    assert (info.seed, info.seq_len, info.val_every, info.encoding, info.attn_dropout, info.init) == \
+        (100, 256, 10, "utf-8", 0.0, None)
+    assert info.sigmas == [8.0] * 8 and TrainInfo.of({"seed": None}).seed == -1
+    (tmp_path / "poslsh_train.json").write_text(json.dumps(info.to_json()))
+    assert train_info(tmp_path) == info and json.loads((tmp_path / "poslsh_train.json").read_text())["schema"] == 2
+    foreign = train_info(tmp_path / "elsewhere")
+    assert not foreign.recorded and (foreign.seed, foreign.seq_len, foreign.s) == (-1, 0, 0)
 
 
 def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(trained):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.lm.trained import json_file, train_info
 
 
 def check_checkpoint(path: Path) -> None:
@@ -102,27 +103,6 @@ REMOTE_CODE = {
 }
 
 
-TRAIN_INFO = "poslsh_train.json"
-
-
-def train_info(path: Path) -> dict:
-    """What ``poslsh train`` recorded beside a checkpoint (its ``poslsh_train.json``: the scheme,
-    the data and its split, the seed, the training length); empty for a checkpoint it did not train."""
-    f = Path(path) / TRAIN_INFO
-    return json_file(f) if f.is_file() else {}
-
-
-def training_run(path: Path) -> str:
-    """The ``poslsh train`` run a checkpoint belongs to, as its run directory's name (``train_official``;
-    ``train_official/0`` for the one job of a multirun), or ``""`` for a checkpoint outside a run. Models
-    of one run share every optimiser setting, so comparisons between trained schemes stay inside one run."""
-    p = Path(path).resolve()
-    for up in p.parents:
-        if (up / "config.yaml").is_file() and (up / "work").is_dir():
-            return f"{up.parent.name}/{up.name}" if up.name.isdigit() else up.name
-    return ""
-
-
 #: The share of a training stage at whose end :func:`late_fall` measures how much validation still fell.
 LATE_SHARE = 0.2
 
@@ -162,8 +142,8 @@ def read_config(path: Path) -> dict:
     if is_adapter(path):
         cfg = base_view(json_file(adapter_base(path) / "config.json"))
         info = train_info(path)
-        if info.get("scheme"):
-            cfg["poslsh"] = info["scheme"]
+        if info.scheme:
+            cfg["poslsh"] = info.scheme
         return cfg
     return base_view(json_file(path / "config.json"))
 
@@ -240,24 +220,6 @@ def mark(path: Path) -> None:
     for name, text in REMOTE_CODE.items():
         atomic_write_text(path / name, text)
     atomic_write_text(path / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-def json_file(path: Path) -> Any:
-    """A checkpoint's JSON file (a JSON object), or one error line naming it: missing, not UTF-8, not
-    JSON, not an object."""
-    import json
-
-    try:
-        value = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not UTF-8 text (a checkpoint's JSON file)") from None
-    except ValueError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({str(exc).splitlines()[0]})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

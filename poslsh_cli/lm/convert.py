@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import enum
 import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.checkpoint import base_view, hf_config, mark
+from poslsh_cli.lm.trained import TRAIN_INFO
 from poslsh_cli.lm.lora import is_lora
 
 #: files a tokenizer saved by ``save_pretrained`` leaves in a checkpoint directory
@@ -269,11 +271,12 @@ def new_model(source: Source, seed: int) -> Any:
 # saving
 
 
-def save(model: Any, path: Path, info: dict, tokenizer: Optional[Path], lora_save: str = "merged",
+def save(model: Any, path: Path, info: Any, tokenizer: Optional[Path], lora_save: str = "merged",
          state_dict: Optional[dict] = None) -> None:
     """Write a trained model into ``path``: full weights (``save_pretrained``; a LoRA model merged
     into them, or only its adapter with ``lora_save=adapter``), the tokenizer, and
-    ``poslsh_train.json`` (``info``: the scheme, the data, the step). ``state_dict``: the full
+    ``poslsh_train.json`` (``info``, a :class:`~poslsh_cli.lm.checkpoint.TrainInfo`: the scheme, the data,
+    the step). ``state_dict``: the full
     weights when the caller gathered them (a sharded model)."""
     import copy
 
@@ -281,7 +284,7 @@ def save(model: Any, path: Path, info: dict, tokenizer: Optional[Path], lora_sav
     if is_lora(model):
         if lora_save == "adapter":
             model.save_pretrained(path, safe_serialization=True)  # no config.json: transformers loads it as an adapter
-            info = {**info, "adapter_of": info.get("init")}
+            info = dataclasses.replace(info, adapter_of=info.init)
         else:
             merged = copy.deepcopy(model).merge_and_unload()
             merged.save_pretrained(path, safe_serialization=True)
@@ -300,4 +303,4 @@ def save(model: Any, path: Path, info: dict, tokenizer: Optional[Path], lora_sav
         from poslsh_cli.lm.checkpoint import load_tokenizer
 
         load_tokenizer(Path(tokenizer)).save_pretrained(path)
-    (path / "poslsh_train.json").write_text(json.dumps(info, indent=1) + "\n")
+    (path / TRAIN_INFO).write_text(json.dumps(info.to_json(), indent=1) + "\n")

@@ -145,10 +145,10 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
                               f"need {total} positions, the model has {positions} positions (max_position_embeddings): "
                               + (f"at most {room} new tokens" if room > 0 else "the prompt alone fills them"))
         return
-    from poslsh_cli.lm.checkpoint import train_info
+    from poslsh_cli.lm.trained import train_info
 
     try:
-        trained = int(train_info(path).get("seq_len") or 0)
+        trained = train_info(path).seq_len
     except (ConfigError, ValueError, AttributeError, TypeError):
         trained = 0
     trained = trained or positions

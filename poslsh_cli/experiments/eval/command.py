@@ -117,28 +117,26 @@ def _trained_columns(path: Path, position: str) -> dict:
     """What the rows say of how a checkpoint was trained: its training seed (-1: not poslsh's), its
     bandwidths (as perplexity labels them), whether it was fine-tuned, the train run it belongs to, its
     training length and steps (models are compared inside one run, length and number of steps)."""
-    from poslsh_cli.lm.checkpoint import train_info, training_run
+    from poslsh_cli.lm.trained import train_info, training_run
     from poslsh_cli.attention.scheme import Position, sigma_label
 
     info = train_info(path)
     sigmas = ("" if position in (Position.ROPE.value, Position.NONE.value)
-              else sigma_label((info.get("scheme") or {}).get("sigmas")))
-    return {"run_seed": int(info.get("seed", -1)), "sigmas": sigmas,
-            "attn_dropout": float(info.get("attn_dropout", 0.0)), "finetuned": "yes" if info.get("init") else "no",
-            "trained_run": training_run(path), "trained_len": int(info.get("seq_len", 0) or 0),
-            "trained_steps": int(info.get("steps", 0) or 0)}
+              else sigma_label(info.sigmas))
+    return {"run_seed": info.seed, "sigmas": sigmas, "attn_dropout": float(info.attn_dropout),
+            "finetuned": "yes" if info.init else "no", "trained_run": training_run(path),
+            "trained_len": info.seq_len, "trained_steps": info.steps}
 
 
 def _heldout_folder(paths: list[Path]) -> Path:
     """The ``poslsh_heldout`` task of the corpus every checkpoint was trained on (as each one's
     ``poslsh_train.json`` records it; a checkpoint poslsh did not train: the builtin corpus)."""
-    from poslsh_cli.lm.checkpoint import train_info
+    from poslsh_cli.lm.trained import train_info
 
     corpora = set()
     for path in paths:
         info = train_info(path)
-        corpora.add((info.get("data") or "builtin", int(info.get("val_every", 10)), info.get("data_field", "text"),
-                     info.get("encoding", "utf-8")))
+        corpora.add((info.data or "builtin", info.val_every, info.data_field, info.encoding))
     if len(corpora) != 1:
         raise ConfigError(f"{heldout_task.TASK} scores every checkpoint on one corpus's held-out documents, and "
                           f"these were trained on {len(corpora)}: {', '.join(sorted(c[0] for c in corpora))} "

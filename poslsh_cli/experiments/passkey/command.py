@@ -8,6 +8,12 @@ forward pass, under the checkpoint's own scheme: ``correct`` when every answer t
 model's top-1 prediction (what greedy decoding would write), with the answer's NLL and the share
 of its tokens predicted. ``trials`` keys per (length, depth); Positional-LSH masks are drawn per
 trial (``seed`` replays them).
+
+``distances=[...]`` places the needle by its distance from the question instead, in units of a
+bandwidth (``distance_sigma``, else each checkpoint's largest sigma): the needle's last token
+``round(c sigma)`` tokens before the question's first, where ALiBi's bias still gives it
+``exp(-c)`` of its weight at distance 0. A model whose bias puts almost no weight beyond a few
+sigma is asked for a key it can reach.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section
 
 COLUMNS = ("checkpoint", "position", "s", "trained_len", "length", "depth", "trial", "seed", "key", "correct",
-           "answer_tokens", "answer_top1", "answer_nll", "sigmas")
+           "answer_tokens", "answer_top1", "answer_nll", "sigmas", "distance_sigmas", "distance_tokens")
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
@@ -45,6 +51,11 @@ class PasskeySpec(Spec):
                                              "training length", None, ge=16)
     depths: tuple[float, ...] = key("where the needle sits: 0 the start of the filler, 1 its end", [0.0, 0.25, 0.5,
                                                                                                    0.75, 1.0])
+    distances: Optional[tuple[float, ...]] = key(
+        "instead of depths: the needle's distance from the question in units of distance_sigma (its last token "
+        "round(c sigma) tokens before the question); null: depths=", None, gt=0)
+    distance_sigma: Optional[float] = key("the bandwidth distances= are measured in; null: each checkpoint's largest "
+                                          "sigma (give it for rope checkpoints, which have none)", None, gt=0)
     trials: int = key("keys per (length, depth)", 5, ge=1)
     digits: int = key("digits of the pass key", 5, ge=1)
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
@@ -60,10 +71,13 @@ class PasskeyContext:
     device: Any
     loaded: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)  # lines printed before the cells (folders searched)
+    #: name -> the bandwidth its distances are measured in (distances= only)
+    unit: dict = field(default_factory=dict)
 
 
 def prepare(spec: PasskeySpec) -> PasskeyContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, train_info
+    from poslsh_cli.lm.checkpoint import check_checkpoint
+    from poslsh_cli.lm.trained import train_info
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh passkey RUN...)")
     cks = {}
@@ -71,11 +85,28 @@ def prepare(spec: PasskeySpec) -> PasskeyContext:
     for path, name in found:
         check_checkpoint(path)
         info = train_info(path)
-        trained = int(info.get("seq_len", 0))
+        trained = info.seq_len
         if spec.lengths is None and not trained:
             raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
         cks[name] = (path, trained)
-    return PasskeyContext(cks, resolve_device(spec.device), notes=notes)
+    ctx = PasskeyContext(cks, resolve_device(spec.device), notes=notes)
+    if spec.distances is not None:
+        ctx.unit = {name: distance_unit(spec, path, name) for name, (path, _) in cks.items()}
+    return ctx
+
+
+def distance_unit(spec: PasskeySpec, path: Path, name: str) -> float:
+    """The bandwidth a checkpoint's needle distances are measured in: ``distance_sigma``, else the
+    largest sigma of the scheme it was trained with (a checkpoint with none needs distance_sigma)."""
+    from poslsh_cli.lm.checkpoint import read_config, saved_scheme
+
+    if spec.distance_sigma is not None:
+        return float(spec.distance_sigma)
+    scheme = saved_scheme(read_config(path))
+    if scheme is None or scheme.position.value == "rope" or not len(scheme.sigmas):
+        raise ConfigError(f"{name} has no bandwidth to measure distances= in (a model without ALiBi or Positional "
+                          "LSH): give distance_sigma=")
+    return float(max(scheme.sigmas))
 
 
 def lengths_of(spec: PasskeySpec, trained: int) -> tuple[int, ...]:
@@ -86,11 +117,11 @@ def memory(spec: PasskeySpec) -> MemoryNeed | None:
     """Peak bytes of the longest prompt of the largest checkpoint, one forward pass under its own
     scheme (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
     checkpoint cannot be read (prepare says why)."""
-    from poslsh_cli.lm.checkpoint import train_info
+    from poslsh_cli.lm.trained import train_info
 
     def each(path: Path, name: str, device: Any) -> Any:
         info = train_info(path)
-        lengths = lengths_of(spec, int(info.get("seq_len", 0) or 0))
+        lengths = lengths_of(spec, info.seq_len)
         if lengths and max(lengths) > 0:
             yield checkpoint_forward_bytes(path, 1, max(lengths), device), f"{name} at length {max(lengths)}"
 
@@ -100,21 +131,28 @@ def memory(spec: PasskeySpec) -> MemoryNeed | None:
 def cells(spec: PasskeySpec, ctx: PasskeyContext | None = None) -> list[dict[str, Any]]:
     if ctx is None:
         return []
+    if spec.distances is not None:
+        return [{"checkpoint": name, "length": n, "distance": c} for name, (_, trained) in ctx.checkpoints.items()
+                for n in lengths_of(spec, trained) for c in spec.distances]
     return [{"checkpoint": name, "length": n, "depth": d} for name, (_, trained) in ctx.checkpoints.items()
             for n in lengths_of(spec, trained) for d in spec.depths]
 
 
-def prompt(encode: Any, length: int, depth: float, passkey: str) -> tuple[list[int], int]:
+def prompt(encode: Any, length: int, depth: float, passkey: str, gap: int | None = None) -> tuple[list[int], int]:
     """Token ids of one prompt of exactly ``length`` tokens and the number of answer tokens at its
-    end; one clear error when the length cannot hold the needle and the question."""
+    end, the needle at ``depth`` of the filler or, given ``gap``, that many filler tokens before the
+    question; one clear error when the length cannot hold the needle, the gap and the question."""
     needle, question, answer = encode(NEEDLE.format(key=passkey)), encode(QUESTION), encode(" " + passkey)
     room = length - len(needle) - len(question) - len(answer)
     if room < 0:
         raise ConfigError(f"length={length} is too short for the pass-key prompt "
                           f"({len(needle) + len(question) + len(answer)} tokens without filler)")
+    if gap is not None and gap > room:
+        raise ConfigError(f"length={length} is too short for the needle {gap} tokens before the question "
+                          f"({len(needle) + len(question) + len(answer) + gap} tokens with the gap)")
     unit = encode(FILLER)
     filler = (unit * (room // max(1, len(unit)) + 1))[:room]
-    at = int(round(depth * room))
+    at = room - gap if gap is not None else int(round(depth * room))
     return filler[:at] + needle + filler[at:] + question + answer, len(answer)
 
 
@@ -126,7 +164,10 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
     from poslsh_cli.lm.install import install
     from poslsh_cli.lm.loading import load_model
 
-    name, n, depth = key["checkpoint"], int(key["length"]), float(key["depth"])
+    name, n = key["checkpoint"], int(key["length"])  # and a depth, or a distance in sigmas
+    c = key.get("distance")
+    gap = None if c is None else int(round(float(c) * ctx.unit[name]))
+    depth = float(key.get("depth", math.nan))
     path, trained = ctx.checkpoints[name]
     if name not in ctx.loaded:
         ctx.loaded.clear()
@@ -135,10 +176,11 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
     model, own, encode = ctx.loaded[name]
     rows = []
     for trial in range(spec.trials):
-        seed = derive_seed(spec.seed, "passkey", name, n, depth, trial)
+        seed = derive_seed(spec.seed, "passkey", name, n, depth, trial) if c is None else \
+            derive_seed(spec.seed, "passkey-distance", name, n, float(c), trial)
         rng = np.random.default_rng(seed)
         passkey = str(int(rng.integers(10 ** (spec.digits - 1), 10 ** spec.digits)))
-        ids, m = prompt(encode, n, depth, passkey)
+        ids, m = prompt(encode, n, depth, passkey, gap)
         state = dataclasses.replace(own, seed=seed, plans=set(), _cache={}, _forgetting=None)
         state.eval_key = "passkey"
         install(model, state)
@@ -152,7 +194,9 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
                      "trained_len": trained, "length": n, "depth": depth, "trial": trial, "seed": seed,
                      "key": passkey, "correct": int(bool(top1.all())), "answer_tokens": m,
                      "answer_top1": float(top1.mean()), "answer_nll": nll,
-                     "sigmas": sigma_label(own.sigmas) if own.position.value != "rope" else ""})
+                     "sigmas": sigma_label(own.sigmas) if own.position.value != "rope" else "",
+                     "distance_sigmas": math.nan if c is None else float(c),
+                     "distance_tokens": -1 if gap is None else gap})
     install(model, own)
     return rows, {}
 
@@ -188,21 +232,31 @@ def binomial_interval(k: int, n: int, level: float = 0.95) -> tuple[float, float
     return float(stats.beta.ppf(a, k, n - k + 1)), float(stats.beta.ppf(1 - a, k + 1, n - k))
 
 
+def by_distance(df: Any) -> bool:
+    """Whether a run placed its needles by distance from the question (``distances=``), not by depth."""
+    return "distance_sigmas" in df.columns and bool(df.distance_sigmas.notna().any())
+
+
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    """Per trained model (run and scheme) and prompt length: the keys retrieved over every training
-    seed, depth and key, their share with its exact binomial 95% interval (one-sided at 0 or all: a
-    count that never varied says how small or large the rate may be, not that it is known exactly),
-    and how close the answer came (top-1 share of its tokens, its NLL in nats)."""
+    """Per trained model (run and scheme) and prompt length (and needle distance, with distances=):
+    the keys retrieved over every training seed, depth and key, their share with its exact binomial
+    95% interval (one-sided at 0 or all: a count that never varied says how small or large the rate
+    may be, not that it is known exactly), and how close the answer came (top-1 share of its tokens,
+    its NLL in nats)."""
     d = _trained(df)
     d = d.assign(scheme=_scheme(d))
-    head = ["run", "scheme", "L", "length", "retrieved", "accuracy", "95% bound (exact binomial)", "seeds",
-            "answer tokens top-1", "answer NLL"]
+    far = by_distance(d)
+    head = ["run", "scheme", "L", "length", *(["needle distance"] if far else []), "retrieved", "accuracy",
+            "95% bound (exact binomial)", "seeds", "answer tokens top-1", "answer NLL"]
     rows = []
-    for (run, scheme, L, n), g in d.groupby(["run", "scheme", "trained_len", "length"], sort=False):
+    keys = ["run", "scheme", "trained_len", "length", *(["distance_sigmas"] if far else [])]
+    for group, g in d.groupby(keys, sort=False):
+        run, scheme, L, n = group[:4]
         k, total = int(g.correct.sum()), len(g)
         lo, hi = binomial_interval(k, total)
         bound = f"below {hi:.1%}" if k == 0 else f"above {lo:.1%}" if k == total else f"[{lo:.1%}, {hi:.1%}]"
-        rows.append([run or "-", scheme, str(int(L)), str(int(n)), f"{k}/{total}", f"{k / total:.2f}", bound,
+        where = [f"{group[4]:g} σ ({int(g.distance_tokens.iloc[0])} tokens)"] if far else []
+        rows.append([run or "-", scheme, str(int(L)), str(int(n)), *where, f"{k}/{total}", f"{k / total:.2f}", bound,
                      str(g.run_seed.nunique()), f"{g.answer_top1.mean():.2f}", f"{g.answer_nll.mean():.2f}"])
     return head, rows
 
@@ -234,20 +288,21 @@ def plot(run: Path, df: Any) -> list[Path]:
     d = _trained(df)
     d = d.assign(scheme=[f"{r} {sc}" if r else sc for r, sc in zip(d.run, _scheme(d))])
     schemes = list(dict.fromkeys(d.scheme))
+    place = "distance_sigmas" if by_distance(d) else "depth"
     cols = min(6, len(schemes))
     rows = -(-len(schemes) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 3.0 * rows), squeeze=False)
     for ax in axes.flat[len(schemes):]:
         ax.axis("off")
     for ax, scheme in zip(axes.flat, schemes):
-        g = d[d.scheme == scheme].pivot_table(index="depth", columns="length", values="correct", aggfunc="mean")
+        g = d[d.scheme == scheme].pivot_table(index=place, columns="length", values="correct", aggfunc="mean")
         im = ax.imshow(g.values, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set_xticks(range(g.shape[1]), [str(c) for c in g.columns], fontsize=8)
         ax.set_yticks(range(g.shape[0]), [f"{r:g}" for r in g.index], fontsize=8)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_title(scheme, fontsize=9)
     for row in axes:
-        row[0].set_ylabel("needle depth")
+        row[0].set_ylabel("needle distance (σ)" if place == "distance_sigmas" else "needle depth")
     fig.colorbar(im, ax=axes.ravel().tolist(), label="pass-key accuracy")
     return save(fig, run, "passkey")
 
@@ -255,9 +310,13 @@ def plot(run: Path, df: Any) -> list[Path]:
 def report(run: Path, df: Any) -> Section:
     sec = Section("passkey", run, "Pass-key retrieval against prompt length and needle depth")
     sec.add_table(*summary(df))
+    where = (f"per needle distance from the question ({df.distance_sigmas.nunique()} distances, in units of sigma: "
+             "ALiBi's bias keeps exp(-c) of a key's weight c sigma back)" if by_distance(df)
+             else f"over {df.depth.nunique()} depths")
+    keys = int(df.groupby(["checkpoint", "length", "distance_sigmas" if by_distance(df) else "depth"]).size().max())
     sec.paragraphs.append(f"Accuracy: the share of keys whose every answer token is the model's top-1 prediction "
-                          f"(teacher-forced), over {df.depth.nunique()} depths and "
-                          f"{int(df.groupby(['checkpoint', 'length', 'depth']).size().max())} keys each, per trained "
+                          f"(teacher-forced), {where} and "
+                          f"{keys} keys each, per trained "
                           "model, pooled over its training seeds, with the exact binomial 95% interval of that count "
                           "(each model under its own attention, one mask draw per key for Positional LSH); chance is "
                           "about 0 for a key of several digits.")

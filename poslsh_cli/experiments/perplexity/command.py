@@ -104,17 +104,17 @@ class PerplexitySpec(Spec):
 class Checkpoint:
     path: Path
     name: str  # as shown in results: relative to the run it came from, or the path
-    info: dict  # poslsh_train.json (empty for a foreign checkpoint)
+    info: Any  # lm.checkpoint.TrainInfo (recorded=False for a foreign checkpoint)
     position: str
     trained_len: int
     tokens: Any = None  # evaluation token ids: bytes for byte models, the checkpoint's own tokens otherwise
     token_bytes: Any = None  # UTF-8 bytes each evaluation token covers
-    run: str = ""  # the train run it belongs to (lm.checkpoint.training_run)
+    run: str = ""  # the train run it belongs to (lm.trained.training_run)
 
     @property
     def steps(self) -> int:
         """Optimizer steps of the stage that made it (0: not recorded)."""
-        return int(self.info.get("steps", 0) or 0)
+        return self.info.steps
 
 
 #: Which evaluation text a cell reads: the main one (max_tokens) or the side one (side_tokens).
@@ -146,7 +146,8 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
     exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
     from poslsh_cli.attention import CHUNK_ELEMENTS
-    from poslsh_cli.lm.checkpoint import read_config, train_info, weights_bytes
+    from poslsh_cli.lm.checkpoint import read_config, weights_bytes
+    from poslsh_cli.lm.trained import train_info
 
     need, what = 0.0, ""
     try:
@@ -159,10 +160,10 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
             info = train_info(path)
         except (OSError, ValueError, ConfigError):
             return None
-        L = max(spec.lengths) if spec.lengths is not None else 8 * int(info.get("seq_len", 0) or 0)
+        L = max(spec.lengths) if spec.lengths is not None else 8 * info.seq_len
         hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd") or 64)
         vocab = int(cfg.get("vocab_size") or 256)
-        s = max(spec.s) if any(drawn(a) for a in spec.attention) else int(info.get("s", 0) or 0)
+        s = max(spec.s) if any(drawn(a) for a in spec.attention) else info.s
         act = spec.batch * L * (3 * 8.0 * vocab + 16 * 4.0 * hidden) + spec.batch * 4.0 * max(1, s) * L * hidden * 2
         b = weights_bytes(path) + act + 2 * 4.0 * CHUNK_ELEMENTS
         if b > need:
@@ -171,8 +172,8 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
-    from poslsh_cli.lm.checkpoint import (check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme,
-                                          train_info, training_run)
+    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme
+    from poslsh_cli.lm.trained import train_info, training_run
     from poslsh_cli.lm.evaluate import fast_cpu_math
 
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
@@ -191,7 +192,7 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
         scheme = saved_scheme(cfg)
         position = scheme.position.value if scheme else (
             Position.ALIBI.value if cfg.get("model_type") in ("bloom", "mpt") or cfg.get("alibi") else Attention.OWN.value)
-        trained = int(info.get("seq_len", 0))
+        trained = info.seq_len
         if spec.lengths is None and not trained:
             raise ConfigError(f"{path}: no training length recorded; give 'lengths=[...]'")
         if Protocol.SLIDING in spec.protocol and not trained:
@@ -205,11 +206,11 @@ def prepare(spec: PerplexitySpec) -> PerplexityContext:
             if limit is not None and limit < need:
                 raise ConfigError(f"{what}={limit} is shorter than one window of {need} tokens")
         cks[name] = Checkpoint(path, name, info, position, trained, tokens, corpus.val_bytes, training_run(path))
-    return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.get("data_sha256") for n, c in cks.items()}},
+    return PerplexityContext(cks, device, meta={"evaluated": {n: c.info.data_sha256 for n, c in cks.items()}},
                              notes=notes)
 
 
-def _corpus_for(spec: PerplexitySpec, path: Path, info: dict, cfg: dict, corpora: dict) -> Any:
+def _corpus_for(spec: PerplexitySpec, path: Path, info: Any, cfg: dict, corpora: dict) -> Any:
     """The evaluation text of one checkpoint, tokenised as it reads: its own validation split
     (checked against the hash it was trained on), or all of ``data=``; bytes for byte models, the
     checkpoint's own tokenizer otherwise."""
@@ -220,17 +221,16 @@ def _corpus_for(spec: PerplexitySpec, path: Path, info: dict, cfg: dict, corpora
     tok = ByteTokenizer() if byte_model else HFTokenizer.load(path)
     if spec.data is not None:
         args = dict(data=spec.data, whole=True, encoding=spec.encoding)
-    elif info.get("data"):
-        args = dict(data=info["data"], val_fraction=float(info.get("val_fraction", 0.1)),
-                    val_every=int(info.get("val_every", 10)), field=info.get("data_field", "text"),
-                    encoding=info.get("encoding", "utf-8"))
+    elif info.data:
+        args = dict(data=info.data, val_fraction=float(info.val_fraction), val_every=int(info.val_every),
+                    field=info.data_field, encoding=info.encoding)
     else:  # a checkpoint poslsh did not train: the builtin corpus's validation documents
         args = dict(data="builtin")
     keyed = (tuple(sorted(args.items())), tok.digest)
     if keyed not in corpora:
         corpora[keyed] = load_corpus(tokenizer=tok, **args)
     corpus = corpora[keyed]
-    if spec.data is None and info.get("data_sha256") and corpus.sha256 != info["data_sha256"]:
+    if spec.data is None and info.data_sha256 and corpus.sha256 != info.data_sha256:
         raise ConfigError(f"{path}: data={args['data']} is not the corpus it was trained on (hash differs); "
                           "give data=PATH to evaluate on other text")
     return corpus
@@ -259,9 +259,9 @@ def same_as_own(attention: Attention, s: int, ck: Checkpoint) -> bool:
     exact ALiBi into an ALiBi model (attention dropout is off at inference), Positional LSH with the
     trained s into a Positional-LSH model (the own rows already draw its masks). Only for models this
     project trained: a foreign ALiBi model's own forward is its library's code, not ours."""
-    if attention is Attention.OWN or attention.value != ck.position or not ck.info:
+    if attention is Attention.OWN or attention.value != ck.position or not ck.info.recorded:
         return False
-    return not drawn(attention) or s == int(ck.info.get("s", 0) or 0)
+    return not drawn(attention) or s == ck.info.s
 
 
 def swapped_lengths(spec: PerplexitySpec, ck: Checkpoint) -> tuple[int, ...]:
@@ -368,15 +368,15 @@ def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, 
                   own=own if att is not Attention.OWN else state, token_bytes=ck.token_bytes, tail=sliding,
                   progress=None if work is None else lambda done, total: work.progress(done, total, said))
     loss = ev.loss
-    used_s = s if drawn(att) else (int(ck.info.get("s", 0)) if stochastic(att, ck) else 0)
+    used_s = s if drawn(att) else (ck.info.s if stochastic(att, ck) else 0)
     row = {"checkpoint": ck.name, "position": ck.position, "attention": att.value, "s": used_s, "length": length,
            "trial": trial, "seed": seed if stochastic(att, ck) else -1, "tokens": ev.predicted, "loss": loss,
            "bits_per_byte": ev.bits_per_byte, "ppl": math.exp(loss), "seconds": time.perf_counter() - t0,
-           "trained_len": ck.trained_len, "trained_s": int(ck.info.get("s", 0)),
-           "finetuned": "yes" if ck.info.get("init") else "no", "run_seed": ck.info.get("seed", -1),
+           "trained_len": ck.trained_len, "trained_s": ck.info.s,
+           "finetuned": "yes" if ck.info.init else "no", "run_seed": ck.info.seed,
            "bits_per_token": loss / LN2, "kl": ev.kl / ev.predicted if att is not Attention.OWN else 0.0,
-           "bytes": ev.nbytes, "attn_dropout": float(ck.info.get("attn_dropout", 0.0)),
-           "sigmas": (sigma_label((ck.info.get("scheme") or {}).get("sigmas"))
+           "bytes": ev.nbytes, "attn_dropout": float(ck.info.attn_dropout),
+           "sigmas": (sigma_label(ck.info.sigmas)
                       if ck.position not in (Position.ROPE.value, Position.NONE.value) else ""),
            "protocol": protocol.value, **ev.accuracy(), "trained_run": ck.run, "trained_steps": ck.steps,
            "text_tokens": len(ck.tokens) if limit is None else min(len(ck.tokens), max(limit, length)),

@@ -185,19 +185,19 @@ def _param_count(path: Path) -> int:
 def _sigmas(final: Path, position: Position) -> str:
     """The trained scheme's bandwidths (:func:`~poslsh_cli.attention.scheme.sigma_label`); empty for the
     schemes that have none (rope, none)."""
-    from poslsh_cli.lm.checkpoint import train_info
+    from poslsh_cli.lm.trained import train_info
     from poslsh_cli.attention.scheme import sigma_label
 
     if position in (Position.ROPE, Position.NONE):
         return ""
-    return sigma_label((train_info(final).get("scheme") or {}).get("sigmas"))
+    return sigma_label(train_info(final).sigmas)
 
 
 def _trainable(final: Path) -> int:
     """Parameters the stage trained (all of them, or the LoRA adapters'), as recorded with it."""
-    from poslsh_cli.lm.checkpoint import train_info
+    from poslsh_cli.lm.trained import train_info
 
-    return int(train_info(final).get("trainable", -1))
+    return train_info(final).trainable
 
 
 def memory(spec: TrainSpec) -> Optional[MemoryNeed]:

@@ -13,6 +13,7 @@ rank trains its share of the global batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -180,7 +181,7 @@ def _state_dicts(spec: TrainSpec, ctx: TrainContext, model: Model,
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
 
 
-def _save(ctx: TrainContext, model: Model, path: Path, info: dict, opt: Optional[torch.optim.Optimizer] = None,
+def _save(ctx: TrainContext, model: Model, path: Path, info: Any, opt: Optional[torch.optim.Optimizer] = None,
           full: tuple = (None, None), lora_save: str = "merged", scaler: Optional[torch.amp.GradScaler] = None) -> None:
     import torch
 
@@ -270,7 +271,7 @@ class StageRun:
     opt: torch.optim.Optimizer
     scaler: Optional[torch.amp.GradScaler]  # a GradScaler for fp16, else None
     params: list  # the trainable parameters
-    info: dict  # what every checkpoint records (poslsh_train.json)
+    info: Any  # what every checkpoint records (lm.checkpoint.TrainInfo, poslsh_train.json)
     metrics: Union[MetricsLog, NullLog]  # NullLog on the ranks other than 0
     checkpoints: Checkpoints
     elapsed: float = 0.0
@@ -303,18 +304,19 @@ class StageRun:
             _load_optimizer(spec, ctx, trained, opt, resume)
             if scaler is not None:
                 load_scaler(scaler, resume)
-        info = {"position": stage.position.value, "s": stage.s, "seed": stage.seed, "seq_len": stage.seq_len,
-                "steps": stage.steps, "data": spec.data, "data_sha256": ctx.corpus.sha256,
-                "val_fraction": spec.val_fraction, "val_every": spec.val_every, "data_field": spec.data_field,
-                "encoding": spec.encoding,
-                "attn_dropout": stage.dropout, "init": str(stage.init) if stage.init else None,
-                "tokenizer": ctx.corpus.tokenizer, "lora_rank": spec.lora_rank if stage.lora else 0,
-                "scheme": state.to_json(), "trainable": int(sum(p.numel() for _, p in named)),
-                "world_size": ctx.world}
+        from poslsh_cli.lm.trained import TrainInfo
+
+        info = TrainInfo(position=stage.position.value, s=stage.s, seed=stage.seed, seq_len=stage.seq_len,
+                         steps=stage.steps, data=spec.data, data_sha256=ctx.corpus.sha256,
+                         val_fraction=spec.val_fraction, val_every=spec.val_every, data_field=spec.data_field,
+                         encoding=spec.encoding, attn_dropout=stage.dropout,
+                         init=str(stage.init) if stage.init else None, tokenizer=ctx.corpus.tokenizer,
+                         lora_rank=spec.lora_rank if stage.lora else 0, scheme=state.to_json(),
+                         trainable=int(sum(p.numel() for _, p in named)), world_size=ctx.world)
         done = metrics.frame()
         from poslsh_cli.store.tracking import open_for
 
-        tracker = open_for(spec, work, stage.label, info, start)
+        tracker = open_for(spec, work, stage.label, info.to_json(), start)
         return cls(spec, ctx, work, stage, model, trained, state, opt, scaler, [p for _, p in named], info, metrics,
                    ckpts, elapsed=float(done.seconds.iloc[-1]) if len(done) else 0.0, rank=dist.rank(),
                    share=spec.batch // ctx.world, micro=micro_batch(spec, ctx.world),
@@ -430,8 +432,9 @@ class StageRun:
             return
         full = _state_dicts(self.spec, self.ctx, self.trained, self.opt)
         if dist.is_main():
-            self.checkpoints.save(step, lambda d: _save(self.ctx, self.model, d, {**self.info, "step": step}, self.opt,
-                                                        full, "adapter", self.scaler), keep=2)
+            info = dataclasses.replace(self.info, step=step)
+            self.checkpoints.save(step, lambda d: _save(self.ctx, self.model, d, info, self.opt, full, "adapter",
+                                                        self.scaler), keep=2)
 
     def finish(self) -> Path:
         """``final/``: the trained weights (merged or as adapters, ``lora_save``), written whole by rank 0."""
@@ -439,6 +442,6 @@ class StageRun:
 
         full = _state_dicts(self.spec, self.ctx, self.trained, self.opt)
         final = dist.decide(lambda: str(write_dir(self.work.final, lambda d: _save(
-            self.ctx, self.model, d, {**self.info, "step": self.stage.steps}, full=(full[0], None),
+            self.ctx, self.model, d, dataclasses.replace(self.info, step=self.stage.steps), full=(full[0], None),
             lora_save=self.spec.lora_save.value))))
         return Path(final)

@@ -1,0 +1,103 @@
+"""What ``poslsh train`` records beside each checkpoint it writes (``poslsh_train.json``), typed:
+the one record a training cell hands to the commands that evaluate its models; the train run a
+checkpoint belongs to; and how a checkpoint's JSON files are read (one error line for a bad one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from poslsh_cli.core.errors import ConfigError
+
+TRAIN_INFO = "poslsh_train.json"
+#: The layout of poslsh_train.json: 2 records it (``schema``); a file without it is layout 1, the same
+#: fields, any of them possibly missing. :meth:`TrainInfo.of` reads every layout.
+TRAIN_INFO_SCHEMA = 2
+
+
+@dataclass(frozen=True)
+class TrainInfo:
+    """What ``poslsh train`` records beside a checkpoint (``poslsh_train.json``), the one record a
+    training cell hands to the commands that evaluate it (perplexity, eval, passkey, generate): the
+    scheme (``scheme``, as :meth:`~poslsh_cli.attention.scheme.Scheme.to_json` saves it), the stage's
+    seed, length and steps, the data and its split, attention dropout, the checkpoint it started from
+    (``init``: fine-tuned), LoRA, the trainable parameters and the processes. ``recorded`` is False for
+    a checkpoint poslsh did not train (every field its default)."""
+
+    position: str = ""
+    s: int = 0
+    seed: int = -1
+    seq_len: int = 0
+    steps: int = 0
+    data: Optional[str] = None
+    data_sha256: Optional[str] = None
+    val_fraction: float = 0.1
+    val_every: int = 10
+    data_field: str = "text"
+    encoding: str = "utf-8"
+    attn_dropout: float = 0.0
+    init: Optional[str] = None
+    tokenizer: Optional[str] = None
+    lora_rank: int = 0
+    scheme: Optional[dict] = None
+    trainable: int = -1
+    world_size: int = 1
+    step: Optional[int] = None
+    adapter_of: Optional[str] = None
+    schema: int = TRAIN_INFO_SCHEMA
+    recorded: bool = field(default=True, compare=False)
+
+    @classmethod
+    def of(cls, saved: dict) -> "TrainInfo":
+        """The record a poslsh_train.json of any layout holds: a field it lacks (layout 1) takes its
+        default, the value every reader assumed of such a file; a null where a number belongs too."""
+        names = {f.name for f in fields(cls)} - {"recorded"}
+        kept = {k: v for k, v in saved.items() if k in names and v is not None}
+        return cls(**kept)
+
+    def to_json(self) -> dict:
+        """What poslsh_train.json holds (every field but ``recorded``; ``step`` and ``adapter_of`` where set)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recorded"}
+        return {k: v for k, v in d.items() if not (k in ("step", "adapter_of") and v is None)}
+
+    @property
+    def sigmas(self) -> Optional[list]:
+        """The bandwidths the scheme was trained with (None when not recorded)."""
+        return (self.scheme or {}).get("sigmas")
+
+
+def train_info(path: Path) -> TrainInfo:
+    """What ``poslsh train`` recorded beside a checkpoint (:class:`TrainInfo`); ``recorded=False``
+    for a checkpoint it did not train."""
+    f = Path(path) / TRAIN_INFO
+    return TrainInfo.of(json_file(f)) if f.is_file() else TrainInfo(recorded=False)
+
+
+def training_run(path: Path) -> str:
+    """The ``poslsh train`` run a checkpoint belongs to, as its run directory's name (``train_official``;
+    ``train_official/0`` for the one job of a multirun), or ``""`` for a checkpoint outside a run. Models
+    of one run share every optimiser setting, so comparisons between trained schemes stay inside one run."""
+    p = Path(path).resolve()
+    for up in p.parents:
+        if (up / "config.yaml").is_file() and (up / "work").is_dir():
+            return f"{up.parent.name}/{up.name}" if up.name.isdigit() else up.name
+    return ""
+
+
+def json_file(path: Path) -> Any:
+    """A checkpoint's JSON file (a JSON object), or one error line naming it: missing, not UTF-8, not
+    JSON, not an object."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text (a checkpoint's JSON file)") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
