@@ -283,7 +283,7 @@ def test_rewording_every_claim_changes_no_row_of_the_readme(tmp_path, monkeypatc
              "block_stats", "matrix_error", "output_error_minilm", "decode_bench"]
     for name in names:
         shutil.copytree(ROOT / "docs" / "results" / name, tmp_path / name)
-    monkeypatch.setattr(report, "draw_figures", lambda items: {item[0]: [] for item in items})
+    monkeypatch.setattr(report, "draw_figures", lambda items, progress=None: {item[0]: [] for item in items})
 
     def readme_rows() -> list[list[str]]:
         sections, _, _ = report.sections_of([tmp_path / n for n in names], notice=lambda text: None)
