@@ -1,7 +1,7 @@
 """poslsh passkey: the prompts, and a run scoring every (length, depth, key) of a checkpoint."""
 import pytest
 
-from conftest import poslsh
+from conftest import one_line, poslsh
 
 
 def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
@@ -105,6 +105,10 @@ def test_a_needle_placed_by_its_distance_in_sigmas(tmp_path, poslsh_checkpoint):
         ["1 σ (16 tokens)", "4 σ (64 tokens)"]
     sec = registry.get("passkey").report(tmp_path / "p", df)
     assert "per needle distance from the question (2 distances" in " ".join(sec.paragraphs)
+    # a needle that does not fit a length is refused before any cell runs, nothing written
+    res = poslsh("passkey", str(poslsh_checkpoint), "lengths=[128,256]", "distances=[1,8]", f"out={tmp_path / 'no'}")
+    assert one_line(res) and res.exit_code == 2 and not (tmp_path / "no").exists(), res.output
+    assert "distances=8 at sigma 16" in res.stderr and "length=128 is too short for the needle 128 tokens" in res.stderr
     res = poslsh("passkey", str(poslsh_checkpoint), "lengths=[256]", "distances=[2]", "distance_sigma=10",
                  "trials=1", f"out={tmp_path / 'q'}")
     assert res.exit_code == 0, res.output
@@ -119,6 +123,6 @@ def test_a_needle_placed_by_its_distance_in_sigmas(tmp_path, poslsh_checkpoint):
     cfg = json.loads((rope / "config.json").read_text())
     cfg["poslsh"]["position"] = "rope"
     (rope / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="no bandwidth to measure distances= in .* give distance_sigma="):
+    with pytest.raises(ConfigError, match="no bandwidth of its own to measure distances= in .* give distance_sigma="):
         distance_unit(PasskeySpec(distances=(1.0,)), rope, "rope")
     assert distance_unit(PasskeySpec(distances=(1.0,), distance_sigma=32.0), rope, "rope") == 32.0

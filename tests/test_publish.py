@@ -305,3 +305,23 @@ def test_rewording_every_claim_changes_no_row_of_the_readme(tmp_path, monkeypatc
     assert again == plain and len(plain) > 40
     assert any("claims:" in row[0] for row in plain)  # a folded family is among them
     assert dataclasses.replace(claims.Verdict("a b", claims.Status.SUPPORTED, "", "", key="k")).claim.startswith("~")
+
+
+def test_a_perplexity_runs_claims_of_each_s_fold_into_one_readme_row(tmp_path):
+    """From four s on, a run's claims of one family (Positional LSH reaches exact ALiBi, each s) are one
+    README row with each s's verdict; the row is found by the family the claim declares (a verdict that
+    names a family without its text or member is refused)."""
+    from poslsh_cli.app import registry
+    from poslsh_cli.app.publish import families, glance_row
+    from poslsh_cli.verdicts.claims import Status, Verdict
+    from test_perplexity import A, ppl_run
+
+    scratch = {A: 1.70, **{("poslsh", s, 0.0): 1.70 + 0.001 * i for i, s in enumerate((1, 4, 16, 64))}}
+    run, df = ppl_run(tmp_path, scratch=scratch, seeds=(0, 1, 2, 3, 4), seed_sd=0.001)
+    sec = registry.get("perplexity").report(run, df)
+    got = families([(sec, v) for v in sec.verdicts])
+    [row] = [glance_row(s, g) for s, g in got if len(g) > 1]
+    assert row.startswith("| from scratch, Positional LSH … reaches the bits per byte of exact ALiBi | 4 claims: ")
+    assert all(f"s={s}: **" in row for s in (1, 4, 16, 64))
+    with pytest.raises(ValueError, match="needs its family_text and member"):
+        Verdict("c", Status.SUPPORTED, "e", "r", key="k", family="f")

@@ -2,6 +2,7 @@
 position schemes inside a real transformers model, resume after SIGKILL with identical results,
 bad input, and train's claim on the gap to ALiBi. (Perplexity of the trained checkpoints:
 tests/test_perplexity.py; step-bench: tests/test_step_bench.py.)"""
+import dataclasses
 import json
 import math
 import os
@@ -248,21 +249,35 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
 
 
 def test_the_train_record_of_every_layout_reads_as_one_type(tmp_path):
-    """poslsh_train.json of layout 1 (no ``schema``; what a checkpoint written before it holds, fields
-    missing or null) reads as a TrainInfo with the defaults every reader assumed; the record round-trips
-    through its file; a checkpoint poslsh did not train has none (``recorded`` False)."""
+    """poslsh_train.json of layout 1 (no ``schema``), exactly as a checkpoint of the running registered
+    experiment holds it, reads as a TrainInfo; a field missing or null takes the default every reader
+    assumed, a count written as a float or text reads as its integer; the record round-trips through
+    its file in layout 2; a newer layout, or a value of the wrong kind, is one error line; a checkpoint
+    poslsh did not train (no file, or an empty record) has none (``recorded`` False)."""
+    from poslsh_cli.core.errors import ConfigError
+
     layout1 = {"position": "alibi", "s": 0, "seed": 100, "seq_len": 256, "steps": 2400, "data": "builtin",
-               "init": None, "tokenizer": "bytes", "scheme": {"position": "alibi", "sigmas": [8.0] * 8, "s": 0},
-               "trainable": 820480, "step": 2400}
+               "data_sha256": "0213d97886423f4450957ad9167d416823b774abd11ce5c42ffcfb294a1d5e75",
+               "val_fraction": 0.1, "val_every": 10, "data_field": "text", "encoding": "utf-8", "attn_dropout": 0.0,
+               "init": None, "tokenizer": "bytes", "lora_rank": 0,
+               "scheme": {"position": "alibi", "sigmas": [8.0] * 8, "s": 0, "window_sigmas": 4.0, "seed": 100,
+                          "backend": "auto"},
+               "trainable": 820480, "world_size": 1, "step": 2400}
     info = TrainInfo.of(layout1)
-    assert info.recorded and info.schema == TRAIN_INFO_SCHEMA  # read into the current layout
-    assert (info.seed, info.seq_len, info.val_every, info.encoding, info.attn_dropout, info.init) == \
-        (100, 256, 10, "utf-8", 0.0, None)
-    assert info.sigmas == [8.0] * 8 and TrainInfo.of({"seed": None}).seed == -1
+    assert info.recorded and info.schema == 1 and (info.seed, info.seq_len, info.steps, info.step) == (100, 256, 2400, 2400)
+    assert info.sigmas == [8.0] * 8 and info.init is None and info.data_sha256.startswith("0213d9")
+    sparse = TrainInfo.of({"seq_len": 256.0, "s": "10", "seed": None, "init": None})
+    assert (sparse.seq_len, sparse.s, sparse.seed, sparse.val_every, sparse.encoding, sparse.attn_dropout) == \
+        (256, 10, -1, 10, "utf-8", 0.0) and isinstance(sparse.seq_len, int)
     (tmp_path / "poslsh_train.json").write_text(json.dumps(info.to_json()))
-    assert train_info(tmp_path) == info and json.loads((tmp_path / "poslsh_train.json").read_text())["schema"] == 2
-    foreign = train_info(tmp_path / "elsewhere")
-    assert not foreign.recorded and (foreign.seed, foreign.seq_len, foreign.s) == (-1, 0, 0)
+    again = train_info(tmp_path)
+    assert again.schema == TRAIN_INFO_SCHEMA == 2 and again == dataclasses.replace(info, schema=2)
+    for bad, needle in (({"schema": 3}, "layout 3, newer than"), ({"seq_len": 2.5}, "not a whole number"),
+                        ({"seed": "x"}, "seed='x' is not of type int"), ({"scheme": [1]}, "is not of type dict")):
+        with pytest.raises(ConfigError, match=needle):
+            TrainInfo.of(bad)
+    for foreign in (train_info(tmp_path / "elsewhere"), TrainInfo.of({})):
+        assert not foreign.recorded and (foreign.seed, foreign.seq_len, foreign.s) == (-1, 0, 0)
 
 
 def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(trained):

@@ -32,7 +32,6 @@ from typing import Any
 
 from poslsh_cli.app import registry
 from poslsh_cli.app.render import PARTS
-from poslsh_cli.app.report import SIDE_BY_SIDE
 from poslsh_cli.verdicts.claims import Status
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
@@ -165,7 +164,8 @@ def _check_ours(runs: list[Path], out: Path) -> None:
 
 
 def preset_of(run: Path) -> str:
-    """The preset a run was made with (``experiment=NAME`` in its command), else its name."""
+    """The preset a run was made with (its meta.json's, :func:`poslsh_cli.store.provenance.preset_of`), else
+    its name."""
     from poslsh_cli.store.readers import read_json
 
     meta, _ = read_json(run / "meta.json")
@@ -336,7 +336,7 @@ def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     for (title, hi), lo in zip(PARTS, bounds):
         part = [s for s in sections if lo <= registry.get(s.command).order < hi]
         lines += [f"**{title}**", ""]
-        paired = next((s for s in part if s.title == SIDE_BY_SIDE), None)
+        paired = next((s for s in part if s.joined is not None), None)
         if paired is not None:  # its table stands for the verdicts of the runs it sets side by side
             part = [s for s in part if s is paired or s.command != paired.command]
         rows = [(s, v) for s in part for v in s.verdicts if v.status is not Status.NOT_MEASURED]

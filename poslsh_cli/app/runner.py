@@ -103,8 +103,8 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     owner), the memory estimate is checked, ``prepare`` checks the data and checkpoints; only then
     is the directory created and owned (its lock held until the end). ``config_text`` is the
     resolved configuration written to config.yaml (the composed Hydra config, as the user's keys
-    read); without it, the spec itself. ``meta`` goes into meta.json (a multirun job's number and
-    overrides).
+    read); without it, the spec itself. ``meta`` goes into meta.json (the preset the run was made with,
+    a multirun job's number and overrides).
 
     Several processes (torchrun, a multi-task SLURM job; :mod:`poslsh_cli.core.distributed`): rank 0
     does all of the above; the other ranks wait for its checks, prepare the same context, learn

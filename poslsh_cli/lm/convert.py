@@ -275,7 +275,7 @@ def save(model: Any, path: Path, info: Any, tokenizer: Optional[Path], lora_save
          state_dict: Optional[dict] = None) -> None:
     """Write a trained model into ``path``: full weights (``save_pretrained``; a LoRA model merged
     into them, or only its adapter with ``lora_save=adapter``), the tokenizer, and
-    ``poslsh_train.json`` (``info``, a :class:`~poslsh_cli.lm.checkpoint.TrainInfo`: the scheme, the data,
+    ``poslsh_train.json`` (``info``, a :class:`~poslsh_cli.lm.trained.TrainInfo`: the scheme, the data,
     the step). ``state_dict``: the full
     weights when the caller gathered them (a sharded model)."""
     import copy

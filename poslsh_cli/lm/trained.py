@@ -45,20 +45,40 @@ class TrainInfo:
     world_size: int = 1
     step: Optional[int] = None
     adapter_of: Optional[str] = None
+    #: the layout the record was read from (written: always :data:`TRAIN_INFO_SCHEMA`)
     schema: int = TRAIN_INFO_SCHEMA
     recorded: bool = field(default=True, compare=False)
 
     @classmethod
-    def of(cls, saved: dict) -> "TrainInfo":
+    def of(cls, saved: dict, where: object = "poslsh_train.json") -> "TrainInfo":
         """The record a poslsh_train.json of any layout holds: a field it lacks (layout 1) takes its
-        default, the value every reader assumed of such a file; a null where a number belongs too."""
-        names = {f.name for f in fields(cls)} - {"recorded"}
-        kept = {k: v for k, v in saved.items() if k in names and v is not None}
-        return cls(**kept)
+        default, the value every reader assumed of such a file, as does a null; every value is held to
+        its field's type (a count written as 256.0 reads as 256); a layout newer than this version
+        knows, or a value of the wrong kind, is one error line naming ``where``. An empty record is
+        one poslsh did not write (``recorded`` False)."""
+        schema = saved.get("schema", 1)
+        if not isinstance(schema, int) or schema > TRAIN_INFO_SCHEMA:
+            raise ConfigError(f"{where} has layout {schema!r}, newer than this poslsh reads ({TRAIN_INFO_SCHEMA}): "
+                              "upgrade poslsh")
+        kept = {"schema": schema}
+        for f in fields(cls):
+            value = saved.get(f.name)
+            if f.name in ("recorded", "schema") or value is None:
+                continue
+            kind = _KINDS.get(f.name, str)
+            try:
+                kept[f.name] = value if kind is dict and isinstance(value, dict) else kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: {f.name}={value!r} is not of type {kind.__name__}") from None
+            if kind is int and isinstance(value, float) and not value.is_integer():
+                raise ConfigError(f"{where}: {f.name}={value!r} is not a whole number")
+        return cls(**kept, recorded=bool(saved))
 
     def to_json(self) -> dict:
-        """What poslsh_train.json holds (every field but ``recorded``; ``step`` and ``adapter_of`` where set)."""
+        """What poslsh_train.json holds, in this version's layout (every field but ``recorded``; ``step``
+        and ``adapter_of`` where set)."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recorded"}
+        d["schema"] = TRAIN_INFO_SCHEMA
         return {k: v for k, v in d.items() if not (k in ("step", "adapter_of") and v is None)}
 
     @property
@@ -67,11 +87,16 @@ class TrainInfo:
         return (self.scheme or {}).get("sigmas")
 
 
+#: The type of each field of :class:`TrainInfo` a saved value is held to (the rest: text)
+_KINDS = {"s": int, "seed": int, "seq_len": int, "steps": int, "val_fraction": float, "val_every": int,
+          "attn_dropout": float, "lora_rank": int, "scheme": dict, "trainable": int, "world_size": int, "step": int}
+
+
 def train_info(path: Path) -> TrainInfo:
     """What ``poslsh train`` recorded beside a checkpoint (:class:`TrainInfo`); ``recorded=False``
     for a checkpoint it did not train."""
     f = Path(path) / TRAIN_INFO
-    return TrainInfo.of(json_file(f)) if f.is_file() else TrainInfo(recorded=False)
+    return TrainInfo.of(json_file(f), f) if f.is_file() else TrainInfo(recorded=False)
 
 
 def training_run(path: Path) -> str:

@@ -83,5 +83,7 @@ def preset_of(meta: Any) -> str | None:
         return str(meta["preset"])
     import re
 
-    found = re.search(r"experiment=(\S+)", str(meta.get("argv") or ""))
+    # a job of a multirun: its own overrides, not the sweep's command
+    said = " ".join(map(str, meta.get("job_overrides") or [])) or str(meta.get("argv") or "")
+    found = re.search(r"experiment=([^\s,]+)", said)
     return found.group(1) if found else None

@@ -37,8 +37,9 @@ class Verdict:
     #: the same numbers, structured, where a later comparison reads them (a two-scheme comparison:
     #: each scheme's label, mean and interval over seeds, and the difference's interval)
     numbers: dict | None = field(default=None, compare=False)
-    #: the claim's id, ``<command>/<name>``, stable whatever its sentence says: readers join verdicts of
-    #: several runs on it and group them by it and the fields below, never by the sentence
+    #: the claim's id (``bench/roofline``, ``scratch/reaches_alibi/s=10``), stable whatever its sentence
+    #: says: readers join verdicts of several runs on it and group them by it and the fields below, never
+    #: by the sentence
     key: str = field(default="", compare=False)
     #: a claim made of each of several schemes: the family's id (empty: a claim of its own), its
     #: sentence with "…" where the members differ, and the member this verdict is about (a scheme's label)
@@ -51,6 +52,8 @@ class Verdict:
     def __post_init__(self) -> None:
         if not self.key:
             raise ValueError(f"a verdict needs its claim's id (key=): {self.claim!r}")
+        if self.family and not (self.family_text and self.member):
+            raise ValueError(f"a claim of family {self.family!r} needs its family_text and member: {self.claim!r}")
 
     @property
     def name(self) -> str:

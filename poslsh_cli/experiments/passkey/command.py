@@ -92,7 +92,25 @@ def prepare(spec: PasskeySpec) -> PasskeyContext:
     ctx = PasskeyContext(cks, resolve_device(spec.device), notes=notes)
     if spec.distances is not None:
         ctx.unit = {name: distance_unit(spec, path, name) for name, (path, _) in cks.items()}
+        check_distances(spec, ctx)
     return ctx
+
+
+def check_distances(spec: PasskeySpec, ctx: PasskeyContext) -> None:
+    """Refuse, before any cell runs, a distance whose needle does not fit a prompt length of some
+    checkpoint (one line naming the first such pair)."""
+    from poslsh_cli.lm.generate import codec
+
+    for name, (path, trained) in ctx.checkpoints.items():
+        encode = codec(path)[0]
+        for n in lengths_of(spec, trained):
+            for c in spec.distances:
+                gap = int(round(c * ctx.unit[name]))
+                try:
+                    prompt(encode, n, 0.0, "9" * spec.digits, gap)
+                except ConfigError as exc:
+                    raise ConfigError(f"distances={c:g} at sigma {ctx.unit[name]:g} ({name}): {exc}; ask for shorter "
+                                      "distances or longer lengths=") from None
 
 
 def distance_unit(spec: PasskeySpec, path: Path, name: str) -> float:
@@ -103,9 +121,9 @@ def distance_unit(spec: PasskeySpec, path: Path, name: str) -> float:
     if spec.distance_sigma is not None:
         return float(spec.distance_sigma)
     scheme = saved_scheme(read_config(path))
-    if scheme is None or scheme.position.value == "rope" or not len(scheme.sigmas):
-        raise ConfigError(f"{name} has no bandwidth to measure distances= in (a model without ALiBi or Positional "
-                          "LSH): give distance_sigma=")
+    if scheme is None or scheme.position.value in ("rope", "none") or not len(scheme.sigmas):
+        raise ConfigError(f"{name} has no bandwidth of its own to measure distances= in (no position scheme saved "
+                          "by poslsh train, or one without a bias: rope, none): give distance_sigma=")
     return float(max(scheme.sigmas))
 
 
@@ -308,7 +326,8 @@ def plot(run: Path, df: Any) -> list[Path]:
 
 
 def report(run: Path, df: Any) -> Section:
-    sec = Section("passkey", run, "Pass-key retrieval against prompt length and needle depth")
+    sec = Section("passkey", run, "Pass-key retrieval against prompt length and needle "
+                  + ("distance from the question" if by_distance(df) else "depth"))
     sec.add_table(*summary(df))
     where = (f"per needle distance from the question ({df.distance_sigmas.nunique()} distances, in units of sigma: "
              "ALiBi's bias keeps exp(-c) of a key's weight c sigma back)" if by_distance(df)
@@ -338,7 +357,8 @@ EXPERIMENT = Experiment(
     name="passkey",
     spec=PasskeySpec,
     help="""Synthetic pass-key retrieval: a random number hidden at a depth of a filler text, asked
-    for at its end; accuracy against prompt length and depth under each checkpoint's scheme.""",
+    for at its end; accuracy against prompt length and depth (or distance from the question in sigmas,
+    distances=) under each checkpoint's scheme.""",
     columns=COLUMNS,
     cells=cells,
     run_cell=run_cell,

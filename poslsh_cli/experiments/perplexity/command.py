@@ -104,7 +104,7 @@ class PerplexitySpec(Spec):
 class Checkpoint:
     path: Path
     name: str  # as shown in results: relative to the run it came from, or the path
-    info: Any  # lm.checkpoint.TrainInfo (recorded=False for a foreign checkpoint)
+    info: Any  # lm.trained.TrainInfo (recorded=False for a foreign checkpoint)
     position: str
     trained_len: int
     tokens: Any = None  # evaluation token ids: bytes for byte models, the checkpoint's own tokens otherwise

@@ -254,8 +254,10 @@ def _tagged(verdicts: list, tag: str, key_tag: str = "") -> list:
     two groups apart for a reader that joins runs: bandwidths, protocol) added to their names."""
     import dataclasses
 
-    return [dataclasses.replace(v, claim=f"{v.claim} [{tag}]" if tag else v.claim,
-                                key=f"{v.name}[{key_tag}]" if key_tag else v.name) for v in verdicts]
+    return [dataclasses.replace(v, claim=f"{v.claim} [{tag}]" if tag else v.claim, tag=f"[{tag}]" if tag else "",
+                                key=f"{v.name}[{key_tag}]" if key_tag else v.name,
+                                family=f"{v.family}[{key_tag}]" if v.family and key_tag else v.family)
+            for v in verdicts]
 
 
 def report(run: Path, df: Any) -> Section:

@@ -271,7 +271,7 @@ class StageRun:
     opt: torch.optim.Optimizer
     scaler: Optional[torch.amp.GradScaler]  # a GradScaler for fp16, else None
     params: list  # the trainable parameters
-    info: Any  # what every checkpoint records (lm.checkpoint.TrainInfo, poslsh_train.json)
+    info: Any  # what every checkpoint records (lm.trained.TrainInfo, poslsh_train.json)
     metrics: Union[MetricsLog, NullLog]  # NullLog on the ranks other than 0
     checkpoints: Checkpoints
     elapsed: float = 0.0
