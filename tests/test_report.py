@@ -15,6 +15,8 @@ def test_report_from_runs(tmp_path):
         assert r.exit_code == 0, (args, r.output)
     r = poslsh("report", runs)
     assert r.exit_code == 0, r.output
+    # it says each run as it reads it and each run's figures as they are drawn (a busy machine takes tens of s)
+    assert "poslsh report: b (" in r.stderr and "poslsh report: figures of b drawn (" in r.stderr, r.stderr
     md = (runs / "report.md").read_text()
     html = (runs / "report.html").read_text()
     for title in ("Matrix approximation", "Fast O(n) path", "Block sizes", "Attention outputs", "Speed", "Provenance"):

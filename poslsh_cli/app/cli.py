@@ -199,15 +199,19 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
     def notice(text: str) -> None:
         sys.stderr.write(f"poslsh report: {text}\n")
 
+    def progress(text: str) -> None:  # each run read and each run's figures drawn: never long silent
+        sys.stderr.write(f"poslsh report: {text}\n")
+        sys.stderr.flush()
+
     target = publish or out
     try:
         if publish is not None:
-            written = list(publish_runs(run_dirs, publish, readme, notice=notice).values())
+            written = list(publish_runs(run_dirs, publish, readme, notice=notice, progress=progress).values())
         else:
             target = out or _common_parent(find_runs(run_dirs))
             if target.exists() and not target.is_dir():
                 raise ConfigError(f"-o {target} is a file: -o names the folder that report.md and report.html go to")
-            written = list(report.build(run_dirs, target, notice=notice))
+            written = list(report.build(run_dirs, target, notice=notice, progress=progress))
     except ConfigError as exc:
         fail("report", str(exc))
         return

@@ -190,7 +190,8 @@ def stamp(run: Path) -> str:
     return line
 
 
-def publish(run_dirs: list[Path], out: Path, readme: Path | None = None, notice=None) -> dict[str, Path]:
+def publish(run_dirs: list[Path], out: Path, readme: Path | None = None, notice=None,
+            progress=None) -> dict[str, Path]:
     """Snapshot the runs into ``out/results``, write ``out/RESULTS.md`` and ``out/figures``, and
     the README block; returns what was written."""
     from poslsh_cli.app import report
@@ -210,7 +211,7 @@ def publish(run_dirs: list[Path], out: Path, readme: Path | None = None, notice=
             shutil.rmtree(old)
     copies = sorted(copies, key=lambda c: c.name)  # the same order however the runs were given
     own = {c: is_snapshot(c) for c in copies}  # else a run published in place: its figures stay its own
-    sections, _, notes = report.sections_of(copies, notice=notice or (lambda text: None))
+    sections, _, notes = report.sections_of(copies, notice=notice or (lambda text: None), progress=progress)
     figures = out / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     for name in _figures_written(figures):
