@@ -117,3 +117,33 @@ def test_a_report_written_after_the_last_preset_is_not_written_again(tmp_path, m
     monkeypatch.setattr(r, "plan", lambda scale: [("block_stats", "block-stats", "block_stats_quick")])
     assert r.main("quick", str(tmp_path)) == 0
     assert len(built) == 1 and capsys.readouterr().out.count("report.md") == 1
+
+
+def test_an_evaluation_of_a_training_that_failed_is_skipped_not_run(tmp_path, monkeypatch, capsys):
+    """A training preset that fails leaves its models half trained: the evaluation preset reading it
+    is skipped with the reason (it ran on whatever checkpoints were there), and the session fails."""
+    import poslsh_cli.app.reproduce as r
+
+    started = []
+
+    class Proc:
+        def __init__(self, code):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    def spawn(cmd, log_path, env):
+        started.append(cmd[3])
+        return Proc(1 if cmd[3] == "train" else 0)
+
+    monkeypatch.setattr(r, "_spawn", spawn)
+    monkeypatch.setattr(r, "skip_reason", lambda *a, **k: None)
+    monkeypatch.setattr(r, "plan", lambda scale: [("train_official", "train", "train_official_quick"),
+                                                  ("perplexity_official", "perplexity", "perplexity_official_quick")])
+    assert r.main("quick", str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert started == ["train"]
+    assert "== skipped perplexity_official: it reads train_official, which failed in this session" in out
+    marker = json.loads((tmp_path / "quick" / "perplexity_official" / "skipped.json").read_text())
+    assert "train_official, which failed" in marker["reason"]

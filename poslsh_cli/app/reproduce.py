@@ -273,7 +273,9 @@ def _run_wave(wave: list[tuple[str, str, str]], root: Path, launcher: str, limit
             while len(running) >= limit or any(n in deps for n, _, _ in running):
                 reap(block=False)  # the previous child's output comes before this header; the runs it reads finish
                 time.sleep(0.2)
-            reason = not_asked(name, preset, include) or skip_reason(command, preset, root)
+            broken = sorted(deps & set(failed))  # an evaluation of a training that failed would read half its models
+            reason = (f"it reads {', '.join(broken)}, which failed in this session" if broken else None) \
+                or not_asked(name, preset, include) or skip_reason(command, preset, root)
             if reason:
                 _mark_skipped(out, name, command, preset, reason)
                 print(f"== skipped {name}: {reason}", flush=True)
