@@ -75,7 +75,7 @@ def test_every_preset_belongs_to_one_command_and_validates(preset):
     seed = spec_of(exp.name, [f"experiment={preset}"]).seed
     # presets start at seed 0, but for a confirmatory experiment, whose registered seeds are new ones
     # (tests/test_preregistration.py)
-    assert seed == 0 or seed[0] == 0 or preset.startswith("train_confirm")
+    assert seed == 0 or seed[0] == 0 or preset.startswith(("train_confirm", "train_stability"))
 
 
 def test_every_preset_has_quick_and_paper_scale():
@@ -132,8 +132,11 @@ def test_presets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
 def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
     from poslsh_cli.app import reproduce
 
-    # the long-context CPU runs and the pilot that sized the language-model presets
-    assert set(reproduce.opt_in()) == {"train_pilot", "train_pilot_l1024", "train_first", "train_long", "perplexity_long"}
+    # the long-context CPU runs, the pilots that sized the language-model presets and the registered
+    # experiment at four times the context (its training, its models at T/2, their evaluation and retrieval)
+    assert set(reproduce.opt_in()) == {"train_pilot", "train_pilot_l1024", "train_first", "train_long", "perplexity_long",
+                                       "train_confirm_l1024", "train_stability_l1024", "perplexity_confirm_l1024",
+                                       "passkey_confirm_l1024"}
     assert "--with train_long" in reproduce.not_asked("train_long", "train_long_paper", ())
     assert reproduce.not_asked("train_long", "train_long_paper", ("train_long",)) is None
     assert reproduce.not_asked("train_long", "train_long_quick", ()) is None  # the smoke test runs every preset
@@ -144,8 +147,9 @@ def test_opt_in_presets_run_at_the_paper_scale_only_when_asked(tmp_path):
         assert reproduce.not_asked(name, f"{name}_paper", ()) is None
         assert (name, command, f"{name}_paper") in reproduce.plan("paper")
     assert reproduce.check_with(["all"]) == tuple(reproduce.opt_in())
-    with pytest.raises(ConfigError, match="--with must be one of train_pilot, train_pilot_l1024, train_first, train_long, perplexity_long or all, "
-                                          "got 'trian'"):
+    with pytest.raises(ConfigError, match="--with must be one of train_pilot, train_pilot_l1024, train_confirm_l1024, "
+                                          "train_stability_l1024, train_first, train_long, perplexity_confirm_l1024, "
+                                          "perplexity_long, passkey_confirm_l1024 or all, got 'trian'"):
         reproduce.check_with(["trian"])
     # the driver leaves it out and says why in its run directory, running nothing
     code = ("import sys; import poslsh_cli.app.reproduce as r;"

@@ -1,6 +1,7 @@
-"""The confirmatory experiment's registration (docs/PREREGISTRATION.md) is fixed and is what runs.
+"""The confirmatory experiments' registrations (docs/PREREGISTRATION.md at L = 256,
+docs/PREREGISTRATION_L1024.md at L = 1024) are fixed and are what runs.
 
-The registered block may not change once the experiment's first model has started: its digest is
+A registered block may not change once its experiment's first model has started: its digest is
 pinned here, and the presets that run it are read back against it, so an edit to either the
 registration or the presets that would change the experiment fails this file."""
 import hashlib
@@ -13,34 +14,39 @@ import yaml
 from poslsh_cli.app import registry
 
 ROOT = Path(__file__).resolve().parents[1]
-REGISTRATION = ROOT / "docs" / "PREREGISTRATION.md"
-#: sha256 of the registered YAML block as committed before the first model of train_confirm trained.
-#: Changing it is changing the registration: that is a new, differently named experiment, not an edit.
-REGISTERED_DIGEST = "ef6a1e50c5a5692613349f858f62a44f5957cc7ed5753f3f9de79b6dc09f6bce"
+#: each registration's page and the sha256 of its YAML block as committed before its first model trained.
+#: Changing one is changing the registration: that is a new, differently named experiment, not an edit.
+REGISTRATIONS = {
+    "PREREGISTRATION.md": "ef6a1e50c5a5692613349f858f62a44f5957cc7ed5753f3f9de79b6dc09f6bce",
+    "PREREGISTRATION_L1024.md": "dddadd110b170b24380dc33333325cc9ffc365d6fa748c3ab9b7d196b599f175",
+}
+PAGES = list(REGISTRATIONS)
 
 
-def registered_block() -> str:
-    text = REGISTRATION.read_text(encoding="utf-8")
+def registered_block(page: str = "PREREGISTRATION.md") -> str:
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
     blocks = re.findall(r"^```yaml\n(.*?)^```", text, re.S | re.M)
     assert len(blocks) == 1, "the registration holds exactly one YAML block"
     return blocks[0]
 
 
-def registered() -> dict:
-    return yaml.safe_load(registered_block())
+def registered(page: str = "PREREGISTRATION.md") -> dict:
+    return yaml.safe_load(registered_block(page))
 
 
 def compose(command: str, preset: str):
     return registry.compose_spec(registry.get(command), [f"experiment={preset}"])
 
 
-def test_the_registered_block_is_the_one_committed_before_the_runs():
-    digest = hashlib.sha256(registered_block().encode("utf-8")).hexdigest()
-    assert digest == REGISTERED_DIGEST, "docs/PREREGISTRATION.md's registered block changed after registration"
+@pytest.mark.parametrize("page", PAGES)
+def test_the_registered_block_is_the_one_committed_before_the_runs(page):
+    digest = hashlib.sha256(registered_block(page).encode("utf-8")).hexdigest()
+    assert digest == REGISTRATIONS[page], f"docs/{page}'s registered block changed after registration"
 
 
-def test_the_training_preset_runs_exactly_the_registered_design():
-    reg = registered()
+@pytest.mark.parametrize("page", PAGES)
+def test_the_training_preset_runs_exactly_the_registered_design(page):
+    reg = registered(page)
     spec = compose("train", reg["train_preset"])
     assert [int(x) for x in spec.seed] == reg["seeds"]
     assert spec.steps in (reg["steps"], (reg["steps"],))
@@ -54,41 +60,77 @@ def test_the_training_preset_runs_exactly_the_registered_design():
     # the primary schemes train every seed, the secondary ones only the first few
     assert sorted(spec.all_seeds) == ["alibi", "poslsh"]
     assert list(spec.seed[:spec.first_seeds]) == reg["secondary_seeds"]
+    if "stability_preset" in reg:  # the models at T/2 of the stability check: the primary schemes, as registered
+        half = compose("train", reg["stability_preset"])
+        assert [int(x) for x in half.seed] == reg["stability_seeds"] == reg["seeds"][:len(reg["stability_seeds"])]
+        assert {p.value for p in half.position} == {"alibi", "poslsh"} and tuple(half.s) == tuple(spec.s)
+        T = [int(x) for x in re.findall(r"T = ([0-9, ]+)", reg["stability"])[0].replace(" ", "").split(",")]
+        assert T == [half.steps if isinstance(half.steps, int) else half.steps[0], reg["steps"]]
+        for name in ("seq_len", "sigma", "batch", "hidden", "layers", "heads", "lr", "weight_decay", "warmup_fraction"):
+            assert getattr(half, name) == getattr(spec, name), name
 
 
-def test_the_evaluation_preset_measures_the_registered_endpoint():
-    reg = registered()
+def test_the_longer_context_differs_from_l256_only_in_context():
+    """confirm-L1024-v1 trains train_confirm's model, tokens per step, schedule, steps and seeds at four
+    times the context, sigma = L/32."""
+    short, long_ = (compose("train", registered(p)["train_preset"]) for p in PAGES)
+    assert tuple(long_.seq_len) == (4 * short.seq_len[0],) and long_.sigma == 4 * short.sigma
+    assert long_.batch * long_.seq_len[0] == short.batch * short.seq_len[0]
+    for name in ("seed", "s", "steps", "hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "lr",
+                 "weight_decay", "warmup_fraction", "all_seeds"):
+        assert getattr(long_, name) == getattr(short, name), name
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_evaluation_preset_measures_the_registered_endpoint(page):
+    reg = registered(page)
     spec = compose("perplexity", reg["eval_preset"])
-    assert [str(c) for c in spec.checkpoints] == [reg["train_preset"].removesuffix("_paper")]
+    runs = [reg["train_preset"]] + ([reg["stability_preset"]] if "stability_preset" in reg else [])
+    assert [str(c) for c in spec.checkpoints] == [r.removesuffix("_paper") for r in runs]
     assert spec.trials == reg["mask_draws"] >= 3
     assert spec.max_tokens is None  # the whole validation split
     assert reg["seq_len"] in spec.lengths
     assert {"own"} <= {a.value for a in spec.attention}
 
 
+@pytest.mark.parametrize("page", PAGES)
 @pytest.mark.parametrize("run", ["train", "train_official", "train_finetune"])
-def test_the_registered_seeds_are_used_by_no_published_run(run):
+def test_the_registered_seeds_are_used_by_no_published_run(run, page):
     config = yaml.safe_load((ROOT / "docs" / "results" / run / "config.yaml").read_text())
     published = config["seed"] if isinstance(config["seed"], list) else [config["seed"]]
-    assert not set(registered()["seeds"]) & set(published)
+    assert not set(registered(page)["seeds"]) & set(published)
 
 
-def test_the_power_rule_gives_the_registered_seed_count():
-    """Eleven seeds: the fewest at which one comparison at Holm's first step (one-sided 0.05/3)
-    decides a true gap half a margin from the margin with probability at least 0.8, at the
-    planning spread and margin the registration names."""
+def power(n, sd, margin, alpha=0.05, k=3):
+    """The noncentral-t power of one comparison at Holm's first step (one-sided alpha / k) to decide a
+    true gap half a margin from the margin, with n seeds."""
     from scipy import stats
     import numpy as np
 
-    sd, margin, alpha, k = 0.0079, 0.0167, 0.05, 3
+    df = n - 1
+    return 1 - stats.nct.cdf(stats.t.ppf(1 - alpha / k, df), df, (margin / 2) / (sd / np.sqrt(n)))
 
-    def power(n):
-        df = n - 1
-        return 1 - stats.nct.cdf(stats.t.ppf(1 - alpha / k, df), df, (margin / 2) / (sd / np.sqrt(n)))
 
-    n = next(n for n in range(3, 100) if power(n) >= 0.8)
-    assert n == len(registered()["seeds"]) == 11
-    assert power(n - 1) < 0.8 <= power(n)
+@pytest.mark.parametrize("page", PAGES)
+def test_the_power_rule_gives_the_registered_seed_count(page):
+    """L = 256: eleven seeds, the fewest at which one comparison at Holm's first step decides a true gap
+    half a margin from the margin with probability at least 0.8, at the planning spread and margin the
+    registration names. L = 1024: the rule gives nine; eleven are registered (the same seeds as L = 256),
+    with the power the page states at 1, 1.25 and 1.5 times the planning spread."""
+    reg = registered(page)
+    sd, margin = (float(x) for x in re.search(r"planning sd ([0-9.]+), planning margin ([0-9.]+)", reg["power"]).groups())
+    n = next(n for n in range(3, 100) if power(n, sd, margin) >= 0.8)
+    assert power(n - 1, sd, margin) < 0.8 <= power(n, sd, margin)
+    assert len(reg["seeds"]) == 11
+    if page == "PREREGISTRATION.md":
+        assert n == 11
+    else:
+        text = " ".join((ROOT / "docs" / page).read_text().split())
+        assert n == 9 and "Nine would meet the rule" in text
+        for k in (8, 9, 10, 11):
+            assert f"{power(k, sd, margin):.2f} at {k}" in text
+        assert f"power stays {power(11, 1.25 * sd, margin):.2f} if" in text
+        assert f"({power(11, 1.5 * sd, margin):.2f} at 1.5 times)" in text
 
 
 def test_the_analysis_reads_the_registered_design():

@@ -260,7 +260,9 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
                                                      "share of the cores and its log in <runs>/<scale>/logs/; "
                                                      "joblib: default the cores)"),
                   with_: list[str] = typer.Option([], "--with", help="opt-in presets to run as well: train_long, "
-                                                  "perplexity_long (the long-context CPU runs), or all"),
+                                                  "perplexity_long (the long-context CPU runs); train_confirm_l1024, "
+                                                  "train_stability_l1024, perplexity_confirm_l1024, passkey_confirm_l1024 "
+                                                  "(the registered experiment at L = 1024); the pilots; or all"),
                   only: list[str] = typer.Option([], "--only", help="run only these presets (run names, e.g. "
                                                  "train_official) or every preset of these commands (e.g. train, "
                                                  "perplexity, passkey, eval); the report covers every run of the "
