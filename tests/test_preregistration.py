@@ -133,12 +133,19 @@ def test_the_power_rule_gives_the_registered_seed_count(page):
         assert f"({power(11, 1.5 * sd, margin):.2f} at 1.5 times)" in text
 
 
-def test_the_analysis_reads_the_registered_design():
+def registration(page: str):
+    """The code's registration of a page (what the report decides with)."""
+    from poslsh_cli.verdicts import registered as r
+
+    return {"PREREGISTRATION.md": r.CONFIRM_L256, "PREREGISTRATION_L1024.md": r.CONFIRM_L1024}[page]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_analysis_reads_the_registered_design(page):
     """The code's registration (what the report decides with) is the registered block, field for field,
     and names the commit that added the block."""
-    from poslsh_cli.verdicts.registered import CONFIRM_L256 as reg
-
-    block = registered()
+    reg = registration(page)
+    block = registered(page)
     assert reg.name == block["registration"] and reg.train_run == block["train_preset"].removesuffix("_paper")
     assert list(reg.seeds) == block["seeds"] and reg.steps == block["steps"]
     assert reg.seq_len == block["seq_len"] and reg.sigma == block["sigma"] and reg.mask_draws == block["mask_draws"]
@@ -150,23 +157,30 @@ def test_the_analysis_reads_the_registered_design():
     assert [st for _, st in reg.earlier] == [int(x) for x in re.findall(r"T = ([0-9, ]+)", block["stability"])[0]
                                               .replace(" ", "").split(",")][:-1]
     assert f"{reg.stability_level:.0%} interval" in block["stability"]
+    if "stability_preset" in block:  # its models at T/2 are its own run, whose comparisons are secondary too
+        assert reg.companions == (block["stability_preset"].removesuffix("_paper"),) == tuple(r for r, _ in reg.earlier)
+    from poslsh_cli.experiments.perplexity.registered import registration_of
+
+    assert registration_of(reg.train_run) is reg and all(registration_of(f"{c}/0") is reg for c in reg.companions)
+    assert registration_of("train_official") is None  # an earlier point from an exploratory run stays exploratory
 
 
-def test_the_registering_commit_added_the_registration_before_any_confirmatory_result():
+@pytest.mark.parametrize("page", PAGES)
+def test_the_registering_commit_added_the_registration_before_any_confirmatory_result(page):
     """The commit the analysis names is the one that added docs/PREREGISTRATION.md, and no published
     snapshot of the registered run is older than it."""
     import datetime
     import json
     import subprocess
 
-    from poslsh_cli.verdicts.registered import CONFIRM_L256 as reg
+    reg = registration(page)
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
 
     if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
         pytest.skip("a shallow clone has no history to read the registration from")
-    added = git("log", "--diff-filter=A", "--format=%H %cI", "--", "docs/PREREGISTRATION.md").stdout.split()
+    added = git("log", "--diff-filter=A", "--format=%H %cI", "--", f"docs/{page}").stdout.split()
     assert added[:1] == [reg.commit]
     registered_at = datetime.datetime.fromisoformat(added[1])
     meta = ROOT / "docs" / "results" / reg.train_run / "meta.json"

@@ -59,8 +59,11 @@ class Registration:
     margin_fraction: float
     stability_level: float
     stability_df: int
-    #: the earlier points of the stability check: (run name, steps) of the exploratory comparison
+    #: the earlier points of the stability check: (run name, steps) of the runs that trained them
     earlier: tuple[tuple[str, int], ...]
+    #: training runs made for this registration besides ``train_run`` (its models at T/2): their other
+    #: comparisons are secondary too (an earlier point from an exploratory run is not one of them)
+    companions: tuple[str, ...] = ()
 
 
 CONFIRM_L256 = Registration(
@@ -80,8 +83,26 @@ CONFIRM_L256 = Registration(
     earlier=(("train_official", 600), ("train_official", 1200)),
 )
 
+CONFIRM_L1024 = Registration(
+    name="confirm-L1024-v1",
+    commit="9670fe6ecaa49ee44fc9a455ed1c85656481c25e",
+    train_run="train_confirm_l1024",
+    seq_len=1024,
+    sigma=32.0,
+    steps=2400,
+    seeds=tuple(range(100, 111)),
+    primary=tuple(Primary(f"reaches_alibi_s{s}_L1024", "poslsh", s, "alibi") for s in (10, 20, 100)),
+    mask_draws=3,
+    alpha=0.05,
+    margin_fraction=0.01,
+    stability_level=0.90,
+    stability_df=4,
+    earlier=(("train_stability_l1024", 1200),),
+    companions=("train_stability_l1024",),
+)
+
 #: every registered experiment, by the run name of its training
-REGISTERED = {r.train_run: r for r in (CONFIRM_L256,)}
+REGISTERED = {r.train_run: r for r in (CONFIRM_L256, CONFIRM_L1024)}
 
 
 @dataclass(frozen=True)

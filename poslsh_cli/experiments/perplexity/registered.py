@@ -33,8 +33,10 @@ SECONDARY_RULE = ("secondary comparison of a registered experiment (docs/PREREGI
 
 
 def registration_of(run: str) -> Optional[Registration]:
-    """The registration of a train run (by its run name), or None for an exploratory run."""
-    return REGISTERED.get(str(run).split("/")[0])
+    """The registration of a train run (by its run name: the registered run, or one trained for it),
+    or None for an exploratory run."""
+    name = str(run).split("/")[0]
+    return REGISTERED.get(name) or next((r for r in REGISTERED.values() if name in r.companions), None)
 
 
 def secondary(verdicts: Iterable[Verdict]) -> list[Verdict]:
