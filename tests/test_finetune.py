@@ -20,6 +20,7 @@ import torch
 from conftest import poslsh
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.models import minilm_path
+from poslsh_cli.lm.trained import train_info
 
 SCHEMES = ["rope", "none", "alibi", "poslsh", "fixed_block", "windowed"]
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
@@ -86,7 +87,7 @@ def test_every_scheme_is_saved_loadable_with_its_tokenizer_and_scheme(finetuned,
         changed = any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
         assert changed, position  # fine-tuned, not a copy
         info = json.loads((path / "poslsh_train.json").read_text())
-        assert info["init"] == str(llama) and info["scheme"]["position"] == position
+        assert info["init"] == str(llama) and train_info(path).position == position and "scheme" not in info
 
 
 def reference_nll(model, state, windows):

@@ -17,7 +17,7 @@ ARCH = Arch(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, head_dim=
 def checkpoint(path, position, seq_len=32):
     state = PositionState(position, np.array([2.0, 4.0, 8.0, 16.0]), s=4 if position == "poslsh" else 0,
                           seed=3)
-    save(build_model(ARCH, state, seed=1).eval(), path, TrainInfo(scheme=state.to_json(), seq_len=seq_len), None)
+    save(build_model(ARCH, state, seed=1).eval(), path, TrainInfo(scheme=state, seq_len=seq_len), None)
     return path
 
 

@@ -7,15 +7,17 @@ and the forgetting KV cache; an unknown method raises everywhere it is asked for
 The toy is "bucketed local ALiBi": bias ``-floor(|i-j| / b) b / sigma_h`` for ``|i-j| <= W`` (b = 4,
 W = 96), deterministic. :data:`TOY_SOURCE` is its whole declaration. Adding it for real touches:
 
-    poslsh_cli/numerics/methods.py    TOY_SOURCE above DECLARED, and BUCKETED in DECLARED
+    poslsh_cli/numerics/methods.py    TOY_SOURCE above DECLARED, BUCKETED in DECLARED, its Method member
+    poslsh_cli/attention/scheme.py    its Position member (the scheme name)
     tests/test_methods.py             (or its own test file) a test like the ones below
 
-two files, no third: the plan reads its kernels, the generic kernels (the dense bias, FlexAttention's
+three files, no fourth (both enums list their members where a reader and a type checker see them,
+and a member missing from either fails at import): the plan reads its kernels, the generic kernels (the dense bias, FlexAttention's
 score_mod, the reference, attention at explicit positions) its score and key mask, the KV cache its
 forgetting rule, and its scheme name becomes a position scheme (``train position=``, ``perplexity
 attention=``, ``bench methods=``). :func:`test_the_declaration_in_methods_py_is_the_whole_change`
 makes that diff in a copy of the package and uses the method from the command line. A dedicated
-fast kernel would add a third and fourth file: its implementation in an attention module and its
+fast kernel would add two more files: its implementation in an attention module and its
 row in ``attention.api.KERNELS``.
 """
 import os
@@ -211,8 +213,8 @@ def test_the_declared_scores_are_the_weights_of_the_theory(method):
 
 
 def test_the_declaration_in_methods_py_is_the_whole_change(tmp_path):
-    """The real change, in a copy of the package: TOY_SOURCE and one line in DECLARED, in
-    numerics/methods.py alone. The method is then listed, a position scheme, and runs from the
+    """The real change, in a copy of the package: TOY_SOURCE, one line in DECLARED and its Method
+    member in numerics/methods.py, its Position member in attention/scheme.py. The method is then listed, a position scheme, and runs from the
     command line (``poslsh bench methods=[bucketed]``) with no other edit."""
     pkg = tmp_path / "poslsh_cli"
     shutil.copytree(Path(poslsh_cli.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
@@ -223,10 +225,13 @@ def test_the_declaration_in_methods_py_is_the_whole_change(tmp_path):
     text = text.replace(anchor, TOY_SOURCE.strip() + "\n\n\n" + anchor)
     head, tail = text.split("_REGISTERED: dict", 1)
     head = head[:head.rindex(")")] + "    BUCKETED,\n)" + head[head.rindex(")") + 1:]
-    path.write_text(head + "_REGISTERED: dict" + tail)
+    text = head + "_REGISTERED: dict" + tail
+    path.write_text(text.replace('    POSLSH = "poslsh"\n', '    POSLSH = "poslsh"\n    BUCKETED = "bucketed"\n', 1))
+    scheme = pkg / "attention" / "scheme.py"
+    scheme.write_text(scheme.read_text().replace('    POSLSH = "poslsh"\n', '    POSLSH = "poslsh"\n    BUCKETED = "bucketed"\n', 1))
     changed = [p.relative_to(tmp_path).as_posix() for p in sorted(pkg.rglob("*.py"))
                if p.read_text() != (Path(poslsh_cli.__file__).parent / p.relative_to(pkg)).read_text()]
-    assert changed == ["poslsh_cli/numerics/methods.py"]
+    assert changed == ["poslsh_cli/attention/scheme.py", "poslsh_cli/numerics/methods.py"]
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     code = ("from poslsh_cli.numerics.methods import Method; from poslsh_cli.lm.positions import Position; "
             "print(list(Method)[-1].value, Position('bucketed').value)")
@@ -238,3 +243,22 @@ def test_the_declaration_in_methods_py_is_the_whole_change(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = (tmp_path / "run" / "results.csv").read_text().splitlines()
     assert len(rows) == 2 and "bucketed" in rows[1]
+
+
+def test_a_declared_method_without_its_members_fails_at_import(tmp_path):
+    """A declaration in DECLARED whose Method or Position member is missing is an ImportError naming
+    the enum, not a scheme that silently lacks a name."""
+    pkg = tmp_path / "poslsh_cli"
+    shutil.copytree(Path(poslsh_cli.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    path = pkg / "numerics" / "methods.py"
+    text = path.read_text()
+    head, tail = text.split("_REGISTERED: dict", 1)
+    head = head[:head.rindex(")")] + '    MethodDef("extra", "extra", "none", True, "x"),\n)' + head[head.rindex(")") + 1:]
+    path.write_text(head + "_REGISTERED: dict" + tail)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    code = "import poslsh_cli.attention.scheme"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode != 0 and "Method's members must be DECLARED's names" in r.stderr
+    path.write_text(path.read_text().replace('    POSLSH = "poslsh"\n', '    POSLSH = "poslsh"\n    EXTRA = "extra"\n', 1))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode != 0 and "Position's members must be the declared methods' scheme names" in r.stderr

@@ -28,6 +28,8 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
     assert sorted(set(df.length)) == [128, 256, 512] and len(df) == 3 * 2 * 2
     assert ((df.correct == 1) == (df.answer_top1 == 1.0)).all() and (df.answer_nll > 0).all()
     assert df.groupby("length").key.nunique().min() >= 2  # a new key per trial
+    # each row records the training run, seed and dropout from the checkpoint's record (none here)
+    assert (df.run.fillna("") == "").all() and (df.run_seed == -1).all() and (df.attn_dropout == 0).all()
 
 
 def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_binomial_bound():
@@ -56,6 +58,12 @@ def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_bino
     assert r[col["95% bound (exact binomial)"]] == "[21.1%, 78.9%]"
     # none retrieved: a one-sided bound, never a zero-width interval (the rule of three: 0/75 is below 3.9%)
     assert got[("train", "alibi +dropout 0.1")][col["95% bound (exact binomial)"]] == "below 22.1%"
+    # rows that record their run, seed and dropout are read by those fields, not by the checkpoint's name
+    recorded = pd.DataFrame(rows).assign(run=[r["checkpoint"].split("/")[0] for r in rows],
+                                         run_seed=[int(r["checkpoint"].split("seed-")[1][0]) for r in rows],
+                                         attn_dropout=[0.1 if "dropout" in r["checkpoint"] else 0.0 for r in rows])
+    recorded = recorded.assign(checkpoint=[f"ck{i}" for i in range(len(recorded))])
+    assert summary(recorded) == (head, table)
     assert binomial_interval(0, 75)[1] == pytest.approx(0.0392, abs=1e-4)
     assert binomial_interval(75, 75)[0] == pytest.approx(1 - 0.0392, abs=1e-4)
 

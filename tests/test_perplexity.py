@@ -150,7 +150,7 @@ def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
     """Every gap of a seed shares that seed's ALiBi value: with seed-to-seed shifts of ALiBi alone,
     15 (s, seed) points fitted as independent give a tight slope; one slope per seed (each exactly
     the same here) gives the interval over 3 seeds, and the evidence lists the per-seed slopes."""
-    from poslsh_cli.experiments.perplexity.claims import Data, Scheme, claim_finetune_approaches_alibi
+    from poslsh_cli.experiments.perplexity.claims import Data, Arm, claim_finetune_approaches_alibi
     from poslsh_cli.verdicts.stats import t_interval
 
     gaps = {1: 0.3, 2: 0.2, 5: 0.1, 10: 0.05, 20: 0.01}
@@ -159,11 +159,11 @@ def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
     d = Data(df[df.attention == "own"], pd.read_csv(run / "windows.csv"), 256)
     v = claim_finetune_approaches_alibi(d)[0]
     assert "one slope per seed" in v.evidence and "seed 2:" in v.evidence, v.evidence
-    a = d.per_seed(Scheme("alibi"), 256)
+    a = d.per_seed(Arm("alibi"), 256)
     slopes = []
     for seed in (0, 1, 2):
         x = [np.log(s) for s in gaps]
-        y = [d.per_seed(Scheme("poslsh", s), 256)[seed] - a[seed] for s in gaps]
+        y = [d.per_seed(Arm("poslsh", s), 256)[seed] - a[seed] for s in gaps]
         slopes.append(np.polyfit(x, y, 1)[0])
     iv = t_interval(slopes)
     assert f"{iv.estimate:+.4f} [{iv.low:+.4f}, {iv.high:+.4f}] (95%, 3 seeds)" in v.evidence, v.evidence

@@ -109,10 +109,9 @@ def test_position_state_keeps_its_sampler_and_reads_older_checkpoints_as_iid():
     with pytest.raises(ValueError):
         PositionState("poslsh", [4.0], s=4, sampler="halton")
     # a scheme saved before s had its name (num_samples) loads as the same scheme, the same masks
-    old = {("num_samples" if k == "s" else k): v for k, v in d.items()}
+    old = {("num_samples" if k == "s" else k): v for k, v in d.items() if k != "layout"}
     assert "s" not in old and PositionState.from_json(old).to_json() == PositionState.from_json(d).to_json()
     assert np.array_equal(PositionState.from_json(old).attention_spec(0, 128, None).bin_table[0], a.bin_table[0])
-    assert PositionState.saved_s(old) == PositionState.saved_s(d) == 4
 
 
 def test_matrix_error_runs_the_samplers_side_by_side_and_sample_replays_a_row(tmp_path):

@@ -135,7 +135,7 @@ def test_every_scheme_matches_its_float64_reference_inside_the_model(position):
     largest logit."""
     import copy
 
-    state = PositionState.standard(position, 4, s=5, seed=3)
+    state = PositionState(position, alibi_sigmas(4), s=5, seed=3)
     model = build_model(ARCH, state, seed=0).eval()
     x = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
 
@@ -169,7 +169,7 @@ def test_a_short_training_run_has_the_same_losses_on_the_recomputing_path_as_on_
     banded) path with its own backward and through one dense attention with log M~: the losses agree
     to float32 rounding (amplified a little by the steps)."""
     def losses(backend):
-        state = PositionState.standard(position, 4, s=5, seed=11, backend=backend)
+        state = PositionState(position, alibi_sigmas(4), s=5, seed=11, backend=backend)
         model = build_model(ARCH, state, seed=0).train()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(1)
@@ -193,7 +193,7 @@ def test_a_short_training_run_has_the_same_losses_on_the_recomputing_path_as_on_
 
 
 def test_poslsh_masks_are_fresh_each_step_and_replay():
-    state = PositionState.standard(Position.POSLSH, 4, s=3, seed=7)
+    state = PositionState(Position.POSLSH, alibi_sigmas(4), s=3, seed=7)
     state.step = 1
     a = state.attention_spec(0, 50, None).partitions
     state.step = 2
@@ -245,6 +245,9 @@ def test_train_writes_cells_metrics_and_loadable_checkpoints(trained):
         info = train_info(final)  # the typed record a training cell hands to evaluation, its layout recorded
         assert info.recorded and info.schema == TRAIN_INFO_SCHEMA and info.position == r.position
         assert (info.s, info.seq_len, info.steps, info.step) == (r.s, 32, 6, 6)
+        # the scheme is saved once, in config.json; the record does not repeat it
+        record = json.loads((final / "poslsh_train.json").read_text())
+        assert not {"scheme", "position", "s"} & set(record) and info.scheme.to_json() == state.to_json()
     assert poslsh("plot", trained).exit_code == 0 and (trained / "figures" / "learning_curves.png").exists()
 
 
@@ -252,8 +255,9 @@ def test_the_train_record_of_every_layout_reads_as_one_type(tmp_path):
     """poslsh_train.json of layout 1 (no ``schema``), exactly as a checkpoint of the running registered
     experiment holds it, reads as a TrainInfo; a field missing or null takes the default every reader
     assumed, a count written as a float or text reads as its integer; the record round-trips through
-    its file in layout 2; a newer layout, or a value of the wrong kind, is one error line; a checkpoint
-    poslsh did not train (no file, or an empty record) has none (``recorded`` False)."""
+    its files in layout 3 (the scheme in config.json alone); a newer layout, or a value of the wrong
+    kind, is one error line; a checkpoint poslsh did not train (no file, or an empty record) has none
+    (``recorded`` False)."""
     from poslsh_cli.core.errors import ConfigError
 
     layout1 = {"position": "alibi", "s": 0, "seed": 100, "seq_len": 256, "steps": 2400, "data": "builtin",
@@ -266,13 +270,17 @@ def test_the_train_record_of_every_layout_reads_as_one_type(tmp_path):
     info = TrainInfo.of(layout1)
     assert info.recorded and info.schema == 1 and (info.seed, info.seq_len, info.steps, info.step) == (100, 256, 2400, 2400)
     assert info.sigmas == [8.0] * 8 and info.init is None and info.data_sha256.startswith("0213d9")
-    sparse = TrainInfo.of({"seq_len": 256.0, "s": "10", "seed": None, "init": None})
+    assert (info.position, info.s, info.scheme.seed) == ("alibi", 0, 100)
+    sparse = TrainInfo.of({"seq_len": 256.0, "position": "poslsh", "s": "10", "seed": None, "init": None})
     assert (sparse.seq_len, sparse.s, sparse.seed, sparse.val_every, sparse.encoding, sparse.attn_dropout) == \
         (256, 10, -1, 10, "utf-8", 0.0) and isinstance(sparse.seq_len, int)
     (tmp_path / "poslsh_train.json").write_text(json.dumps(info.to_json()))
+    assert "scheme" not in info.to_json() and "scheme" in dataclasses.replace(info, adapter_of="base").to_json()
+    (tmp_path / "config.json").write_text(json.dumps({"poslsh": info.scheme.to_json()}))
     again = train_info(tmp_path)
-    assert again.schema == TRAIN_INFO_SCHEMA == 2 and again == dataclasses.replace(info, schema=2)
-    for bad, needle in (({"schema": 3}, "layout 3, newer than"), ({"seq_len": 2.5}, "not a whole number"),
+    assert again.schema == TRAIN_INFO_SCHEMA == 3 and again == dataclasses.replace(info, schema=3)
+    assert again.scheme.to_json() == info.scheme.to_json()
+    for bad, needle in (({"schema": 4}, "layout 4, newer than"), ({"seq_len": 2.5}, "not a whole number"),
                         ({"seed": "x"}, "seed='x' is not of type int"), ({"scheme": [1]}, "is not of type dict")):
         with pytest.raises(ConfigError, match=needle):
             TrainInfo.of(bad)
@@ -582,8 +590,6 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     perplexity); train and perplexity report the accuracy metrics; protocol=[nonoverlapping,sliding]
     evaluates the same models both ways beyond L (sliding: windows stepped by L, their last L tokens
     scored) and once at L, and the report puts both side by side."""
-    import json
-
     out = tmp_path / "run"
     r = poslsh("train", *TRAIN, "position=[alibi,poslsh]", "s=[3]", "steps=4", "sigma=2", f"out={out}")
     assert r.exit_code == 0, r.output
@@ -592,8 +598,7 @@ def test_constant_sigma_accuracy_metrics_and_the_sliding_protocol(tmp_path):
     assert ((res.val_top1 > 0) & (res.val_top1 <= res.val_top10) & (res.val_top10 <= res.val_top100)).all()
     assert ((res.val_mrr >= res.val_top1) & (res.val_mrr <= 1) & (res.val_entropy > 0)).all()
     for ck in res.checkpoint:
-        info = json.loads((out / ck / "poslsh_train.json").read_text())
-        assert info["scheme"]["sigmas"] == [2.0] * 4
+        assert train_info(out / ck).sigmas == [2.0] * 4
     ppl = tmp_path / "ppl"
     r = poslsh("perplexity", out, "lengths=[32,64]", "protocol=[nonoverlapping,sliding]", "trials=1",
                "max_tokens=1024", f"out={ppl}")

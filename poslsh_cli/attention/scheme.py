@@ -14,7 +14,8 @@ plus a model's own rotary embedding:
 A :class:`Scheme` holds the position, ``s`` (the user's key, the masks per head), the per-head
 bandwidths (the one rule: :func:`poslsh_cli.numerics.sampling.bandwidths`), the window, the sampler,
 the seed and the attention path. It is what a checkpoint saves (``to_json``, the ``poslsh`` entry of
-its config), what a command's keys build (:meth:`Scheme.of`), what names it in tables
+its config), what a command's keys build (:meth:`Scheme.from_keys`, the one constructor from keys:
+:class:`SchemeKeys` holds them as a command read them), what names it in tables
 (:attr:`Scheme.label`) and what gives the attention layer its spec (:meth:`Scheme.attention_spec`)
 and plan (:meth:`Scheme.plan`). Masks of head h in layer l under the tag t come from
 ``derive_seed(seed, "masks", *t, l, h)``, so any step's or evaluation's masks replay.
@@ -31,11 +32,31 @@ import numpy as np
 
 from poslsh_cli.core.config import key
 from poslsh_cli.numerics.methods import INFO, Method, method_def, of_scheme
-from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, Slopes, alibi_sigmas, bandwidths, derive_seed
+from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, alibi_sigmas, bandwidths, derive_seed
 
 
-class _Schemes(str, enum.Enum):
-    """Position schemes (generated below from the declared methods)."""
+class Position(str, enum.Enum):
+    """The position schemes, in the display order of every table and figure: one per declared
+    attention method, under its scheme name (:attr:`poslsh_cli.numerics.methods.Method.scheme`; a
+    mismatch fails at import), then ``rope``. A scheme of a method registered from outside is a
+    member made on first use."""
+
+    NONE = "none"
+    FIXED_BLOCK = "fixed_block"
+    WINDOWED = "windowed"
+    ALIBI = "alibi"
+    POSLSH = "poslsh"
+    ROPE = "rope"
+
+    @property
+    def method(self) -> Method:
+        """The attention method it runs (ValueError for rope, which runs the model's own)."""
+        return method_of(self)
+
+    @property
+    def draws(self) -> bool:
+        """Whether its masks are drawn at random (s, seeds and trials matter)."""
+        return randomized(self)
 
     @classmethod
     def _missing_(cls, value: object) -> Any:
@@ -48,10 +69,9 @@ class _Schemes(str, enum.Enum):
         return member
 
 
-#: Position schemes: one per declared attention method (its scheme name), then ``rope``. The order
-#: is the display order of every table and figure.
-Position = _Schemes("Position", [(INFO[m].scheme.upper(), INFO[m].scheme) for m in Method] + [("ROPE", "rope")],
-                    module=__name__, qualname="Position")
+if [p.value for p in Position] != [INFO[m].scheme for m in Method] + ["rope"]:
+    raise ImportError("poslsh_cli.attention.scheme: Position's members must be the declared methods' scheme "
+                      "names, in their order, then rope")
 
 
 #: The ALiBi slopes a scheme takes when no sigma is given (the ``alibi`` key)
@@ -121,6 +141,36 @@ def model_label(position: str, s: Any = 0, dropout: Any = 0.0, sigmas: Any = "")
             + (f" ({sigmas})" if sigmas and sigmas != "standard" else ""))
 
 
+@dataclass(frozen=True)
+class SchemeKeys:
+    """The keys that choose a scheme (:data:`SCHEME_KEYS`) as a command read them, before a model says
+    how many heads it has: what :meth:`Scheme.from_keys` builds a scheme from. ``sigma`` None: the
+    model's own slopes or the standard ones, by ``alibi``."""
+
+    position: Position
+    s: int = 0
+    sigma: float | None = None
+    alibi: str = "auto"
+    window_sigmas: float = 4.0
+    sampler: str = "iid"
+    seed: int = 0
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "position", Position(self.position))
+        object.__setattr__(self, "sampler", Sampler(getattr(self.sampler, "value", self.sampler)).value)
+        object.__setattr__(self, "alibi", str(getattr(self.alibi, "value", self.alibi)))
+
+    @classmethod
+    def of(cls, spec: Any, **given: Any) -> "SchemeKeys":
+        """The keys of a command's ``spec`` (each field it declares under the same name: a command
+        without ``alibi`` or ``sampler`` takes the default), ``given`` overriding them (one cell's
+        position and s, the seed of the cell)."""
+        names = [f.name for f in fields(cls)]
+        found = {n: v for n in names if (v := getattr(spec, n, None)) is not None and not isinstance(v, (list, tuple))}
+        return cls(**{**found, **given})
+
+
 #: masks per head of a Positional-LSH scheme swapped into a checkpoint that draws none of its own
 #: (``s=0``: the checkpoint's own s, else this)
 SWAP_S = 8
@@ -149,21 +199,28 @@ class Scheme:
     def __post_init__(self) -> None:
         self.position = Position(self.position)
         self.sigmas = np.asarray(self.sigmas, dtype=np.float64).reshape(-1)
+        self.s = int(self.s)
         self.sampler = Sampler(self.sampler).value
 
     @classmethod
-    def of(cls, position: "Position | str", heads: int, *, sigma: float | None = None,
-           model_sigmas: "np.ndarray | None" = None, alibi: "Slopes | str" = Slopes.AUTO, s: int = 0,
-           **keys: Any) -> Any:
-        """The scheme a command's keys name: ``position``, ``s``, the bandwidths by the one rule (``sigma`` for every head; else a model's own slopes
-        ``model_sigmas`` under ``alibi`` auto/model; else the standard slopes of ``heads``) and the
-        other fields (window_sigmas, seed, backend, sampler) as given."""
-        return cls(Position(position), bandwidths(heads, sigma, model_sigmas, alibi), s=s, **keys)
+    def from_keys(cls, keys: "SchemeKeys", heads: int, model_sigmas: "np.ndarray | None" = None,
+                  **state: Any) -> Any:
+        """The scheme a command's keys name, the one place a scheme is built from keys: the position,
+        ``s`` where it draws masks (0 otherwise), the bandwidths by the one rule (``keys.sigma`` for
+        every head; else a model's own slopes ``model_sigmas`` under ``keys.alibi`` auto/model; else the
+        standard slopes of ``heads``), the window, sampler, seed and path; ``state``: a subclass's own
+        fields (:class:`~poslsh_cli.lm.positions.PositionState`'s ``native``)."""
+        position = Position(keys.position)
+        return cls(position, bandwidths(heads, keys.sigma, model_sigmas, keys.alibi),
+                   s=keys.s if position.draws else 0, window_sigmas=keys.window_sigmas, seed=keys.seed,
+                   backend=keys.backend, sampler=Sampler(keys.sampler).value, **state)
 
-    @classmethod
-    def standard(cls, position: "Position | str", heads: int, **kw: Any) -> Any:
-        """One sigma per head from the standard ALiBi slopes."""
-        return cls(Position(position), alibi_sigmas(heads), **kw)
+    def swapped(self, position: "Position | str", s: int, seed: int, **fields_: Any) -> Any:
+        """This scheme's bandwidths and window under another ``position`` (a scheme swapped into a
+        checkpoint): ``s`` masks where it draws them, fresh state, ``fields_`` (sampler, backend) as given."""
+        position = Position(position)
+        return type(self)(position, self.sigmas, s=s if position.draws else 0, window_sigmas=self.window_sigmas,
+                          seed=seed, **{"sampler": self.sampler, **fields_})
 
     @property
     def method(self) -> Method:
@@ -204,23 +261,38 @@ class Scheme:
         return plan_for(self.method, q, k, v, causal, backend=self.backend, dropout=dropout, s=self.s)
 
     def to_json(self) -> dict:
-        """What a checkpoint saves: every field, the sampler only when not iid."""
-        d = {f.name: getattr(self, f.name) for f in fields(Scheme)}
+        """What a checkpoint saves (its config.json's ``poslsh``), in layout :data:`SCHEME_LAYOUT`:
+        every field, the sampler only when not iid."""
+        d = {"layout": SCHEME_LAYOUT, **{f.name: getattr(self, f.name) for f in fields(Scheme)}}
         if self.sampler == "iid":
-            d.pop("sampler")  # the default: a checkpoint's position.json reads as before
+            d.pop("sampler")  # the default
         d["position"] = self.position.value
         d["sigmas"] = [float(x) for x in self.sigmas]
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> Any:
-        """The scheme a checkpoint saved (:meth:`to_json`); one saved before ``s`` had its name keeps it
-        under ``num_samples``."""
-        d = {("s" if k == "num_samples" else k): v for k, v in d.items()}
+    def from_json(cls, d: dict, where: object = "the saved scheme") -> Any:
+        """The scheme a checkpoint saved (:meth:`to_json`), of any layout (:func:`migrate`)."""
+        d = migrate(d, where)
         known = {f.name for f in fields(Scheme)} | set(cls.SAVED_EXTRA)
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    @staticmethod
-    def saved_s(d: dict) -> int:
-        """The masks per head a saved scheme (a checkpoint config's ``poslsh``) draws, under either name."""
-        return int((d or {}).get("s", (d or {}).get("num_samples", 0)) or 0)
+
+#: The layout of a saved scheme (its ``layout``; none: 1, which named ``s`` ``num_samples`` in the
+#: oldest checkpoints)
+SCHEME_LAYOUT = 2
+
+
+def migrate(d: dict, where: object = "the saved scheme") -> dict:
+    """A saved scheme of any layout in this version's (the one migration every reader goes through):
+    layout 1 (no ``layout``) may name ``s`` ``num_samples``; a layout newer than this version reads is
+    one error line naming ``where``."""
+    from poslsh_cli.core.errors import ConfigError
+
+    layout = d.get("layout", 1)
+    if not isinstance(layout, int) or layout > SCHEME_LAYOUT:
+        raise ConfigError(f"{where}: the scheme has layout {layout!r}, newer than this poslsh reads "
+                          f"({SCHEME_LAYOUT}): upgrade poslsh")
+    if layout == 1:
+        d = {("s" if k == "num_samples" else k): v for k, v in d.items()}
+    return {k: v for k, v in d.items() if k != "layout"}

@@ -142,8 +142,8 @@ def read_config(path: Path) -> dict:
     if is_adapter(path):
         cfg = base_view(json_file(adapter_base(path) / "config.json"))
         info = train_info(path)
-        if info.scheme:
-            cfg["poslsh"] = info.scheme
+        if info.scheme is not None:
+            cfg["poslsh"] = info.scheme.to_json()
         return cfg
     return base_view(json_file(path / "config.json"))
 
@@ -154,7 +154,7 @@ def saved_scheme(cfg: dict) -> Any:
     from poslsh_cli.attention.scheme import Scheme
 
     saved = cfg.get("poslsh")
-    return Scheme.from_json(saved) if saved else None
+    return Scheme.from_json(saved, "config.json") if saved else None
 
 
 def base_view(cfg: dict) -> dict:

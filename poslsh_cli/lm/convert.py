@@ -94,22 +94,19 @@ class Source:
             raise ConfigError(f"{self.path} ({self.model_type}) has no rotary embedding to keep: position=rope needs a "
                               "rotary model")
 
-    def state(self, position: Any, model: Any, s: int = 0, window_sigmas: float = 4.0,
-              seed: int = 0, sigma: Optional[float] = None, sampler: str = "iid") -> Any:
-        """The :class:`~poslsh_cli.lm.positions.PositionState` of ``position`` for this model: one
-        ``sigma`` for every head when given (the paper's constant sigma), else its own slopes (an
-        ALiBi checkpoint under alibi=auto/model; its own attention for alibi) or the standard ones."""
+    def state(self, keys: Any, model: Any) -> Any:
+        """The :class:`~poslsh_cli.lm.positions.PositionState` the scheme keys ``keys``
+        (:class:`~poslsh_cli.attention.scheme.SchemeKeys`) name for this model: one ``sigma`` for
+        every head when given (the paper's constant sigma), else its own slopes (an ALiBi checkpoint
+        under alibi=auto/model; its own attention for alibi) or the standard ones."""
         from poslsh_cli.attention.scheme import Position
         from poslsh_cli.lm.positions import PositionState
         from poslsh_cli.lm.pretrained import alibi_sigmas_of
 
-        position = Position(position)
-        self.check_position(position)
-        own = self.own_slopes and sigma is None
+        self.check_position(keys.position)
+        own = self.own_slopes and keys.sigma is None
         model_sigmas = alibi_sigmas_of(getattr(model, "transformer", model), self.model_type, self.heads) if own else None
-        return PositionState.of(position, self.heads, sigma=sigma, model_sigmas=model_sigmas, alibi=self.alibi, s=s,
-                                window_sigmas=window_sigmas, seed=seed, native=own and position is Position.ALIBI,
-                                sampler=sampler)
+        return PositionState.from_keys(keys, self.heads, model_sigmas, native=own and keys.position is Position.ALIBI)
 
 
 def resolve_ref(ref: str, key_name: str) -> Path:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from poslsh_cli.core.config import key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.install import install
-from poslsh_cli.attention.scheme import SWAP_S, Position
+from poslsh_cli.attention.scheme import SWAP_S, Position, SchemeKeys
 from poslsh_cli.lm.positions import PositionState
 
 
@@ -100,12 +100,12 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
     heads = model.config.num_attention_heads
     saved = cfg.get("poslsh")
     if saved:  # the scheme it was trained with (lm.checkpoint.saved_scheme), as its layers apply it
-        state = PositionState.from_json(saved)
+        state = PositionState.from_json(saved, path / "config.json")
     elif mtype in ALIBI_ARCHS:
-        state = PositionState(Position.ALIBI, alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads),
-                              native=True)
+        own = alibi_sigmas_of(getattr(model, "transformer", model), mtype, heads)
+        state = PositionState.from_keys(SchemeKeys(Position.ALIBI, alibi="model"), heads, own, native=True)
     else:
-        state = PositionState.standard(Position.ROPE, heads)
+        state = PositionState.from_keys(SchemeKeys(Position.ROPE), heads)
     install(model, state)
     return model.to(device).eval(), state
 
@@ -155,9 +155,8 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
         samples = s or own.s or SWAP_S
         runs_on = backends_of(method_of(position)) if position is not Position.ROPE else ()
         kept = own.backend if own.backend == "auto" or Backend(own.backend) in runs_on else "auto"
-        state = PositionState(position, own.sigmas, s=samples if randomized(position) else 0,
-                              window_sigmas=own.window_sigmas, seed=0 if seed is None else seed,
-                              sampler=sampler or own.sampler, backend=backend or kept)
+        state = own.swapped(position, samples, 0 if seed is None else seed, sampler=sampler or own.sampler,
+                            backend=backend or kept)
     if state.backend != "auto" and position is not Position.ROPE \
             and Backend(state.backend) not in backends_of(method_of(position)):
         raise ConfigError(f"{where}backend={state.backend}: {position.value} runs on "

@@ -11,22 +11,23 @@ from typing import Any, Optional
 from poslsh_cli.core.errors import ConfigError
 
 TRAIN_INFO = "poslsh_train.json"
-#: The layout of poslsh_train.json: 2 records it (``schema``); a file without it is layout 1, the same
-#: fields, any of them possibly missing. :meth:`TrainInfo.of` reads every layout.
-TRAIN_INFO_SCHEMA = 2
+#: The layout of poslsh_train.json (``schema``; a file without it is layout 1, any field possibly
+#: missing). Layouts 1 and 2 also held the scheme (``scheme``, and its ``position`` and ``s`` again);
+#: from layout 3 a checkpoint saves its scheme once, in its config.json (``poslsh``), and the record
+#: holds it only for a LoRA adapter saved alone (no config.json of its own). :meth:`TrainInfo.of` reads
+#: every layout.
+TRAIN_INFO_SCHEMA = 3
 
 
 @dataclass(frozen=True)
 class TrainInfo:
     """What ``poslsh train`` records beside a checkpoint (``poslsh_train.json``), the one record a
     training cell hands to the commands that evaluate it (perplexity, eval, passkey, generate): the
-    scheme (``scheme``, as :meth:`~poslsh_cli.attention.scheme.Scheme.to_json` saves it), the stage's
-    seed, length and steps, the data and its split, attention dropout, the checkpoint it started from
+    scheme (``scheme``, a :class:`~poslsh_cli.attention.scheme.Scheme`: read from where the checkpoint
+    saved it, :func:`train_info`), the stage's seed, length and steps, the data and its split, attention dropout, the checkpoint it started from
     (``init``: fine-tuned), LoRA, the trainable parameters and the processes. ``recorded`` is False for
     a checkpoint poslsh did not train (every field its default)."""
 
-    position: str = ""
-    s: int = 0
     seed: int = -1
     seq_len: int = 0
     steps: int = 0
@@ -40,7 +41,7 @@ class TrainInfo:
     init: Optional[str] = None
     tokenizer: Optional[str] = None
     lora_rank: int = 0
-    scheme: Optional[dict] = None
+    scheme: Any = field(default=None, compare=False)  # compared by its JSON (its bandwidths are an array)
     trainable: int = -1
     world_size: int = 1
     step: Optional[int] = None
@@ -50,53 +51,89 @@ class TrainInfo:
     recorded: bool = field(default=True, compare=False)
 
     @classmethod
-    def of(cls, saved: dict, where: object = "poslsh_train.json") -> "TrainInfo":
-        """The record a poslsh_train.json of any layout holds: a field it lacks (layout 1) takes its
-        default, the value every reader assumed of such a file, as does a null; every value is held to
-        its field's type (a count written as 256.0 reads as 256); a layout newer than this version
+    def of(cls, saved: dict, where: object = "poslsh_train.json", scheme: Any = None) -> "TrainInfo":
+        """The record a poslsh_train.json of any layout holds, with ``scheme``, the checkpoint's own
+        (its config.json's, :func:`train_info`), else the one the record holds (an adapter; layouts 1
+        and 2, as a dict or, oldest, only its ``position`` and ``s``): a field it lacks (layout 1) takes
+        its default, the value every reader assumed of such a file, as does a null; every value is held
+        to its field's type (a count written as 256.0 reads as 256); a layout newer than this version
         knows, or a value of the wrong kind, is one error line naming ``where``. An empty record is
         one poslsh did not write (``recorded`` False)."""
         schema = saved.get("schema", 1)
         if not isinstance(schema, int) or schema > TRAIN_INFO_SCHEMA:
             raise ConfigError(f"{where} has layout {schema!r}, newer than this poslsh reads ({TRAIN_INFO_SCHEMA}): "
                               "upgrade poslsh")
-        kept = {"schema": schema}
+        kept = {"schema": schema, "scheme": scheme if scheme is not None else _saved_scheme(saved, where)}
         for f in fields(cls):
             value = saved.get(f.name)
-            if f.name in ("recorded", "schema") or value is None:
+            if f.name in ("recorded", "schema", "scheme") or value is None:
                 continue
-            kind = _KINDS.get(f.name, str)
+            kind = _kinds().get(f.name, str)
             try:
-                kept[f.name] = value if kind is dict and isinstance(value, dict) else kind(value)
+                kept[f.name] = kind(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}: {f.name}={value!r} is not of type {kind.__name__}") from None
             if kind is int and isinstance(value, float) and not value.is_integer():
                 raise ConfigError(f"{where}: {f.name}={value!r} is not a whole number")
         return cls(**kept, recorded=bool(saved))
 
-    def to_json(self) -> dict:
+    def to_json(self, scheme: Optional[bool] = None) -> dict:
         """What poslsh_train.json holds, in this version's layout (every field but ``recorded``; ``step``
-        and ``adapter_of`` where set)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recorded"}
+        and ``adapter_of`` where set); the scheme only where the checkpoint has no config.json to save
+        it in (an adapter saved alone, ``adapter_of``) or when ``scheme`` asks for it (a tracker's record)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("recorded", "scheme")}
         d["schema"] = TRAIN_INFO_SCHEMA
+        if (self.adapter_of is not None if scheme is None else scheme) and self.scheme is not None:
+            d["scheme"] = self.scheme.to_json()
         return {k: v for k, v in d.items() if not (k in ("step", "adapter_of") and v is None)}
+
+    @property
+    def position(self) -> str:
+        """The scheme's name (``""`` when not recorded)."""
+        return self.scheme.position.value if self.scheme is not None else ""
+
+    @property
+    def s(self) -> int:
+        """Masks per head the scheme draws (0: none, or not recorded)."""
+        return self.scheme.s if self.scheme is not None else 0
 
     @property
     def sigmas(self) -> Optional[list]:
         """The bandwidths the scheme was trained with (None when not recorded)."""
-        return (self.scheme or {}).get("sigmas")
+        return [float(x) for x in self.scheme.sigmas] if self.scheme is not None and len(self.scheme.sigmas) else None
 
 
-#: The type of each field of :class:`TrainInfo` a saved value is held to (the rest: text)
-_KINDS = {"s": int, "seed": int, "seq_len": int, "steps": int, "val_fraction": float, "val_every": int,
-          "attn_dropout": float, "lora_rank": int, "scheme": dict, "trainable": int, "world_size": int, "step": int}
+def _kinds() -> dict:
+    """The type of each saved field of :class:`TrainInfo` (the rest: text), from its annotations."""
+    kinds = {"int": int, "float": float, "Optional[int]": int}
+    return {f.name: kinds[f.type] for f in fields(TrainInfo) if f.type in kinds}
+
+
+def _saved_scheme(saved: dict, where: object) -> Any:
+    """The scheme a record holds: layout 2 and an adapter's ``scheme``, layout 1's ``position`` and ``s``
+    alone (no bandwidths), else None."""
+    from poslsh_cli.attention.scheme import Scheme
+
+    d = saved.get("scheme")
+    if d is not None and not isinstance(d, dict):
+        raise ConfigError(f"{where}: scheme={d!r} is not of type dict")
+    if d is None and saved.get("position"):
+        d = {"position": saved["position"], "s": saved.get("s", 0), "sigmas": []}
+    return Scheme.from_json(d, where) if d else None
 
 
 def train_info(path: Path) -> TrainInfo:
     """What ``poslsh train`` recorded beside a checkpoint (:class:`TrainInfo`); ``recorded=False``
     for a checkpoint it did not train."""
-    f = Path(path) / TRAIN_INFO
-    return TrainInfo.of(json_file(f), f) if f.is_file() else TrainInfo(recorded=False)
+    from poslsh_cli.lm.checkpoint import saved_scheme
+
+    path = Path(path)
+    f = path / TRAIN_INFO
+    if not f.is_file():
+        return TrainInfo(recorded=False)
+    saved = json_file(f)
+    own = saved_scheme(json_file(path / "config.json")) if (path / "config.json").is_file() else None
+    return TrainInfo.of(saved, f, scheme=own)
 
 
 def training_run(path: Path) -> str:

@@ -19,8 +19,8 @@ A method is one :class:`MethodDef` in :data:`DECLARED`; everything else asks it:
   (:data:`poslsh_cli.attention.api.KERNELS`); the first is its CPU inference default, and the
   float64 ``reference`` (its score) is always there.
 
-:class:`Method` is generated from :data:`DECLARED`, whose order is the display order of every
-table and figure: no positional bias first, then the baselines from the coarsest, then exact ALiBi
+:class:`Method` has one member per declaration in :data:`DECLARED` (a mismatch fails at import),
+whose order is the display order of every table and figure: no positional bias first, then the baselines from the coarsest, then exact ALiBi
 and Positional LSH. :func:`register` declares a method from outside this module (a test, a
 plug-in): it runs on every attention path; the commands list the declared ones. An unknown method
 raises (ValueError) wherever it is asked for.
@@ -166,8 +166,23 @@ DECLARED: tuple[MethodDef, ...] = (
 _REGISTERED: dict[str, MethodDef] = {}
 
 
-class _Methods(str, enum.Enum):
-    """The attention methods every command compares (generated from :data:`DECLARED`)."""
+class Method(str, enum.Enum):
+    """The attention methods every command compares, one member per declaration of :data:`DECLARED`
+    in its order (checked at import); a method :func:`register` declares from outside is a member
+    made on first use. Its scheme name (:attr:`scheme`) is what a language-model command calls it
+    (``exact`` runs as ``alibi``, ``no_bias`` as ``none``): the results of matrix-error,
+    output-error and bench name methods, those of train, perplexity and the rest name schemes."""
+
+    NO_BIAS = "no_bias"
+    FIXED_BLOCK = "fixed_block"
+    WINDOWED = "windowed"
+    EXACT = "exact"
+    POSLSH = "poslsh"
+
+    @property
+    def scheme(self) -> str:
+        """Its name as a position scheme (:class:`poslsh_cli.attention.scheme.Position`)."""
+        return method_def(self).scheme
 
     @classmethod
     def _missing_(cls, value: object) -> Any:
@@ -179,7 +194,8 @@ class _Methods(str, enum.Enum):
         return None
 
 
-Method = _Methods("Method", [(d.name.upper(), d.name) for d in DECLARED], module=__name__, qualname="Method")
+if [m.value for m in Method] != [d.name for d in DECLARED]:
+    raise ImportError("poslsh_cli.numerics.methods: Method's members must be DECLARED's names, in its order")
 
 #: The declared methods by member.
 INFO: dict[Any, MethodDef] = {Method(d.name): d for d in DECLARED}

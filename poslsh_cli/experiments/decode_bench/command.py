@@ -29,7 +29,7 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attenti
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
 from poslsh_cli.lm.loading import Arch, arch_key
-from poslsh_cli.attention.scheme import Position, model_label, randomized, scheme_key, sigma_label
+from poslsh_cli.attention.scheme import Position, SchemeKeys, model_label, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict
@@ -95,8 +95,7 @@ def _decoder(spec: DecodeBenchSpec, ctx: DecodeBenchContext, position: Position,
     from poslsh_cli.lm.kvcache import ForgettingCache
     from poslsh_cli.lm.loading import build_model
 
-    state = PositionState.of(position, spec.heads, sigma=spec.sigma, s=s, seed=spec.seed,
-                             window_sigmas=spec.window_sigmas)
+    state = PositionState.from_keys(SchemeKeys.of(spec, position=position, s=s, seed=spec.seed), spec.heads)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).eval()
     return state, model, ForgettingCache(model)
 

@@ -181,6 +181,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
     from poslsh_cli.lm.generate import codec
     from poslsh_cli.lm.install import install
     from poslsh_cli.lm.loading import load_model
+    from poslsh_cli.lm.trained import train_info, training_run
 
     name, n = key["checkpoint"], int(key["length"])  # and a depth, or a distance in sigmas
     c = key.get("distance")
@@ -192,6 +193,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
         model, own = load_model(path, str(ctx.device))
         ctx.loaded[name] = (model, own, codec(path)[0])
     model, own, encode = ctx.loaded[name]
+    info = train_info(path)
     rows = []
     for trial in range(spec.trials):
         seed = derive_seed(spec.seed, "passkey", name, n, depth, trial) if c is None else \
@@ -209,6 +211,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
         top1 = (logits.argmax(-1) == target).double()
         nll = float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
         rows.append({"checkpoint": name, "position": own.position.value, "s": int(own.s),
+                     "run": training_run(path), "run_seed": info.seed, "attn_dropout": info.attn_dropout,
                      "trained_len": trained, "length": n, "depth": depth, "trial": trial, "seed": seed,
                      "key": passkey, "correct": int(bool(top1.all())), "answer_tokens": m,
                      "answer_top1": float(top1.mean()), "answer_nll": nll,
@@ -220,9 +223,13 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
 
 
 def _trained(df: Any) -> Any:
-    """Rows with what the checkpoint's name says of its training (``<run>/work/<cell>/final``, as
-    :func:`poslsh_cli.lm.checkpoint.expand_checkpoints` names a train run's checkpoints): the run
-    it came from, its training seed and its attention dropout (-1 and 0 when the name says none)."""
+    """Rows with the run a checkpoint came from, its training seed and its attention dropout, as each
+    row records them (from the checkpoint's training record); rows written before they were recorded
+    get them from the checkpoint's name (``<run>/work/<cell>/final``, as
+    :func:`poslsh_cli.lm.checkpoint.expand_checkpoints` names a train run's checkpoints; -1 and 0 when
+    the name says none), the one migration of passkey's results."""
+    if {"run", "run_seed", "attn_dropout"} <= set(df.columns):
+        return df.assign(run=df.run.fillna("").astype(str))
     name = df.checkpoint.astype(str)
     run = name.str.split("/").str[0].where(name.str.contains("/work/"), "")
     seed = name.str.extract(r"_seed-(\d+)", expand=False).fillna("-1").astype(int)

@@ -37,7 +37,10 @@ REFERENCE_S = 10
 
 
 @dataclass(frozen=True)
-class Scheme:
+class Arm:
+    """One side of a comparison between trained models: the rows of a position, s and attention
+    dropout (the scheme's fields as the results table names them)."""
+
     position: str
     s: int = 0
     dropout: float = 0.0
@@ -110,7 +113,7 @@ class Data:
     @property
     def margin(self) -> float:
         """:data:`MARGIN_FRACTION` of exact ALiBi's mean over seeds at L on this metric (NaN without it)."""
-        a = self.per_seed(Scheme(ALIBI), self.L)
+        a = self.per_seed(Arm(ALIBI), self.L)
         return relative_margin(float(np.mean(list(a.values()))) if a else math.nan)
 
     def with_metric(self, metric: Metric) -> "Data":
@@ -118,7 +121,7 @@ class Data:
         half = None if self.half is None else self.half.with_metric(metric)
         return Data(with_metric_rows(metric, self.rows), self.windows, self.L, metric, half, self.steps, self.estimate)
 
-    def fall(self, sc: Scheme) -> float:
+    def fall(self, sc: Arm) -> float:
         """How far the scheme's validation bits per byte still fell over the last 20% of its training
         (mean over its models; NaN where not recorded)."""
         r = self.select(sc, self.L)
@@ -126,7 +129,7 @@ class Data:
             return math.nan
         return float(r.drop_duplicates("run_seed").trained_fall.mean())
 
-    def select(self, sc: Scheme, length: int) -> Any:
+    def select(self, sc: Arm, length: int) -> Any:
         r = self.rows[(self.rows.position == sc.position) & (self.rows.length == length)]
         if sc.position == POSLSH:
             r = r[r.trained_s == sc.s]
@@ -134,7 +137,7 @@ class Data:
             r = r[r.attn_dropout.fillna(0.0).round(6) == round(sc.dropout, 6)]
         return r
 
-    def per_seed(self, sc: Scheme, length: int) -> dict:
+    def per_seed(self, sc: Arm, length: int) -> dict:
         """The metric (bits per byte) per training seed: the mean over that seed's mask draws."""
         return self.select(sc, length).groupby("run_seed")[self.metric.column].mean().to_dict()
 
@@ -145,10 +148,10 @@ class Data:
         lengths = set(int(x) for x in self.rows.length.unique())
         return 4 if 4 * self.L in lengths else 2 if 2 * self.L in lengths else 4
 
-    def present(self, sc: Scheme, length: int) -> bool:
+    def present(self, sc: Arm, length: int) -> bool:
         return len(self.select(sc, length)) > 0
 
-    def window_bits(self, sc: Scheme, length: int, seeds: list) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def window_bits(self, sc: Arm, length: int, seeds: list) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """(bits per window, bytes per window) of the scheme's models of ``seeds``, each window's bits
         the mean over the mask draws, windows of the seeds concatenated in seed order."""
         if self.windows is None or not len(self.windows):
@@ -173,7 +176,7 @@ class Data:
             nbytes.append(g.nbytes.to_numpy())
         return np.concatenate(bits), np.concatenate(nbytes)
 
-    def compare(self, a: Scheme, b: Scheme, length: int, level: float) -> tuple[Optional[Interval], str]:
+    def compare(self, a: Arm, b: Arm, length: int, level: float) -> tuple[Optional[Interval], str]:
         """Interval of bits per byte of ``a`` minus ``b`` at ``length``, and what it rests on."""
         sa, sb = self.per_seed(a, length), self.per_seed(b, length)
         common = sorted(set(sa) & set(sb))
@@ -188,12 +191,12 @@ class Data:
         return iv, f"{count(len(common), 'training seeds')}: evaluation noise only, over {iv.n} windows ({NEEDS_SEEDS})"
 
 
-def _draws(d: Data, sc: Scheme, length: int) -> int:
+def _draws(d: Data, sc: Arm, length: int) -> int:
     sel = d.select(sc, length)
     return int(sel.groupby("run_seed").size().max()) if len(sel) else 0
 
 
-def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: str) -> str:
+def _evidence(d: Data, a: Arm, b: Arm, length: int, iv: Interval, basis: str) -> str:
     sa, sb = d.per_seed(a, length), d.per_seed(b, length)
     means = (f"{a.label} {np.mean(list(sa.values())):.4f} ({count(len(sa), 'seeds')} x "
              f"{count(_draws(d, a, length), 'draws')}), "
@@ -206,7 +209,7 @@ def _evidence(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, basis: s
             + (f"; validation fell over the last 20% of training: {trained}" if trained else ""))
 
 
-def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, margin: float = math.nan,
+def _numbers(d: Data, a: Arm, b: Arm, length: int, iv: Interval, margin: float = math.nan,
              boundary: float = 0.0) -> dict:
     """What a comparison of ``a`` with ``b`` rests on, for a reader that compares two runs' verdicts
     (:func:`poslsh_cli.app.report.side_by_side`) or re-reads them (power, multiplicity): each
@@ -214,7 +217,7 @@ def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, margin: f
     interval and what it is over, the margin and the boundary the rule compares the interval with."""
     from poslsh_cli.verdicts.stats import t_interval
 
-    def scheme(sc: Scheme) -> dict:
+    def scheme(sc: Arm) -> dict:
         ti = t_interval(d.per_seed(sc, length).values())
         return {"label": sc.label, "position": sc.position, "mean": ti.estimate, "low": ti.low, "high": ti.high, "seeds": ti.n,
                 "draws": _draws(d, sc, length)}
@@ -223,14 +226,14 @@ def _numbers(d: Data, a: Scheme, b: Scheme, length: int, iv: Interval, margin: f
             "diff": iv.record(), "margin": margin, "boundary": boundary}
 
 
-def _gap(d: Data, a: Scheme, b: Scheme, length: int) -> Optional[float]:
+def _gap(d: Data, a: Arm, b: Arm, length: int) -> Optional[float]:
     """Mean over the common seeds of ``a - b`` (None without a common seed)."""
     sa, sb = d.per_seed(a, length), d.per_seed(b, length)
     common = sorted(set(sa) & set(sb))
     return float(np.mean([sa[k] - sb[k] for k in common])) if common else None
 
 
-def stability(d: Data, a: Scheme, b: Scheme, length: int, margin: float) -> tuple[Optional[bool], str]:
+def stability(d: Data, a: Arm, b: Arm, length: int, margin: float) -> tuple[Optional[bool], str]:
     """Whether the seed-paired gap ``a - b`` settled with training: (True, why) when it moved by less
     than half the margin from the group trained for fewer steps (``d.half``) to this one, (False, why)
     when it moved by more, (None, why) when it was not measured."""
@@ -263,12 +266,12 @@ def _key(name: str, d: Data) -> str:
     return f"{name}/{d.metric.column}"
 
 
-def _absent(d: Data, length: int, *schemes: Scheme) -> str:
+def _absent(d: Data, length: int, *schemes: Arm) -> str:
     """Which of the schemes a claim compares were not evaluated at ``length`` (only those)."""
     return f"no {' or '.join(sc.label for sc in schemes if not d.present(sc, length))} models evaluated at L={length}"
 
 
-def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, key: str = "") -> Verdict:
+def judged_equivalent(d: Data, claim: str, a: Arm, b: Arm, length: int, key: str = "") -> Verdict:
     rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.unit)
     key = _key(key or f"{a.label} reaches {b.label}", d)
     if not (d.present(a, length) and d.present(b, length)):
@@ -292,7 +295,7 @@ def judged_equivalent(d: Data, claim: str, a: Scheme, b: Scheme, length: int, ke
     return Verdict(claim, status, ev, rule, _numbers(d, a, b, length, iv, margin, margin), key=key)
 
 
-def judged_better(d: Data, claim: str, worse: Scheme, better: Scheme, length: int, key: str = "") -> Verdict:
+def judged_better(d: Data, claim: str, worse: Arm, better: Arm, length: int, key: str = "") -> Verdict:
     """``better`` has lower bits per byte than ``worse``: the interval of better - worse below 0 (every
     difference a report shows is the claim's scheme minus the other, as "reaches" shows it)."""
     key = _key(key or f"{better.label} better than {worse.label}", d)
@@ -327,7 +330,7 @@ def reference_s(d: Data) -> Optional[int]:
 def _reaches_each_s(d: Data, what: str) -> list[Verdict]:
     """From scratch, Positional LSH (each s) reaches exact ALiBi's ``what``: one family, its members the s."""
     text = "from scratch, Positional LSH {} reaches the " + what + " of exact ALiBi"
-    return [dataclasses.replace(judged_equivalent(d, text.format(f"s={s}"), Scheme(POSLSH, s), Scheme(ALIBI), d.L,
+    return [dataclasses.replace(judged_equivalent(d, text.format(f"s={s}"), Arm(POSLSH, s), Arm(ALIBI), d.L,
                                                   key=f"scratch/reaches_alibi/s={s}"),
                                 family=f"scratch/reaches_alibi/s/{d.metric.column}", family_text=text.format("…"),
                                 member=f"s={s}") for s in poslsh_s(d)]
@@ -348,7 +351,7 @@ def claim_beats_no_bias(d: Data) -> list[Verdict]:
     if s is None:
         return []
     return [judged_better(d, f"from scratch, Positional LSH s={s} beats the model without positional information",
-                          Scheme(NONE), Scheme(POSLSH, s), d.L, key="scratch/better_than_none/reference_s")]
+                          Arm(NONE), Arm(POSLSH, s), d.L, key="scratch/better_than_none/reference_s")]
 
 
 def claim_beats_original_and_fixed_blocks(d: Data) -> list[Verdict]:
@@ -357,10 +360,10 @@ def claim_beats_original_and_fixed_blocks(d: Data) -> list[Verdict]:
     s = reference_s(d)
     if s is None:
         return []
-    return [judged_better(d, f"from scratch, Positional LSH s={s} is better than {name}", Scheme(pos), Scheme(POSLSH, s),
+    return [judged_better(d, f"from scratch, Positional LSH s={s} is better than {name}", Arm(pos), Arm(POSLSH, s),
                           d.L, key=f"scratch/better_than_{pos}/reference_s")
             for pos, name in ((ROPE, "the original RoPE model"), (FIXED_BLOCK, "fixed blocks"))
-            if d.present(Scheme(pos), d.L)]
+            if d.present(Arm(pos), d.L)]
 
 
 def claim_beats_alibi(d: Data) -> list[Verdict]:
@@ -369,8 +372,8 @@ def claim_beats_alibi(d: Data) -> list[Verdict]:
     s = reference_s(d)
     if s is None:
         return []
-    out = [judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi", Scheme(ALIBI),
-                         Scheme(POSLSH, s), d.L, key="scratch/better_than_alibi/reference_s")]
+    out = [judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi", Arm(ALIBI),
+                         Arm(POSLSH, s), d.L, key="scratch/better_than_alibi/reference_s")]
     drops = sorted(float(x) for x in d.rows[(d.rows.position == ALIBI)].get("attn_dropout", []) if x and x == x)
     if not drops:
         out.append(Verdict(f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with attention "
@@ -378,8 +381,8 @@ def claim_beats_alibi(d: Data) -> list[Verdict]:
                            DIFFERENCE_RULE, key=_key("scratch/better_than_alibi_dropout/reference_s", d)))
     for p in sorted(set(drops)):
         out.append(judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with "
-                                    f"attention dropout {p:g} (the regulariser control)", Scheme(ALIBI, 0, p),
-                                 Scheme(POSLSH, s), d.L, key="scratch/better_than_alibi_dropout/reference_s"))
+                                    f"attention dropout {p:g} (the regulariser control)", Arm(ALIBI, 0, p),
+                                 Arm(POSLSH, s), d.L, key="scratch/better_than_alibi_dropout/reference_s"))
     return out
 
 
@@ -401,10 +404,10 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
                         key="finetune/gap_falls_with_s"),
                 Verdict("fine-tuned, Positional LSH at the largest s reaches exact ALiBi", Status.NOT_MEASURED,
                         "no fine-tuned checkpoints", EQUIVALENCE_RULE, key="finetune/reaches_alibi/largest_s/bits_per_byte")]
-    a = d.per_seed(Scheme(ALIBI), d.L)
+    a = d.per_seed(Arm(ALIBI), d.L)
     by_seed: dict = {}  # seed -> {s: gap}; every gap of a seed shares that seed's ALiBi value
     for s in poslsh_s(d):
-        p = d.per_seed(Scheme(POSLSH, s), d.L)
+        p = d.per_seed(Arm(POSLSH, s), d.L)
         for seed in sorted(set(p) & set(a)):
             by_seed.setdefault(seed, {})[s] = p[seed] - a[seed]
     gaps = {s: float(np.mean([g[s] for g in by_seed.values() if s in g]))
@@ -432,7 +435,7 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
     ss = poslsh_s(d)
     if ss:
         out.append(judged_equivalent(d, f"fine-tuned, Positional LSH at the largest s (s={max(ss)}) reaches exact "
-                                        "ALiBi", Scheme(POSLSH, max(ss)), Scheme(ALIBI), d.L,
+                                        "ALiBi", Arm(POSLSH, max(ss)), Arm(ALIBI), d.L,
                                      key="finetune/reaches_alibi/largest_s"))
     return out
 
@@ -442,9 +445,9 @@ def claim_finetune_beats_fixed_blocks(d: Optional[Data]) -> list[Verdict]:
     if d is None or not poslsh_s(d):
         return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned poslsh checkpoints", DIFFERENCE_RULE,
                         key="finetune/better_than_fixed_block/largest_s/bits_per_byte")]
-    return [judged_better(d, claim, Scheme(FIXED_BLOCK), Scheme(POSLSH, max(poslsh_s(d))), d.L,
+    return [judged_better(d, claim, Arm(FIXED_BLOCK), Arm(POSLSH, max(poslsh_s(d))), d.L,
                           key="finetune/better_than_fixed_block/largest_s")]
 
 
-__all__ = ["Data", "Scheme", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi",
+__all__ = ["Data", "Arm", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi",
            "claim_finetune_approaches_alibi", "claim_finetune_beats_fixed_blocks"]

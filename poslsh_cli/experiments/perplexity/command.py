@@ -336,13 +336,11 @@ def scheme_for(spec: PerplexitySpec, attention: Attention, s: int, own: Any, see
     "perplexity", l, h)``: the row's ``seed`` replays them."""
     import dataclasses
 
-    from poslsh_cli.lm.positions import PositionState
-
     sampler = spec.sampler.value if spec.sampler is not None else own.sampler
     if attention is Attention.OWN:
         return dataclasses.replace(own, seed=seed, sampler=sampler, plans=set(), _cache={}) if _random(own) else own
-    return PositionState(Position(attention.value), own.sigmas, s=s, window_sigmas=spec.window_sigmas,
-                         seed=seed, sampler=sampler)
+    return dataclasses.replace(own.swapped(attention.value, s, seed, sampler=sampler),
+                               window_sigmas=spec.window_sigmas)
 
 
 def _random(state: Any) -> bool:

@@ -10,13 +10,13 @@ from typing import Optional
 
 import numpy as np
 
-from poslsh_cli.experiments.perplexity.claims import NONE, POSLSH, ROPE, Data, Scheme, reference_s
+from poslsh_cli.experiments.perplexity.claims import NONE, POSLSH, ROPE, Data, Arm, reference_s
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
                                       difference, on_seeds, paired, paired_windows, ratio_interval, relative_margin)
 
 
-def _degradation(d: Data, sc: Scheme) -> dict:
+def _degradation(d: Data, sc: Arm) -> dict:
     """Per seed: bits per byte at kL (``d.far``) minus at L."""
     at_L, at_kL = d.per_seed(sc, d.L), d.per_seed(sc, d.far * d.L)
     return {k: at_kL[k] - at_L[k] for k in set(at_L) & set(at_kL)}
@@ -32,12 +32,12 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
               f"t-interval over the seeds (at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation "
               "noise only, and INCONCLUSIVE) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; "
               "whether RoPE or no-position models degrade more is a claim of its own")
-    if s is None or not _degradation(d, Scheme(POSLSH, s)):
+    if s is None or not _degradation(d, Arm(POSLSH, s)):
         return [Verdict(robust, Status.NOT_MEASURED, f"no poslsh model evaluated at L and {k}L", rule_r,
                         key="extrapolation/robust")]
-    others = [sc for sc in (Scheme(ROPE), Scheme(NONE)) if _degradation(d, sc)]
-    p = _degradation(d, Scheme(POSLSH, s))
-    at_L = d.per_seed(Scheme(POSLSH, s), d.L)
+    others = [sc for sc in (Arm(ROPE), Arm(NONE)) if _degradation(d, sc)]
+    p = _degradation(d, Arm(POSLSH, s))
+    at_L = d.per_seed(Arm(POSLSH, s), d.L)
     margin = relative_margin(float(np.mean(list(at_L.values()))))
     from poslsh_cli.verdicts.stats import t_interval
 
@@ -45,7 +45,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
         iv = t_interval(p.values())
         ev = f"L={d.L}: poslsh s={s} at {k}L minus at L {iv.text()}; {count(len(p), 'training seeds')}"
     else:  # the seed-to-seed spread cannot be estimated from fewer seeds
-        iv = _windows_change(d, Scheme(POSLSH, s), sorted(p))
+        iv = _windows_change(d, Arm(POSLSH, s), sorted(p))
         ev = (f"L={d.L}: poslsh s={s} at {k}L minus at L "
               + (f"{iv.text()}; {count(len(p), 'training seeds')}: evaluation noise only ({NEEDS_SEEDS})" if iv is not None else
                  f"{np.mean(list(p.values())):+.4f}; {count(len(p), 'training seeds')} and no evaluation windows"))
@@ -66,7 +66,7 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             div = paired(o, p)
             basis = f"{len(common)} training seeds paired"
         else:
-            div = _windows_degradation(d, sc, Scheme(POSLSH, s), common)
+            div = _windows_degradation(d, sc, Arm(POSLSH, s), common)
             basis = (f"{count(len(common), 'training seeds')}: evaluation noise only ({NEEDS_SEEDS})" if div
                      else "no evaluation windows")
         key = f"extrapolation/{sc.position}_degrades_more"
@@ -98,7 +98,7 @@ def _combine(hi: Interval, lo: Interval) -> Interval:
     return Interval(est, est - half, est + half, n, 0.95, "windows")
 
 
-def _windows_change(d: Data, sc: Scheme, seeds: list) -> Optional[Interval]:
+def _windows_change(d: Data, sc: Arm, seeds: list) -> Optional[Interval]:
     """Evaluation noise of one scheme's bits per byte at kL minus at L: the pooled windows' ratio
     estimate at each length (different windows), its variances added."""
     if not seeds:
@@ -112,7 +112,7 @@ def _windows_change(d: Data, sc: Scheme, seeds: list) -> Optional[Interval]:
     return _combine(*parts)
 
 
-def _windows_degradation(d: Data, other: Scheme, pos: Scheme, seeds: list) -> Optional[Interval]:
+def _windows_degradation(d: Data, other: Arm, pos: Arm, seeds: list) -> Optional[Interval]:
     """Evaluation noise of the difference of degradations: per-window paired differences of the two
     models at kL and at L (different windows at the two lengths), their variances added."""
     if not seeds:

@@ -58,14 +58,14 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 #: the columns a trained model is told apart by, in the tables of this report: its train run, whether
 #: fine-tuned, its training length and steps (a run's T/2 and T models are different models), then
 #: :data:`MODEL_KEYS`
-SCHEME_KEYS = ["trained_run", "finetuned", "trained_len", "trained_steps"] + MODEL_KEYS
+MODEL_GROUP_KEYS = ["trained_run", "finetuned", "trained_len", "trained_steps"] + MODEL_KEYS
 
 
 def _by_scheme(df: Any) -> list:
-    """(key, rows) per trained model (``SCHEME_KEYS``), in report order."""
+    """(key, rows) per trained model (``MODEL_GROUP_KEYS``), in report order."""
     from poslsh_cli.experiments.perplexity.groups import with_group_columns
 
-    return sorted(with_group_columns(with_model_columns(df)).groupby(SCHEME_KEYS),
+    return sorted(with_group_columns(with_model_columns(df)).groupby(MODEL_GROUP_KEYS),
                   key=lambda kg: (kg[0][:4], scheme_rank(kg[0][4], kg[0][5]), kg[0][6], kg[0][7]))
 
 

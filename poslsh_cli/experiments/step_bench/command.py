@@ -30,7 +30,7 @@ from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Precision, resolve_device, synchronize
 from poslsh_cli.experiments.measure import LOAD_COLUMNS
 from poslsh_cli.experiments.step_bench.report import plot, report, summary
-from poslsh_cli.attention.scheme import Position, method_of, randomized, scheme_key, sigma_label
+from poslsh_cli.attention.scheme import Position, SchemeKeys, method_of, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm.loading import Arch, arch_key
 from poslsh_cli.numerics.sampling import bandwidths, derive_seed
@@ -217,8 +217,9 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.loading import build_model
 
-    state = PositionState.of(position, spec.heads, sigma=sigma_at(spec, x.shape[1] - 1), s=s, seed=spec.seed,
-                             backend=backend)
+    keys = SchemeKeys.of(spec, position=position, s=s, seed=spec.seed, sigma=sigma_at(spec, x.shape[1] - 1),
+                         backend=backend)
+    state = PositionState.from_keys(keys, spec.heads)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -38,7 +38,7 @@ from poslsh_cli.experiments.devices import Precision, cuda_skip_reason
 from poslsh_cli.experiments.train.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec, trains_every_seed
 from poslsh_cli.lm import evaluate as evaluation
-from poslsh_cli.attention.scheme import Position, model_label, randomized
+from poslsh_cli.attention.scheme import Position, SchemeKeys, model_label, randomized
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
@@ -137,12 +137,13 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
     init = Path(ctx.source.path) if ctx.source.kind.value == "init" else None
     if spec.pretrain is not None:
         at = f"-L{L}" if len(spec.seq_len) > 1 else ""
-        base = Stage(spec.pretrain, spec.s[0] if randomized(spec.pretrain) else 0, seed, spec.pretrain_steps,
+        base = Stage(SchemeKeys.of(spec, position=spec.pretrain, s=spec.s[0], seed=seed), seed, spec.pretrain_steps,
                      L, init, f"pretrain {spec.pretrain.value}")
         init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}{at}"), base)
     label = (model_label(position.value, s, dropout) + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else "")
              + (f" steps={steps}" if len(spec.steps) > 1 else ""))
-    final = train_stage(spec, ctx, work, Stage(position, s, seed, steps, L, init, label, dropout,
+    final = train_stage(spec, ctx, work, Stage(SchemeKeys.of(spec, position=position, s=s, seed=seed), seed, steps,
+                                               L, init, label, dropout,
                                                lora=spec.lora_rank > 0,
                                                first_step=spec.pretrain_steps if spec.pretrain is not None else 0))
     if not dist.is_main():

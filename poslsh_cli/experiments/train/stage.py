@@ -26,7 +26,7 @@ from poslsh_cli.experiments.train.cost import PACE_STEPS, say_cost
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.devices import Precision, autocast
 from poslsh_cli.experiments.train.spec import Parallel, TrainContext, TrainSpec
-from poslsh_cli.attention.scheme import Position
+from poslsh_cli.attention.scheme import SchemeKeys
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import derive_seed
@@ -92,11 +92,12 @@ def eval_interval(spec: TrainSpec, steps: int) -> int:
 
 @dataclass
 class Stage:
-    """What a stage trains: ``label`` for progress lines, the scheme, where its weights start
-    (``init``: a checkpoint, or None for fresh weights) and whether LoRA adapters are trained."""
+    """What a stage trains: ``label`` for progress lines, the scheme's keys (``keys``: its position, s
+    masks per head per step, sigma, window, sampler and the mask seed, the stage's ``seed``), where its
+    weights start (``init``: a checkpoint, or None for fresh weights) and whether LoRA adapters are
+    trained."""
 
-    position: Position
-    s: int  # masks per head per step (the cell's ``s``, PositionState.s); 0: the scheme draws none
+    keys: SchemeKeys
     seed: int
     steps: int
     seq_len: int
@@ -122,8 +123,7 @@ def _build(spec: TrainSpec, ctx: TrainContext, stage: Stage, resume: Optional[Pa
         model = convert.load_weights(stage.init)
     else:
         model = convert.new_model(ctx.source, derive_seed(stage.seed, "init"))
-    state = ctx.source.state(stage.position, model, s=stage.s, window_sigmas=spec.window_sigmas,
-                             seed=stage.seed, sigma=spec.sigma, sampler=spec.sampler.value)
+    state = ctx.source.state(stage.keys, model)
     install(model, state)
     set_attention_dropout(model, stage.dropout)
     if stage.lora:
@@ -306,17 +306,17 @@ class StageRun:
                 load_scaler(scaler, resume)
         from poslsh_cli.lm.trained import TrainInfo
 
-        info = TrainInfo(position=stage.position.value, s=stage.s, seed=stage.seed, seq_len=stage.seq_len,
+        info = TrainInfo(seed=stage.seed, seq_len=stage.seq_len,
                          steps=stage.steps, data=spec.data, data_sha256=ctx.corpus.sha256,
                          val_fraction=spec.val_fraction, val_every=spec.val_every, data_field=spec.data_field,
                          encoding=spec.encoding, attn_dropout=stage.dropout,
                          init=str(stage.init) if stage.init else None, tokenizer=ctx.corpus.tokenizer,
-                         lora_rank=spec.lora_rank if stage.lora else 0, scheme=state.to_json(),
+                         lora_rank=spec.lora_rank if stage.lora else 0, scheme=state,
                          trainable=int(sum(p.numel() for _, p in named)), world_size=ctx.world)
         done = metrics.frame()
         from poslsh_cli.store.tracking import open_for
 
-        tracker = open_for(spec, work, stage.label, info.to_json(), start)
+        tracker = open_for(spec, work, stage.label, info.to_json(scheme=True), start)
         return cls(spec, ctx, work, stage, model, trained, state, opt, scaler, [p for _, p in named], info, metrics,
                    ckpts, elapsed=float(done.seconds.iloc[-1]) if len(done) else 0.0, rank=dist.rank(),
                    share=spec.batch // ctx.world, micro=micro_batch(spec, ctx.world),
