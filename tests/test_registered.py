@@ -217,4 +217,71 @@ def test_the_report_puts_the_registered_section_before_the_language_model_sectio
     sections, _, _ = sections_of([run], notice=lambda _: None)
     titles = [s.title for s in sections]
     assert titles[0].startswith("Registered confirmatory experiment"), titles
-    assert {v.key for v in sections[0].verdicts} == {f"primary/reaches_alibi_s{s}" for s in (10, 20, 100)}
+    got = {v.key: v for v in sections[0].verdicts}
+    assert set(got) == {f"primary/reaches_alibi_s{s}" for s in (10, 20, 100)} | \
+        {f"across/gap_grows_with_L_s{s}" for s in (10, 20, 100)}
+    # the comparison across lengths waits for the L = 1024 experiment, and says so
+    across = got["across/gap_grows_with_L_s10"]
+    assert across.status is Status.NOT_MEASURED and "confirm-L1024-v1: 0 of the 11 registered seeds" in across.evidence
+
+
+# ---------------------------------------------------------------------------------------------
+# across lengths (docs/PREREGISTRATION_L1024.md)
+
+
+def test_welch_is_scipys_unequal_variance_t_test():
+    from poslsh_cli.verdicts.registered import welch
+
+    a, b = [0.021, 0.025, 0.019, 0.024, 0.022], [0.030, 0.041, 0.028, 0.035, 0.039, 0.033]
+    t = welch(a, b, bound=0.01)
+    ref = stats.ttest_ind(b, a, equal_var=False, alternative="greater")
+    assert t.d == pytest.approx(np.mean(b) - np.mean(a)) and t.p_above == pytest.approx(ref.pvalue)
+    below = stats.ttest_ind(np.array(b) - 0.01, a, equal_var=False, alternative="less")
+    assert t.p_below == pytest.approx(below.pvalue)
+    half = stats.t.ppf(0.95, t.df) * t.se
+    assert (t.low90, t.high90) == pytest.approx((t.d - half, t.d + half))
+    with pytest.raises(ValueError):
+        welch([0.1], b, 0.01)
+
+
+def l1024_rows(tmp_path, gaps, seeds=None):
+    from poslsh_cli.verdicts.registered import CONFIRM_L1024
+
+    scratch = {A: 1.86, **{(p, s, d): 1.86 + gaps[s] for (p, s, d) in (P10, P20, P100)}}
+    return ppl_run(tmp_path, scratch=scratch, seeds=seeds or CONFIRM_L1024.seeds, seed_sd=0.001, steps=2400,
+                   trained_len=1024, far=2048, train_run="train_confirm_l1024", name="perplexity_confirm_l1024")
+
+
+def test_the_gap_across_lengths_is_decided_as_registered(tmp_path):
+    """Per s, D = the mean relative gap at L = 1024 minus at L = 256 by Welch's t, Holm over the three
+    s in each direction: a gap that grows by 3 points is SUPPORTED, one that stays is NOT SUPPORTED
+    (does not grow by more than 1%), one that grows by half a point reads "grows, by less than 1%"; the
+    registered section carries the verdicts and the table; with a seed missing, NOT MEASURED."""
+    from poslsh_cli.experiments.perplexity.across import across_lengths, relative_gaps
+    from poslsh_cli.verdicts.registered import CONFIRM_L1024
+
+    _, short = confirm_rows(tmp_path, {10: 0.040, 20: 0.020, 100: 0.005})
+    _, long_ = l1024_rows(tmp_path, {10: 0.100, 20: 1.86 * 0.02 / 1.70, 100: 1.86 * (0.005 / 1.70 + 0.005)})
+    verdicts, table = across_lengths([short, long_])
+    got = {v.key: v for v in verdicts}
+    assert list(got) == [f"across/gap_grows_with_L_s{s}" for s in (10, 20, 100)]
+    s10, s20, s100 = got.values()
+    assert s10.status is Status.SUPPORTED and s10.evidence.startswith("grows: D +")
+    assert s20.status is Status.NOT_SUPPORTED and s20.evidence.startswith("does not grow by more than 1%")
+    assert s100.status is Status.SUPPORTED and s100.evidence.startswith("grows, by less than 1%")
+    # D recomputed from the rows: the relative gaps' means at each length
+    rows = {r: pr.endpoint_rows(pd.concat([short, long_]), r, 2400) for r in ("train_confirm", "train_confirm_l1024")}
+    for v, p_short, p_long in zip(verdicts, CONFIRM_L256.primary, CONFIRM_L1024.primary):
+        a = list(relative_gaps(rows["train_confirm"], p_short).values())
+        b = list(relative_gaps(rows["train_confirm_l1024"], p_long).values())
+        assert len(a) == len(b) == 11 and v.numbers["d"] == pytest.approx(np.mean(b) - np.mean(a))
+    assert len(table) == 3 and table[0][0] == "Positional LSH s = 10"
+    from poslsh_cli.experiments.perplexity.across import section
+
+    sec = section([short, long_])
+    assert {v.key for v in sec.verdicts} >= set(got) and any("D (1024 - 256)" in t.columns for t in sec.tables)
+    _, few = l1024_rows(tmp_path / "few", {10: 0.1, 20: 0.02, 100: 0.01}, seeds=CONFIRM_L1024.seeds[:5])
+    missing, table = across_lengths([short, few])
+    assert {v.status for v in missing} == {Status.NOT_MEASURED} and not table
+    assert "confirm-L1024-v1: 5 of the 11 registered seeds" in missing[0].evidence
+    assert across_lengths([official_rows(tmp_path / "o", {10: 0.04, 20: 0.02, 100: 0.01}, 1200)[1]]) == ([], [])

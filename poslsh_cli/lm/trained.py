@@ -125,15 +125,15 @@ def _saved_scheme(saved: dict, where: object) -> Any:
 def train_info(path: Path) -> TrainInfo:
     """What ``poslsh train`` recorded beside a checkpoint (:class:`TrainInfo`); ``recorded=False``
     for a checkpoint it did not train."""
-    from poslsh_cli.lm.checkpoint import saved_scheme
+    from poslsh_cli.attention.scheme import Scheme
 
     path = Path(path)
     f = path / TRAIN_INFO
     if not f.is_file():
         return TrainInfo(recorded=False)
-    saved = json_file(f)
-    own = saved_scheme(json_file(path / "config.json")) if (path / "config.json").is_file() else None
-    return TrainInfo.of(saved, f, scheme=own)
+    cfg = path / "config.json"
+    saved = json_file(cfg).get("poslsh") if cfg.is_file() else None  # the scheme's one copy
+    return TrainInfo.of(json_file(f), f, scheme=Scheme.from_json(saved, cfg) if saved else None)
 
 
 def training_run(path: Path) -> str:

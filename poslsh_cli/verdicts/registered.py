@@ -280,3 +280,53 @@ def stability(points: Sequence[GapPoint], band: float, level: float, df: int) ->
     reading = (Reading.SETTLED if -band < low and high < band else
                Reading.MOVING if low >= band or high <= -band else Reading.UNDETERMINED)
     return Stability(b, low, high, band, reading, pts)
+
+
+@dataclass(frozen=True)
+class AcrossLengths:
+    """The registered comparison of a gap across two context lengths (docs/PREREGISTRATION_L1024.md,
+    ``across_lengths``): per primary ``s``, the mean relative gap of ``long`` minus that of ``short``."""
+
+    short: Registration
+    long: Registration
+    ids: tuple[str, ...]  # one per s, in the order of long.primary
+    bound: float  # "grows by less than this": the second family's null D >= bound
+    alpha: float
+
+
+ACROSS_L = AcrossLengths(CONFIRM_L256, CONFIRM_L1024, tuple(f"gap_grows_with_L_s{s}" for s in (10, 20, 100)),
+                         bound=0.01, alpha=0.05)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A difference of two independent means (Welch): ``d`` = mean(b) - mean(a), its standard error,
+    the Welch-Satterthwaite degrees of freedom, its 90% interval and the two one-sided p-values
+    (``p_above``: of ``d <= 0``; ``p_below``: of ``d >= bound``)."""
+
+    d: float
+    se: float
+    df: float
+    low90: float
+    high90: float
+    p_above: float
+    p_below: float
+
+
+def welch(a: Sequence[float], b: Sequence[float], bound: float) -> Difference:
+    """Welch's t for mean(b) - mean(a), each sample at least two values, tested one-sided against 0
+    (rejecting ``d <= 0``) and against ``bound`` (rejecting ``d >= bound``)."""
+    from scipy import stats
+
+    x, y = np.asarray(list(a), float), np.asarray(list(b), float)
+    if x.size < 2 or y.size < 2:
+        raise ValueError("Welch's t needs two values in each sample")
+    va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (x.size - 1) + vb ** 2 / (y.size - 1)) if se > 0 else float(x.size + y.size - 2)
+    d = float(y.mean() - x.mean())
+    if se == 0:
+        return Difference(d, 0.0, df, d, d, 0.0 if d > 0 else 1.0, 0.0 if d < bound else 1.0)
+    half = float(stats.t.ppf(0.95, df) * se)
+    return Difference(d, se, df, d - half, d + half, float(stats.t.sf(d / se, df)),
+                      float(stats.t.cdf((d - bound) / se, df)))

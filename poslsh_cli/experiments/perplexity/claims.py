@@ -37,10 +37,7 @@ REFERENCE_S = 10
 
 
 @dataclass(frozen=True)
-class Arm:
-    """One side of a comparison between trained models: the rows of a position, s and attention
-    dropout (the scheme's fields as the results table names them)."""
-
+class Arm:  # one side of a comparison: the rows of a position, s and attention dropout
     position: str
     s: int = 0
     dropout: float = 0.0

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 from poslsh_cli.experiments.perplexity.claims import OWN
 from poslsh_cli.experiments.perplexity.plots import plot
 from poslsh_cli.experiments.perplexity.report import report, summary
-from poslsh_cli.experiments.perplexity.registered import section as registered_section
+from poslsh_cli.experiments.perplexity.across import section as registered_section
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides

@@ -60,7 +60,8 @@ def endpoint_rows(df: Any, run: str, steps: int) -> Any:
     return main_text(rows)
 
 
-def _per_seed(rows: Any, position: str, s: int = 0) -> dict:
+def per_seed(rows: Any, position: str, s: int = 0) -> dict:
+    """Per training seed, a scheme's bits per byte on the endpoint's rows (the mean over its mask draws)."""
     r = rows[rows.position == position]
     if position == POSLSH:
         r = r[r.trained_s == s]
@@ -69,7 +70,7 @@ def _per_seed(rows: Any, position: str, s: int = 0) -> dict:
 
 def seed_gaps(rows: Any, primary: Primary) -> dict:
     """Per training seed, the treatment's bits per byte (mean over its draws) minus the control's."""
-    a, b = _per_seed(rows, primary.treatment, primary.s), _per_seed(rows, primary.control)
+    a, b = per_seed(rows, primary.treatment, primary.s), per_seed(rows, primary.control)
     return {k: a[k] - b[k] for k in sorted(set(a) & set(b))}
 
 
@@ -93,10 +94,10 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
             f"{len(reg.primary)} primary comparisons at {reg.alpha:.0%} in each direction (reaching rejected: SUPPORTED; "
             "worse by more than the margin rejected: NOT SUPPORTED; otherwise INCONCLUSIVE); a verdict needs every "
             "registered seed, evaluated as registered")
-    why = _not_as_registered(rows, reg)
+    why = not_as_registered(rows, reg)
     if why:
         return [Verdict(_claim(p, reg), Status.NOT_MEASURED, why, rule, key=_key(p)) for p in reg.primary]
-    control = _per_seed(rows, ALIBI)
+    control = per_seed(rows, ALIBI)
     gaps = {p: seed_gaps(rows, p) for p in reg.primary}
     margin = reg.margin_fraction * float(np.mean([control[k] for k in reg.seeds]))
     decided = decide_primary({p: [gaps[p][k] for k in reg.seeds] for p in reg.primary}, margin, reg.alpha)
@@ -121,7 +122,7 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
     return out
 
 
-def _not_as_registered(rows: Any, reg: Registration) -> str:
+def not_as_registered(rows: Any, reg: Registration) -> str:
     """Why the endpoint's rows cannot be judged as registered ("" when they can): every registered
     seed of every primary scheme and of the control at the registered length, each Positional-LSH
     model with the registered number of mask draws, no missing value, one evaluation text for all."""
@@ -170,6 +171,7 @@ def section(dfs: list[Any]) -> Optional[Section]:
     regs = [REGISTERED[r] for r in sorted(runs) if r in REGISTERED]
     if not regs:
         return None
+
     from pathlib import Path
 
     sec = Section("perplexity", Path("registered"), "Registered confirmatory experiment: does Positional LSH reach exact "
