@@ -29,6 +29,7 @@ import torch
 from poslsh_cli.attention import AttentionSpec, attend
 from poslsh_cli.attention.positioned import attend_each_sequence
 from poslsh_cli.lm.loading import Arch, build_model
+from poslsh_cli.attention.scheme import SchemeKeys
 from poslsh_cli.lm.positions import PositionState
 
 HEADS, HEAD_DIM = 4, 16
@@ -48,7 +49,7 @@ def interleaved(calls: dict, repeats: int) -> dict:
 
 
 def attention_calls(n: int, s: int) -> dict:
-    state = PositionState.standard("poslsh", HEADS, s=s, seed=0)
+    state = PositionState.from_keys(SchemeKeys("poslsh", s=s), HEADS)
     spec_at = lambda r: state.attention_spec(0, r, None)  # noqa: E731
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, HEADS, n, HEAD_DIM, generator=g) for _ in range(3))
@@ -62,7 +63,7 @@ def attention_calls(n: int, s: int) -> dict:
 def model_calls(n: int, s: int) -> dict:
     arch = Arch(hidden=HEADS * HEAD_DIM, layers=1, heads=HEADS, kv_heads=HEADS, intermediate=128, head_dim=HEAD_DIM,
                 max_positions=n)
-    model = build_model(arch, PositionState.standard("poslsh", HEADS, s=s, seed=0), seed=0).eval()
+    model = build_model(arch, PositionState.from_keys(SchemeKeys("poslsh", s=s), HEADS), seed=0).eval()
     ids = torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, n, dtype=torch.long)
     mask[1, 0] = 0  # one padding token

@@ -21,6 +21,7 @@ def main() -> None:
     from poslsh_cli.experiments.devices import synchronize
     from poslsh_cli.experiments.devices import Precision, autocast
     from poslsh_cli.lm.data import VOCAB
+    from poslsh_cli.attention.scheme import SchemeKeys
     from poslsh_cli.lm.loading import Arch, build_model
     from poslsh_cli.lm.positions import PositionState
 
@@ -43,8 +44,7 @@ def main() -> None:
     arch = Arch(a.hidden, a.layers, a.heads, a.heads, a.intermediate, a.head_dim, max(8192, a.seq_len))
     x = torch.as_tensor(np.random.default_rng(0).integers(0, VOCAB, size=(a.batch, a.seq_len + 1)), device=device)
     for position in a.positions:
-        state = (PositionState.standard(position, a.heads, s=a.s) if a.sigma is None else
-                 PositionState(position, [a.sigma] * a.heads, s=a.s))
+        state = PositionState.from_keys(SchemeKeys(position, s=a.s, sigma=a.sigma), a.heads)
         model = build_model(arch, state, 0).to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -64,6 +64,9 @@ def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_bino
                                          attn_dropout=[0.1 if "dropout" in r["checkpoint"] else 0.0 for r in rows])
     recorded = recorded.assign(checkpoint=[f"ck{i}" for i in range(len(recorded))])
     assert summary(recorded) == (head, table)
+    # a resumed run: rows written before the fields were recorded (NaN there) read them from their name
+    mixed = pd.concat([pd.DataFrame(rows[::2]), recorded.iloc[1::2]], ignore_index=True)
+    assert mixed.run_seed.isna().any() and summary(mixed) == (head, table)
     assert binomial_interval(0, 75)[1] == pytest.approx(0.0392, abs=1e-4)
     assert binomial_interval(75, 75)[0] == pytest.approx(1 - 0.0392, abs=1e-4)
 

@@ -159,6 +159,15 @@ def test_the_analysis_reads_the_registered_design(page):
     assert f"{reg.stability_level:.0%} interval" in block["stability"]
     if "stability_preset" in block:  # its models at T/2 are its own run, whose comparisons are secondary too
         assert reg.companions == (block["stability_preset"].removesuffix("_paper"),) == tuple(r for r, _ in reg.earlier)
+    assert reg.page == f"docs/{page}"
+    if "across_lengths" in block:  # the comparison across lengths, as the code decides it
+        from poslsh_cli.verdicts.registered import ACROSS_L
+
+        across = block["across_lengths"]
+        assert ACROSS_L.long is reg and ACROSS_L.short.name == across["against"]
+        assert list(ACROSS_L.ids) == across["ids"] and len(ACROSS_L.ids) == len(reg.primary)
+        assert across["within_margin"] == f"H0 D >= {ACROSS_L.bound:g} rejected" and "H0 D <= 0" in across["grows"]
+        assert f"holm over the 3 values of s at {ACROSS_L.alpha:g}" in across["correction"] and "Welch" in across["test"]
     from poslsh_cli.experiments.perplexity.registered import registration_of
 
     assert registration_of(reg.train_run) is reg and all(registration_of(f"{c}/0") is reg for c in reg.companions)

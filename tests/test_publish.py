@@ -288,6 +288,9 @@ def test_rewording_every_claim_changes_no_row_of_the_readme(tmp_path, monkeypatc
     def readme_rows() -> list[list[str]]:
         sections, _, _ = report.sections_of([tmp_path / n for n in names], notice=lambda text: None)
         assert all(v.key for s in sections for v in s.verdicts)
+        for s in sections:  # an id names one claim of a section: joins and folds read it alone
+            keys = [v.key for v in s.verdicts]
+            assert len(keys) == len(set(keys)), (s.title, sorted(k for k in set(keys) if keys.count(k) > 1))
         md = publish.glance_markdown(sections, tmp_path / "RESULTS.md", tmp_path)
         return [line.split(" | ")[1:] for line in md.splitlines() if line.startswith("| ")]
 

@@ -271,10 +271,17 @@ def test_the_gap_across_lengths_is_decided_as_registered(tmp_path):
     assert s100.status is Status.SUPPORTED and s100.evidence.startswith("grows, by less than 1%")
     # D recomputed from the rows: the relative gaps' means at each length
     rows = {r: pr.endpoint_rows(pd.concat([short, long_]), r, 2400) for r in ("train_confirm", "train_confirm_l1024")}
-    for v, p_short, p_long in zip(verdicts, CONFIRM_L256.primary, CONFIRM_L1024.primary):
-        a = list(relative_gaps(rows["train_confirm"], p_short).values())
-        b = list(relative_gaps(rows["train_confirm_l1024"], p_long).values())
-        assert len(a) == len(b) == 11 and v.numbers["d"] == pytest.approx(np.mean(b) - np.mean(a))
+    def relative(run, s):  # per seed (poslsh - alibi) / alibi, each the mean over its draws, from the rows alone
+        r = rows[run]
+        p = r[(r.position == "poslsh") & (r.trained_s == s)].groupby("run_seed").bits_per_byte.mean()
+        a = r[r.position == "alibi"].groupby("run_seed").bits_per_byte.mean()
+        return ((p - a) / a).dropna()
+
+    for v, s in zip(verdicts, (10, 20, 100)):
+        a, b = relative("train_confirm", s), relative("train_confirm_l1024", s)
+        assert len(a) == len(b) == 11 and v.numbers["d"] == pytest.approx(b.mean() - a.mean())
+        assert sorted(relative_gaps(rows["train_confirm"], CONFIRM_L256.primary[(10, 20, 100).index(s)]).values()) == \
+            pytest.approx(sorted(a.values))
     assert len(table) == 3 and table[0][0] == "Positional LSH s = 10"
     from poslsh_cli.experiments.perplexity.across import section
 

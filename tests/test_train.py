@@ -284,6 +284,11 @@ def test_the_train_record_of_every_layout_reads_as_one_type(tmp_path):
                         ({"seed": "x"}, "seed='x' is not of type int"), ({"scheme": [1]}, "is not of type dict")):
         with pytest.raises(ConfigError, match=needle):
             TrainInfo.of(bad)
+    # an adapter saved alone keeps its scheme in the record, an ALiBi base's own attention (native) included
+    native = {"position": "alibi", "sigmas": [1.0, 2.0], "s": 0, "native": True, "layout": 2}
+    adapter = TrainInfo.of({"schema": 3, "adapter_of": "base", "scheme": native})
+    assert adapter.scheme.native and adapter.to_json()["scheme"]["native"] is True
+    assert TrainInfo.of({"position": "poslsh", "s": None}).s == 0  # a null count takes its default
     for foreign in (train_info(tmp_path / "elsewhere"), TrainInfo.of({})):
         assert not foreign.recorded and (foreign.seed, foreign.seq_len, foreign.s) == (-1, 0, 0)
 

@@ -16,8 +16,9 @@ slopes (``alibi=auto`` or ``model``; its own attention for ``alibi``, the projec
 with its sigmas for the other schemes); ``alibi=standard`` uses the standard slopes of its head
 count. Optional LoRA (:mod:`poslsh_cli.lm.lora`) is saved merged into full weights or as the
 adapter beside its base (:func:`save`). Every saved
-directory holds the tokenizer and records the scheme (``config.json`` ``poslsh`` and
-``poslsh_train.json``), so ``AutoModelForCausalLM.from_pretrained`` loads it and
+directory holds the tokenizer and records the scheme once (``config.json`` ``poslsh``; an adapter
+saved alone, which has no config.json, in ``poslsh_train.json``) beside the training record
+(``poslsh_train.json``), so ``AutoModelForCausalLM.from_pretrained`` loads it and
 :func:`poslsh_cli.lm.loading.load_model` restores the scheme.
 """
 from __future__ import annotations
@@ -272,7 +273,7 @@ def save(model: Any, path: Path, info: Any, tokenizer: Optional[Path], lora_save
          state_dict: Optional[dict] = None) -> None:
     """Write a trained model into ``path``: full weights (``save_pretrained``; a LoRA model merged
     into them, or only its adapter with ``lora_save=adapter``), the tokenizer, and
-    ``poslsh_train.json`` (``info``, a :class:`~poslsh_cli.lm.trained.TrainInfo`: the scheme, the data,
+    ``poslsh_train.json`` (``info``, a :class:`~poslsh_cli.lm.trained.TrainInfo`: the data,
     the step). ``state_dict``: the full
     weights when the caller gathered them (a sharded model)."""
     import copy

@@ -112,20 +112,20 @@ def _kinds() -> dict:
 def _saved_scheme(saved: dict, where: object) -> Any:
     """The scheme a record holds: layout 2 and an adapter's ``scheme``, layout 1's ``position`` and ``s``
     alone (no bandwidths), else None."""
-    from poslsh_cli.attention.scheme import Scheme
+    from poslsh_cli.lm.positions import PositionState
 
     d = saved.get("scheme")
     if d is not None and not isinstance(d, dict):
         raise ConfigError(f"{where}: scheme={d!r} is not of type dict")
     if d is None and saved.get("position"):
-        d = {"position": saved["position"], "s": saved.get("s", 0), "sigmas": []}
-    return Scheme.from_json(d, where) if d else None
+        d = {"position": saved["position"], "s": saved.get("s") or 0, "sigmas": []}
+    return PositionState.from_json(d, where) if d else None
 
 
 def train_info(path: Path) -> TrainInfo:
     """What ``poslsh train`` recorded beside a checkpoint (:class:`TrainInfo`); ``recorded=False``
     for a checkpoint it did not train."""
-    from poslsh_cli.attention.scheme import Scheme
+    from poslsh_cli.lm.positions import PositionState
 
     path = Path(path)
     f = path / TRAIN_INFO
@@ -133,7 +133,7 @@ def train_info(path: Path) -> TrainInfo:
         return TrainInfo(recorded=False)
     cfg = path / "config.json"
     saved = json_file(cfg).get("poslsh") if cfg.is_file() else None  # the scheme's one copy
-    return TrainInfo.of(json_file(f), f, scheme=Scheme.from_json(saved, cfg) if saved else None)
+    return TrainInfo.of(json_file(f), f, scheme=PositionState.from_json(saved, cfg) if saved else None)
 
 
 def training_run(path: Path) -> str:

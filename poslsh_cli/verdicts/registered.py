@@ -64,6 +64,8 @@ class Registration:
     #: training runs made for this registration besides ``train_run`` (its models at T/2): their other
     #: comparisons are secondary too (an earlier point from an exploratory run is not one of them)
     companions: tuple[str, ...] = ()
+    #: the page that registered it
+    page: str = "docs/PREREGISTRATION.md"
 
 
 CONFIRM_L256 = Registration(
@@ -99,6 +101,7 @@ CONFIRM_L1024 = Registration(
     stability_df=4,
     earlier=(("train_stability_l1024", 1200),),
     companions=("train_stability_l1024",),
+    page="docs/PREREGISTRATION_L1024.md",
 )
 
 #: every registered experiment, by the run name of its training

@@ -228,12 +228,15 @@ def _trained(df: Any) -> Any:
     get them from the checkpoint's name (``<run>/work/<cell>/final``, as
     :func:`poslsh_cli.lm.checkpoint.expand_checkpoints` names a train run's checkpoints; -1 and 0 when
     the name says none), the one migration of passkey's results."""
-    if {"run", "run_seed", "attn_dropout"} <= set(df.columns):
-        return df.assign(run=df.run.fillna("").astype(str))
     name = df.checkpoint.astype(str)
     run = name.str.split("/").str[0].where(name.str.contains("/work/"), "")
     seed = name.str.extract(r"_seed-(\d+)", expand=False).fillna("-1").astype(int)
     drop = name.str.extract(r"_attn_dropout-([0-9.]+)", expand=False).fillna("0").astype(float)
+    if "run_seed" in df.columns:  # recorded rows keep theirs; a row written before (a resumed run) gets the name's
+        old = df.run_seed.isna()
+        run = df.run.where(~old, run).fillna("").astype(str).str.split("/").str[0]
+        seed = df.run_seed.where(~old, seed).astype(int)
+        drop = df.attn_dropout.where(~old, drop).astype(float)
     return df.assign(run=run, run_seed=seed, attn_dropout=drop)
 
 

@@ -61,7 +61,7 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
     if not {spec.short.train_run, spec.long.train_run} & runs:
         return [], []
     (short, why_short), (long_, why_long) = _rows(df, spec.short), _rows(df, spec.long)
-    rule = (f"registered in docs/PREREGISTRATION_L1024.md ({spec.long.name}, commit {spec.long.commit[:10]}): per s, "
+    rule = (f"registered in {spec.long.page} ({spec.long.name}, commit {spec.long.commit[:10]}): per s, "
             f"D = mean relative gap (gap / exact ALiBi's bits per byte, per seed) at L={spec.long.seq_len} minus at "
             f"L={spec.short.seq_len}, Welch's t; Holm over the {len(spec.ids)} values of s at {spec.alpha:.0%} in each "
             f"direction: D <= 0 rejected, SUPPORTED (grows); D >= {spec.bound:.0%} rejected and D <= 0 not, "

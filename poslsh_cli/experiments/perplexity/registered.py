@@ -28,7 +28,8 @@ from poslsh_cli.verdicts.registered import (REGISTERED, GapPoint, Primary, Regis
                                             stability)
 
 NONOVERLAPPING = "nonoverlapping"
-SECONDARY_RULE = ("secondary comparison of a registered experiment (docs/PREREGISTRATION.md): an estimate with its "
+SECONDARY_RULE = ("secondary comparison of a registered experiment (docs/PREREGISTRATION.md at L = 256, "
+                  "docs/PREREGISTRATION_L1024.md at L = 1024): an estimate with its "
                   "interval and direction, no verdict")
 
 
@@ -179,7 +180,7 @@ def section(dfs: list[Any]) -> Optional[Section]:
     for reg in regs:
         sec.verdicts += primary_verdicts(dfs, reg)
         sec.paragraphs.append(
-            f"{reg.name}, registered in docs/PREREGISTRATION.md at commit {reg.commit[:10]} before its first model "
+            f"{reg.name}, registered in {reg.page} at commit {reg.commit[:10]} before its first model "
             f"trained: {len(reg.seeds)} seeds ({reg.seeds[0]}-{reg.seeds[-1]}), T = {reg.steps} steps, L = {reg.seq_len}, "
             f"sigma = {reg.sigma:g} every head; each primary verdict is decided under Holm's correction over the "
             f"{len(reg.primary)} comparisons and carries the registered stability check (the gap's slope per "
