@@ -29,7 +29,7 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
     assert ((df.correct == 1) == (df.answer_top1 == 1.0)).all() and (df.answer_nll > 0).all()
     assert df.groupby("length").key.nunique().min() >= 2  # a new key per trial
     # each row records the training run, seed and dropout from the checkpoint's record (none here)
-    assert (df.run.fillna("") == "").all() and (df.run_seed == -1).all() and (df.attn_dropout == 0).all()
+    assert df.run.isna().all() and (df.run_seed == -1).all() and (df.attn_dropout == 0).all()  # "" reads as NaN
 
 
 def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_binomial_bound():

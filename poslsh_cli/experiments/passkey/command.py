@@ -234,7 +234,7 @@ def _trained(df: Any) -> Any:
     drop = name.str.extract(r"_attn_dropout-([0-9.]+)", expand=False).fillna("0").astype(float)
     if "run_seed" in df.columns:  # recorded rows keep theirs; a row written before (a resumed run) gets the name's
         old = df.run_seed.isna()
-        run = df.run.where(~old, run).fillna("").astype(str).str.split("/").str[0]
+        run = df.run.astype(object).where(~old, run).fillna("").astype(str).str.split("/").str[0]
         seed = df.run_seed.where(~old, seed).astype(int)
         drop = df.attn_dropout.where(~old, drop).astype(float)
     return df.assign(run=run, run_seed=seed, attn_dropout=drop)
