@@ -677,7 +677,7 @@ def test_perplexity_of_a_foreign_rope_checkpoint_runs_its_own_attention_once_and
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama", safe_serialization=True)
     r = poslsh("perplexity", tmp_path / "llama", "lengths=[64]", "attention=[own,poslsh]", "s=[2,4]", "trials=2",
-               "device=cpu", "memory_check=false", f"out={tmp_path / 'p'}")
+               "device=cpu", "memory_check=false", "max_tokens=4096", f"out={tmp_path / 'p'}")
     assert r.exit_code == 0, r.output
     df = pd.read_csv(tmp_path / "p" / "results.csv")
     own, swapped = df[df.attention == "own"], df[df.attention == "poslsh"]
