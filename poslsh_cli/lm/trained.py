@@ -68,7 +68,7 @@ class TrainInfo:
             value = saved.get(f.name)
             if f.name in ("recorded", "schema", "scheme") or value is None:
                 continue
-            kind = _kinds().get(f.name, str)
+            kind = _KINDS.get(f.name, str)
             try:
                 kept[f.name] = kind(value)
             except (TypeError, ValueError):
@@ -103,10 +103,9 @@ class TrainInfo:
         return [float(x) for x in self.scheme.sigmas] if self.scheme is not None and len(self.scheme.sigmas) else None
 
 
-def _kinds() -> dict:
-    """The type of each saved field of :class:`TrainInfo` (the rest: text), from its annotations."""
-    kinds = {"int": int, "float": float, "Optional[int]": int}
-    return {f.name: kinds[f.type] for f in fields(TrainInfo) if f.type in kinds}
+#: The type of each saved field of :class:`TrainInfo` (the rest: text), from its annotations
+_KINDS = {f.name: {"int": int, "float": float, "Optional[int]": int}[f.type] for f in fields(TrainInfo)
+          if f.type in ("int", "float", "Optional[int]")}
 
 
 def _saved_scheme(saved: dict, where: object) -> Any:

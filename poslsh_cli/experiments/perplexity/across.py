@@ -22,6 +22,7 @@ from poslsh_cli.experiments.perplexity.registered import endpoint_rows, not_as_r
 from poslsh_cli.experiments.perplexity.registered import section as registered_section
 from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.stats import t_interval
 from poslsh_cli.verdicts.registered import ACROSS_L, AcrossLengths, Difference, Primary, Registration, holm, welch
 
 
@@ -104,11 +105,8 @@ def _claim(p: Primary, spec: AcrossLengths) -> str:
 
 
 def _cell(values: list) -> str:
-    from scipy import stats
-
-    x = np.asarray(values, float)
-    half = float(stats.t.ppf(0.95, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
-    return f"{100 * x.mean():+.2f}% [{100 * (x.mean() - half):+.2f}, {100 * (x.mean() + half):+.2f}] ({x.size} seeds)"
+    iv = t_interval(values, 0.90)
+    return f"{100 * iv.estimate:+.2f}% [{100 * iv.low:+.2f}, {100 * iv.high:+.2f}] ({iv.n} seeds)"
 
 
 def _interval(t: Difference) -> str:

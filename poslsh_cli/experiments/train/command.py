@@ -137,12 +137,12 @@ def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any)
     init = Path(ctx.source.path) if ctx.source.kind.value == "init" else None
     if spec.pretrain is not None:
         at = f"-L{L}" if len(spec.seq_len) > 1 else ""
-        base = Stage(SchemeKeys.of(spec, position=spec.pretrain, s=spec.s[0], seed=seed), seed, spec.pretrain_steps,
+        base = Stage(SchemeKeys.of(spec, position=spec.pretrain, s=spec.s[0], seed=seed), spec.pretrain_steps,
                      L, init, f"pretrain {spec.pretrain.value}")
         init = train_stage(spec, ctx, work.shared(f"pretrain-{spec.pretrain.value}-seed{seed}{at}"), base)
     label = (model_label(position.value, s, dropout) + f" seed={seed}" + (f" L={L}" if len(spec.seq_len) > 1 else "")
              + (f" steps={steps}" if len(spec.steps) > 1 else ""))
-    final = train_stage(spec, ctx, work, Stage(SchemeKeys.of(spec, position=position, s=s, seed=seed), seed, steps,
+    final = train_stage(spec, ctx, work, Stage(SchemeKeys.of(spec, position=position, s=s, seed=seed), steps,
                                                L, init, label, dropout,
                                                lora=spec.lora_rank > 0,
                                                first_step=spec.pretrain_steps if spec.pretrain is not None else 0))

@@ -98,7 +98,6 @@ class Stage:
     trained."""
 
     keys: SchemeKeys
-    seed: int
     steps: int
     seq_len: int
     init: Optional[Path]
@@ -109,6 +108,10 @@ class Stage:
     #: pretraining): the stage's step t draws batch, masks and dropout of global step
     #: ``first_step + t``, so fine-tuning continues the data stream instead of replaying it
     first_step: int = 0
+
+    @property
+    def seed(self) -> int:  # the root of its masks, batches, initial weights and dropout
+        return self.keys.seed
 
 
 def _build(spec: TrainSpec, ctx: TrainContext, stage: Stage, resume: Optional[Path]) -> tuple[Model, PositionState]:
