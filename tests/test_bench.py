@@ -423,7 +423,10 @@ def test_cpu_auto_is_one_path_per_s_the_plans_at_the_longest_n_and_never_timed_t
     assert partition_backends(cpu, ("auto", "blocks"), 100, sigmas, 2**14) == ("union", "blocks")
     assert partition_backends(cpu, ("blocks",), 100, sigmas, 2**14) == ("blocks",)  # auto not asked: not weighed
     # in half precision the plan does not weigh the masks (the s threshold), as attend() does not
-    assert partition_backends(cpu, ("auto",), 8, sigmas, 2**14, dtype="bfloat16") == ("blocks",)
+    from poslsh_cli.attention.plan import UNION_MIN_S_CPU
+
+    assert partition_backends(cpu, ("auto",), 1, sigmas, 2**14, dtype="bfloat16") == ("blocks",)
+    assert partition_backends(cpu, ("auto",), UNION_MIN_S_CPU, sigmas, 2**14, dtype="bfloat16") == ("union",)
     # past its cap at the grid's n the union's band is not taken, though it is within it at 2^16, where
     # the paths are weighed
     import numpy as np
@@ -453,15 +456,15 @@ def test_cpu_auto_is_one_path_per_s_the_plans_at_the_longest_n_and_never_timed_t
 
 def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_may_take_it():
     """Past the dense bias the CPU may run either the blocks or the union (chosen by the masks drawn),
-    so the estimate is the larger: at least the band of counts (one byte per head, query and key, up
-    to its cap) and at least the blocks' per-sample outputs."""
+    so the estimate is the larger: at least the union's layout (its sorted block ends and one chunk's
+    log counts, up to its cap) and at least the blocks' per-sample outputs."""
     from poslsh_cli.attention import Backend, Method, Plan
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES, union_band_bound
     from poslsh_cli.experiments.base import attention_bytes
 
     H, n, d, B = 8, 4096, 16, 4
     got = attention_bytes("poslsh", "cpu", n, B, H, d, 10)
-    assert got >= H * n * n
+    assert got >= union_band_bound(H, n, 10)
     assert got >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10)
     huge = attention_bytes("poslsh", "cpu", 2**17, 1, H, d, 10)
     assert huge < UNION_MAX_BYTES + Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(1, H, 2**17, d, 10) + 1
@@ -470,29 +473,29 @@ def test_a_forward_pass_memory_estimate_counts_the_unions_band_where_the_plan_ma
         Plan(Method.POSLSH, Backend.DENSE).memory_bytes(B, H, 256, d, 10)
     assert attention_bytes("alibi", "cpu", n, B, H, d, 0) == \
         Plan(Method.EXACT, Backend.RANK1).memory_bytes(B, H, n, d, 0)
-    # counts of two bytes past s = 255
-    assert attention_bytes("poslsh", "cpu", n, B, H, d, 1000) >= 2 * H * n * n
-    # a training step past the dense bias: the band too (each layer's held for its backward), where the
-    # estimate once assumed the blocks alone
+    # the layout grows with s (every position's s block ends)
+    assert attention_bytes("poslsh", "cpu", n, B, H, d, 1000) >= union_band_bound(H, n, 1000) > 8 * H * n * 1000
+    # a training step past the dense bias: the layout too (each layer's held for its backward)
     step = attention_bytes("poslsh", "cpu", n, B, H, d, 10, training=True)
-    assert step >= H * n * n
+    assert step >= union_band_bound(H, n, 10)
     assert step >= Plan(Method.POSLSH, Backend.BLOCKS).memory_bytes(B, H, n, d, 10, training=True)
 
 
 def test_the_bench_memory_estimate_caps_the_band_only_where_the_plan_keeps_it_under_its_cap():
-    """The union's band is under its cap only where the plan weighs the masks ('auto' in float32 and
-    wider); asked for by name, or 'auto' in half precision, the union holds its whole band."""
-    from poslsh_cli.attention.plan import UNION_MAX_BYTES
+    """The union's layout is under its cap only where the plan weighs the masks ('auto' in float32 and
+    wider); asked for by name, or 'auto' in half precision, the union holds its whole layout."""
+    from poslsh_cli.attention.plan import UNION_MAX_BYTES, union_band_bound
     from poslsh_cli.core.config import build_spec
     from poslsh_cli.experiments.bench.command import BenchSpec, memory
 
     def need(backends, dtype):
-        return memory(build_spec(BenchSpec, dict(n=[2**17], s=[100], partition_backends=backends, dtype=dtype,
+        return memory(build_spec(BenchSpec, dict(n=[2**17], s=[1000], partition_backends=backends, dtype=dtype,
                                                  causal=[True], methods=["poslsh"], device="cpu"))).bytes
 
-    band = 8 * 2.0**34  # 8 heads x n x n counts of one byte
+    band = union_band_bound(8, 2**17, 1000)  # 8 heads x n positions x s block ends, past the cap
+    assert band > UNION_MAX_BYTES
     auto, named = need(["auto"], "float32"), need(["union"], "float32")
-    assert named - auto >= band  # the whole band where the union is asked for
+    assert named - auto >= band - UNION_MAX_BYTES  # the whole layout where the union is asked for
     assert need(["union", "blocks"], "float32") == named
     assert need(["auto"], "bfloat16") >= band  # no weighing in half precision: the s threshold's union
     assert need(["blocks"], "float32") <= auto <= need(["blocks"], "float32") + UNION_MAX_BYTES

@@ -15,11 +15,17 @@ from test_attention import naive_tolerance, parts_for, qkv
 
 
 
-def dense_counts(band: BandLayout) -> torch.Tensor:
-    """A band layout's whole (H, n, n) count matrix."""
-    out = torch.zeros(band.heads, band.seq_len, band.seq_len, dtype=torch.int64, device=band.counts.device)
-    for a, b, lo, hi in band.chunks():
-        out[:, a:b, lo:hi] = band.chunk_counts(a, b).to(torch.int64)
+def dense_counts(band: BandLayout, rows: int = 128) -> torch.Tensor:
+    """A band layout's whole (H, n, n) count matrix, from every head group's query chunks (float64 log
+    counts: exp rounds back to the integer exactly; -inf gives 0)."""
+    n = band.seq_len
+    out = torch.zeros(band.heads, n, n, dtype=torch.int64)
+    seen = []
+    for g in band.groups:
+        seen += g.heads
+        for a, b, lo, hi in g.chunks(n, rows):
+            out[g.index, a:b, lo:hi] = g.bias(a, b, n, torch.float64).exp().round().to(torch.int64)
+    assert sorted(seen) == list(range(band.heads))  # every head in one group
     return out
 
 def spec_of(parts, causal, method=Method.POSLSH):
@@ -47,8 +53,11 @@ def test_union_counts_are_s_times_the_mean_mask(n, sigmas, s, causal):
     assert torch.equal(lay.counts(i, i), want)
     assert bool((lay.lo[:, 1:] >= lay.lo[:, :-1]).all()) and bool((lay.hi[:, 1:] >= lay.hi[:, :-1]).all())
     assert int((lay.hi - lay.lo + 1).max()) <= lay.span
-    band = poslsh_layout(parts, causal, "union", "cpu")  # the band of counts per position the CPU reads
+    band = poslsh_layout(parts, causal, "union", "cpu")  # the sorted block ends per position the CPU reads
     assert isinstance(band, BandLayout) and torch.equal(dense_counts(band), want)
+    assert torch.equal(dense_counts(band, rows=7), want)  # chunks that do not divide n
+    built = BandLayout.build(np.stack([p.widths for p in parts]), np.stack([p.shifts for p in parts]), n, causal)
+    assert torch.equal(dense_counts(built), want)  # the device-side build (no host reaches)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -107,8 +116,8 @@ def test_union_chunks_train_with_the_reference_gradients(causal):
 def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit(monkeypatch):
     """With gradients on the CPU past the dense bias (causal n >= 512), Positional LSH at s=100 takes
     the union route (its band of keys per query chunk), at s=1 the blocks; below the limit the
-    dense bias as before (the language-model presets' L=256 paths do not change); the band keeps
-    one byte a count, a fraction of one float32 score matrix; and where the band would pass its cap
+    dense bias as before (the language-model presets' L=256 paths do not change); the layout keeps
+    the s sorted block starts of each position, O(H s n); and where it would pass its cap
     (UNION_MAX_BYTES, the cap inference keeps to too) training takes the blocks, in the plan and in
     a step through attend()."""
     from poslsh_cli.attention import plan as plan_mod
@@ -122,11 +131,11 @@ def test_cpu_training_takes_the_union_band_for_many_masks_past_the_dense_limit(m
                       work=work_of(spec, n), s=s)
         assert plan.label == label, (n, s, plan.label)
     band = poslsh_layout(parts_for(2048, [64.0] * 8, 100, seed=3), True, "union", "cpu")
-    assert band.counts.element_size() == 1 and band.counts.numel() < 0.4 * 8 * 2048 * 2048
+    assert band.nbytes == 4 * 8 * 2048 * 100  # causal: the sorted starts, int32, O(H s n)
     parts = parts_for(2048, [64.0] * 8, 100, seed=3)
     spec = spec_of(parts, True)
     held = band_bytes(spec.bin_table[0], 2048, True, 100)
-    assert held == band.counts.numel() * band.counts.element_size()  # the cap is on the band held
+    assert band.nbytes < held < band.nbytes + 4 * 8 * 128 * 2048  # and one chunk's log counts
     for cap, label in ((held, "union/fused"), (held - 1, "blocks/fused")):
         monkeypatch.setattr(plan_mod, "UNION_MAX_BYTES", cap)
         plan = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=2048, causal=True, grad=True,
@@ -200,24 +209,34 @@ def test_plan_takes_the_union_on_cuda_for_several_masks_and_on_the_cpu_for_many(
     assert plan.label == "union/flex/compiled"
     # on the CPU without the masks' work (a bare choose: the commands' memory estimates) the s threshold;
     # attend() weighs the masks drawn (test_cpu_inference_weighs_the_blocks_against_the_union...)
-    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=8)
-    assert cpu.label == "blocks/fused"
-    cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=100)
-    assert cpu.label == "union/fused"
+    from poslsh_cli.attention.plan import UNION_MIN_S_CPU
+
+    for s in (UNION_MIN_S_CPU - 1, 1):
+        cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=s)
+        assert cpu.label == "blocks/fused"
+    for s in (UNION_MIN_S_CPU, 100):
+        cpu = choose(Method.POSLSH, device="cpu", dtype=torch.float32, n=8192, causal=True, grad=False, s=s)
+        assert cpu.label == "union/fused"
 
 
 def test_cpu_inference_weighs_the_blocks_against_the_union_and_gives_the_same_output(monkeypatch):
     """What a model's evaluation runs (attend, backend auto, no gradients): the dense bias at training
-    lengths, beyond it the forward cost model's path: the union for the official protocol's masks
-    (sigma = L/32 = 8, s = 20 at 4L: 17x faster than the blocks, measured; s = 4: 3x) and the blocks
-    for one mask, the blocks where the union's band would pass its cap; and each path's output is the
+    lengths, beyond it the forward cost model's path (the cheaper of the two it prices on the masks
+    drawn): the union for the official protocol's masks (sigma = L/32 = 8, s = 20 at 4L) and the blocks
+    for one mask, the blocks where the union's layout would pass its cap; and each path's output is the
     float64 reference's."""
     from poslsh_cli.attention import plan as plan_mod
+    from poslsh_cli.attention.api import work_of
+    from poslsh_cli.attention.plan import Backend
 
-    for n, sigma, s, label in ((1024, 8.0, 20, "union/fused"), (1024, 8.0, 4, "union/fused"), (256, 8.0, 10, "dense"),
+    for n, sigma, s, label in ((1024, 8.0, 20, "union/fused"), (1024, 8.0, 4, None), (256, 8.0, 10, "dense"),
                                (1024, 8.0, 1, "blocks/fused"), (2048, 64.0, 100, "union/fused")):
         spec = spec_of(parts_for(n, [sigma] * 4, s, seed=5), True)
         q, k, v = qkv(1, 4, n, 8, seed=1)
+        if label is None:  # the model's own argmin on this draw
+            work = work_of(spec, n, 8)
+            label = min(("blocks/fused", "union/fused"),
+                        key=lambda b: work.cost(Method.POSLSH, Backend(b.split("/")[0]), inference=True))
         got = []
         with torch.no_grad():
             out = attend(q.float(), k.float(), v.float(), spec, on_plan=lambda p: got.append(p.label))

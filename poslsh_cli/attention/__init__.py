@@ -20,7 +20,7 @@ Modules, one job each:
     flex       FlexAttention: ALiBi score_mod, Positional LSH with bins as documents
     union      one attention over the union of each query's s blocks, the counts C_ij as a log bias
                (UnionLayout: the counts table; FlexAttention and chunked routes)
-    band       the union route on the CPU: the counts over each query's band of keys (BandLayout)
+    band       the union route on the CPU: each position's sorted block ends, heads grouped by band (BandLayout)
     positioned every method at explicit positions (a decoding step through a key/value cache, a
                padded batch)
     scheme     Scheme: a method with everything that fixes what it computes, from the keys to the kernel

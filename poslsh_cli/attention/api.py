@@ -10,6 +10,7 @@ one kernel bandwidth per head, ``sigma_h = 1 / slope_h``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Optional, Sequence
@@ -105,22 +106,22 @@ class AttentionSpec:
         return cls(method, sigmas, causal, scale=scale, **extra)
 
 
-def work_of(spec: AttentionSpec, n: int) -> Work:
-    """What each path would compute for ``spec`` at length n (the plan's cost model), computed once
-    per spec and length (a model's specs are cached per step and layer, so every call of a layer
-    reads it)."""
+def work_of(spec: AttentionSpec, n: int, head_dim: int = 64) -> Work:
+    """What each path would compute for ``spec`` at length n and head dimension d (the plan's cost
+    model), computed once per spec, length and d (a model's specs are cached per step and layer, so
+    every call of a layer reads it)."""
     cache = spec.__dict__.setdefault("_work", {})  # a frozen dataclass: its __dict__ holds the cache
-    if n not in cache:
-        cache[n] = _work(spec, n)
-    return cache[n]
+    if (n, head_dim) not in cache:
+        cache[n, head_dim] = dataclasses.replace(_work(spec, n), head_dim=int(head_dim))
+    return cache[n, head_dim]
 
 
 def _work(spec: AttentionSpec, n: int) -> Work:
     H = spec.sigmas.shape[0]
     if spec.partitions is not None:
         pairs, slots = padded_work(spec.partitions)
-        union = band_work(spec.bin_table[0], n, spec.causal)
-        return Work(H, n, block_pairs=pairs, slots=slots, union_pairs=union,
+        union, calls = band_work(spec.bin_table[0], n, spec.causal)
+        return Work(H, n, block_pairs=pairs, slots=slots, union_pairs=union, union_calls=calls,
                     union_bytes=band_bytes(spec.bin_table[0], n, spec.causal, spec.s))
     if spec.window is not None:
         reach = (1 if spec.causal else 2)
@@ -205,7 +206,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         # blocks against their union at inference past the dense bias (on CUDA the plan does not read it)
         weighed = backend == "auto" and weighs(spec.partitions is not None, q.device, q.dtype, q.shape[-2],
                                                needs_grad(q, k, v))
-        work = work_of(spec, q.shape[-2]) if weighed else None
+        work = work_of(spec, q.shape[-2], q.shape[-1]) if weighed else None
         plan = plan_for(spec.method, q, k, v, spec.causal, backend, work=work, dropout=dropout > 0, s=spec.s)
     if on_plan is not None:
         on_plan(plan)

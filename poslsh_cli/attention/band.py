@@ -1,6 +1,6 @@
-"""Positional LSH as one attention over each query's band of keys on the CPU, with the counts of the
-s masks as a log bias (docs/THEORY.md, "One attention over the union of the blocks"): the union route
-where there is no FlexAttention, for inference and for training.
+"""Positional LSH on the CPU as one attention over the union of each query's s blocks, weighted by
+how many masks share the pair (docs/THEORY.md, "One attention over the union of the blocks"): the
+union route where there is no FlexAttention, for inference and for training.
 
 With ``C_ij = #{k : h_k(i) = h_k(j)}`` (``= s M~_ij``; the constant ``log s`` cancels in the softmax)
 
@@ -9,186 +9,290 @@ With ``C_ij = #{k : h_k(i) = h_k(j)}`` (``= s M~_ij``; the constant ``log s`` ca
 Every block holding i is an interval around i, so for a key j <= i the block of sample k holds j
 exactly when it starts at or before j, and for j >= i when it ends at or after j:
 
-    C_{i, i-r} = #{k : i - start_k(i) >= r},        C_{i, i+r} = #{k : end_k(i) - i >= r},
+    C_{i, j} = #{k : start_k(i) <= j}  (j <= i),        C_{i, j} = #{k : end_k(i) >= j}  (j >= i).
 
-the tail counts of how far each of i's s blocks reaches back (and forward). Both are zero beyond
-the longest block, ``R`` positions (a block of width delta holds at most ceil(delta) positions), so
-query i sees at most the keys ``i - R + 1 .. i + R - 1``: a band. :class:`BandLayout` keeps the
-counts of that band, ``(H, n, w)`` small integers (uint8 for s <= 255: n w bytes a head, not n^2),
-built from the 2 s drawn scalars of each head by one histogram of the reaches and one cumulative
-sum, without a loop over heads or samples.
+Both are zero beyond the longest block, ``R`` positions, so query i sees at most the keys
+``i - R + 1 .. i + R - 1``: a band of ``w`` keys (``w = R`` causal, ``2R - 1`` bidirectional).
 
-Attention runs by query chunks of ``c`` rows against their ``c + w - 1`` keys: the chunk's bias is
-the band shifted one column per row (row t of the band lands at columns t .. t + w - 1: one strided
-copy), ``log`` of it (0 counts give -inf), then the CPU flash kernel with that float mask
-(:func:`union_banded`). Training recomputes each chunk's bias in the backward pass
-(:class:`BandedUnion`), so it keeps only q, k, v, the output and its lse besides the band: memory
-O(H n w) bytes. The same chunks with padded matmuls serve low precision (:func:`band_chunks`).
+Heads are grouped by their own ``R`` (:func:`head_groups`: with the standard slopes sigma spans two
+orders of magnitude, and a head of sigma 2 does not pay for the band of sigma 256). A
+:class:`BandLayout` keeps, per group, each position's s block starts and ends *sorted* ((H, n, s)
+integers: O(H s n), never the band itself). The log counts of a query chunk are built from them in one
+float buffer: along a row ``C`` is a step function, 0 before the first sorted start, ``k`` from the
+k-th, ``s - j`` after the j-th sorted end, 0 after the last, so the row is ``2s + 1`` segments whose
+lengths are the differences of the sorted ends and whose values (``log k``) are the same for every
+row: one ``numpy.repeat`` fills the buffer, without a logarithm, a table lookup or a cumulative sum
+per pair, and every value is exactly the rounded logarithm. Each buffer row carries ``c`` padding
+columns of ``-inf`` (the last segment), so the chunk's
+bias (row t of the band at columns t .. t + w - 1) is a strided *view* of the buffer, handed to the
+CPU flash kernel as its float mask without a copy (:func:`union_banded`). Training rebuilds each
+chunk's bias in the backward pass (:class:`BandedUnion`), so it keeps q, k, v, the output, its lse
+and the sorted ends. The same chunks with padded matmuls serve low precision (:func:`band_chunks`).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from poslsh_cli.attention.plan import BAND_ROWS, COST_UNION_CALL, COST_UNION_PAIR_INFER
 from poslsh_cli.attention.reference import scale_of
 from poslsh_cli.attention.transfer import to_device
 from poslsh_cli.numerics.sampling import VECTOR_ELEMENTS, Partitions, bin_index, longest_block
 
-#: Queries per chunk of the banded route: the bias of a chunk is ``c (c + w - 1)`` per head, so a
-#: narrower chunk wastes less of it on the triangle outside the band, a wider one makes fewer calls.
-BAND_ROWS = 128
-#: Elements of the (heads, samples, positions) intermediates while the band is built: samples are
-#: taken this many elements at a time, so memory stays O(H n w) beyond the masks' own scalars.
+#: Elements of the (heads, samples, positions) intermediates while the ends are built on a device:
+#: samples are taken this many elements at a time.
 BUILD_ELEMENTS = 2**23
 
 
-def count_dtype(num_samples: int) -> torch.dtype:
-    """The narrowest integer type that holds counts 0..s."""
-    return torch.uint8 if num_samples <= 255 else torch.int16 if num_samples <= 32767 else torch.int32
+def head_groups(reach: Sequence[int], n: int, causal: bool, rows: int = BAND_ROWS) -> list[list[int]]:
+    """Heads grouped by their longest block ``reach`` (R per head) so that the groups' calls cost least
+    under the plan's cost model (:data:`~poslsh_cli.attention.plan.COST_UNION_CALL` per flash-kernel call,
+    :data:`~poslsh_cli.attention.plan.COST_UNION_PAIR_INFER` per scored pair): a group of heads runs one
+    call per query chunk, every head charged the group's widest band. The best split of the heads
+    sorted by R into consecutive groups, by dynamic programming over the H heads."""
+    order = sorted(range(len(reach)), key=lambda h: (reach[h], h))
+    calls = -(-n // rows)
+
+    def cost(i: int, j: int) -> float:  # heads order[i:j] in one group
+        return calls * COST_UNION_CALL + COST_UNION_PAIR_INFER * (j - i) * band_pairs(reach[order[j - 1]], n, causal,
+                                                                                      rows)
+
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            c = best[i] + cost(i, j)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
+
+
+def band_pairs(reach: int, n: int, causal: bool, rows: int = BAND_ROWS) -> float:
+    """Scored pairs of one head whose band reaches ``reach`` positions: every chunk's rows against its
+    ``rows + w - 1`` keys, cut at the sequence's ends."""
+    back = reach - 1
+    a = np.arange(0, n, rows, dtype=np.int64)
+    b = np.minimum(n, a + rows)
+    return float(((b - a) * (np.minimum(n, b if causal else b + back) - np.maximum(0, a - back))).sum())
+
+
+def _pattern(s: int, causal: bool, dtype: torch.dtype, mean: bool) -> np.ndarray:
+    """The values of a band row's segments, left to right: ``log 0`` before the first start, ``log k``
+    after the k-th sorted start, (bidirectional) ``log (s - j)`` after the j-th sorted end, ``log 0``
+    after the last end and in the padding; ``log (k / s)`` with ``mean``."""
+    k = np.arange(1, s + 1, dtype=np.float64)
+    logs = np.log(k / s if mean else k)
+    inner = logs if causal else np.concatenate([logs, logs[:-1][::-1]])
+    np_type = np.float64 if dtype == torch.float64 else np.float32
+    return np.concatenate([[-np.inf], inner, [-np.inf]]).astype(np_type)
+
+
+@dataclass(frozen=True, eq=False)
+class BandGroup:
+    """Heads that share one band: their sorted block starts and ends as band columns.
+
+    Attributes:
+        heads: the heads (indices into the layout's H), increasing.
+        back: R - 1, the farthest a block of these heads reaches from a query.
+        rises: (Hg, n, s) int32, sorted: the column ``R - 1 - (i - start_k(i))`` where C starts counting
+            sample k (column ``R - 1`` is the diagonal).
+        falls: (Hg, n, s) int32, sorted (bidirectional): ``R + min(end_k(i) - i, R - 1)``, the column
+            just past sample k's block (``2R - 1``, past the band, where the block reaches R - 1
+            forward); None causal.
+    """
+
+    heads: tuple[int, ...]
+    back: int
+    rises: torch.Tensor
+    falls: torch.Tensor | None
+
+    @property
+    def width(self) -> int:
+        return self.back + 1 if self.falls is None else 2 * self.back + 1
+
+    @property
+    def index(self) -> slice | torch.Tensor:
+        """The group's heads as an index of the head dimension (a slice where they are consecutive)."""
+        h = self.heads
+        if h == tuple(range(h[0], h[0] + len(h))):
+            return slice(h[0], h[0] + len(h))
+        return torch.as_tensor(h, dtype=torch.int64, device=self.rises.device)
+
+    def keys(self, a: int, b: int, n: int) -> tuple[int, int]:
+        """The key range ``[lo, hi)`` of queries ``a .. b-1``."""
+        return max(0, a - self.back), min(n, (b if self.falls is None else b + self.back))
+
+    def bias(self, a: int, b: int, n: int, dtype: torch.dtype, mean: bool = False) -> torch.Tensor:
+        """``log C`` of queries ``a .. b-1`` against their key range :meth:`keys`, (Hg, b-a, hi-lo) in
+        ``dtype`` (float32 or float64; ``-inf`` where no mask puts the pair in a block), or with ``mean``
+        ``log M~ = log (C / s)`` (the same softmax): a strided view of one buffer (module docstring)."""
+        s = self.rises.shape[-1]
+        hg, c, w = len(self.heads), b - a, self.width
+        wp = w + c  # a row: the band, then c columns of -inf
+        rises = self.rises[:, a:b].cpu().numpy()
+        cut = [rises] if self.falls is None else [rises, self.falls[:, a:b].cpu().numpy()]
+        if self.falls is None:
+            cut.append(np.full((hg, c, 1), w, dtype=np.int32))  # the diagonal is the band's last column
+        bounds = np.concatenate([np.zeros((hg, c, 1), dtype=np.int32), *cut, np.full((hg, c, 1), wp, dtype=np.int32)],
+                                -1)
+        pattern = _pattern(s, self.falls is None, dtype, mean)
+        buf = torch.from_numpy(np.repeat(np.tile(pattern, hg * c), np.diff(bounds, axis=-1).ravel())).view(hg, c, wp)
+        buf = buf.to(self.rises.device)
+        view = buf.as_strided((hg, c, c + w - 1), (c * wp, wp - 1, 1))  # row t: band at columns t .. t+w-1
+        lo, hi = self.keys(a, b, n)
+        start = lo - (a - self.back)
+        return view[..., start:start + (hi - lo)]
+
+    def chunks(self, n: int, rows: int = BAND_ROWS) -> Iterator[tuple[int, int, int, int]]:
+        """(a, b, lo, hi) of every query chunk and its key range."""
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            yield (a, b, *self.keys(a, b, n))
 
 
 @dataclass(frozen=True, eq=False)
 class BandLayout:
-    """The counts ``C_ij`` of one set of partitions (one per head) over each query's band of keys.
+    """The sorted block starts and ends of one set of partitions (one per head), grouped by band width.
 
     Attributes:
         heads, seq_len, num_samples, causal: H, n, s and the direction it was built for.
-        counts: (H, n, w) integers; ``counts[h, i, u]`` is ``C_{i, i - back + u}`` (0 where that
-            key lies outside the sequence); causal: ``w = back + 1`` (the diagonal last),
-            bidirectional ``w = 2 back + 1`` (the diagonal in the middle).
-        back: R - 1, the farthest a block of any head reaches from a query.
+        groups: the :class:`BandGroup` of heads sharing a band, covering every head once.
     """
 
     heads: int
     seq_len: int
     num_samples: int
     causal: bool
-    counts: torch.Tensor
-    back: int
-    _log_table: dict = field(default_factory=dict, repr=False)
+    groups: tuple[BandGroup, ...]
 
     @property
-    def width(self) -> int:
-        return int(self.counts.shape[-1])
+    def nbytes(self) -> int:
+        """Bytes the layout holds (its sorted starts and ends)."""
+        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.rises, g.falls) if t is not None)
 
     @classmethod
     def of(cls, partitions: Sequence[Partitions], causal: bool, device: torch.device | str = "cpu") -> "BandLayout":
-        """The band of one set of partitions (one per head). On the CPU, where every sample's bins are
-        small enough to hold at once, from the reaches the partitions computed with their boundaries
-        (:meth:`~poslsh_cli.numerics.sampling.Partitions.reaches`: the bins are computed once for the
-        plan's cost model and the band); otherwise on ``device`` from the drawn scalars (:meth:`build`)."""
+        """The layout of one set of partitions (one per head). On the CPU, where every sample's bins are
+        small enough to hold at once, from the block boundaries the partitions computed
+        (:meth:`~poslsh_cli.numerics.sampling.Partitions.block_ends`: computed once for the plan's cost
+        model and the layout), sorted on the host; otherwise on ``device`` from the drawn scalars
+        (:meth:`build`)."""
         n, s = partitions[0].seq_len, partitions[0].num_samples
-        widths = np.stack([p.widths for p in partitions])
         if torch.device(device).type != "cpu" or s * n > VECTOR_ELEMENTS or s < 2:
-            return cls.build(widths, np.stack([p.shifts for p in partitions]), n, causal, device)
-        H = len(partitions)
-        R = int(longest_block(widths.max(), n))
-        # the scatter indices, R - 1 - reach back, written on the host where the reaches are computed
-        back = np.empty((H, s, n), dtype=np.int64)
-        fwds = [p.reaches(forward=not causal, back_out=back[h], offset=R - 1)[1] for h, p in enumerate(partitions)]
-        fwd = None if causal else torch.from_numpy(np.minimum(np.stack(fwds), R - 1))
-        return cls._counted(H, n, s, causal, R, torch.from_numpy(back), fwd)
+            return cls.build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
+                             n, causal, device)
+        reach = [max(1, p.b_max) for p in partitions]  # the longest block: the farthest any reaches
+        pos = torch.arange(n, dtype=torch.int32)[:, None]
 
-    @classmethod
-    def _counted(cls, H: int, n: int, s: int, causal: bool, R: int, left_at: torch.Tensor,
-                 fwd: torch.Tensor | None) -> "BandLayout":
-        """The band from every (head, sample, position)'s place in the left band, ``R - 1 - reach back``,
-        and (bidirectional) its reach forward cut at ``R - 1``, (H, s, n) int64 each."""
-        acc = count_dtype(s)
-        ones = torch.ones(H, n, left_at.shape[1], dtype=acc, device=left_at.device)
-        # left side, in band order: a +1 at u = R-1 - reach, so a cumulative sum along u counts the blocks
-        # reaching back at least R-1-u (and, a reach never passing position 0, nothing before it)
-        left = torch.zeros(H, n, R, dtype=acc, device=left_at.device)
-        left.scatter_add_(-1, left_at.transpose(1, 2), ones)
-        band = left.cumsum_(-1)  # C_{i, i-R+1+u}: the diagonal (all s) last
-        if fwd is not None:  # C_{i, i+r} = s - #{k : reach_k < r}, r = 1 .. R-1
-            right = torch.zeros(H, n, R, dtype=acc, device=left_at.device)
-            right.scatter_add_(-1, fwd.transpose(1, 2), ones)
-            band = torch.cat([band, s - right.cumsum_(-1)[..., :-1]], -1)
-        return cls(H, n, s, bool(causal), band.to(count_dtype(s)), R - 1)
+        def columns(x: np.ndarray, R: int, rise: bool) -> torch.Tensor:  # (s, n) ends -> (n, s) band columns
+            out = torch.from_numpy(x).T.contiguous()  # torch's tiled transpose: about 3x numpy's here
+            out.numpy().sort(axis=1)
+            return out.sub_(pos).add_(R - 1) if rise else out.sub_(pos).clamp_(max=R - 1).add_(R)
+
+        def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0][None] if len(parts) == 1 else torch.stack(parts)
+
+        groups = []
+        for heads in head_groups(reach, n, causal):
+            R = max(reach[h] for h in heads)
+            ends = [partitions[h].block_ends(ends=not causal) for h in heads]  # (s, n) each
+            rises = stacked([columns(start, R, True) for start, _ in ends])
+            falls = None if causal else stacked([columns(end, R, False) for _, end in ends])
+            groups.append(BandGroup(tuple(heads), R - 1, rises, falls))
+        return cls(len(partitions), n, s, bool(causal), tuple(groups))
 
     @classmethod
     def build(cls, widths: np.ndarray, shifts: np.ndarray, seq_len: int, causal: bool,
               device: torch.device | str = "cpu") -> "BandLayout":
-        """The band of H partitions given by their drawn scalars ``widths``, ``shifts`` (H, s) float64:
-        per sample the bins of every position (:func:`bin_index`), each position's block start (and
-        end) by a running maximum (minimum) over the positions, the reaches as one histogram per
-        position (``scatter_add``), and the tail counts as one reversed cumulative sum."""
+        """The layout of H partitions given by their drawn scalars ``widths``, ``shifts`` (H, s) float64,
+        on ``device``: per sample the bins of every position (:func:`bin_index`), each position's block
+        start (and end) by a running maximum (minimum) over the positions, sorted over the samples."""
         widths = np.asarray(widths, dtype=np.float64)
         shifts = np.asarray(shifts, dtype=np.float64)
         H, s = widths.shape
         n = int(seq_len)
         dev = torch.device(device)
-        R = int(longest_block(widths.max(), n))  # a block holds at most this many positions
         w_t, u_t = to_device(np.stack([widths, shifts]), dev)
         pos = torch.arange(n, device=dev)
-        backs, fwds = [], []
+        starts, ends = [], []
         step = max(1, BUILD_ELEMENTS // max(1, H * n))
-        for a in range(0, s, step):  # samples a few at a time: O(H n step) memory beyond the band
+        for a in range(0, s, step):  # samples a few at a time: O(H n step) memory beyond the ends
             bins = bin_index(pos, w_t[:, a:a + step, None], u_t[:, a:a + step, None])  # (H, c, n)
             first = torch.ones(bins.shape, dtype=torch.bool, device=dev)
             first[..., 1:] = bins[..., 1:] != bins[..., :-1]
-            backs.append((R - 1) - (pos - torch.where(first, pos, 0).cummax(-1).values))
+            starts.append(torch.where(first, pos, 0).cummax(-1).values.to(torch.int32))
             if not causal:
                 last = torch.ones_like(first)
                 last[..., :-1] = first[..., 1:]
-                end = torch.flip(torch.flip(torch.where(last, pos, n), [-1]).cummin(-1).values, [-1])
-                fwds.append((end - pos).clamp_(max=R - 1))
+                ends.append(torch.flip(torch.flip(torch.where(last, pos, n), [-1]).cummin(-1).values, [-1])
+                            .to(torch.int32))
             del bins, first
-        return cls._counted(H, n, s, causal, R, torch.cat(backs, 1), torch.cat(fwds, 1) if fwds else None)
+        start = torch.sort(torch.cat(starts, 1).transpose(1, 2), -1).values  # (H, n, s)
+        end = torch.sort(torch.cat(ends, 1).transpose(1, 2), -1).values if ends else None
+        return cls._grouped(n, s, causal, [(start[h], None if end is None else end[h]) for h in range(H)])
 
-    def keys(self, a: int, b: int) -> tuple[int, int]:
-        """The key range ``[lo, hi)`` of queries ``a .. b-1``."""
-        return max(0, a - self.back), min(self.seq_len, (b if self.causal else b + self.back))
+    @classmethod
+    def _grouped(cls, n: int, s: int, causal: bool,
+                 ends: list[tuple[torch.Tensor, torch.Tensor | None]]) -> "BandLayout":
+        """The layout from every head's sorted block starts and ends ((n, s) int32 each, owned: they are
+        turned into band columns in place), grouped by reach."""
+        pos = torch.arange(n, device=ends[0][0].device, dtype=torch.int32)[:, None]
+        reach = []
+        for start, end in ends:
+            r = int((pos[:, 0] - start[:, 0]).max()) + 1  # the farthest start (sorted: the first)
+            if end is not None:
+                r = max(r, int((end[:, -1] - pos[:, 0]).max()) + 1)
+            reach.append(max(1, r))
+        groups = []
+        for heads in head_groups(reach, n, causal):
+            R = max(reach[h] for h in heads)
+            for h in heads:
+                ends[h][0].sub_(pos).add_(R - 1)
+                if not causal:
+                    ends[h][1].sub_(pos).clamp_(max=R - 1).add_(R)
+            one = len(heads) == 1
+            rises = ends[heads[0]][0][None] if one else torch.stack([ends[h][0] for h in heads])
+            falls = None if causal else ends[heads[0]][1][None] if one else torch.stack([ends[h][1] for h in heads])
+            groups.append(BandGroup(tuple(heads), R - 1, rises, falls))
+        return cls(len(ends), n, s, bool(causal), tuple(groups))
 
-    def chunk_counts(self, a: int, b: int) -> torch.Tensor:
-        """``C`` of queries ``a .. b-1`` against their key range :meth:`keys`, (H, b-a, hi-lo), by one
-        strided copy of the band (row t shifted t columns) into zeros."""
-        c, w = b - a, self.width
-        cols = c + w - 1  # keys a - back .. a + c - 1 + (w - 1 - back)
-        out = torch.zeros(self.heads, c, cols, dtype=self.counts.dtype, device=self.counts.device)
-        out.as_strided((self.heads, c, w), (c * cols, cols + 1, 1)).copy_(self.counts[:, a:b])
-        lo, hi = self.keys(a, b)
-        first = lo - (a - self.back)
-        return out[..., first:first + (hi - lo)]
-
-    def chunk_bias(self, a: int, b: int, dtype: torch.dtype, mean: bool = False) -> torch.Tensor:
-        """``log C`` of :meth:`chunk_counts` in ``dtype`` (-inf where no mask puts the pair in a block),
-        or with ``mean`` ``log M~ = log (C / s)`` (the same softmax), looked up in a table of the s + 1
-        values (a logarithm per pair costs 3-4x more, most of it in the zeros)."""
-        table = self._log_table.get((dtype, mean))
-        if table is None:
-            values = torch.arange(self.num_samples + 1, dtype=torch.float64, device=self.counts.device)
-            table = self._log_table[(dtype, mean)] = torch.log(values / self.num_samples if mean else values).to(dtype)
-        return torch.take(table, self.chunk_counts(a, b).to(torch.int64))
-
-    def chunks(self, rows: int = BAND_ROWS) -> Iterator[tuple[int, int, int, int]]:
-        """(a, b, lo, hi) of every query chunk and its key range."""
-        for a in range(0, self.seq_len, rows):
-            b = min(self.seq_len, a + rows)
-            yield (a, b, *self.keys(a, b))
+    def dense_bias(self, dtype: torch.dtype, mean: bool = False) -> torch.Tensor:
+        """The whole (H, n, n) ``log C`` (or ``log M~``), ``-inf`` outside every block."""
+        n = self.seq_len
+        out = torch.full((self.heads, n, n), -math.inf, dtype=dtype, device=self.groups[0].rises.device)
+        for g in self.groups:
+            out[g.index] = g.bias(0, n, n, dtype, mean)
+        return out
 
 
 class BandedUnion(torch.autograd.Function):
-    """:func:`union_banded` with gradients: the CPU flash kernel per query chunk, each chunk's
-    ``log C`` bias rebuilt from the band in the backward pass (the flash kernel's own backward), so
-    only q, k, v, the output and its lse are saved."""
+    """:func:`union_banded` with gradients: the CPU flash kernel per head group and query chunk, each
+    chunk's ``log C`` bias rebuilt from the sorted ends in the backward pass (the flash kernel's own
+    backward), so only q, k, v, the output and its lse are saved."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout, sc, rows):  # noqa: ANN001, ANN205
+        n = layout.seq_len
         out = torch.empty_like(q)
         # the flash kernel's lse is float32 for float32 inputs, float64 for float64 ones
         lse = torch.empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        for a, b, lo, hi in layout.chunks(rows):
-            bias = layout.chunk_bias(a, b, q.dtype)[None]  # (1, H, c, keys)
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, attn_mask=bias, scale=sc)
-            out[:, :, a:b] = o
-            lse[:, :, a:b] = l
+        for g in layout.groups:
+            h = g.index
+            qg, kg, vg = q[:, h], k[:, h], v[:, h]
+            og = torch.empty_like(qg)
+            lg = torch.empty(qg.shape[:3], dtype=lse.dtype, device=q.device)
+            for a, b, lo, hi in g.chunks(n, rows):
+                og[:, :, a:b], lg[:, :, a:b] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qg[:, :, a:b], kg[:, :, lo:hi], vg[:, :, lo:hi], 0.0, False,
+                    attn_mask=g.bias(a, b, n, q.dtype)[None], scale=sc)
+            out[:, h], lse[:, h] = og, lg
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, sc, rows)
         return out
@@ -197,23 +301,28 @@ class BandedUnion(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         layout, sc, rows = ctx.args
+        n = layout.seq_len
         grad = grad.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for a, b, lo, hi in layout.chunks(rows):
-            bias = layout.chunk_bias(a, b, q.dtype)[None]
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[:, :, a:b], q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, a:b], lse[:, :, a:b], 0.0,
-                False, attn_mask=bias, scale=sc)
-            dq[:, :, a:b] += gq
-            dk[:, :, lo:hi] += gk
-            dv[:, :, lo:hi] += gv
+        for g in layout.groups:
+            h = g.index
+            qg, kg, vg, gg, og, lg = q[:, h], k[:, h], v[:, h], grad[:, h], out[:, h], lse[:, h]
+            dqg, dkg, dvg = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
+            for a, b, lo, hi in g.chunks(n, rows):
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    gg[:, :, a:b], qg[:, :, a:b], kg[:, :, lo:hi], vg[:, :, lo:hi], og[:, :, a:b], lg[:, :, a:b],
+                    0.0, False, attn_mask=g.bias(a, b, n, q.dtype)[None], scale=sc)
+                dqg[:, :, a:b] += gq
+                dkg[:, :, lo:hi] += gk
+                dvg[:, :, lo:hi] += gv
+            dq[:, h], dk[:, h], dv[:, h] = dqg, dkg, dvg
         return dq, dk, dv, None, None, None
 
 
 def union_banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BandLayout, scale: float | None = None,
                  rows: int = BAND_ROWS) -> torch.Tensor:
-    """Positional-LSH attention over each query's band of keys with the CPU flash kernel, query chunks
-    of ``rows`` against their keys with ``log C`` as the float mask (module docstring).
+    """Positional-LSH attention over each query's band of keys with the CPU flash kernel, per head group
+    query chunks of ``rows`` against their keys with ``log C`` as the float mask (module docstring).
 
     Args:
         q, k, v: (B, H, n, d) float32/float64 on the CPU; queries, keys, values.
@@ -232,11 +341,19 @@ def band_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BandL
     _check(q, layout)
     sc = scale_of(q.shape[-1], scale)
     acc = torch.promote_types(q.dtype, torch.float32)
-    outs = []
-    for a, b, lo, hi in layout.chunks(rows):
-        scores = (q[:, :, a:b] @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * sc + layout.chunk_bias(a, b, acc)
-        outs.append((torch.softmax(scores, dim=-1).to(v.dtype) @ v[:, :, lo:hi]).to(q.dtype))  # (B, H, c, d)
-    return torch.cat(outs, dim=2)
+    n = layout.seq_len
+    parts = []
+    for g in layout.groups:
+        h = g.index
+        outs = []
+        for a, b, lo, hi in g.chunks(n, rows):
+            scores = (q[:, h, a:b] @ k[:, h, lo:hi].transpose(-1, -2)).to(acc) * sc + g.bias(a, b, n, acc)
+            outs.append((torch.softmax(scores, dim=-1).to(v.dtype) @ v[:, h, lo:hi]).to(q.dtype))  # (B, Hg, c, d)
+        parts.append((g.heads, torch.cat(outs, dim=2)))
+    if len(parts) == 1:
+        return parts[0][1]
+    order = torch.as_tensor([h for heads, _ in parts for h in heads], device=q.device)
+    return torch.cat([p for _, p in parts], dim=1)[:, torch.argsort(order)]
 
 
 def _check(q: torch.Tensor, layout: BandLayout) -> None:
@@ -245,27 +362,31 @@ def _check(q: torch.Tensor, layout: BandLayout) -> None:
         raise ValueError("the BandLayout was built for another head count or length")
 
 
+def _reach_bounds(widths: np.ndarray, seq_len: int) -> list[int]:
+    """R per head (a bound: the widest drawn width's positions, :func:`longest_block`)."""
+    w = np.asarray(widths, dtype=np.float64).reshape(-1, np.asarray(widths).shape[-1])
+    return [int(r) for r in longest_block(w.max(1), int(seq_len))]
+
+
 def band_bytes(widths: np.ndarray, seq_len: int, causal: bool, num_samples: int) -> float:
-    """Bytes of the band of counts :class:`BandLayout` holds for drawn ``widths`` (H, s): ``(H, n, w)``
-    integers of :func:`count_dtype`, ``w = R`` causal, ``2 R - 1`` bidirectional."""
+    """Bytes :class:`BandLayout` holds for drawn ``widths`` (H, s): every position's s sorted starts (and
+    ends, bidirectional), int32, and one chunk's log-count buffer of the widest group."""
     n = int(seq_len)
-    R = int(longest_block(np.asarray(widths, dtype=np.float64).max(), n))
-    heads = math.prod(np.asarray(widths).shape[:-1])
-    return float(heads) * n * (R if causal else 2 * R - 1) * torch.empty((), dtype=count_dtype(num_samples)).element_size()
+    reach = _reach_bounds(widths, n)
+    ends = 4.0 * len(reach) * n * num_samples * (1 if causal else 2)
+    widest = max(len(g) * (max(reach[h] for h in g) * (1 if causal else 2) + BAND_ROWS)
+                 for g in head_groups(reach, n, causal))
+    return ends + 4.0 * BAND_ROWS * widest
 
 
-def band_work(widths: np.ndarray, seq_len: int, causal: bool, rows: int = BAND_ROWS) -> float:
-    """Scored pairs of the banded route over all heads (the plan's cost model), each head charged the
-    widest head's band (a chunk spans every head's band at once): every chunk's rows against its
-    ``rows + w - 1`` keys, cut at the sequence's ends."""
+def band_work(widths: np.ndarray, seq_len: int, causal: bool, rows: int = BAND_ROWS) -> tuple[float, int]:
+    """Scored pairs and flash-kernel calls of the banded route over all heads (the plan's cost model),
+    each head charged its group's band (:func:`head_groups` on the drawn widths' bounds)."""
     n = int(seq_len)
-    back = int(longest_block(np.asarray(widths, dtype=np.float64).max(), n)) - 1
-    total = 0.0
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        lo, hi = max(0, a - back), min(n, b if causal else b + back)
-        total += (b - a) * (hi - lo)
-    return total * math.prod(np.asarray(widths).shape[:-1])
+    reach = _reach_bounds(widths, n)
+    groups = head_groups(reach, n, causal, rows)
+    pairs = sum(len(g) * band_pairs(max(reach[h] for h in g), n, causal, rows) for g in groups)
+    return pairs, len(groups) * -(-n // rows)
 
 
-__all__ = ["BandLayout", "union_banded", "band_chunks", "band_bytes", "band_work", "count_dtype"]
+__all__ = ["BandLayout", "BandGroup", "head_groups", "union_banded", "band_chunks", "band_bytes", "band_work"]

@@ -75,15 +75,14 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
     """``log M~`` (H, n, n) in ``dtype`` with ``log 0 = -inf``, and ``-inf`` above the diagonal when
     causal: with it, ``softmax(q k^T / sqrt(d) + log M~) V`` is Positional-LSH attention exactly.
 
-    The counts ``C = s M~`` of each query's band of keys (:class:`~poslsh_cli.attention.band.BandLayout`:
-    ``C_{i,i-r} = #{k : i - start_k(i) >= r}``, and after i ``#{k : end_k(i) - i >= r}``), the band laid
-    along the rows of the (H, n, n) matrix by one strided copy and ``log (C / s)`` looked up: O(H s n)
-    work to count besides filling the output.
+    ``log (C / s)`` from each position's sorted block starts and ends
+    (:meth:`~poslsh_cli.attention.band.BandLayout.dense_bias`: ``C_ij = #{k : start_k(i) <= j}`` before i,
+    ``#{k : end_k(i) >= j}`` after), each row filled segment by segment: O(H s n) work to count besides
+    filling the output.
     """
     from poslsh_cli.attention.band import BandLayout
 
-    n = partitions[0].seq_len
-    return BandLayout.of(partitions, causal, device).chunk_bias(0, n, dtype, mean=True)
+    return BandLayout.of(partitions, causal, device).dense_bias(dtype, mean=True)
 
 
 def score_bias(spec: "object", n: int, device: torch.device | str = "cpu",

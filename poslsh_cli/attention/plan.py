@@ -83,31 +83,42 @@ RANK1_MIN_N = 512
 #: float32 and wider with the caller's :class:`Work` (what :func:`~poslsh_cli.attention.api.attend`
 #: passes), the blocks or the union, whichever the forward cost model (COST_*_INFER) prices lower;
 #: without the work (a bare :func:`choose`, the commands' memory estimates) or in lower precision the
-#: union from UNION_MIN_S_CPU masks on, else the blocks.
-UNION_MIN_S_CPU = 48
+#: union from UNION_MIN_S_CPU masks on, else the blocks: the threshold with the least worst ratio to the
+#: faster path over the bfloat16 settings of ``scripts/plan_fit.py``'s fit grid (s = 2, 4, 8: at most
+#: 1.25x slower from s = 2 on, 2.2x from s = 4 on, 3.9x from s = 8 on).
+UNION_MIN_S_CPU = 2
 INFER_DENSE_MAX_N = 512
-#: The forward cost model of inference (seconds per unit, float32), fitted to forward passes of the
-#: union and the blocks (2-core CPU, causal, alone; 18 settings, n = 256-16384, batch 1-16, s = 1-100,
-#: sigma = 2-4096): the blocks per padded pair and per gathered row, the union per scored pair of its
-#: band and per (head, sample, position) of building it. It picks the faster path in 17 of the 18
-#: (at most 1.14x slower where it misses) where the training model's ratios picked it in 13 (2.95x) and
-#: the s >= 48 threshold chose a path up to 17x slower (the blocks at n=1024, sigma=8, s=20).
-COST_BLOCK_PAIR_INFER, COST_BLOCK_SLOT_INFER = 1.6e-9, 1.5e-7
-COST_UNION_PAIR_INFER, COST_UNION_SLOT_INFER = 1.5e-9, 1e-9
+#: The forward cost model of inference (seconds per unit, float32): the blocks per padded pair (a
+#: constant and a part per head dimension) and per gathered row (likewise); the union per scored pair of its
+#: head groups' bands (likewise), per flash-kernel call (a head group's query chunk) and per (head,
+#: sample, position) of drawing and sorting the block ends. Fitted by ``scripts/plan_fit.py`` to forward
+#: passes of both paths on the fit grid and checked on another grid (docs/THEORY.md, "Choosing the
+#: inference path").
+COST_BLOCK_PAIR_INFER, COST_BLOCK_PAIR_D_INFER = 8.63e-10, 1.63e-11
+COST_BLOCK_SLOT_INFER, COST_BLOCK_SLOT_D_INFER = 1.52e-8, 7.05e-9
+COST_UNION_PAIR_INFER, COST_UNION_PAIR_D_INFER, COST_UNION_SLOT_INFER = 1.88e-9, 3.79e-11, 1.67e-8
+#: The union's cost per flash-kernel call is held fixed in the fit: its calls move with its pairs on the
+#: grid. Measured: a head group of one head and a band of 5 keys took 130-165 us a call (n = 16384,
+#: d = 16 and 64), about 80 us above its pairs' cost; free fits on the grid gave 52-56 us.
+COST_UNION_CALL = 5e-5
 #: Where the automatic plan weighs the masks (:func:`weighs`: CPU training, CPU inference in float32
-#: and wider past the dense bias) it takes the union only while its band of counts
-#: (:func:`~poslsh_cli.attention.band.band_bytes`, the band one call holds: building it bidirectionally
-#: briefly holds about 2.5 times that; in training each layer's band stays held for its backward)
-#: stays below this many bytes; past it (a head whose blocks span most of a long sequence) the
-#: blocks, whose memory grows with s, not with the longest block.
+#: and wider past the dense bias) it takes the union only while its layout
+#: (:func:`~poslsh_cli.attention.band.band_bytes`: the sorted block ends, O(H s n), and one chunk's log
+#: counts; in training each layer's layout stays held for its backward) stays below this many bytes.
 UNION_MAX_BYTES = 2**31
+#: Queries per chunk of the union route on the CPU (:mod:`poslsh_cli.attention.band`): the mask of a chunk
+#: is ``c (c + w - 1)`` per head, so a narrower chunk wastes less of it on the triangle outside the band,
+#: a wider one makes fewer flash-kernel calls (each costs COST_UNION_CALL).
+BAND_ROWS = 128
 
 
 def union_band_bound(heads: int, n: int, s: int, capped: bool = False) -> float:
-    """The most bytes the union's band of counts can hold at length n: ``H n n`` counts (a band spanning
-    the sequence), one byte each up to s = 255, two beyond; at most UNION_MAX_BYTES where ``capped`` (the
-    automatic plan, where it weighs the masks, keeps the band under it)."""
-    band = float(heads) * n * n * (1 if s <= 255 else 2)
+    """The most bytes the union route on the CPU holds at length n
+    (:func:`~poslsh_cli.attention.band.band_bytes`): every position's s sorted block starts and ends,
+    int32, and one query chunk's float32 log counts with every head in one group whose band spans the
+    sequence; at most UNION_MAX_BYTES where ``capped`` (the automatic plan, where it weighs the masks,
+    keeps the layout under it)."""
+    band = 8.0 * heads * n * s + 4.0 * heads * BAND_ROWS * (2 * n + BAND_ROWS)
     return min(band, UNION_MAX_BYTES) if capped else band
 
 
@@ -125,7 +136,7 @@ COST_BLOCK_PAIR, COST_BLOCK_SLOT = 7e-9, 2e-7
 COST_BAND_PAIR = 13e-9
 #: The union route on the CPU (:mod:`poslsh_cli.attention.band`): per scored pair of its query chunks
 #: against their band of keys (the bias rebuilt in the backward pass), and per (head, sample, position)
-#: of building the band of counts. Measured beside the blocks (forward + backward, 8 heads, d=16,
+#: of building the layout. Measured beside the blocks (forward + backward, 8 heads, d=16,
 #: causal, n = 512 and 2048, sigma = n/32 and 4, s = 4, 10, 100; 2-core CPU, alone): the union took
 #: 0.04-0.16 s where the blocks took 0.05-1.8 s, slower only at n=2048, sigma=64, s=4 (0.13 s against 0.10 s).
 COST_UNION_PAIR, COST_UNION_SLOT = 1.4e-8, 1e-8
@@ -135,8 +146,9 @@ COST_UNION_PAIR, COST_UNION_SLOT = 1.4e-8, 1e-8
 class Work:
     """What each CPU path of one call would compute (per batch element, over all heads): the inputs
     of the cost model. ``block_pairs``/``slots``: the blocks layout's padded pairs and gathered rows
-    (partition methods); ``union_pairs``/``union_bytes``: the union route's scored pairs and its band
-    of counts; ``band_pairs``: the banded path's scored pairs (windowed ALiBi)."""
+    (partition methods); ``union_pairs``/``union_calls``/``union_bytes``: the union route's scored pairs,
+    its flash-kernel calls and the bytes its layout holds; ``band_pairs``: the banded path's scored pairs
+    (windowed ALiBi); ``head_dim``: d."""
 
     heads: int
     n: int
@@ -145,15 +157,20 @@ class Work:
     band_pairs: float = 0.0
     union_pairs: float = 0.0
     union_bytes: float = 0.0
+    union_calls: float = 0.0
+    head_dim: int = 64
 
     def cost(self, method: Method, backend: Backend, inference: bool = False) -> float:
         """Seconds (up to a common factor) of ``backend`` on this work: forward + backward, or the
         forward pass alone (``inference``: the blocks and the union only)."""
         if inference:
+            d = self.head_dim
             if backend is Backend.BLOCKS:
-                return COST_BLOCK_PAIR_INFER * self.block_pairs + COST_BLOCK_SLOT_INFER * self.slots
+                return ((COST_BLOCK_PAIR_INFER + COST_BLOCK_PAIR_D_INFER * d) * self.block_pairs
+                        + (COST_BLOCK_SLOT_INFER + COST_BLOCK_SLOT_D_INFER * d) * self.slots)
             if backend is Backend.UNION and self.union_pairs:
-                return COST_UNION_PAIR_INFER * self.union_pairs + COST_UNION_SLOT_INFER * self.slots
+                return ((COST_UNION_PAIR_INFER + COST_UNION_PAIR_D_INFER * d) * self.union_pairs
+                        + COST_UNION_CALL * self.union_calls + COST_UNION_SLOT_INFER * self.slots)
             return float("inf")
         dense = self.heads * float(self.n) ** 2
         if backend is Backend.DENSE:
@@ -188,8 +205,8 @@ class Plan:
         memory estimates add per layer: the dense path the n x n bias of every head (the kernel under
         it keeps outputs of order n); the reference path the n x n weights of every sequence; the
         blocks Positional LSH's s per-sample outputs and log-sum-exps (about half a head vector each,
-        as measured by step-bench); the union route on the CPU its band of counts (one byte a count,
-        two past s = 255, at most n keys a query); any other path (SDPA, rank-1, chunked, FlexAttention) outputs and
+        as measured by step-bench); the union route on the CPU its layout (:func:`union_band_bound`);
+        any other path (SDPA, rank-1, chunked, FlexAttention) outputs and
         log-sum-exps of order n."""
         rows = 4.0 * batch * heads * n
         own = rows * (head_dim + 1) * 2

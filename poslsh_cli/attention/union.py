@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from poslsh_cli.attention.band import count_dtype
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import scale_of
 from poslsh_cli.attention.transfer import to_device
@@ -105,6 +104,11 @@ def _cell_starts(pos: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> torch.T
         new[:, 1:] |= (b[..., 1:] != b[..., :-1]).any(1)
         del b
     return new
+
+
+def count_dtype(num_samples: int) -> torch.dtype:
+    """The narrowest integer type that holds counts 0..s."""
+    return torch.uint8 if num_samples <= 255 else torch.int16 if num_samples <= 32767 else torch.int32
 
 
 @dataclass(frozen=True, eq=False)

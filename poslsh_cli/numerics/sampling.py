@@ -175,26 +175,17 @@ class Partitions:
         increasing: each sample's first position starts a block."""
         return np.flatnonzero(self._starts_mask)
 
-    def reaches(self, forward: bool = True, back_out: np.ndarray | None = None,
-                offset: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-        """How far the block holding each position reaches back and (``forward``) forward, (s, n)
-        int64 each: ``i - start_k(i)`` and ``end_k(i) - i`` (from the same bin array as the
-        boundaries; what the union route's band of counts is built from, :mod:`poslsh_cli.attention.band`).
-        ``back_out``: an (s, n) int64 array that receives ``offset - (i - start_k(i))`` instead (the band's
-        scatter index, written in place)."""
+    def block_ends(self, ends: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """The first and (``ends``) last position of the block holding each position, (s, n) int32 each:
+        ``start_k(i)`` and ``end_k(i)``, from the starts and lengths the boundaries already hold (what
+        the union route's layout is built from, :mod:`poslsh_cli.attention.band`)."""
         n, s = self.seq_len, self.num_samples
-        pos = np.arange(n, dtype=np.int64)
-        # each position's block start, from the starts and lengths the boundaries already hold
-        start = np.repeat(self._flat_starts, self.lengths).reshape(s, n) - (np.arange(s, dtype=np.int64) * n)[:, None]
-        if back_out is not None:
-            np.subtract(start + offset, pos, out=back_out)
-            back = back_out
-        else:
-            back = pos - start
-        if not forward:
-            return back, None
-        end = start + np.repeat(self.lengths, self.lengths).reshape(s, n) - 1
-        return back, end - pos
+        first = (self._flat_starts % n).astype(np.int32)  # each block's first position in its sample
+        lengths = self.lengths
+        start = np.repeat(first, lengths).reshape(s, n)
+        if not ends:
+            return start, None
+        return start, np.repeat(first + (lengths - 1).astype(np.int32), lengths).reshape(s, n)
 
     @cached_property
     def lengths(self) -> np.ndarray:

@@ -18,9 +18,11 @@ EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.P
                                                           Method.FIXED_BLOCK))
 #: exact-ALiBi rows of the paths other than the reference one (``exact_backends`` of more than one)
 EXACT_ALT = "exact_alt"
-#: the roofline goal: the Positional-LSH block path from this n on reaches this fraction of the
-#: bias-free flash kernel's useful throughput
-ROOFLINE_N, ROOFLINE_FRACTION = 16384, 0.6
+#: the roofline goal: Positional LSH on the plan's path, from this n on and with at least ROOFLINE_S
+#: masks, reaches this fraction of the bias-free flash kernel's useful throughput (its useful work: the
+#: query-key pairs some mask keeps; the union route scores each query's band of keys, about twice the
+#: pairs it keeps, and builds the log counts of each chunk besides)
+ROOFLINE_N, ROOFLINE_S, ROOFLINE_FRACTION = 16384, 8, 0.25
 #: CUDA goals of the path the plan takes: at GPU_GOAL_N, causal, s = GPU_GOAL_S, Positional LSH at
 #: least this many times faster than exact ALiBi (forward; forward + backward); its peak memory at
 #: most GPU_MEMORY_GOAL x exact ALiBi's plus the masks' own integers (4 bytes per head, mask and
@@ -64,38 +66,52 @@ def exact_time(df: Any) -> Any:
     return paired.where(paired.notna(), fallback)
 
 
+def planned_rows(df: Any) -> Any:
+    """The rows of the paths the plan takes by itself at their own n (every row in runs without the
+    ``planned`` column)."""
+    if "planned" not in df.columns:
+        return df
+    return df[df.planned.fillna(True).astype(bool)]
+
+
 def claim_roofline(df: Any) -> Verdict:
-    """The Positional-LSH block path from n = ROOFLINE_N on reaches ROOFLINE_FRACTION of the
-    machine's attainable attention throughput (every s, both directions measured)."""
-    rule = (f"SUPPORTED when every Positional-LSH row on the blocks path with n >= {ROOFLINE_N} has useful "
-            f"GFLOP/s at least {ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the "
-            "same heads, head dimension and direction (measured once in the run); NOT SUPPORTED when one is "
-            "below; NOT MEASURED without such rows")
-    rows = df[(df.method == POSLSH) & df.backend.astype(str).str.startswith("blocks") & (df.n >= ROOFLINE_N)]
-    claim = f"Positional-LSH blocks reach {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at n >= {ROOFLINE_N}"
+    """Positional LSH on the plan's path from n = ROOFLINE_N on, with s >= ROOFLINE_S, reaches
+    ROOFLINE_FRACTION of the machine's attainable attention throughput (both directions measured)."""
+    rule = (f"SUPPORTED when every Positional-LSH row on the plan's path with n >= {ROOFLINE_N} and s >= {ROOFLINE_S} "
+            f"has useful GFLOP/s (4 d per pair some mask keeps, over the end-to-end time with the masks drawn) at "
+            f"least {ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the same heads, head "
+            "dimension and direction (measured once in the run); NOT SUPPORTED when one is below; NOT MEASURED "
+            "without such rows")
+    p = planned_rows(df)
+    rows = p[(p.method == POSLSH) & (p.n >= ROOFLINE_N) & (p.s >= ROOFLINE_S)]
+    claim = (f"Positional LSH on the plan's path reaches {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at "
+             f"n >= {ROOFLINE_N}, s >= {ROOFLINE_S}")
     if rows.empty or rows.fraction.isna().all():
-        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH blocks rows with n >= {ROOFLINE_N}", rule,
-                       key="bench/roofline")
+        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH rows of the plan's path with n >= {ROOFLINE_N}"
+                       f" and s >= {ROOFLINE_S}", rule, key="bench/roofline")
     worst = rows.loc[rows.fraction.idxmin()]
     ev = (f"lowest fraction {worst.fraction:.0%} (s={worst.s}, n={int(worst.n)}, "
-          f"{'causal' if worst.causal else 'bidirectional'}); highest {rows.fraction.max():.0%}; "
+          f"{'causal' if worst.causal else 'bidirectional'}, {worst.backend}); highest {rows.fraction.max():.0%}; "
           f"{len(rows)} rows")
     return judge_load(Verdict(claim, Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else
                               Status.NOT_SUPPORTED, ev, rule, key="bench/roofline"), rows)
 
 
 def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
-    """Theorem 2.2: Positional-LSH time grows near-linearly in n; with the crossover with exact and
-    the share of drawing the masks, per s and backend."""
+    """Theorem 2.2: Positional-LSH time on the plan's paths grows near-linearly in n; with the
+    crossover with exact and the share of drawing the masks, per s and backend."""
     dev = df.device.iloc[0]
     groups, paragraphs = Groups(), []
     for causal, g in df.groupby("causal"):
         mode = "causal" if causal else "bidirectional"
-        for (s, backend), gs in g[g.method == POSLSH].groupby(["s", "backend"]):
+        for (s, backend), gs in planned_rows(g[g.method == POSLSH]).groupby(["s", "backend"]):
             x = crossover(g, POSLSH, lambda f, s=s, b=backend: f[(f.s == s) & (f.backend == b)])
             where = f"from n={int(x)} on" if math.isfinite(x) else "at no measured n"
             why = overload_reason(gs)
+            spread = gs.spread.max() if "spread" in gs.columns else math.nan
             paragraphs.append(f"{mode}: Positional LSH s={s} ({backend}) is faster than exact {where} ({dev})"
+                              + (f"; its calls at one n differ by up to {spread:.2f}x (slowest over fastest, the "
+                                 "masks drawn anew in each)" if spread == spread else "")
                               + (f"; {why}" if why else "") + ".")
             ns = upper_half(gs.n)
             fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None
@@ -124,9 +140,7 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
 def _gpu_rows(df: Any) -> Any:
     """CUDA rows of the paths the plan takes by itself (``planned``; every row in runs without it),
     with the ``backward`` column (False in runs without it)."""
-    rows = df[df.device.astype(str).str.startswith("cuda")]
-    if "planned" in rows.columns:
-        rows = rows[rows.planned.fillna(True).astype(bool)]
+    rows = planned_rows(df[df.device.astype(str).str.startswith("cuda")])
     return rows.assign(backward=rows.backward.fillna(False).astype(bool) if "backward" in rows.columns else False)
 
 

@@ -6,7 +6,8 @@ forward pass as it is used: for Positional LSH the masks are drawn anew for ever
 so a call samples the partitions, builds their block layout, then attends. ``seconds`` is the
 median end-to-end time of ``repeats`` calls after ``warmup`` untimed ones (CUDA-synchronised);
 ``sample_seconds`` (sampling + layout) and ``attention_seconds`` are the medians of the two
-parts, timed within the same calls. On CUDA Positional LSH is timed on both of its paths
+parts, timed within the same calls; ``spread`` is the slowest call over the fastest (for Positional
+LSH mostly the masks: the band the union route scores follows the longest block drawn in each call). On CUDA Positional LSH is timed on both of its paths
 (FlexAttention and padded blocks; column ``backend``). Peak memory: CUDA's allocator peak on GPU;
 on CPU the peak rise of the process's resident memory during one call, sampled every 0.5 ms
 (Linux ``/proc/self/statm``). ``rel_fro`` is against the exact path's output, where it runs.
@@ -133,6 +134,7 @@ class BenchRow:
     load_others: float = math.nan
     loadavg: float = math.nan
     overloaded: bool = False
+    spread: float = math.nan  # the slowest timed call over the fastest (masks drawn anew in each)
 
 
 #: results.csv's columns: the row's fields, in their order
@@ -170,7 +172,7 @@ def prepare(spec: BenchSpec) -> BenchContext:
 
 def memory(spec: BenchSpec) -> MemoryNeed:
     """Peak bytes at the largest n: q, k, v, the outputs kept for the error, the per-sample outputs
-    and layout of Positional LSH at the largest s, the union's band of counts where it is timed on the
+    and layout of Positional LSH at the largest s, the union's layout where it is timed on the
     CPU (at most its cap) and the exact path's chunk (bounded), on the bench's device; doubled when
     the backward pass is timed."""
     from poslsh_cli.attention import BLOCK_BATCH_BYTES, CHUNK_ELEMENTS
@@ -185,7 +187,7 @@ def memory(spec: BenchSpec) -> MemoryNeed:
     device = resolve_device(spec.device)
     if s > 1 and device.type == "cpu" and any(
             "union" in partition_backends(device, spec.partition_backends, k, bandwidths(H, spec.sigma), n,
-                                          spec.backward, spec.dtype.value, c) for k in spec.s for c in spec.causal):
+                                          spec.backward, spec.dtype.value, c, d) for k in spec.s for c in spec.causal):
         # 'auto' in float32 and wider weighs the masks and keeps the band under its cap; asked for by
         # name, or in half precision (no weighing), the union's band is not capped
         capped = "union" not in spec.partition_backends and spec.dtype.value in ("float32", "float64")
@@ -202,7 +204,7 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
 
     sigmas = ctx.sigmas if ctx is not None else bandwidths(spec.heads, spec.sigma)
     backends = {(s, c): partition_backends(device, spec.partition_backends, s, sigmas, max(spec.n), spec.backward,
-                                           spec.dtype.value, c) for s in (*spec.s, 1) for c in spec.causal}
+                                           spec.dtype.value, c, spec.head_dim) for s in (*spec.s, 1) for c in spec.causal}
     tag = (lambda b: {"backend": b}) if any(len(b) > 1 for b in backends.values()) else (lambda b: {})
     chosen = {Method(m.value) for m in spec.methods}
     order = [Method.EXACT] + [m for m in Method if m is not Method.EXACT]
@@ -299,7 +301,8 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
                    seed=seed, repeats=spec.repeats, max_err_f64=err64, machine_gflops=machine,
                    fraction=gflop / t.seconds / machine if machine == machine else math.nan,
                    sampler=sampler if info.randomized else "", backward=spec.backward, planned=planned,
-                   exact_seconds=exact_seconds, **t.load.columns())
+                   exact_seconds=exact_seconds, spread=max(t.totals) / min(t.totals) if t.totals else math.nan,
+                   **t.load.columns())
     return [asdict(row)], {}
 
 
@@ -315,10 +318,11 @@ def _plan(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, att: Any, sam
     if partitioned:
         backend = key.get("backend", partition_backends(ctx.device, spec.partition_backends, key.get("s", 0) or 1,
                                                         ctx.sigmas, max(spec.n), spec.backward, spec.dtype.value,
-                                                        causal)[0])
+                                                        causal, spec.head_dim)[0])
     else:
         backend = key.get("backend", spec.exact_backends[0]) if method is Method.EXACT else "auto"
-    cost = work_of(att, n) if weighs(att.partitions is not None, ctx.device, ctx.dtype, n, spec.backward) else None
+    weighed = weighs(att.partitions is not None, ctx.device, ctx.dtype, n, spec.backward)
+    cost = work_of(att, n, spec.head_dim) if weighed else None
     try:
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
                       backend=backend, s=samples, work=cost)

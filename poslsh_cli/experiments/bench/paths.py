@@ -13,13 +13,13 @@ from poslsh_cli.numerics.sampling import derive_seed
 
 def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1, sigmas: Any = None,
                        n: int | None = None, backward: bool = False, dtype: str = "float32",
-                       causal: bool = True) -> tuple[str, ...]:
+                       causal: bool = True, head_dim: int = 64) -> tuple[str, ...]:
     """Backends timed for the partition methods (Positional LSH, fixed blocks) with s masks on
     ``device``: ``auto`` is the path the plan takes (:func:`poslsh_cli.attention.choose`): on the CPU,
     where it weighs the blocks against the union by the masks (:func:`_cpu_auto`), for s masks of
     ``sigmas`` at the longest length ``n`` of the grid, in ``dtype`` and direction (one path per s for
     every n, so that a series is one path; each row's ``planned`` says whether it is the plan's at its
-    own n); on CUDA the plan's and beside it the per-mask FlexAttention route it is compared with;
+    own n; the cost model at ``head_dim``); on CUDA the plan's and beside it the per-mask FlexAttention route it is compared with;
     others as asked."""
     import torch
 
@@ -33,7 +33,7 @@ def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int =
                        s=s).backend.value, "flex")
     elif sigmas is not None and n:
         auto = (_cpu_auto(method.value, s, tuple(float(x) for x in np.asarray(sigmas).reshape(-1)), int(n), backward,
-                          dtype, causal),)
+                          dtype, causal, int(head_dim)),)
     else:
         auto = (choose(method, device=device, dtype=torch.float32, n=INFER_DENSE_MAX_N, causal=causal,
                        grad=backward, s=s).backend.value,)
@@ -46,7 +46,8 @@ def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int =
 
 
 @functools.lru_cache(maxsize=64)
-def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: bool, dtype: str, causal: bool) -> str:
+def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: bool, dtype: str, causal: bool,
+              head_dim: int = 64) -> str:
     """The CPU plan's path for s masks of ``sigmas`` at length n (the cost model weighed at up to 2^16
     positions, where the choice has settled, and the union's band checked against its cap at n itself)."""
     from poslsh_cli.attention import choose
@@ -60,7 +61,7 @@ def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: 
     if weighs(True, "cpu", torch_type, at, backward):
         spec = AttentionSpec.build(method, sigmas, at, causal, s=s,
                                    rng=np.random.default_rng(derive_seed(0, "bench-plan", at, s)))
-        work = work_of(spec, at)
+        work = work_of(spec, at, head_dim)
     backend = choose(method, device="cpu", dtype=torch_type, n=at, causal=causal, grad=backward, s=s,
                      work=work).backend
     if backend is Backend.UNION and spec is not None and band_bytes(spec.bin_table[0], n, causal, s) > UNION_MAX_BYTES:

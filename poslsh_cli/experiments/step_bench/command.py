@@ -144,7 +144,7 @@ def planned(position: Position, backend: str, n: int, device: Any, s: int = 0, s
 def mask_seconds(state: PositionState, n: int, layers: int, device: Any, steps: int = 3) -> float:
     """Seconds a training step spends drawing its masks and building what its attention path needs
     from them (every layer: the drawn partitions, then the dense ``log M~`` bias, the block layout or
-    the band of counts), timed apart from the step: the median over ``steps`` fresh steps. 0 for a
+    the union's sorted block ends), timed apart from the step: the median over ``steps`` fresh steps. 0 for a
     scheme that draws no masks."""
     import dataclasses
 
