@@ -110,8 +110,8 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
             why = overload_reason(gs)
             spread = gs.spread.max() if "spread" in gs.columns else math.nan
             paragraphs.append(f"{mode}: Positional LSH s={s} ({backend}) is faster than exact {where} ({dev})"
-                              + (f"; its calls at one n differ by up to {spread:.2f}x (slowest over fastest, the "
-                                 "masks drawn anew in each)" if spread == spread else "")
+                              + (f"; its calls at one n differ by up to {spread:.2f}x (slowest over fastest)"
+                                 if spread == spread else "")
                               + (f"; {why}" if why else "") + ".")
             ns = upper_half(gs.n)
             fit = fit_loglog_slope(gs[gs.n.isin(ns)].n, gs[gs.n.isin(ns)].seconds) if ns else None

@@ -6,13 +6,15 @@ forward pass as it is used: for Positional LSH the masks are drawn anew for ever
 so a call samples the partitions, builds their block layout, then attends. ``seconds`` is the
 median end-to-end time of ``repeats`` calls after ``warmup`` untimed ones (CUDA-synchronised);
 ``sample_seconds`` (sampling + layout) and ``attention_seconds`` are the medians of the two
-parts, timed within the same calls; ``spread`` is the slowest call over the fastest (for Positional
-LSH mostly the masks: the band the union route scores follows the longest block drawn in each call). On CUDA Positional LSH is timed on both of its paths
+parts, timed within the same calls; ``spread`` is the slowest call over the fastest. A cell's calls
+draw the same masks (its seed), so its spread is the machine's; between cells the draws differ, and
+the union route scores a band that follows the longest block drawn, so its times need not be
+monotone in n. On CUDA Positional LSH is timed on both of its paths
 (FlexAttention and padded blocks; column ``backend``). Peak memory: CUDA's allocator peak on GPU;
 on CPU the peak rise of the process's resident memory during one call, sampled every 0.5 ms
 (Linux ``/proc/self/statm``). ``rel_fro`` is against the exact path's output, where it runs.
 ``gflop`` counts the useful floating-point work of the method (4 d per attended pair: q.k and
-p.v), so ``gflops`` says how well the method uses the hardware, not just how it compares.
+p.v; for Positional LSH each pair some mask keeps, once), so ``gflops`` says how well the method uses the hardware, not just how it compares.
 ``machine_gflops`` is what this machine attains on attention: the bias-free flash kernel (PyTorch
 SDPA) on one dense problem of the same heads and head dimension, causal or not as the row, timed
 once per run; ``fraction`` = ``gflops / machine_gflops``, how close a path comes to it (the
@@ -134,7 +136,7 @@ class BenchRow:
     load_others: float = math.nan
     loadavg: float = math.nan
     overloaded: bool = False
-    spread: float = math.nan  # the slowest timed call over the fastest (masks drawn anew in each)
+    spread: float = math.nan  # the slowest timed call over the fastest (the cell's masks, drawn again in each)
 
 
 #: results.csv's columns: the row's fields, in their order

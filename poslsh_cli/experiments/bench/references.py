@@ -50,11 +50,17 @@ def check_rows(n: int) -> list[int]:
 
 
 def useful_pairs(att: Any, n: int, causal: bool, heads: int) -> float:
-    """The query-key pairs an attention computes: its blocks' (Positional LSH), its band's (a window),
-    else every pair (the causal half when causal)."""
+    """The query-key pairs an attention weighs: for the partition methods the pairs some mask puts in
+    one block (each query's union of its s blocks, ``lo(i) .. hi(i)``, counted once however many masks
+    share the pair), its band's (a window), else every pair (the causal half when causal)."""
     if att.partitions is not None:
-        lengths = np.concatenate([np.diff(o) for p in att.partitions for o in p.offsets]).astype(np.float64)
-        return float(np.sum(lengths * (lengths + 1) / 2 if causal else lengths**2))
+        total = 0.0
+        pos = np.arange(n, dtype=np.int64)
+        for p in att.partitions:
+            start, end = p.block_ends(ends=not causal)
+            lo = start.min(0)
+            total += float((pos - lo + 1).sum() if causal else (end.max(0) - lo + 1).sum())
+        return total
     if att.window is not None:
         return sum(band_pairs(n, wh, causal) for wh in att.window)
     return heads * (n * (n + 1) / 2 if causal else float(n) * n)
