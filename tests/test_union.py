@@ -95,10 +95,13 @@ def test_union_paths_equal_float64_reference(s, causal):
 def test_union_chunks_train_with_the_reference_gradients(causal):
     """Gradients of the CPU union route (the flash kernel per query chunk against its band of keys,
     the log-count bias rebuilt in the backward pass; and the chunks by matmuls) equal the float64
-    reference's, at n=1300 (11 tiles of 128) with s=100."""
+    reference's, at n=1300 (11 tiles of 128) with s=100; the heads' bandwidths out of order, so that
+    a head group's heads are not consecutive (indexed, not sliced)."""
     n = 1300
     q, k, v = (t.requires_grad_(True) for t in qkv(B=2, H=3, n=n, d=8, seed=4))
-    parts = parts_for(n, [2.0, 9.0, 60.0], 100, seed=5)
+    parts = parts_for(n, [60.0, 2.0, 60.0], 100, seed=5)
+    groups = poslsh_layout(parts, causal, "union", "cpu").groups
+    assert [g.heads for g in groups] == [(1,), (0, 2)] and isinstance(groups[1].index, torch.Tensor)
     spec = spec_of(parts, causal)
     g = torch.randn(2, 3, n, 8, dtype=torch.float64)
     ref, _ = reference_attention(q, k, v, mean_mask_weight(parts), causal)

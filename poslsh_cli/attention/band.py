@@ -19,7 +19,8 @@ orders of magnitude, and a head of sigma 2 does not pay for the band of sigma 25
 :class:`BandLayout` keeps, per group, each position's s block starts and ends *sorted* ((H, n, s)
 integers: O(H s n), never the band itself). The log counts of a query chunk are built from them in one
 float buffer: along a row ``C`` is a step function, 0 before the first sorted start, ``k`` from the
-k-th, ``s - j`` after the j-th sorted end, 0 after the last, so the row is ``2s + 1`` segments whose
+k-th, ``s - j`` after the j-th sorted end, 0 after the last, so the row is ``2s + 1`` segments (causal
+``s + 2``: the last is the padding after the diagonal) whose
 lengths are the differences of the sorted ends and whose values (``log k``) are the same for every
 row: one ``numpy.repeat`` fills the buffer, without a logarithm, a table lookup or a cumulative sum
 per pair, and every value is exactly the rounded logarithm. Each buffer row carries ``c`` padding
@@ -56,10 +57,10 @@ def head_groups(reach: Sequence[int], n: int, causal: bool, rows: int = BAND_ROW
     sorted by R into consecutive groups, by dynamic programming over the H heads."""
     order = sorted(range(len(reach)), key=lambda h: (reach[h], h))
     calls = -(-n // rows)
+    pairs = [band_pairs(reach[h], n, causal, rows) for h in order]  # a group is charged its widest head's
 
     def cost(i: int, j: int) -> float:  # heads order[i:j] in one group
-        return calls * COST_UNION_CALL + COST_UNION_PAIR_INFER * (j - i) * band_pairs(reach[order[j - 1]], n, causal,
-                                                                                      rows)
+        return calls * COST_UNION_CALL + COST_UNION_PAIR_INFER * (j - i) * pairs[j - 1]
 
     best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
@@ -257,9 +258,9 @@ class BandLayout:
                 ends[h][0].sub_(pos).add_(R - 1)
                 if not causal:
                     ends[h][1].sub_(pos).clamp_(max=R - 1).add_(R)
-            one = len(heads) == 1
-            rises = ends[heads[0]][0][None] if one else torch.stack([ends[h][0] for h in heads])
-            falls = None if causal else ends[heads[0]][1][None] if one else torch.stack([ends[h][1] for h in heads])
+            # copies, so that no group keeps the whole (H, n, s) tensor of build() alive
+            rises = torch.stack([ends[h][0] for h in heads])
+            falls = None if causal else torch.stack([ends[h][1] for h in heads])
             groups.append(BandGroup(tuple(heads), R - 1, rises, falls))
         return cls(len(ends), n, s, bool(causal), tuple(groups))
 
