@@ -189,25 +189,16 @@ class BandLayout:
         if torch.device(device).type != "cpu" or s * n > VECTOR_ELEMENTS or s < 2:
             return cls.build(np.stack([p.widths for p in partitions]), np.stack([p.shifts for p in partitions]),
                              n, causal, device)
-        reach = [max(1, p.b_max) for p in partitions]  # the longest block: the farthest any reaches
-        pos = torch.arange(n, dtype=torch.int32)[:, None]
-
-        def columns(x: np.ndarray, R: int, rise: bool) -> torch.Tensor:  # (s, n) ends -> (n, s) band columns
+        def ascending(x: np.ndarray) -> torch.Tensor:  # (s, n) int32 -> (n, s), each row sorted
             out = torch.from_numpy(x).T.contiguous()  # torch's tiled transpose: about 3x numpy's here
             out.numpy().sort(axis=1)
-            return out.sub_(pos).add_(R - 1) if rise else out.sub_(pos).clamp_(max=R - 1).add_(R)
+            return out
 
-        def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
-            return parts[0][None] if len(parts) == 1 else torch.stack(parts)
-
-        groups = []
-        for heads in head_groups(reach, n, causal):
-            R = max(reach[h] for h in heads)
-            ends = [partitions[h].block_ends(ends=not causal) for h in heads]  # (s, n) each
-            rises = stacked([columns(start, R, True) for start, _ in ends])
-            falls = None if causal else stacked([columns(end, R, False) for _, end in ends])
-            groups.append(BandGroup(tuple(heads), R - 1, rises, falls))
-        return cls(len(partitions), n, s, bool(causal), tuple(groups))
+        ends = []
+        for p in partitions:
+            start, end = p.block_ends(ends=not causal)
+            ends.append((ascending(start), None if end is None else ascending(end)))
+        return cls._grouped(n, s, causal, ends)
 
     @classmethod
     def build(cls, widths: np.ndarray, shifts: np.ndarray, seq_len: int, causal: bool,
