@@ -183,6 +183,16 @@ def test_the_stability_check_reads_the_earlier_runs_of_the_report(tmp_path):
     st = verdicts["primary/reaches_alibi_s10"].numbers["stability"]
     assert st["slope"] < 0 and [p["steps"] for p in st["points"]] == [600, 1200, 2400]
     assert "per doubling of training" in verdicts["primary/reaches_alibi_s10"].evidence
+    # the gap-against-s figure draws these points; the endpoint's 90% half-width is the verdict's own
+    from poslsh_cli.experiments.perplexity.gap_figures import gap_points, plot_gap_against_s
+
+    v = verdicts["primary/reaches_alibi_s10"]
+    pts = gap_points(v)
+    assert [p[0] for p in pts] == [600, 1200, 2400] and pts[-1][1] == pytest.approx(v.numbers["gap"])
+    assert pts[-1][2] == pytest.approx((v.numbers["high90"] - v.numbers["low90"]) / 2)
+    drawn = plot_gap_against_s(tmp_path, "confirm-L256-v1", verdicts.values())
+    assert [p.name for p in drawn if p.suffix == ".png"] == ["registered_gap_vs_s_confirm-L256-v1.png"]
+    assert plot_gap_against_s(tmp_path, "none", []) == []
 
 
 def test_a_registered_runs_other_comparisons_are_estimates_not_verdicts(tmp_path):
@@ -260,8 +270,8 @@ def test_the_gap_across_lengths_is_decided_as_registered(tmp_path):
     from poslsh_cli.experiments.perplexity.across import across_lengths, relative_gaps
     from poslsh_cli.verdicts.registered import CONFIRM_L1024
 
-    _, short = confirm_rows(tmp_path, {10: 0.040, 20: 0.020, 100: 0.005})
-    _, long_ = l1024_rows(tmp_path, {10: 0.100, 20: 1.86 * 0.02 / 1.70, 100: 1.86 * (0.005 / 1.70 + 0.005)})
+    short_run, short = confirm_rows(tmp_path, {10: 0.040, 20: 0.020, 100: 0.005})
+    long_run, long_ = l1024_rows(tmp_path, {10: 0.100, 20: 1.86 * 0.02 / 1.70, 100: 1.86 * (0.005 / 1.70 + 0.005)})
     verdicts, table = across_lengths([short, long_])
     got = {v.key: v for v in verdicts}
     assert list(got) == [f"across/gap_grows_with_L_s{s}" for s in (10, 20, 100)]
@@ -285,8 +295,21 @@ def test_the_gap_across_lengths_is_decided_as_registered(tmp_path):
     assert len(table) == 3 and table[0][0] == "Positional LSH s = 10"
     from poslsh_cli.experiments.perplexity.across import section
 
-    sec = section([short, long_])
+    sec = section([(long_run, long_), (short_run, short)])
     assert {v.key for v in sec.verdicts} >= set(got) and any("D (1024 - 256)" in t.columns for t in sec.tables)
+    # its figures: the gap against s of each registration and the gap against L, in the first run's figures/
+    first = min(short_run, long_run)
+    assert sorted(p.name for p in sec.figures) == ["registered_gap_vs_L_across_lengths.png",
+                                                   "registered_gap_vs_s_confirm-L1024-v1.png",
+                                                   "registered_gap_vs_s_confirm-L256-v1.png"]
+    assert all(p.parent == first / "figures" and p.stat().st_size > 0 for p in sec.figures)
+    # the figure's points are the verdict's numbers: the relative gap at each length with its 90% interval
+    nb = s10.numbers
+    assert (nb["short_length"], nb["long_length"]) == (256, 1024)
+    assert nb["short"] == pytest.approx(relative("train_confirm", 10).mean())
+    iv = stats.t.interval(0.90, 10, loc=relative("train_confirm_l1024", 10).mean(),
+                          scale=stats.sem(relative("train_confirm_l1024", 10)))
+    assert (nb["long_low"], nb["long_high"]) == pytest.approx(iv)
     _, few = l1024_rows(tmp_path / "few", {10: 0.1, 20: 0.02, 100: 0.01}, seeds=CONFIRM_L1024.seeds[:5])
     missing, table = across_lengths([short, few])
     assert {v.status for v in missing} == {Status.NOT_MEASURED} and not table

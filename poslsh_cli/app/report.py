@@ -171,7 +171,7 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
             sec.figures = drawn[run]
     sections.sort(key=lambda s: order[s.command])
     for exp in {exp.name: exp for _, exp, _ in tables.values() if exp.across_runs is not None}.values():
-        joint = exp.across_runs([df for _, e, df in tables.values() if e is exp])
+        joint = exp.across_runs([(run, df) for run, (_, e, df) in tables.items() if e is exp])
         if joint is not None:  # e.g. the registered primary verdicts, before the runs' own sections
             first = min((i for i, s in enumerate(sections) if s.command == exp.name), default=len(sections))
             sections.insert(first, joint)

@@ -49,9 +49,9 @@ class Experiment:
     prepare: Optional[Callable[[Any], Any]] = None
     plot: Optional[Callable[[Path, Any], list[Path]]] = None
     report: Optional[Callable[[Path, Any], Any]] = None
-    #: one section over every run of this command in a report (their tables together), or None: what
-    #: no single run's section can decide (a registered analysis that reads several runs)
-    across_runs: Optional[Callable[[list], Any]] = None
+    #: one section over every run of this command in a report (each run's directory and table), or
+    #: None: what no single run's section can decide (a registered analysis that reads several runs)
+    across_runs: Optional[Callable[[list[tuple[Path, Any]]], Any]] = None
     #: preset stems in conf/experiment/ (each as <stem>_quick.yaml and <stem>_paper.yaml), in the
     #: order `poslsh reproduce` runs them
     presets: tuple[str, ...] = ()

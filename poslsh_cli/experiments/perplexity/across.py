@@ -13,10 +13,12 @@ evaluated as registered, else NOT MEASURED.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from poslsh_cli.experiments.perplexity import gap_figures
 from poslsh_cli.experiments.perplexity.groups import with_group_columns
 from poslsh_cli.experiments.perplexity.registered import endpoint_rows, not_as_registered, per_seed
 from poslsh_cli.experiments.perplexity.registered import section as registered_section
@@ -26,15 +28,18 @@ from poslsh_cli.verdicts.stats import t_interval
 from poslsh_cli.verdicts.registered import ACROSS_L, AcrossLengths, Difference, Primary, Registration, holm, welch
 
 
-def section(dfs: list[Any]) -> Any:
+def section(runs: list[tuple[Path, Any]]) -> Any:
     """The registered experiments' section of a report (:func:`registered.section`) with the registered
-    comparison across lengths and its table, when either experiment is among the runs (else None)."""
+    comparison across lengths and its table, when either experiment is among the perplexity runs (their
+    directories and rows; else None); its figures are drawn into the first run's ``figures/``."""
+    dfs = [df for _, df in runs]
     sec = registered_section(dfs)
     if sec is not None:
         verdicts, table = across_lengths(dfs)
         sec.verdicts += verdicts
         if table:
             sec.add_table(TABLE_HEAD, table)
+        sec.figures = gap_figures.draw(sorted(Path(r) for r, _ in runs)[0], sec.verdicts)
     return sec
 
 
@@ -91,7 +96,7 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
               f"{100 * np.mean(gaps[s][0]):+.2f}% at L={spec.short.seq_len}, {100 * np.mean(gaps[s][1]):+.2f}% at "
               f"L={spec.long.seq_len}; Holm-adjusted p {above[str(s)].adjusted:.4f} (grows), "
               f"{below[str(s)].adjusted:.4f} (within {spec.bound:.0%})")
-        out.append(Verdict(claim, status, ev, rule, _numbers(s, t, gaps[s]), key=f"across/{key}"))
+        out.append(Verdict(claim, status, ev, rule, _numbers(s, t, gaps[s], spec), key=f"across/{key}"))
         table.append([f"Positional LSH s = {s}", *(_cell(g) for g in gaps[s]), _interval(t), reading])
     return out, table
 
@@ -113,6 +118,13 @@ def _interval(t: Difference) -> str:
     return f"{100 * t.d:+.2f} points [{100 * t.low90:+.2f}, {100 * t.high90:+.2f}]"
 
 
-def _numbers(s: int, t: Difference, gaps: tuple) -> dict:
+def _numbers(s: int, t: Difference, gaps: tuple, spec: AcrossLengths) -> dict:
+    """The verdict's numbers: D with its interval, and each length's mean relative gap with its 90%
+    t-interval over the seeds (what the gap-against-L figure draws)."""
+    ends = {}
+    for side, values, length in (("short", gaps[0], spec.short.seq_len), ("long", gaps[1], spec.long.seq_len)):
+        iv = t_interval(values, 0.90)
+        ends.update({side: float(iv.estimate), f"{side}_low": float(iv.low), f"{side}_high": float(iv.high),
+                     f"{side}_length": length})
     return {"unit": "fraction of exact ALiBi's bits per byte", "s": s, "d": t.d, "low90": t.low90, "high90": t.high90,
-            "df": t.df, "short": float(np.mean(gaps[0])), "long": float(np.mean(gaps[1]))}
+            "df": t.df, **ends}

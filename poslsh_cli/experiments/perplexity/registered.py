@@ -117,7 +117,7 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
               + (stab.text() if isinstance(stab, Stability) else stab))
         numbers = {"unit": "bits per byte", "length": reg.seq_len, "steps": reg.steps, "margin": margin,
                    "boundary": margin, "gap": t.gap, "low90": t.low90, "high90": t.high90, "bound": r.bound,
-                   "adjusted_p": r.adjusted_p, "seeds": t.n, "primary": p.id,
+                   "adjusted_p": r.adjusted_p, "seeds": t.n, "primary": p.id, "s": p.s, "registration": reg.name,
                    "stability": (dataclasses.asdict(stab) if isinstance(stab, Stability) else None)}
         out.append(Verdict(_claim(p, reg), r.status, ev, rule, numbers, key=_key(p)))
     return out
