@@ -117,6 +117,21 @@ def test_every_folder_is_one_layer_and_imports_only_layers_above_it():
     assert ("app", "core") in edges and ("attention", "numerics") in edges  # the graph is read at all
 
 
+def test_a_verdict_is_made_only_through_its_declared_claim():
+    """No module outside ``verdicts/`` builds a ``Verdict`` itself: commands call their declared claim's
+    ``verdict`` (poslsh_cli/verdicts/declared.py), so every verdict carries a declared id, rule and sides."""
+    makers = []
+    for path in PKG.rglob("*.py"):
+        if path.parent.name == "verdicts":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Verdict":
+                makers.append(f"{module_name(path)}:{node.lineno}")
+    assert not makers, makers
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Verdict"  # the scan sees a maker at all
+               for n in ast.walk(ast.parse((PKG / "verdicts" / "declared.py").read_text())))
+
+
 def test_the_layer_table_names_every_module_of_its_folders():
     """The modules column of docs/ARCHITECTURE.md lists each folder's modules (the experiments row
     its shared ones; the commands' packages are found by the registry)."""

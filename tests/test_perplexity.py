@@ -150,7 +150,8 @@ def test_fine_tuning_slope_is_one_slope_per_seed_over_the_seeds(tmp_path):
     """Every gap of a seed shares that seed's ALiBi value: with seed-to-seed shifts of ALiBi alone,
     15 (s, seed) points fitted as independent give a tight slope; one slope per seed (each exactly
     the same here) gives the interval over 3 seeds, and the evidence lists the per-seed slopes."""
-    from poslsh_cli.experiments.perplexity.claims import Data, Arm, claim_finetune_approaches_alibi
+    from poslsh_cli.experiments.perplexity.claims import Data, Arm
+    from poslsh_cli.experiments.perplexity.finetune import claim_finetune_approaches_alibi
     from poslsh_cli.verdicts.stats import t_interval
 
     gaps = {1: 0.3, 2: 0.2, 5: 0.1, 10: 0.05, 20: 0.01}

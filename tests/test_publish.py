@@ -278,6 +278,7 @@ def test_rewording_every_claim_changes_no_row_of_the_readme(tmp_path, monkeypatc
 
     from poslsh_cli.app import publish, report
     from poslsh_cli.verdicts import claims
+    from poslsh_cli.verdicts.declared import CLAIMS
 
     names = ["train", "train_official", "perplexity", "perplexity_official", "eval", "bench", "step_bench",
              "block_stats", "matrix_error", "output_error_minilm", "decode_bench"]
@@ -288,6 +289,8 @@ def test_rewording_every_claim_changes_no_row_of_the_readme(tmp_path, monkeypatc
     def readme_rows() -> list[list[str]]:
         sections, _, _ = report.sections_of([tmp_path / n for n in names], notice=lambda text: None)
         assert all(v.key for s in sections for v in s.verdicts)
+        # every verdict is made from a claim its own command declares (the side-by-side table joins them)
+        assert all(CLAIMS[v.claim_id].command == s.command for s in sections if s.joined is None for v in s.verdicts)
         for s in sections:  # an id names one claim of a section: joins and folds read it alone
             keys = [v.key for v in s.verdicts]
             assert len(keys) == len(set(keys)), (s.title, sorted(k for k in set(keys) if keys.count(k) > 1))

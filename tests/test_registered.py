@@ -315,3 +315,60 @@ def test_the_gap_across_lengths_is_decided_as_registered(tmp_path):
     assert {v.status for v in missing} == {Status.NOT_MEASURED} and not table
     assert "confirm-L1024-v1: 5 of the 11 registered seeds" in missing[0].evidence
     assert across_lengths([official_rows(tmp_path / "o", {10: 0.04, 20: 0.02, 100: 0.01}, 1200)[1]]) == ([], [])
+
+
+# ---------------------------------------------------------------------------------------------
+# the answer the README opens its language-model part with
+
+
+def test_the_registered_answer_is_computed_from_the_primary_endpoints_and_opens_the_readme_part(tmp_path):
+    """The answer paragraph quotes each primary verdict's gap in bits per byte and in percent with its
+    interval; the paper-form table recomputes from the rows (seed means, seed-paired gaps, top-1) with a
+    verdict on the primary rows only; the caveats carry their numbers (the paper's L, each train run's
+    exact-ALiBi baseline, the last-20% fall against the margin); the README part is that answer, its
+    figure and a link (no verdict rows), in at most 40 lines. Before every seed is in: no lead."""
+    from poslsh_cli.app import publish
+    from poslsh_cli.experiments.perplexity.across import section
+    from poslsh_cli.experiments.perplexity.headline import TABLE_HEAD
+
+    run, df = confirm_rows(tmp_path, {10: 0.040, 20: 0.005, 100: 0.0})
+    g = np.random.default_rng(1)
+    df = df.assign(top1=0.4 + g.normal(0, 0.01, len(df)), trained_fall=df.run_seed * 0.001)
+    _, other = official_rows(tmp_path, {10: 0.04, 20: 0.02, 100: 0.01}, 2400)
+    sec = section([(run, df), (run.parent / "perplexity_official", other)])
+    primary = {v.numbers["s"]: v for v in sec.verdicts if v.key.startswith("primary/")}
+    first = sec.lead[0]
+    assert first.startswith("confirm-L256-v1 (L = 256, sigma = 8, T = 2400 steps, 11 seeds, margin 1%")
+    rows = pr.endpoint_rows(pd.concat([df]), "train_confirm", 2400)
+    alibi = rows[rows.position == "alibi"].groupby("run_seed").bits_per_byte.mean()
+    for s, v in primary.items():
+        p = rows[(rows.position == "poslsh") & (rows.trained_s == s)].groupby("run_seed").bits_per_byte.mean()
+        gap = float((p - alibi).mean())
+        assert v.numbers["gap"] == pytest.approx(gap)
+        assert f"s = {s} " in first and f"gap {gap:+.4f} bits per byte, {100 * gap / alibi.mean():+.2f}%" in first
+    assert "s = 10 does not reach it (NOT SUPPORTED" in first and "s = 100 reaches it (SUPPORTED" in first
+    table = next(t for t in sec.tables if list(t.columns) == TABLE_HEAD)
+    assert list(table.scheme) == ["no position", "RoPE", "exact ALiBi", "Positional LSH s = 10",
+                                  "Positional LSH s = 20", "Positional LSH s = 100"]
+    by = table.set_index("scheme")
+    assert by.loc["exact ALiBi", "verdict"] == "" and by.loc["RoPE", "verdict"] == ""
+    assert by.loc["Positional LSH s = 10", "verdict"] == "**NOT SUPPORTED**"
+    iv = stats.t.interval(0.90, 10, loc=alibi.mean(), scale=stats.sem(alibi))
+    assert by.loc["exact ALiBi", "bits per byte [90%]"] == f"{alibi.mean():.4f} [{iv[0]:.4f}, {iv[1]:.4f}] (11 seeds)"
+    top1 = rows[rows.position == "rope"].groupby("run_seed").top1.mean().mean()
+    assert by.loc["RoPE", "top-1 %"] == f"{100 * top1:.2f}"
+    caveats = "\n".join(sec.lead)
+    assert "L = 256 is 32x shorter than the paper's L = 8192" in caveats
+    assert f"{alibi.mean():.4f} (train_confirm, 2400 steps, 11 seeds)" in caveats and "(train_official, 2400" in caveats
+    fall = rows.drop_duplicates("checkpoint").trained_fall
+    assert f"still fell {fall.mean():.4f} bits per byte" in caveats and f"margin of {primary[10].numbers['margin']:.4f}" in caveats
+    # the README part: the answer, its figure, a link; no verdict rows; short
+    sec.figures = [tmp_path / "figures" / "registered_gap_vs_s_confirm-L256-v1.png"]
+    md = publish.glance_markdown([sec], tmp_path / "RESULTS.md", tmp_path)
+    part = md[md.index("**Language models"):]
+    assert sec.lead[0] in part and "![registered_gap_vs_s_confirm-L256-v1](figures/" in part
+    assert "| claim | verdict |" not in part and len(part.split("\n\n**")[0].splitlines()) <= 40
+    # an interim look: no lead, the part keeps its rows
+    _, few = confirm_rows(tmp_path / "few", {10: 0.04, 20: 0.005, 100: 0.0}, seeds=CONFIRM_L256.seeds[:4])
+    waiting = section([(tmp_path / "few" / "perplexity_confirm", few)])
+    assert not waiting.lead and "Not measured yet: 4 of the 11 registered seeds" in waiting.paragraphs[0]

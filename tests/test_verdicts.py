@@ -131,3 +131,65 @@ def test_enough_trials_pass_the_exact_law_and_reject_one_30_percent_wider():
     v = law_verdict(widths_table(1.0, 60, g))
     assert v.status is S and "power" in v.evidence, v
     assert law_verdict(widths_table(1.3, 60, g)).status is N
+
+
+# ---------------------------------------------------------------------------------------------
+# claims declared once (poslsh_cli.verdicts.declared)
+
+
+@pytest.fixture
+def declared():
+    """Claims declared by a test, removed from the registry after it."""
+    from poslsh_cli.verdicts.declared import CLAIMS
+
+    before = dict(CLAIMS)
+    yield CLAIMS
+    CLAIMS.clear()
+    CLAIMS.update(before)
+
+
+def test_a_claim_is_declared_once_and_every_verdict_of_it_carries_its_ids(declared):
+    """One declaration per id; a family's sentence, and only a family's, names its member; a verdict
+    gets the declared sentence with the run's fields, the rule with its numbers, the claim's id, and
+    for a family's member the family's id, sentence and member, with the tag after the sentence."""
+    from poslsh_cli.verdicts.claims import Groups
+    from poslsh_cli.verdicts.declared import Claim, Role
+
+    one = Claim("test/one", "bench", "a call at n={n} is fast", "at most {goal} s", metric="seconds",
+                sides=({"method": "exact"}, {"method": "poslsh", "s": "*"}))
+    with pytest.raises(ValueError, match="declared twice"):
+        Claim("test/one", "bench", "again")
+    with pytest.raises(ValueError, match="member"):
+        Claim("test/family", "bench", "no member here", family=True)
+    with pytest.raises(ValueError, match="member"):
+        Claim("test/not_family", "bench", "{member} is fast")
+    with pytest.raises(ValueError, match="baseline, compared"):
+        Claim("test/sides", "bench", "x", sides=({"method": "exact"},))
+    v = one.verdict(S, "0.1 s", n=1024, goal=0.5)
+    assert (v.claim, v.rule, v.key, v.claim_id, v.family) == ("a call at n=1024 is fast", "at most 0.5 s", "test/one",
+                                                                "test/one", "")
+    assert one.role is Role.EXPLORATORY and declared["test/one"] is one
+    fam = Claim("test/each_s", "bench", "Positional LSH {member} reaches exact ALiBi on {task}", "rule", family=True)
+    with pytest.raises(ValueError, match="names its member"):
+        fam.verdict(S, "")
+    m = fam.verdict(N, "gap", member="s=10", task="copy", tag="[600 steps]", group="copy")
+    assert m.claim == "Positional LSH s=10 reaches exact ALiBi on copy [600 steps]"
+    assert (m.key, m.family, m.member, m.tag) == ("test/each_s[s=10]", "test/each_s[copy]", "s=10", "[600 steps]")
+    assert m.family_text == "Positional LSH … reaches exact ALiBi on copy"
+    # a claim over groups through its declaration: the declared rule and how groups combine
+    g = Groups()
+    g.add(True, "L=256: 0.9x")
+    assert g.verdict(one, n=8, goal=1).rule == "at most 1 s; " + GROUPS_RULE
+    assert one.not_measured("no rows", n=8, goal=1).status is M
+
+
+def test_the_claims_command_lists_each_commands_declared_claims():
+    from conftest import poslsh
+
+    out = poslsh("claims", "decode-bench")
+    assert out.exit_code == 0
+    assert out.stdout.count("- **") == 2 and "decode_bench/kv_held" in out.stdout and "compares: position=poslsh" in out.stdout
+    every = poslsh("claims")
+    assert every.exit_code == 0 and every.stdout.count("- **") >= 45 and "**primary/reaches_alibi_s10** (perplexity, primary)" in every.stdout
+    bad = poslsh("claims", "nope")
+    assert bad.exit_code == 2 and "no command 'nope'" in bad.stderr

@@ -373,6 +373,19 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
         fail("plot", failed[0])
 
 
+@app.command("claims")
+@_helped
+def claims_cmd(command: Optional[str] = typer.Argument(None, help="one command's claims (e.g. bench)",
+                                                       show_default=False)) -> None:
+    """List the claims the commands judge: id, role, metric, the sides compared, the sentence and the rule."""
+    from poslsh_cli.verdicts.declared import CLAIMS, listing
+
+    known = registry.experiments()
+    if command is not None and command not in known:
+        fail("claims", f"no command {command!r}; the commands: {', '.join(sorted(known))}")
+    typer.echo(listing([c for c in CLAIMS.values() if command in (None, c.command)]))
+
+
 class _ClosedOk:
     """stdout that survives its reader going away (``poslsh ... | head``): once a write finds the pipe
     closed, the rest of the output goes nowhere and the command carries on to its end (a run keeps

@@ -337,6 +337,11 @@ def glance_markdown(sections: list, results_md: Path, base: Path) -> str:
     for (title, hi), lo in zip(PARTS, bounds):
         part = [s for s in sections if lo <= registry.get(s.command).order < hi]
         lines += [f"**{title}**", ""]
+        answering = next((s for s in part if s.lead), None)
+        if answering is not None:  # the part's question answered: its answer, table, caveats and figure
+            lines += answering.lead + [""] + [f"![{f.stem}]({os.path.relpath(f, base)})" for f in answering.figures[:1]]
+            lines.append("")
+            continue
         paired = next((s for s in part if s.joined is not None), None)
         if paired is not None:  # its table stands for the verdicts of the runs it sets side by side
             part = [s for s in part if s is paired or s.command != paired.command]

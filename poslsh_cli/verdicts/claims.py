@@ -48,6 +48,9 @@ class Verdict:
     member: str = field(default="", compare=False)
     #: what the claim is restricted to, shown after it ("[600 steps]"); verdicts of one family and tag fold
     tag: str = field(default="", compare=False)
+    #: the id of the claim's declaration (:class:`poslsh_cli.verdicts.declared.Claim`: its metric, sides
+    #: and role); a verdict's ``key`` adds the member or setting where one claim is judged several times
+    claim_id: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -83,6 +86,10 @@ class Section:
     #: several runs' verdicts joined on the claim's id (the side-by-side section), for readers that
     #: show them as a table
     joined: "Joined | None" = None
+    #: Markdown lines that answer the question of the section's part of the README (the registered
+    #: experiments' answer, table and caveats): the part then opens with them and its figure, and
+    #: its verdict rows stay in docs/RESULTS.md
+    lead: list[str] = field(default_factory=list)
 
     def add_table(self, head: list[str], rows: list[list[Any]]) -> None:
         """A table from a command's ``summary(df)`` (its header and rows)."""
@@ -162,13 +169,16 @@ class Groups:
             return Status.NOT_MEASURED
         return Status.SUPPORTED if all(s is Status.SUPPORTED for s in self.statuses) else Status.NOT_SUPPORTED
 
-    def verdict(self, claim: str, rule: str, *, key: str, none: str = "", lead: str = "", evidence: str | None = None,
-                every: bool = False) -> Verdict:
-        """The verdict of claim ``key`` (its sentence ``claim``); its evidence is ``evidence`` when given,
-        else ``lead`` and the groups' evidence joined by "; ", or ``none`` when there is none."""
+    def verdict(self, claim: Any, rule: str | None = None, *, none: str = "", lead: str = "",
+                evidence: str | None = None, every: bool = False, **fields: Any) -> Verdict:
+        """The verdict of ``claim`` (:class:`poslsh_cli.verdicts.declared.Claim`; ``rule``, else its
+        declared rule, and ``fields``, as its :meth:`~poslsh_cli.verdicts.declared.Claim.verdict` takes
+        them); its evidence is ``evidence`` when given, else ``lead`` and the groups' evidence joined by
+        "; ", or ``none`` when there is none."""
         if evidence is None:
             evidence = lead + "; ".join(self.evidence) if self.evidence else none
-        return Verdict(claim, self.status(every), evidence, rule if every else over_groups(rule), key=key)
+        rule = claim.rule_for(**fields) if rule is None else rule
+        return claim.verdict(self.status(every), evidence, rule=rule if every else over_groups(rule), **fields)
 
 
 # ---------------------------------------------------------------------------------------------

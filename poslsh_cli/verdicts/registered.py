@@ -100,6 +100,10 @@ CONFIRM_L1024 = dataclasses.replace(
     page="docs/PREREGISTRATION_L1024.md",
 )
 
+#: the paper's training length (its Qwen3 models, sigma = 256: sigma / L = 1/32, the ratio both
+#: registrations keep), against which the answer states its own
+PAPER_SEQ_LEN = 8192
+
 #: every registered experiment, by the run name of its training
 REGISTERED = {r.train_run: r for r in (CONFIRM_L256, CONFIRM_L1024)}
 

@@ -12,6 +12,7 @@ from poslsh_cli.experiments.measure import judge_load, overload_reason
 from poslsh_cli.numerics.methods import Method
 from poslsh_cli.numerics.metrics import fit_loglog_slope
 from poslsh_cli.verdicts.claims import TIME_RULE, Groups, Status, Verdict, time_status, upper_half
+from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.claims import crossover as crossover_of
 
 EXACT, POSLSH, WINDOWED, FIXED_BLOCK = (m.value for m in (Method.EXACT, Method.POSLSH, Method.WINDOWED,
@@ -31,6 +32,41 @@ ROOFLINE_N, ROOFLINE_S, ROOFLINE_FRACTION = 16384, 8, 0.25
 GPU_GOAL_N, GPU_GOAL_S = 131072, 8
 GPU_SPEEDUP_GOALS = {False: 8.0, True: 10.0}
 GPU_MEMORY_GOAL, SAMPLE_SHARE_GOAL = 1.5, 0.10
+
+
+ROOFLINE = Claim(
+    "bench/roofline", "bench",
+    f"Positional LSH on the plan's path reaches {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at "
+    f"n >= {ROOFLINE_N}, s >= {ROOFLINE_S}",
+    f"SUPPORTED when every Positional-LSH row on the plan's path with n >= {ROOFLINE_N} and s >= {ROOFLINE_S} has "
+    f"useful GFLOP/s (4 d per pair some mask keeps, over the end-to-end time with the masks drawn) at least "
+    f"{ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the same heads, head dimension and "
+    "direction (measured once in the run); NOT SUPPORTED when one is below; NOT MEASURED without such rows",
+    metric="fraction", sides=({"kernel": "flash, no bias"}, {"method": POSLSH, "s": f"{ROOFLINE_S} or more"}))
+NEAR_LINEAR = Claim("bench/near_linear", "bench", "Positional-LSH time grows near-linearly in n (Theorem 2.2)",
+                    TIME_RULE, metric="seconds")
+GPU_SPEEDUP = {backward: Claim(
+    f"bench/gpu_speedup[{what}]", "bench",
+    f"on CUDA, causal Positional LSH s={GPU_GOAL_S} is at least {goal:g}x faster than exact ALiBi at n={GPU_GOAL_N} "
+    f"({what}, the plan's paths)",
+    f"median end-to-end time of exact ALiBi (timed interleaved with Positional LSH: exact_seconds; else its own row) "
+    f"over Positional LSH s={GPU_GOAL_S} (masks drawn in the call) in one run; SUPPORTED when at least {goal:g}, else "
+    "NOT SUPPORTED; NOT MEASURED without both rows", metric="seconds",
+    sides=({"method": EXACT}, {"method": POSLSH, "s": GPU_GOAL_S}))
+    for backward, goal, what in ((b, g, "forward + backward" if b else "forward") for b, g in GPU_SPEEDUP_GOALS.items())}
+GPU_MEMORY = Claim(
+    "bench/gpu_memory", "bench",
+    f"on CUDA, Positional LSH's peak memory is at most {GPU_MEMORY_GOAL:g}x exact ALiBi's plus the masks' integers, at "
+    "every n and s",
+    f"per (n, causal, backward, s): peak allocator memory of the call over {GPU_MEMORY_GOAL:g} x exact's + 4 H s n "
+    "bytes; SUPPORTED when every one is at most 1, NOT SUPPORTED when one is above; NOT MEASURED without CUDA rows of "
+    "both", metric="peak_mem_mb", sides=({"method": EXACT}, {"method": POSLSH, "s": "*"}))
+GPU_MASK_SHARE = Claim(
+    "bench/gpu_mask_share", "bench",
+    f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of Positional LSH's "
+    "end-to-end time at the largest n",
+    f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at most "
+    f"{SAMPLE_SHARE_GOAL:.0%}, else NOT SUPPORTED; NOT MEASURED without CUDA rows", metric="sample_seconds / seconds")
 
 
 def crossover(df: Any, method: str, select: Callable[[Any], Any] | None = None) -> float:
@@ -77,24 +113,17 @@ def planned_rows(df: Any) -> Any:
 def claim_roofline(df: Any) -> Verdict:
     """Positional LSH on the plan's path from n = ROOFLINE_N on, with s >= ROOFLINE_S, reaches
     ROOFLINE_FRACTION of the machine's attainable attention throughput (both directions measured)."""
-    rule = (f"SUPPORTED when every Positional-LSH row on the plan's path with n >= {ROOFLINE_N} and s >= {ROOFLINE_S} "
-            f"has useful GFLOP/s (4 d per pair some mask keeps, over the end-to-end time with the masks drawn) at "
-            f"least {ROOFLINE_FRACTION:.0%} of the bias-free flash kernel's on a dense problem of the same heads, head "
-            "dimension and direction (measured once in the run); NOT SUPPORTED when one is below; NOT MEASURED "
-            "without such rows")
     p = planned_rows(df)
     rows = p[(p.method == POSLSH) & (p.n >= ROOFLINE_N) & (p.s >= ROOFLINE_S)]
-    claim = (f"Positional LSH on the plan's path reaches {ROOFLINE_FRACTION:.0%} of the flash kernel's throughput at "
-             f"n >= {ROOFLINE_N}, s >= {ROOFLINE_S}")
     if rows.empty or rows.fraction.isna().all():
-        return Verdict(claim, Status.NOT_MEASURED, f"no Positional-LSH rows of the plan's path with n >= {ROOFLINE_N}"
-                       f" and s >= {ROOFLINE_S}", rule, key="bench/roofline")
+        return ROOFLINE.not_measured(f"no Positional-LSH rows of the plan's path with n >= {ROOFLINE_N} and s >= "
+                                     f"{ROOFLINE_S}")
     worst = rows.loc[rows.fraction.idxmin()]
     ev = (f"lowest fraction {worst.fraction:.0%} (s={worst.s}, n={int(worst.n)}, "
           f"{'causal' if worst.causal else 'bidirectional'}, {worst.backend}); highest {rows.fraction.max():.0%}; "
           f"{len(rows)} rows")
-    return judge_load(Verdict(claim, Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else
-                              Status.NOT_SUPPORTED, ev, rule, key="bench/roofline"), rows)
+    return judge_load(ROOFLINE.verdict(Status.SUPPORTED if rows.fraction.min() >= ROOFLINE_FRACTION else
+                                       Status.NOT_SUPPORTED, ev), rows)
 
 
 def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
@@ -130,8 +159,7 @@ def claim_near_linear_time(df: Any) -> tuple[Verdict, list[str]]:
         if ns:
             fit = fit_loglog_slope(ex[ex.n.isin(ns)].n, ex[ex.n.isin(ns)].seconds)
             groups.add(None, f"{mode} exact: {fit.slope:.2f}")
-    verdict = groups.verdict("Positional-LSH time grows near-linearly in n (Theorem 2.2)", TIME_RULE,
-                             key="bench/near_linear", lead="log-log slopes over the larger n: ", none="no Positional-LSH rows")
+    verdict = groups.verdict(NEAR_LINEAR, lead="log-log slopes over the larger n: ", none="no Positional-LSH rows")
     verdict = judge_load(verdict, df[df.method.isin([POSLSH, EXACT])])
     return verdict, paragraphs
 
@@ -152,29 +180,17 @@ def claims_gpu(df: Any) -> list[Verdict]:
     out = []
     for backward, goal in GPU_SPEEDUP_GOALS.items():
         what = "forward + backward" if backward else "forward"
-        claim = (f"on CUDA, causal Positional LSH s={GPU_GOAL_S} is at least {goal:g}x faster than exact ALiBi at "
-                 f"n={GPU_GOAL_N} ({what}, the plan's paths)")
-        key = f"bench/gpu_speedup[{what}]"
-        rule = (f"median end-to-end time of exact ALiBi (timed interleaved with Positional LSH: exact_seconds; else "
-                f"its own row) over Positional LSH s={GPU_GOAL_S} (masks drawn in the call) in one run; SUPPORTED when "
-                f"at least {goal:g}, else NOT SUPPORTED; NOT MEASURED without both rows")
         sel = g[(g.n == GPU_GOAL_N) & g.causal.astype(bool) & (g.backward == backward)]
         ex, p = sel[sel.method == EXACT], sel[(sel.method == POSLSH) & (sel.s == GPU_GOAL_S)]
         if ex.empty or p.empty:
-            out.append(Verdict(claim, Status.NOT_MEASURED, f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}", rule,
-                               key=key))
+            out.append(GPU_SPEEDUP[backward].not_measured(f"no CUDA rows at n={GPU_GOAL_N}, causal, {what}"))
             continue
         exact = float(exact_time(sel).loc[p.index].median())
         r = exact / float(p.seconds.median())
-        out.append(judge_load(Verdict(claim, Status.SUPPORTED if r >= goal else Status.NOT_SUPPORTED,
-                                      f"exact {exact:.4g} s ({ex.backend.iloc[0]}), Positional LSH "
-                                      f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x", rule, key=key),
+        out.append(judge_load(GPU_SPEEDUP[backward].verdict(Status.SUPPORTED if r >= goal else Status.NOT_SUPPORTED,
+                                                            f"exact {exact:.4g} s ({ex.backend.iloc[0]}), Positional LSH "
+                                                            f"{p.seconds.median():.4g} s ({p.backend.iloc[0]}): {r:.2f}x"),
                               sel[sel.index.isin(ex.index) | sel.index.isin(p.index)]))
-    claim = (f"on CUDA, Positional LSH's peak memory is at most {GPU_MEMORY_GOAL:g}x exact ALiBi's plus the masks' "
-             "integers, at every n and s")
-    rule = (f"per (n, causal, backward, s): peak allocator memory of the call over {GPU_MEMORY_GOAL:g} x exact's + "
-            "4 H s n bytes; SUPPORTED when every one is at most 1, NOT SUPPORTED when one is above; NOT MEASURED "
-            "without CUDA rows of both")
     memory = Groups()
     for (n, causal, backward), gg in g.groupby(["n", "causal", "backward"]):
         ex = gg[gg.method == EXACT]
@@ -186,22 +202,16 @@ def claims_gpu(df: Any) -> list[Verdict]:
             memory.add(bool(r.peak_mem_mb <= allow),
                        f"n={n}{' causal' if causal else ''}{' fwd+bwd' if backward else ''} s={r.s}: "
                        f"{r.peak_mem_mb:.0f} / {exm:.0f} MiB = {r.peak_mem_mb / max(exm, 1e-9):.2f}x")
-    out.append(memory.verdict(claim, rule, key="bench/gpu_memory", every=True,
-                              none="no CUDA rows of exact ALiBi and Positional LSH"))
-    claim = (f"on CUDA, drawing the masks and building their layout take at most {SAMPLE_SHARE_GOAL:.0%} of "
-             "Positional LSH's end-to-end time at the largest n")
-    rule = (f"sample_seconds / seconds of every Positional-LSH row at the largest n; SUPPORTED when every one is at "
-            f"most {SAMPLE_SHARE_GOAL:.0%}, else NOT SUPPORTED; NOT MEASURED without CUDA rows")
+    out.append(memory.verdict(GPU_MEMORY, every=True, none="no CUDA rows of exact ALiBi and Positional LSH"))
     p = g[(g.method == POSLSH)]
     p = p[p.n == p.n.max()] if len(p) else p
     if p.empty:
-        out.append(Verdict(claim, Status.NOT_MEASURED, "no CUDA Positional-LSH rows", rule, key="bench/gpu_mask_share"))
+        out.append(GPU_MASK_SHARE.not_measured("no CUDA Positional-LSH rows"))
     else:
         share = p.sample_seconds / p.seconds
         ev = "; ".join(f"{'causal' if r.causal else 'bidirectional'}{' fwd+bwd' if r.backward else ''} s={r.s}: "
                        f"{r.sample_seconds * 1e3:.2f} of {r.seconds * 1e3:.2f} ms = {r.sample_seconds / r.seconds:.0%}"
                        for r in p.itertuples())
-        out.append(judge_load(Verdict(claim, Status.SUPPORTED if bool((share <= SAMPLE_SHARE_GOAL).all()) else
-                                      Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}", rule,
-                                      key="bench/gpu_mask_share"), p))
+        out.append(judge_load(GPU_MASK_SHARE.verdict(Status.SUPPORTED if bool((share <= SAMPLE_SHARE_GOAL).all()) else
+                                                     Status.NOT_SUPPORTED, f"n={int(p.n.iloc[0])}: {ev}"), p))
     return out

@@ -9,6 +9,7 @@ from typing import Any
 
 from poslsh_cli.numerics.metrics import fit_loglog_slope
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, slope_text
+from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import POWER
 
 
@@ -120,6 +121,15 @@ LAW_RULE = (f"Kolmogorov–Smirnov test of each (σ, s) group's largest widths a
             f"{POWER:g} at the group's number of values (simulated), else INCONCLUSIVE (too few trials to tell)")
 
 
+WIDTH_LAW = Claim("block_stats/width_law", "block-stats", "the largest width follows (1 − e^{{−t/σ}}(1 + t/σ))^s exactly",
+                  LAW_RULE, metric="max_width")
+REALISED = Claim("block_stats/realised_largest_block", "block-stats",
+                 "the realised largest block b_max follows the law of max ceil(δ_k)",
+                 "at least 90% of cells expected inside; NOT SUPPORTED when fewer is significant at 1%", metric="b_max")
+BOUNDED = Claim("block_stats/bounded_loglog", "block-stats",
+                "b_max / (σ log log n) stays bounded as n grows when s {grows}", BAND_RULE, metric="ratio")
+
+
 def exact_law_verdict(df: Any) -> Verdict:
     """The largest width against its exact law (:data:`LAW_RULE`): not rejecting the law supports
     it only when the test had the power to reject a law :data:`WIDER` times as wide."""
@@ -129,7 +139,6 @@ def exact_law_verdict(df: Any) -> Verdict:
     from poslsh_cli.numerics.sampling import derive_seed, width_max_cdf, width_max_draws
     from poslsh_cli.verdicts.stats import ks_power, ks_values_needed
 
-    claim = "the largest width follows (1 − e^{−t/σ}(1 + t/σ))^s exactly"
     groups = [(float(sigma), int(s), g) for (sigma, s), g in df.groupby(["sigma", "s"])]
     alpha = LAW_ALPHA / len(groups)
     rng = np.random.default_rng(derive_seed(0, "block-stats", "power"))
@@ -146,13 +155,13 @@ def exact_law_verdict(df: Any) -> Verdict:
     ev = (f"smallest Kolmogorov–Smirnov p-value {min(pvals):.3g} over {len(groups)} (σ, s) groups; power to reject "
           f"a law {WIDER - 1:.0%} wider {power:.2f} at {len(g)} values a group (the least, σ={sigma:g}, s={s})")
     if min(pvals) <= alpha:
-        return Verdict(claim, Status.NOT_SUPPORTED, ev, LAW_RULE, key="block_stats/width_law")
+        return WIDTH_LAW.verdict(Status.NOT_SUPPORTED, ev)
     if power >= POWER:
-        return Verdict(claim, Status.SUPPORTED, ev, LAW_RULE, key="block_stats/width_law")
+        return WIDTH_LAW.verdict(Status.SUPPORTED, ev)
     need = ks_values_needed(*law, alpha, rng, start=len(g))
     per_trial = max(1, len(g) // max(1, g.trial.nunique()))  # values a trial adds to the group (its n)
     ev += (f", below {POWER:g}: about {need} values a group reach it (trials={math.ceil(need / per_trial)})")
-    return Verdict(claim, Status.INCONCLUSIVE, ev, LAW_RULE, key="block_stats/width_law")
+    return WIDTH_LAW.verdict(Status.INCONCLUSIVE, ev)
 
 
 def report(run: Path, df: Any) -> Section:
@@ -171,18 +180,14 @@ def report(run: Path, df: Any) -> Section:
         inside = (df.b_max >= df.b_max_law_q05) & (df.b_max <= df.b_max_law_q95)
         k, m = int(inside.sum()), len(inside)
         p = float(stats.binom.cdf(k, m, 0.9))
-        sec.verdicts.append(Verdict(
-            "the realised largest block b_max follows the law of max ceil(δ_k)",
+        sec.verdicts.append(REALISED.verdict(
             Status.SUPPORTED if p > 0.01 else Status.NOT_SUPPORTED,
-            f"{k}/{m} cells ({k / m:.1%}) inside the law's 5–95% range; binomial lower-tail p = {p:.3g}",
-            "at least 90% of cells expected inside; NOT SUPPORTED when fewer is significant at 1%",
-            key="block_stats/realised_largest_block"))
+            f"{k}/{m} cells ({k / m:.1%}) inside the law's 5–95% range; binomial lower-tail p = {p:.3g}"))
     logs, fixed = df[df.s_per_log_n.notna()], df[df.s_per_log_n.isna()]
     # 3. s ~ log n: b_max / (sigma log log n) bounded
     if logs.empty:
-        sec.verdicts.append(Verdict("b_max / (σ log log n) stays bounded as n grows when s grows like log n",
-                                    Status.NOT_MEASURED, "this run keeps s fixed (run experiment=block_stats_loglog_paper)",
-                                    BAND_RULE, key="block_stats/bounded_loglog"))
+        sec.verdicts.append(BOUNDED.not_measured("this run keeps s fixed (run experiment=block_stats_loglog_paper)",
+                                                 grows="grows like log n"))
     else:
         groups = Groups()
         for sigma, g in logs.groupby("sigma"):
@@ -196,8 +201,7 @@ def report(run: Path, df: Any) -> Section:
                       f"{med.iloc[-1]:.2f} at n=2^{math.log2(med.index[-1]):.0f}, band ×{band:.2f} "
                       f"(exact law ×{law.max() / law.min():.2f})")
         c = float(logs.s_per_log_n.iloc[0])
-        sec.verdicts.append(groups.verdict(f"b_max / (σ log log n) stays bounded as n grows when s = ⌈{c:g} ln n⌉",
-                                           BAND_RULE, key="block_stats/bounded_loglog"))
+        sec.verdicts.append(groups.verdict(BOUNDED, grows=f"= ⌈{c:g} ln n⌉"))
     # fixed s: does b_max grow with n? (its law does not depend on n)
     for (sigma, s), g in fixed.groupby(["sigma", "s"]):
         if g.n.nunique() < 2:

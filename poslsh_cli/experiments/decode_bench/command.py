@@ -32,7 +32,8 @@ from poslsh_cli.lm.loading import Arch, arch_key
 from poslsh_cli.attention.scheme import Position, SchemeKeys, model_label, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.numerics.sampling import derive_seed
-from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict
+from poslsh_cli.verdicts.claims import Groups, Section, Verdict
+from poslsh_cli.verdicts.declared import Claim
 
 COLUMNS = ("context", "position", "s", "batch", "prefill_seconds", "token_seconds", "tokens_per_s", "kv_bytes",
            "kv_tokens", "full_kv_bytes", "attention_path", "params", "device", "new_tokens", "sigmas",
@@ -42,8 +43,15 @@ ALIBI, WINDOWED, POSLSH = Position.ALIBI.value, Position.WINDOWED.value, Positio
 #: Goals at the longest context measured (at least GOAL_CONTEXT): Positional LSH holds at most
 #: 1/KV_GOAL of exact ALiBi's keys and values and decodes at least SPEED_GOAL times as fast.
 GOAL_CONTEXT, KV_GOAL, SPEED_GOAL = 65536, 8.0, 4.0
-#: the ids of its two claims
-KV_KEY, SPEED_KEY = "decode_bench/kv_held", "decode_bench/decodes_faster"
+KV_HELD = Claim("decode_bench/kv_held", "decode-bench",
+                f"Positional-LSH decoding holds at most 1/{KV_GOAL:g} of exact ALiBi's keys and values",
+                f"keys and values held while decoding, poslsh over alibi, at the longest context >= {GOAL_CONTEXT}",
+                metric="kv_bytes", sides=({"position": ALIBI}, {"position": POSLSH, "s": "*"}))
+DECODES_FASTER = Claim("decode_bench/decodes_faster", "decode-bench",
+                       f"Positional LSH decodes at least {SPEED_GOAL:g}x as fast as exact ALiBi",
+                       f"median seconds per decoded token, alibi (decoding interleaved with poslsh, token for token) "
+                       f"over poslsh, at the longest context >= {GOAL_CONTEXT}", metric="tokens_per_s",
+                       sides=({"position": ALIBI}, {"position": POSLSH, "s": "*"}))
 
 
 @dataclass(frozen=True)
@@ -193,15 +201,9 @@ def report(run: Path, df: Any) -> Section:
 def claims(df: Any) -> list[Verdict]:
     """Positional LSH against exact ALiBi at the longest context measured (from GOAL_CONTEXT on)."""
     both = [n for n, g in df.groupby("context") if {ALIBI, POSLSH} <= set(g.position)]
-    rule_kv = f"keys and values held while decoding, poslsh over alibi, at the longest context >= {GOAL_CONTEXT}"
-    rule_speed = (f"median seconds per decoded token, alibi (decoding interleaved with poslsh, token for token) over "
-                  f"poslsh, at the longest context >= {GOAL_CONTEXT}")
-    kv_claim = f"Positional-LSH decoding holds at most 1/{KV_GOAL:g} of exact ALiBi's keys and values"
-    speed_claim = f"Positional LSH decodes at least {SPEED_GOAL:g}x as fast as exact ALiBi"
     if not both or max(both) < GOAL_CONTEXT:
         why = f"needs alibi and poslsh rows at a context of at least {GOAL_CONTEXT}"
-        return [Verdict(kv_claim, Status.NOT_MEASURED, why, rule_kv, key=KV_KEY),
-                Verdict(speed_claim, Status.NOT_MEASURED, why, rule_speed, key=SPEED_KEY)]
+        return [KV_HELD.not_measured(why), DECODES_FASTER.not_measured(why)]
     n = max(both)
     g = df[df.context == n]
     a = g[g.position == ALIBI].iloc[0]
@@ -213,8 +215,8 @@ def claims(df: Any) -> list[Verdict]:
                                           f"{a.kv_bytes / 2**20:.2f} MiB = 1/{1 / kv:.0f}")
         speeds.add(bool(speed >= SPEED_GOAL), f"context {n}, s={int(r.s)}: {r.tokens_per_s:.1f} / "
                                               f"{beside:.1f} tokens/s = {speed:.2f}x")
-    return [held.verdict(kv_claim, rule_kv, key=KV_KEY, every=True),
-            judge_load(speeds.verdict(speed_claim, rule_speed, key=SPEED_KEY, every=True), g[g.position.isin([ALIBI, POSLSH])])]
+    return [held.verdict(KV_HELD, every=True),
+            judge_load(speeds.verdict(DECODES_FASTER, every=True), g[g.position.isin([ALIBI, POSLSH])])]
 
 
 def memory(spec: DecodeBenchSpec) -> MemoryNeed:

@@ -27,6 +27,8 @@ from poslsh_cli.lm import heldout_task
 from poslsh_cli.lm.checkpoint import checkpoints_of
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 from poslsh_cli.verdicts.claims import Section, Status, Verdict
+from poslsh_cli.verdicts.declared import Claim
+from poslsh_cli.verdicts.stats import MARGIN_FRACTION
 
 COLUMNS = ("checkpoint", "attention", "position", "s", "sampler", "draw", "seed", "task", "metric", "filter", "value",
            "stderr", "documents", "num_fewshot", "run_seed", "sigmas", "attn_dropout", "finetuned", "trained_run",
@@ -332,7 +334,10 @@ ACCURACY_RULE = ("non-inferiority, paired by training seed inside one train run,
                  "the difference of error rates (100 minus the accuracy in %, Positional LSH minus exact ALiBi); "
                  "margin = {fraction:.0%} of exact ALiBi's error rate (the one margin of every language-model metric); "
                  "the 90% t-interval ends below +margin: SUPPORTED, starts at or above it: NOT SUPPORTED, otherwise "
-                 "INCONCLUSIVE")
+                 "INCONCLUSIVE").format(fraction=MARGIN_FRACTION)
+REACHES_ALIBI = Claim("eval/reaches_alibi", "eval", "{member} reaches exact ALiBi's accuracy on {task}", ACCURACY_RULE,
+                      metric="error rate (100 - accuracy %)", sides=({"position": "alibi"}, {"position": "poslsh", "s": "*"}),
+                      family=True)
 
 
 def claim_reaches_alibi(df: Any) -> list[Verdict]:
@@ -340,9 +345,8 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
     the non-inferiority rule on the error rate in percentage points, paired by training seed, with the
     relative margin (:data:`~poslsh_cli.verdicts.stats.MARGIN_FRACTION` of exact ALiBi's error rate)."""
     from poslsh_cli.attention.scheme import model_label
-    from poslsh_cli.verdicts.stats import MARGIN_FRACTION, MIN_SEEDS, equivalence, paired, relative_margin
+    from poslsh_cli.verdicts.stats import MIN_SEEDS, equivalence, paired, relative_margin
 
-    rule = ACCURACY_RULE.format(fraction=MARGIN_FRACTION)
     d = _with_trained(df[(df.attention == "own") & (df.metric == "acc")])
     d = d[(d.finetuned == "no") & (d.attn_dropout == 0)]
     many = d.trained_run.nunique() > 1
@@ -357,23 +361,22 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
             where = ", ".join(t for t in (run if many else "", f"L={L}" if L else "", f"{steps} steps" if steps else "") if t)
             tag = ", ".join(t for t in (run if many and run else "",
                                         f"{steps} steps" if lengths.get(run, 1) > 1 else "") if t)
-            claim = f"{label} reaches exact ALiBi's accuracy on {task}" + (f" [{tag}]" if tag else "")
-            names = dict(key=f"eval/reaches_alibi[{label}, {task}{', ' + tag if tag else ''}]",
-                         family=f"eval/reaches_alibi[{task}]", family_text=f"… reaches exact ALiBi's accuracy on {task}",
+            names = dict(key=f"eval/reaches_alibi[{label}, {task}{', ' + tag if tag else ''}]", group=task, task=task,
                          member=label, tag=f"[{tag}]" if tag else "")
             if not len(ref) or iv.n < MIN_SEEDS:
-                out.append(Verdict(claim, Status.INCONCLUSIVE,
-                                   f"{iv.n} training seed(s) with both schemes, fewer than {MIN_SEEDS}", rule, **names))
+                out.append(REACHES_ALIBI.verdict(Status.INCONCLUSIVE,
+                                                 f"{iv.n} training seed(s) with both schemes, fewer than {MIN_SEEDS}",
+                                                 **names))
                 continue
             margin = relative_margin(float(ref.mean()))
             status, why = equivalence(iv, margin)
             why = why.replace(str(margin), f"{margin:.2f}")
             draws = int(h.groupby("run_seed").draw.nunique().max())
-            out.append(Verdict(claim, status, f"{where}: error rate of Positional LSH minus exact ALiBi's {iv.text(2)} "
-                               f"points (exact ALiBi {float(ref.mean()):.2f}%, margin {margin:.2f}: {why}); {iv.n} "
-                               f"training seeds, {draws} mask draws each, {int(h.documents.max())} questions", rule,
-                               {"unit": "% error", "margin": margin, "boundary": margin,
-                                "diff": iv.record()}, **names))
+            out.append(REACHES_ALIBI.verdict(
+                status, f"{where}: error rate of Positional LSH minus exact ALiBi's {iv.text(2)} points (exact ALiBi "
+                f"{float(ref.mean()):.2f}%, margin {margin:.2f}: {why}); {iv.n} training seeds, {draws} mask draws "
+                f"each, {int(h.documents.max())} questions",
+                {"unit": "% error", "margin": margin, "boundary": margin, "diff": iv.record()}, **names))
     return out
 
 

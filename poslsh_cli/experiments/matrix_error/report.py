@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.numerics.metrics import fit_loglog_slope
-from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, Verdict, asymptotic_fit,
+from poslsh_cli.verdicts.declared import Claim
+from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, asymptotic_fit,
                                         decay_status, few, fmt, slope_text)
 
 
@@ -188,10 +189,9 @@ def report(run: Path, df: Any) -> Section:
                      "spectral_rel at s_max": fmt(top.spectral_rel.mean()), "max_err at s_max": fmt(top.max_err.mean())})
     sec.tables.append(pd.DataFrame(rows))
     if spec_groups.statuses:
-        for claim, groups, key in (("spectral error decays like s^-1/2", spec_groups, "matrix_error/spectral_decay"),
-                                   ("max-norm error decays like s^-1/2", max_groups, "matrix_error/max_decay")):
-            sec.verdicts.append(groups.verdict(claim, DECAY_RULE, key=key, evidence=f"(n, σ) groups: {groups.tally()}; "
-                                                                           f"slopes {few(groups.evidence)}"))
+        for claim, groups in ((SPECTRAL_DECAY, spec_groups), (MAX_DECAY, max_groups)):
+            sec.verdicts.append(groups.verdict(claim, evidence=f"(n, σ) groups: {groups.tally()}; "
+                                                               f"slopes {few(groups.evidence)}"))
         a, b = float(np.nanmedian(all_max)), float(np.nanmedian(asym_max))
         if math.isfinite(a) and math.isfinite(b):
             word = "shallower" if a > b else "steeper" if a < b else "the same"
@@ -201,9 +201,7 @@ def report(run: Path, df: Any) -> Section:
                 text += " With few samples M̃ takes only the values k/s, so the largest entrywise gap stays near 1."
             sec.paragraphs.append(text)
     elif not dense_check:
-        sec.verdicts.append(Verdict("spectral error decays like s^-1/2", Status.NOT_MEASURED,
-                                    f"fewer than three s ≥ {ASYMPTOTIC_S} in every (n, σ)", DECAY_RULE,
-                                    key="matrix_error/spectral_decay"))
+        sec.verdicts.append(SPECTRAL_DECAY.not_measured(f"fewer than three s ≥ {ASYMPTOTIC_S} in every (n, σ)"))
     _report_theorem(sec, main)
     if len(samplers) > 1:
         _report_samplers(sec, every)
@@ -235,6 +233,19 @@ def _report_samplers(sec: Section, df: Any) -> None:
 THEOREM_RULE = ("holds: in every (n, σ, s) cell the mean over trials of the certified upper end of ‖L* − M̃‖₂ "
                 "(spectral_err_bound; dense: the exact value) is at most Ψσ (√(ln n / s) + ln n / s); "
                 "tightness = that mean / the bound")
+
+
+SPECTRAL_DECAY = Claim("matrix_error/spectral_decay", "matrix-error", "spectral error decays like s^-1/2", DECAY_RULE,
+                       metric="spectral_err")
+MAX_DECAY = Claim("matrix_error/max_decay", "matrix-error", "max-norm error decays like s^-1/2", DECAY_RULE,
+                  metric="max_err")
+EXPECTATION_BOUND = Claim("matrix_error/expectation_bound", "matrix-error",
+                          "Theorem 2.1's expectation bound holds in every cell", THEOREM_RULE, metric="spectral_err_bound")
+FAST_EQUALS_DENSE = Claim("matrix_error/fast_equals_dense", "matrix-error",
+                          "the O(n) fast path equals the dense float64 reference",
+                          "relative spectral difference at most the certified interval's width ({tol}), the dense "
+                          "value inside the interval, and max norms equal bit for bit", metric="spectral_err",
+                          sides=({"method": "dense"}, {"method": "fast"}))
 
 
 def theorem_cells(df: Any) -> Any:
@@ -284,9 +295,7 @@ def _report_theorem(sec: Section, df: Any) -> None:
         worst = bad.loc[bad.tightness.idxmax()]
         evidence += (f"; exceeded at e.g. n={int(worst.n)} σ={worst.sigma:g} s={int(worst.s)}: "
                      f"{worst.mean_err:.4g} > {worst.bound:.4g}")
-    sec.verdicts.append(Verdict("Theorem 2.1's expectation bound holds in every cell",
-                                Status.SUPPORTED if holds.all() else Status.NOT_SUPPORTED, evidence, THEOREM_RULE,
-                                key="matrix_error/expectation_bound"))
+    sec.verdicts.append(EXPECTATION_BOUND.verdict(Status.SUPPORTED if holds.all() else Status.NOT_SUPPORTED, evidence))
     sec.details.append(("Theorem 2.1 per cell: mean certified error, expectation bound, tail bound at the mean error, "
                         "s needed", cells))
 
@@ -307,11 +316,9 @@ def _report_dense_check(sec: Section, df: Any) -> None:
         d = piv["spectral_err"]["dense"]
         inside = bool((d.reindex(b.index).dropna() <= b.reindex(d.index).dropna() * (1 + 1e-12)).all())
     ok = ok and inside
-    sec.verdicts.append(Verdict(
-        "the O(n) fast path equals the dense float64 reference", Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
+    sec.verdicts.append(FAST_EQUALS_DENSE.verdict(
+        Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
         f"largest relative spectral difference {rel.max():.2g} over {len(rel)} cells; dense inside every certified "
-        f"interval: {inside}; max norm bit-identical: {exact}",
-        f"relative spectral difference at most the certified interval's width ({tol:g}), the dense value inside "
-        "the interval, and max norms equal bit for bit", key="matrix_error/fast_equals_dense"))
+        f"interval: {inside}; max norm bit-identical: {exact}", tol=f"{tol:g}"))
     sec.paragraphs.append("Dense time over fast time (median over cells): "
                           + ", ".join(f"n={n}: {x:.1f}x" for n, x in speed.items()) + ".")

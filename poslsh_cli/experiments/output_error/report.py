@@ -7,9 +7,19 @@ import math
 from pathlib import Path
 from typing import Any
 
-from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, Verdict, asymptotic_fit,
+from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, asymptotic_fit,
                                         decay_status, few, fmt, slope_text)
 from poslsh_cli.numerics.methods import INFO, Method, baselines
+from poslsh_cli.verdicts.declared import Claim
+
+DECAY = Claim("output_error/decay", "output-error", "output error falls like s^-1/2",
+              DECAY_RULE + "; per layer, on the median over heads", metric="rel_fro")
+#: per baseline method with no window: Positional LSH at its largest s beats it
+BEATS = {m: Claim(f"output_error/beats_{m.value}", "output-error",
+                  f"at the largest s Positional LSH is more accurate than the {m.value} baseline",
+                  "median over heads at s={smax} below the baseline's median, in every layer", metric="rel_fro",
+                  sides=({"method": m.value}, {"method": Method.POSLSH.value, "s": "largest"}))
+         for m in baselines() if INFO[m].params != "window"}
 
 POSLSH = Method.POSLSH.value
 #: The method name of the rows that measure an ALiBi model's own attention against exact ALiBi.
@@ -164,20 +174,15 @@ def report(run: Path, df: Any) -> Section:
                           "‖T* − T̃‖_F / ‖T*‖_F against exact ALiBi (float64).")
     sec.tables.append(pd.DataFrame(rows))
     if p_all.empty:
-        sec.verdicts.append(Verdict("output error falls like s^-1/2", Status.NOT_MEASURED, "no Positional-LSH rows",
-                                    DECAY_RULE, key="output_error/decay"))
+        sec.verdicts.append(DECAY.not_measured("no Positional-LSH rows"))
         return sec
     slopes = f"; slopes {few(decay.evidence)}" if decay.evidence else f"; fewer than three s ≥ {ASYMPTOTIC_S}"
-    sec.verdicts.append(decay.verdict("output error falls like s^-1/2", DECAY_RULE + "; per layer, on the median over "
-                                      "heads", key="output_error/decay",
-                                      evidence=f"layers: {decay.tally()}{slopes}"))
+    sec.verdicts.append(decay.verdict(DECAY, evidence=f"layers: {decay.tally()}{slopes}"))
     smax = int(p_all.s.max())
     for m in (m for m in baselines() if INFO[m].params != "window"):
         layers = beats.get(m, Groups())
         won = f"{layers.statuses.count(Status.SUPPORTED)}/{len(layers.statuses)} layers" if layers.statuses else None
-        sec.verdicts.append(layers.verdict(f"at the largest s Positional LSH is more accurate than the {m.value} baseline",
-                                           f"median over heads at s={smax} below the baseline's median, in every layer",
-                                           key=f"output_error/beats_{m.value}", every=True, evidence=won,
+        sec.verdicts.append(layers.verdict(BEATS[m], every=True, evidence=won, smax=smax,
                                            none=f"no {m.value} rows in this run (baselines=)"))
     for m in (m for m in present if INFO[m].params == "window"):
         win = df[df.method == m.value]

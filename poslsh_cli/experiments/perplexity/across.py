@@ -24,6 +24,7 @@ from poslsh_cli.experiments.perplexity.registered import endpoint_rows, not_as_r
 from poslsh_cli.experiments.perplexity.registered import section as registered_section
 from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.declared import Claim, Role
 from poslsh_cli.verdicts.stats import t_interval
 from poslsh_cli.verdicts.registered import ACROSS_L, AcrossLengths, Difference, Primary, Registration, holm, welch
 
@@ -67,15 +68,10 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
     if not {spec.short.train_run, spec.long.train_run} & runs:
         return [], []
     (short, why_short), (long_, why_long) = _rows(df, spec.short), _rows(df, spec.long)
-    rule = (f"registered in {spec.long.page} ({spec.long.name}, commit {spec.long.commit[:10]}): per s, "
-            f"D = mean relative gap (gap / exact ALiBi's bits per byte, per seed) at L={spec.long.seq_len} minus at "
-            f"L={spec.short.seq_len}, Welch's t; Holm over the {len(spec.ids)} values of s at {spec.alpha:.0%} in each "
-            f"direction: D <= 0 rejected, SUPPORTED (grows); D >= {spec.bound:.0%} rejected and D <= 0 not, "
-            "NOT SUPPORTED (does not grow by more than that); otherwise INCONCLUSIVE")
-    claims = [_claim(p, spec) for p in spec.long.primary]
+    claims = [ACROSS[i] for i in spec.ids]
     why = "; ".join(f"{r.name}: {w}" for r, w in ((spec.short, why_short), (spec.long, why_long)) if w)
     if why:
-        return [Verdict(c, Status.NOT_MEASURED, why, rule, key=f"across/{i}") for c, i in zip(claims, spec.ids)], []
+        return [c.not_measured(why) for c in claims], []
     gaps = {}
     for ps, pl in zip(spec.short.primary, spec.long.primary):
         a = relative_gaps(short, ps)
@@ -85,7 +81,7 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
     above = holm({str(s): t.p_above for s, t in tests.items()}, spec.alpha)
     below = holm({str(s): t.p_below for s, t in tests.items()}, spec.alpha)
     out, table = [], []
-    for (s, t), claim, key in zip(tests.items(), claims, spec.ids):
+    for (s, t), claim in zip(tests.items(), claims):
         grows, within = above[str(s)].rejected, below[str(s)].rejected
         status = Status.SUPPORTED if grows else Status.NOT_SUPPORTED if within else Status.INCONCLUSIVE
         reading = ("grows, by less than " if grows and within else "grows" if grows else
@@ -96,7 +92,7 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
               f"{100 * np.mean(gaps[s][0]):+.2f}% at L={spec.short.seq_len}, {100 * np.mean(gaps[s][1]):+.2f}% at "
               f"L={spec.long.seq_len}; Holm-adjusted p {above[str(s)].adjusted:.4f} (grows), "
               f"{below[str(s)].adjusted:.4f} (within {spec.bound:.0%})")
-        out.append(Verdict(claim, status, ev, rule, _numbers(s, t, gaps[s], spec), key=f"across/{key}"))
+        out.append(claim.verdict(status, ev, _numbers(s, t, gaps[s], spec)))
         table.append([f"Positional LSH s = {s}", *(_cell(g) for g in gaps[s]), _interval(t), reading])
     return out, table
 
@@ -104,9 +100,22 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
 TABLE_HEAD = ["scheme", "relative gap at L = 256", "relative gap at L = 1024", "D (1024 - 256)", "reading"]
 
 
-def _claim(p: Primary, spec: AcrossLengths) -> str:
-    return (f"registered ({spec.long.name}): the gap of Positional LSH s={p.s} to exact ALiBi, relative to exact "
-            f"ALiBi's bits per byte, grows from L={spec.short.seq_len} to L={spec.long.seq_len}")
+def _claim(p: Primary, key: str, spec: AcrossLengths) -> Claim:
+    return Claim(
+        f"across/{key}", "perplexity",
+        f"registered ({spec.long.name}): the gap of Positional LSH s={p.s} to exact ALiBi, relative to exact ALiBi's "
+        f"bits per byte, grows from L={spec.short.seq_len} to L={spec.long.seq_len}",
+        f"registered in {spec.long.page} ({spec.long.name}, commit {spec.long.commit[:10]}): per s, D = mean relative "
+        f"gap (gap / exact ALiBi's bits per byte, per seed) at L={spec.long.seq_len} minus at L={spec.short.seq_len}, "
+        f"Welch's t; Holm over the {len(spec.ids)} values of s at {spec.alpha:.0%} in each direction: D <= 0 rejected, "
+        f"SUPPORTED (grows); D >= {spec.bound:.0%} rejected and D <= 0 not, NOT SUPPORTED (does not grow by more than "
+        "that); otherwise INCONCLUSIVE", metric="relative gap in bits_per_byte", role=Role.PRIMARY,
+        sides=({"position": p.control, "seq_len": spec.short.seq_len}, {"position": p.treatment, "s": p.s,
+                                                                         "seq_len": spec.long.seq_len}))
+
+
+#: the registered claims across lengths, by their ids (one per s)
+ACROSS = {key: _claim(p, key, ACROSS_L) for p, key in zip(ACROSS_L.long.primary, ACROSS_L.ids)}
 
 
 def _cell(values: list) -> str:

@@ -15,7 +15,6 @@ training").
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -23,10 +22,11 @@ from typing import Any, Optional
 import numpy as np
 
 from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
                                       difference, equivalence, on_seeds, paired, paired_windows, relative_margin,
-                                      seeds_to_decide, slope)
+                                      seeds_to_decide)
 
 #: the ``attention`` value of a model run as trained (the one definition: perplexity's rows, report and claims)
 OWN = "own"
@@ -79,6 +79,29 @@ EQUIVALENCE_RULE = equivalence_rule("bits per byte")
 BETTER_RULE = (DIFFERENCE_RULE + f"; where the run also trained the schemes for half the steps, the verdict stands only "
                f"if the seed-paired gap moved by less than half the margin ({MARGIN_FRACTION:.0%} of exact ALiBi's "
                "value) between the two lengths of training (else INCONCLUSIVE)")
+
+_ANY_S = {"position": POSLSH, "s": "*"}
+_REF_S = {"position": POSLSH, "s": "reference"}
+#: from scratch, Positional LSH (each s) reaches exact ALiBi on a metric: one family per metric
+REACHES = {m.column: Claim(f"scratch/reaches_alibi/s/{m.column}", "perplexity",
+                           "from scratch, Positional LSH {member} reaches the " + what + " of exact ALiBi",
+                           equivalence_rule(m.unit), metric=m.column, sides=({"position": ALIBI}, _ANY_S), family=True)
+           for m, what in ((BPB, "bits per byte"), (TOP1_MISS, "top-1 accuracy"))}
+BEATS_NONE = Claim("scratch/better_than_none/reference_s", "perplexity",
+                   "from scratch, Positional LSH s={s} beats the model without positional information", BETTER_RULE,
+                   metric="bits_per_byte or top1_miss", sides=({"position": NONE}, _REF_S))
+#: the paper's baselines, where they were trained
+BEATS_BASELINE = {pos: Claim(f"scratch/better_than_{pos}/reference_s", "perplexity",
+                             "from scratch, Positional LSH s={s} is better than " + name, BETTER_RULE,
+                             metric="bits_per_byte or top1_miss", sides=({"position": pos}, _REF_S))
+                  for pos, name in ((ROPE, "the original RoPE model"), (FIXED_BLOCK, "fixed blocks"))}
+BEATS_ALIBI = Claim("scratch/better_than_alibi/reference_s", "perplexity",
+                    "from scratch, Positional LSH s={s} is better than exact ALiBi", BETTER_RULE,
+                    metric="bits_per_byte or top1_miss", sides=({"position": ALIBI}, _REF_S))
+BEATS_ALIBI_DROPOUT = Claim("scratch/better_than_alibi_dropout/reference_s", "perplexity",
+                            "from scratch, Positional LSH s={s} is better than exact ALiBi trained with attention "
+                            "dropout{dropout}", BETTER_RULE, metric="bits_per_byte or top1_miss",
+                            sides=({"position": ALIBI, "dropout": "> 0"}, _REF_S))
 
 
 def with_top1_miss(rows: Any) -> Any:
@@ -268,18 +291,19 @@ def _absent(d: Data, length: int, *schemes: Arm) -> str:
     return f"no {' or '.join(sc.label for sc in schemes if not d.present(sc, length))} models evaluated at L={length}"
 
 
-def judged_equivalent(d: Data, claim: str, a: Arm, b: Arm, length: int, key: str = "") -> Verdict:
+def judged_equivalent(d: Data, claim: Claim, a: Arm, b: Arm, length: int, key: str = "", **fields: Any) -> Verdict:
+    """``a`` reaches ``b`` on ``d``'s metric (the relative non-inferiority margin), as ``claim`` (its
+    ``fields`` and member) under ``key`` (default the claim's id) with the metric's column added."""
     rule = EQUIVALENCE_RULE if d.metric is BPB else equivalence_rule(d.metric.unit)
-    key = _key(key or f"{a.label} reaches {b.label}", d)
+    said = dict(rule=rule, key=_key(key or claim.id, d), **fields)
     if not (d.present(a, length) and d.present(b, length)):
-        return Verdict(claim, Status.NOT_MEASURED, _absent(d, length, a, b), rule, key=key)
+        return claim.not_measured(_absent(d, length, a, b), **said)
     margin = d.margin
     if not (margin == margin):
-        return Verdict(claim, Status.NOT_MEASURED, f"no exact-ALiBi model at L={length} to scale the margin", rule,
-                       key=key)
+        return claim.not_measured(f"no exact-ALiBi model at L={length} to scale the margin", **said)
     iv, basis = d.compare(a, b, length, 0.90)
     if iv is None:
-        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", rule, key=key)
+        return claim.verdict(Status.INCONCLUSIVE, f"L={length}: {basis}", **said)
     status, why = equivalence(iv, margin)
     status = on_seeds(status, iv)
     why = why.replace(str(margin), f"{margin:.4f}")
@@ -289,18 +313,19 @@ def judged_equivalent(d: Data, claim: str, a: Arm, b: Arm, length: int, key: str
         status, decide = Status.INCONCLUSIVE, ""
     ev = (_evidence(d, a, b, length, iv, basis) + f"; margin {margin:.4f} ({MARGIN_FRACTION:.0%} of {b.label}'s) "
           f"({why}); {moved}" + decide)
-    return Verdict(claim, status, ev, rule, _numbers(d, a, b, length, iv, margin, margin), key=key)
+    return claim.verdict(status, ev, _numbers(d, a, b, length, iv, margin, margin), **said)
 
 
-def judged_better(d: Data, claim: str, worse: Arm, better: Arm, length: int, key: str = "") -> Verdict:
+def judged_better(d: Data, claim: Claim, worse: Arm, better: Arm, length: int, key: str = "", **fields: Any) -> Verdict:
     """``better`` has lower bits per byte than ``worse``: the interval of better - worse below 0 (every
-    difference a report shows is the claim's scheme minus the other, as "reaches" shows it)."""
-    key = _key(key or f"{better.label} better than {worse.label}", d)
+    difference a report shows is the claim's scheme minus the other, as "reaches" shows it); ``claim``,
+    ``key`` and ``fields`` as :func:`judged_equivalent` takes them."""
+    said = dict(rule=BETTER_RULE, key=_key(key or claim.id, d), **fields)
     if not (d.present(worse, length) and d.present(better, length)):
-        return Verdict(claim, Status.NOT_MEASURED, _absent(d, length, better, worse), BETTER_RULE, key=key)
+        return claim.not_measured(_absent(d, length, better, worse), **said)
     iv, basis = d.compare(better, worse, length, 0.95)
     if iv is None:
-        return Verdict(claim, Status.INCONCLUSIVE, f"L={length}: {basis}", BETTER_RULE, key=key)
+        return claim.verdict(Status.INCONCLUSIVE, f"L={length}: {basis}", **said)
     status = on_seeds(difference(iv, "negative"), iv)
     margin = d.margin
     decide = "" if d.estimate else _decide(iv, 0.0, status, margin)
@@ -308,7 +333,7 @@ def judged_better(d: Data, claim: str, worse: Arm, better: Arm, length: int, key
     if settled is False:
         status, decide = Status.INCONCLUSIVE, ""
     ev = _evidence(d, better, worse, length, iv, basis) + f"; {moved}" + decide
-    return Verdict(claim, status, ev, BETTER_RULE, _numbers(d, better, worse, length, iv, margin, 0.0), key=key)
+    return claim.verdict(status, ev, _numbers(d, better, worse, length, iv, margin, 0.0), **said)
 
 
 def poslsh_s(d: Data) -> list[int]:
@@ -324,31 +349,27 @@ def reference_s(d: Data) -> Optional[int]:
 # from scratch
 
 
-def _reaches_each_s(d: Data, what: str) -> list[Verdict]:
-    """From scratch, Positional LSH (each s) reaches exact ALiBi's ``what``: one family, its members the s."""
-    text = "from scratch, Positional LSH {} reaches the " + what + " of exact ALiBi"
-    return [dataclasses.replace(judged_equivalent(d, text.format(f"s={s}"), Arm(POSLSH, s), Arm(ALIBI), d.L,
-                                                  key=f"scratch/reaches_alibi/s={s}"),
-                                family=f"scratch/reaches_alibi/s/{d.metric.column}", family_text=text.format("…"),
-                                member=f"s={s}") for s in poslsh_s(d)]
+def _reaches_each_s(d: Data) -> list[Verdict]:
+    """From scratch, Positional LSH (each s) reaches exact ALiBi on ``d``'s metric: one family, its members the s."""
+    return [judged_equivalent(d, REACHES[d.metric.column], Arm(POSLSH, s), Arm(ALIBI), d.L,
+                              key=f"scratch/reaches_alibi/s={s}", member=f"s={s}") for s in poslsh_s(d)]
 
 
 def claim_reaches_alibi(d: Data) -> list[Verdict]:
     """From scratch, Positional LSH (each s) reaches the bits per byte of exact ALiBi."""
-    return _reaches_each_s(d, "bits per byte")
+    return _reaches_each_s(d)
 
 
 def claim_reaches_alibi_accuracy(d: Data) -> list[Verdict]:
     """The same on the top-1 next-token accuracy (``d`` judged on :data:`TOP1_MISS`)."""
-    return _reaches_each_s(d, "top-1 accuracy")
+    return _reaches_each_s(d)
 
 
 def claim_beats_no_bias(d: Data) -> list[Verdict]:
     s = reference_s(d)
     if s is None:
         return []
-    return [judged_better(d, f"from scratch, Positional LSH s={s} beats the model without positional information",
-                          Arm(NONE), Arm(POSLSH, s), d.L, key="scratch/better_than_none/reference_s")]
+    return [judged_better(d, BEATS_NONE, Arm(NONE), Arm(POSLSH, s), d.L, s=s)]
 
 
 def claim_beats_original_and_fixed_blocks(d: Data) -> list[Verdict]:
@@ -357,9 +378,7 @@ def claim_beats_original_and_fixed_blocks(d: Data) -> list[Verdict]:
     s = reference_s(d)
     if s is None:
         return []
-    return [judged_better(d, f"from scratch, Positional LSH s={s} is better than {name}", Arm(pos), Arm(POSLSH, s),
-                          d.L, key=f"scratch/better_than_{pos}/reference_s")
-            for pos, name in ((ROPE, "the original RoPE model"), (FIXED_BLOCK, "fixed blocks"))
+    return [judged_better(d, claim, Arm(pos), Arm(POSLSH, s), d.L, s=s) for pos, claim in BEATS_BASELINE.items()
             if d.present(Arm(pos), d.L)]
 
 
@@ -369,82 +388,15 @@ def claim_beats_alibi(d: Data) -> list[Verdict]:
     s = reference_s(d)
     if s is None:
         return []
-    out = [judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi", Arm(ALIBI),
-                         Arm(POSLSH, s), d.L, key="scratch/better_than_alibi/reference_s")]
+    out = [judged_better(d, BEATS_ALIBI, Arm(ALIBI), Arm(POSLSH, s), d.L, s=s)]
     drops = sorted(float(x) for x in d.rows[(d.rows.position == ALIBI)].get("attn_dropout", []) if x and x == x)
     if not drops:
-        out.append(Verdict(f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with attention "
-                           "dropout", Status.NOT_MEASURED, "no alibi model trained with attn_dropout > 0",
-                           DIFFERENCE_RULE, key=_key("scratch/better_than_alibi_dropout/reference_s", d)))
+        out.append(BEATS_ALIBI_DROPOUT.not_measured("no alibi model trained with attn_dropout > 0", rule=DIFFERENCE_RULE,
+                                                    key=_key(BEATS_ALIBI_DROPOUT.id, d), s=s, dropout=""))
     for p in sorted(set(drops)):
-        out.append(judged_better(d, f"from scratch, Positional LSH s={s} is better than exact ALiBi trained with "
-                                    f"attention dropout {p:g} (the regulariser control)", Arm(ALIBI, 0, p),
-                                 Arm(POSLSH, s), d.L, key="scratch/better_than_alibi_dropout/reference_s"))
+        out.append(judged_better(d, BEATS_ALIBI_DROPOUT, Arm(ALIBI, 0, p), Arm(POSLSH, s), d.L, s=s,
+                                 dropout=f" {p:g} (the regulariser control)"))
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# fine-tuning
-
-
-def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
-    """Fine-tuned from one pretrained model, the gap to exact ALiBi falls with log s, and at the
-    largest s Positional LSH reaches exact ALiBi."""
-    claim = "fine-tuned, the gap of Positional LSH to exact ALiBi falls as s grows"
-    rule = (f"gap = bits per byte of Positional LSH s minus exact ALiBi at the training length; per training seed the "
-            f"least-squares slope of its gaps against ln s (at least three s), and the 95% t-interval of those "
-            f"slopes over the seeds (at least {MIN_SEEDS}): below 0 SUPPORTED, above 0 NOT SUPPORTED, else "
-            f"INCONCLUSIVE. With fewer than {MIN_SEEDS} seeds, the slope of the seeds' mean gaps with the interval "
-            "of the fit's residuals (evaluation noise only, not the seed-to-seed spread) and the verdict INCONCLUSIVE")
-    if d is None:
-        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned checkpoints (train with pretrain=rope)", rule,
-                        key="finetune/gap_falls_with_s"),
-                Verdict("fine-tuned, Positional LSH at the largest s reaches exact ALiBi", Status.NOT_MEASURED,
-                        "no fine-tuned checkpoints", EQUIVALENCE_RULE, key="finetune/reaches_alibi/largest_s/bits_per_byte")]
-    a = d.per_seed(Arm(ALIBI), d.L)
-    by_seed: dict = {}  # seed -> {s: gap}; every gap of a seed shares that seed's ALiBi value
-    for s in poslsh_s(d):
-        p = d.per_seed(Arm(POSLSH, s), d.L)
-        for seed in sorted(set(p) & set(a)):
-            by_seed.setdefault(seed, {})[s] = p[seed] - a[seed]
-    gaps = {s: float(np.mean([g[s] for g in by_seed.values() if s in g]))
-            for s in poslsh_s(d) if any(s in g for g in by_seed.values())}
-    fitted = {seed: g for seed, g in by_seed.items() if len(g) >= 3}
-    if len(gaps) < 3 or not fitted:
-        st = Status.NOT_MEASURED if not gaps else Status.INCONCLUSIVE
-        out = [Verdict(claim, st, "fewer than three s with alibi and poslsh models" if gaps else
-                       "no alibi or poslsh fine-tuning runs", rule, key="finetune/gap_falls_with_s")]
-    else:
-        shown = ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items())
-        if len(fitted) >= MIN_SEEDS:
-            slopes = {seed: slope([math.log(s) for s in g], list(g.values())).estimate for seed, g in fitted.items()}
-            from poslsh_cli.verdicts.stats import t_interval
-
-            iv = t_interval(slopes.values())
-            ev = (f"L={d.L}: slope of the gap against ln s {iv.text()}, one slope per seed ("
-                  + ", ".join(f"seed {k}: {v:+.4f}" for k, v in sorted(slopes.items())) + f"); mean gaps {shown}")
-        else:
-            iv = slope([math.log(s) for s in gaps], list(gaps.values()))
-            n = len(by_seed)
-            ev = (f"L={d.L}: slope of the mean gap against ln s {iv.text()} over {len(gaps)} s ({n} seed"
-                  f"{'s' if n != 1 else ''}: the fit's residuals, evaluation noise only; {NEEDS_SEEDS}); gaps {shown}")
-        out = [Verdict(claim, on_seeds(difference(iv, "negative"), iv), ev, rule, key="finetune/gap_falls_with_s")]
-    ss = poslsh_s(d)
-    if ss:
-        out.append(judged_equivalent(d, f"fine-tuned, Positional LSH at the largest s (s={max(ss)}) reaches exact "
-                                        "ALiBi", Arm(POSLSH, max(ss)), Arm(ALIBI), d.L,
-                                     key="finetune/reaches_alibi/largest_s"))
-    return out
-
-
-def claim_finetune_beats_fixed_blocks(d: Optional[Data]) -> list[Verdict]:
-    claim = "fine-tuned, Positional LSH at the largest s is better than fixed blocks"
-    if d is None or not poslsh_s(d):
-        return [Verdict(claim, Status.NOT_MEASURED, "no fine-tuned poslsh checkpoints", DIFFERENCE_RULE,
-                        key="finetune/better_than_fixed_block/largest_s/bits_per_byte")]
-    return [judged_better(d, claim, Arm(FIXED_BLOCK), Arm(POSLSH, max(poslsh_s(d))), d.L,
-                          key="finetune/better_than_fixed_block/largest_s")]
-
-
-__all__ = ["Data", "Arm", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi",
-           "claim_finetune_approaches_alibi", "claim_finetune_beats_fixed_blocks"]
+__all__ = ["Data", "Arm", "claim_reaches_alibi", "claim_beats_no_bias", "claim_beats_alibi"]

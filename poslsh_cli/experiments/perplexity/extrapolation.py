@@ -12,6 +12,7 @@ import numpy as np
 
 from poslsh_cli.experiments.perplexity.claims import NONE, POSLSH, ROPE, Data, Arm, reference_s
 from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
                                       difference, on_seeds, paired, paired_windows, ratio_interval, relative_margin)
 
@@ -22,19 +23,27 @@ def _degradation(d: Data, sc: Arm) -> dict:
     return {k: at_kL[k] - at_L[k] for k in set(at_L) & set(at_kL)}
 
 
+ROBUST = Claim(
+    "extrapolation/robust", "perplexity", "Positional LSH stays robust at {k}x the training length",
+    f"per seed, bits per byte at {{k}}L minus at L (own attention, from scratch, on one evaluation text); margin = "
+    f"{MARGIN_FRACTION:.0%} of the model's own bits per byte at L; SUPPORTED when the 95% t-interval over the seeds "
+    f"(at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation noise only, and INCONCLUSIVE) ends "
+    "below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; whether RoPE or no-position models "
+    "degrade more is a claim of its own", metric="bits_per_byte at kL - at L")
+#: RoPE and no-position models degrade more at kL than Positional LSH (reference s)
+DEGRADES_MORE = {pos: Claim(f"extrapolation/{pos}_degrades_more", "perplexity",
+                            "{label} degrades more at {k}L than Positional LSH s={s}", DIFFERENCE_RULE,
+                            metric="bits_per_byte at kL - at L",
+                            sides=({"position": POSLSH, "s": "reference"}, {"position": pos}))
+                 for pos in (ROPE, NONE)}
+
+
 def claim_extrapolation(d: Data) -> list[Verdict]:
     """Positional LSH stays robust at 4L, where RoPE and no-position models degrade (more)."""
     s = reference_s(d)
     k = d.far
-    robust = f"Positional LSH stays robust at {k}x the training length"
-    rule_r = (f"per seed, bits per byte at {k}L minus at L (own attention, from scratch, on one evaluation text); "
-              f"margin = {MARGIN_FRACTION:.0%} of the model's own bits per byte at L; SUPPORTED when the 95% "
-              f"t-interval over the seeds (at least {MIN_SEEDS}; with fewer, over the evaluation windows: evaluation "
-              "noise only, and INCONCLUSIVE) ends below the margin, NOT SUPPORTED when it starts above it, else INCONCLUSIVE; "
-              "whether RoPE or no-position models degrade more is a claim of its own")
     if s is None or not _degradation(d, Arm(POSLSH, s)):
-        return [Verdict(robust, Status.NOT_MEASURED, f"no poslsh model evaluated at L and {k}L", rule_r,
-                        key="extrapolation/robust")]
+        return [ROBUST.not_measured(f"no poslsh model evaluated at L and {k}L", k=k)]
     others = [sc for sc in (Arm(ROPE), Arm(NONE)) if _degradation(d, sc)]
     p = _degradation(d, Arm(POSLSH, s))
     at_L = d.per_seed(Arm(POSLSH, s), d.L)
@@ -57,11 +66,10 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             Status.NOT_SUPPORTED if iv.low > margin else Status.INCONCLUSIVE), iv)
     else:
         st = Status.INCONCLUSIVE
-    out = [Verdict(robust, st, ev, rule_r, _numbers(iv, margin, margin), key="extrapolation/robust")]
+    out = [ROBUST.verdict(st, ev, _numbers(iv, margin, margin), k=k)]
     for sc in others:
         o = _degradation(d, sc)
         common = sorted(set(o) & set(p))
-        claim = f"{sc.label} degrades more at {k}L than Positional LSH s={s}"
         if len(common) >= MIN_SEEDS:
             div = paired(o, p)
             basis = f"{len(common)} training seeds paired"
@@ -69,12 +77,13 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
             div = _windows_degradation(d, sc, Arm(POSLSH, s), common)
             basis = (f"{count(len(common), 'training seeds')}: evaluation noise only ({NEEDS_SEEDS})" if div
                      else "no evaluation windows")
-        key = f"extrapolation/{sc.position}_degrades_more"
+        said = dict(label=sc.label, k=k, s=s)
         if div is None:
-            out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={d.L}: {basis}", DIFFERENCE_RULE, key=key))
+            out.append(DEGRADES_MORE[sc.position].verdict(Status.INCONCLUSIVE, f"L={d.L}: {basis}", **said))
             continue
-        out.append(Verdict(claim, on_seeds(difference(div, "positive"), div), f"L={d.L}: ({sc.label} at {k}L - at L) - (poslsh s={s} at "
-                           f"{k}L - at L) = {div.text()}; {basis}", DIFFERENCE_RULE, _numbers(div), key=key))
+        out.append(DEGRADES_MORE[sc.position].verdict(
+            on_seeds(difference(div, "positive"), div), f"L={d.L}: ({sc.label} at {k}L - at L) - (poslsh s={s} at "
+            f"{k}L - at L) = {div.text()}; {basis}", _numbers(div), **said))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 
 from poslsh_cli.experiments.perplexity import claims as pc
 from poslsh_cli.verdicts.claims import Status, Verdict
+from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, Interval, count, family_wise, half_width,
                                       seeds_for_half_width, spread, t_interval)
 
@@ -155,6 +156,12 @@ WEIGHTS_RULE = ("an estimate, no verdict: the Positional-LSH-trained weights run
                 "gap is the weights' and decides nothing")
 
 
+WEIGHTS = Claim("weights_reach_alibi", "perplexity",
+                "{where}Positional LSH s={s}'s trained weights run with exact ALiBi, against the exact-ALiBi-trained "
+                "model (PA - AA: an estimate)", WEIGHTS_RULE, metric="bits_per_byte",
+                sides=({"position": pc.ALIBI, "attention": "own"}, {"position": pc.POSLSH, "s": "*", "attention": pc.ALIBI}))
+
+
 def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
     """For each Positional-LSH-trained scheme: its weights, run with exact ALiBi, reach the
     exact-ALiBi-trained model (so the gap is the approximation at inference, not the weights)."""
@@ -174,13 +181,12 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
             if exact.empty:
                 continue
             seeds = sorted(set(exact.index) & set(ref.index))
-            claim = (f"{where}Positional LSH s={int(s_trained)}'s trained weights run with exact ALiBi, against the "
-                     "exact-ALiBi-trained model (PA - AA: an estimate)")
             iv = t_interval((exact[seeds] - ref[seeds]).values, 0.90)
-            key = f"{'finetune' if ft == 'yes' else 'scratch'}/weights_reach_alibi/s={int(s_trained)}"
+            said = dict(key=f"{'finetune' if ft == 'yes' else 'scratch'}/weights_reach_alibi/s={int(s_trained)}",
+                        where=where, s=int(s_trained))
             if iv.n < MIN_SEEDS:
-                out.append(Verdict(claim, Status.INCONCLUSIVE, f"L={int(L)}: {count(iv.n, 'seeds')} (at least "
-                                   f"{MIN_SEEDS} needed)", WEIGHTS_RULE, key=key))
+                out.append(WEIGHTS.verdict(Status.INCONCLUSIVE, f"L={int(L)}: {count(iv.n, 'seeds')} (at least "
+                                           f"{MIN_SEEDS} needed)", **said))
                 continue
             # not identified alone (the interaction of the 2 x 2 table): an estimate, never a verdict
             status = Status.ESTIMATE
@@ -188,9 +194,8 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
             why = f"the interval lies {where_iv} the margin"
             ev = (f"L={int(L)}, {int(steps)} steps{', ' + run if run else ''}: weights with exact ALiBi minus the "
                   f"ALiBi-trained model {iv.text()}; margin {margin:.4f} ({why})")
-            out.append(Verdict(claim, status, ev, WEIGHTS_RULE,
-                               {"unit": "bits per byte", "length": int(L), "margin": margin, "boundary": margin,
-                                "diff": iv.record()}, key=key))
+            out.append(WEIGHTS.verdict(status, ev, {"unit": "bits per byte", "length": int(L), "margin": margin,
+                                                    "boundary": margin, "diff": iv.record()}, **said))
     return out
 
 

@@ -20,10 +20,12 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from poslsh_cli.experiments.perplexity import headline
 from poslsh_cli.experiments.perplexity.claims import ALIBI, OWN, POSLSH
 from poslsh_cli.experiments.perplexity.groups import main_text, with_group_columns
 from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Section, Status, Verdict
+from poslsh_cli.verdicts.declared import Claim, Role
 from poslsh_cli.verdicts.registered import (REGISTERED, GapPoint, Primary, Registration, Stability, decide_primary,
                                             stability)
 
@@ -90,14 +92,9 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
 
     df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
     rows = endpoint_rows(df, reg.train_run, reg.steps)
-    rule = (f"registered {reg.name} (commit {reg.commit[:10]}): one-sided paired t over the {len(reg.seeds)} registered "
-            f"seeds against the margin ({reg.margin_fraction:.0%} of exact ALiBi's mean), Holm over the "
-            f"{len(reg.primary)} primary comparisons at {reg.alpha:.0%} in each direction (reaching rejected: SUPPORTED; "
-            "worse by more than the margin rejected: NOT SUPPORTED; otherwise INCONCLUSIVE); a verdict needs every "
-            "registered seed, evaluated as registered")
     why = not_as_registered(rows, reg)
     if why:
-        return [Verdict(_claim(p, reg), Status.NOT_MEASURED, why, rule, key=_key(p)) for p in reg.primary]
+        return [PRIMARY[p.id].not_measured(why) for p in reg.primary]
     control = per_seed(rows, ALIBI)
     gaps = {p: seed_gaps(rows, p) for p in reg.primary}
     margin = reg.margin_fraction * float(np.mean([control[k] for k in reg.seeds]))
@@ -119,7 +116,7 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
                    "boundary": margin, "gap": t.gap, "low90": t.low90, "high90": t.high90, "bound": r.bound,
                    "adjusted_p": r.adjusted_p, "seeds": t.n, "primary": p.id, "s": p.s, "registration": reg.name,
                    "stability": (dataclasses.asdict(stab) if isinstance(stab, Stability) else None)}
-        out.append(Verdict(_claim(p, reg), r.status, ev, rule, numbers, key=_key(p)))
+        out.append(PRIMARY[p.id].verdict(r.status, ev, numbers))
     return out
 
 
@@ -148,13 +145,22 @@ def not_as_registered(rows: Any, reg: Registration) -> str:
     return ""
 
 
-def _claim(p: Primary, reg: Registration) -> str:
-    return (f"primary ({reg.name}): Positional LSH s={p.s} reaches exact ALiBi's bits per byte within "
-            f"{reg.margin_fraction:.0%} at T = {reg.steps}")
+def _primary(p: Primary, reg: Registration) -> Claim:
+    """The registered primary claim ``p`` of ``reg``, as its page registered it."""
+    return Claim(
+        f"primary/{p.id}", "perplexity",
+        f"primary ({reg.name}): Positional LSH s={p.s} reaches exact ALiBi's bits per byte within "
+        f"{reg.margin_fraction:.0%} at T = {reg.steps}",
+        f"registered {reg.name} (commit {reg.commit[:10]}): one-sided paired t over the {len(reg.seeds)} registered "
+        f"seeds against the margin ({reg.margin_fraction:.0%} of exact ALiBi's mean), Holm over the {len(reg.primary)} "
+        f"primary comparisons at {reg.alpha:.0%} in each direction (reaching rejected: SUPPORTED; worse by more than "
+        "the margin rejected: NOT SUPPORTED; otherwise INCONCLUSIVE); a verdict needs every registered seed, evaluated "
+        "as registered", metric="bits_per_byte", role=Role.PRIMARY,
+        sides=({"position": p.control}, {"position": p.treatment, "s": p.s}))
 
 
-def _key(p: Primary) -> str:
-    return f"primary/{p.id}"
+#: every registered primary claim, by its comparison's id
+PRIMARY = {p.id: _primary(p, reg) for reg in REGISTERED.values() for p in reg.primary}
 
 
 def _stability(df: Any, reg: Registration, p: Primary, margin: float, last: GapPoint) -> Stability | str:
@@ -187,4 +193,30 @@ def section(dfs: list[Any]) -> Optional[Section]:
             f"doubling of training over " + ", ".join(f"{st}" for _, st in reg.earlier) + f" and {reg.steps} steps, "
             f"{reg.stability_level:.0%} interval against half the margin). Every other comparison of the run is "
             "secondary: an estimate, in the run's own section.")
+    _answer(sec, dfs, regs)
     return sec
+
+
+def _answer(sec: Section, dfs: list[Any], regs: list[Registration]) -> None:
+    """The section's answer (:mod:`~poslsh_cli.experiments.perplexity.headline`): per registration its
+    paragraph and its table in the paper's form (also among the section's tables), then the caveats; the
+    README's language-model part opens with it (:attr:`Section.lead`) once a primary verdict is measured."""
+    import pandas as pd
+
+    df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
+    lead, notes = [], []
+    for i, reg in enumerate(regs):
+        rows = endpoint_rows(df, reg.train_run, reg.steps)
+        table = headline.paper_table(rows, reg, sec.verdicts)
+        lead.append(headline.answer(reg, sec.verdicts))
+        sec.paragraphs.insert(i, lead[-1])
+        if table:
+            sec.add_table(headline.TABLE_HEAD, table)
+            lead += ["", *headline.markdown(headline.TABLE_HEAD, table)]
+        lead.append("")
+        margin = next((v.numbers["margin"] for v in sec.verdicts if (v.numbers or {}).get("registration") == reg.name),
+                      None)
+        notes += [f"- {reg.name}: {c}" for c in headline.caveats(df, reg, rows, margin)]
+    sec.paragraphs.append("Caveats: " + " ".join(n[2:] for n in notes))
+    if any(headline.measured(reg, sec.verdicts) for reg in regs):
+        sec.lead = lead + ["Caveats:", "", *notes]

@@ -315,6 +315,7 @@ def _judged(protocols: list) -> list:
     """The verdicts at the training length (judged once, with the first protocol) and beyond it (under
     each protocol): a registered run's comparisons other than its primary ones as estimates."""
     from poslsh_cli.experiments.perplexity import claims as pc
+    from poslsh_cli.experiments.perplexity import finetune as ft
     from poslsh_cli.experiments.perplexity import extrapolation as pe
     from poslsh_cli.experiments.perplexity import groups as pg
     from poslsh_cli.experiments.perplexity import registered as pr
@@ -345,7 +346,7 @@ def _judged(protocols: list) -> list:
             for gtag, d in tuned or [("", None)]:
                 for tag, h in _by_bandwidths(d.rows) if d is not None else [("", None)]:
                     dd = _restrict(d, h) if d is not None else None
-                    judged += _tagged(pc.claim_finetune_approaches_alibi(dd) + pc.claim_finetune_beats_fixed_blocks(dd),
+                    judged += _tagged(ft.claim_finetune_approaches_alibi(dd) + ft.claim_finetune_beats_fixed_blocks(dd),
                                       _join(tag, gtag), tag)
         side = pg.side_text(pown)
         for gtag, d in pg.groups(side, windows, finetuned=False):

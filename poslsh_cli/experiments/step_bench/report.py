@@ -12,6 +12,7 @@ from poslsh_cli.attention.plan import Backend
 from poslsh_cli.experiments.measure import judge_load, load_paragraphs
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, crossover
+from poslsh_cli.verdicts.declared import Claim
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
 DENSE = Backend.DENSE.value
@@ -140,6 +141,49 @@ def _poslsh_and_alibi(df: Any, column: str) -> Iterator[tuple[int, int, float, f
                 yield int(n), int(s), p, ref
 
 
+_N, _S, _SIG = PAPER_SETTING["seq_len"], PAPER_SETTING["s"], PAPER_SETTING["sigmas"]
+ALIBI_NEAR_ROPE = Claim("step_bench/alibi_near_rope", "step-bench",
+                        "causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} ({precision})",
+                        f"median step time of alibi on the path poslsh train takes (auto) over rope (timed interleaved "
+                        f"with it), at every L (goal {ALIBI_GOAL_CUDA}x on CUDA, {ALIBI_GOAL}x on the CPU)",
+                        metric="step_seconds", sides=({"position": ROPE}, {"position": ALIBI}))
+PAPER_SETTING_CLAIM = Claim(
+    "step_bench/paper_setting", "step-bench",
+    f"at the paper's setting (L={_N}, {_SIG}, s={_S}) a Positional-LSH training step costs at most {PAPER_GOAL}x "
+    "exact ALiBi's step time and memory",
+    f"median step time and peak memory of poslsh s={_S} over alibi, both backend=auto, at L={_N} with {_SIG}; SUPPORTED "
+    "when both ratios are at most the goal, NOT SUPPORTED when one is above; NOT MEASURED without those rows",
+    metric="step_seconds, peak_mem_mb", sides=({"position": ALIBI}, {"position": POSLSH, "s": _S}))
+PAPER_RATIO = Claim(
+    "step_bench/paper_ratio", "step-bench",
+    f"at the paper's ratio sigma = L/32 with s={RATIO_SETTING['s']}, a Positional-LSH training step costs at most "
+    f"{POSLSH_GOAL}x exact ALiBi's time and {MEMORY_GOAL}x its memory",
+    "median step time of poslsh over alibi (timed interleaved with it) and peak memory ratio, both backend=auto, one "
+    "sigma = L/32 for every head, at every L measured", metric="step_seconds, peak_mem_mb",
+    sides=({"position": ALIBI}, {"position": POSLSH, "s": RATIO_SETTING["s"]}))
+MASK_SHARE_CLAIM = Claim(
+    "step_bench/mask_share", "step-bench",
+    f"drawing the masks and building their layout takes at most {MASK_SHARE:.0%} of a Positional-LSH training step",
+    "seconds to draw a step's masks and build the dense bias, block layout or band of counts for every layer (timed "
+    "apart, median of 3 fresh steps) over the step's median time, backend=auto, at every (L, s)", metric="mask_share")
+DENSE_ROUTE = Claim(
+    "step_bench/dense_route", "step-bench",
+    f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the same dense-bias route, whatever s",
+    "median step time ratio at every L and s (exact ALiBi timed interleaved with it where it was)",
+    metric="step_seconds", sides=({"position": ALIBI, "path": DENSE}, {"position": POSLSH, "s": "*", "path": DENSE}))
+LONG_CONTEXT = Claim(
+    "step_bench/long_context", "step-bench",
+    "Positional LSH trains at least as fast as exact ALiBi at long context ("
+    + ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items()) + ")",
+    "median step time of poslsh over alibi (timed interleaved with it), both on the path poslsh train takes, at each "
+    "goal length measured (NOT MEASURED without one)", metric="step_seconds",
+    sides=({"position": ALIBI}, {"position": POSLSH, "s": "*"}))
+MEMORY = Claim("step_bench/memory", "step-bench",
+               f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory",
+               "peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every L",
+               metric="peak_mem_mb", sides=({"position": ALIBI}, {"position": POSLSH, "s": "*"}))
+
+
 def claim_alibi_near_rope(df: Any) -> list[Verdict]:
     cuda = bool(df.device.astype(str).str.startswith("cuda").any())
     goal = ALIBI_GOAL_CUDA if cuda else ALIBI_GOAL
@@ -150,11 +194,7 @@ def claim_alibi_near_rope(df: Any) -> list[Verdict]:
             groups.add(fast / rope <= goal, f"L={n}: {fast / rope:.2f}x")
     where = " on CUDA" if cuda else ""
     prec = sorted(set(df.precision.dropna().astype(str))) if "precision" in df.columns else ["fp32"]
-    return [judge_load(groups.verdict(f"causal exact ALiBi trains within {goal}x the step time of RoPE (SDPA){where} "
-                                      f"({', '.join(prec)})",
-                                      f"median step time of alibi on the path poslsh train takes (auto) over rope "
-                                      f"(timed interleaved with it), at every L (goal {ALIBI_GOAL_CUDA}x on CUDA, "
-                                      f"{ALIBI_GOAL}x on the CPU)", key="step_bench/alibi_near_rope",
+    return [judge_load(groups.verdict(ALIBI_NEAR_ROPE, goal=goal, where=where, precision=", ".join(prec),
                                       none="needs rope and alibi (auto) rows"),
                        _rows(df, ROPE, ALIBI))]
 
@@ -162,25 +202,18 @@ def claim_alibi_near_rope(df: Any) -> list[Verdict]:
 def claim_paper_setting(df: Any) -> list[Verdict]:
     """The paper's training setting (PAPER_SETTING): Positional LSH's step time and peak memory at most
     PAPER_GOAL x exact ALiBi's, both on the paths training takes."""
-    n, s, sig = PAPER_SETTING["seq_len"], PAPER_SETTING["s"], PAPER_SETTING["sigmas"]
-    claim = (f"at the paper's setting (L={n}, {sig}, s={s}) a Positional-LSH training step costs at most "
-             f"{PAPER_GOAL}x exact ALiBi's step time and memory")
-    rule = (f"median step time and peak memory of poslsh s={s} over alibi, both backend=auto, at L={n} with {sig}; "
-            "SUPPORTED when both ratios are at most the goal, NOT SUPPORTED when one is above; NOT MEASURED without "
-            "those rows")
+    n, s, sig = _N, _S, _SIG
     g = df[(df.seq_len == n) & (df.sigmas.fillna("").astype(str) == sig)] if "sigmas" in df.columns else None
     a, p = (_auto(g, ALIBI), _auto(g, POSLSH, s)) if g is not None else (None, None)
     if a is None or a.empty or p.empty:
-        return [Verdict(claim, Status.NOT_MEASURED, f"no alibi and poslsh s={s} rows at L={n} with {sig}", rule,
-                        key="step_bench/paper_setting")]
+        return [PAPER_SETTING_CLAIM.not_measured(f"no alibi and poslsh s={s} rows at L={n} with {sig}")]
     ref = _paired(p, ALIBI, float(a.step_seconds.median()), backend="auto")
     t, m = float(p.step_seconds.median()) / ref, float(p.peak_mem_mb.median()) / float(a.peak_mem_mb.median())
     ok = t <= PAPER_GOAL and m <= PAPER_GOAL
-    verdict = Verdict(claim, Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
+    verdict = PAPER_SETTING_CLAIM.verdict(Status.SUPPORTED if ok else Status.NOT_SUPPORTED,
                       f"step {p.step_seconds.median():.3f} s ({p.attention_path.iloc[0]}) vs {ref:.3f} s "
                       f"({a.attention_path.iloc[0]}) = {t:.2f}x; memory {p.peak_mem_mb.median():.0f} vs "
-                      f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})", rule,
-                      key="step_bench/paper_setting")
+                      f"{a.peak_mem_mb.median():.0f} MiB = {m:.2f}x ({p.device.iloc[0]})")
     return [verdict if m > PAPER_GOAL else judge_load(verdict, g[g.index.isin(a.index) | g.index.isin(p.index)])]
 
 
@@ -208,12 +241,7 @@ def claim_paper_ratio(df: Any) -> list[Verdict]:
         groups.add(t <= POSLSH_GOAL and m <= MEMORY_GOAL,
                    f"L={n} ({p.attention_path.iloc[0]} vs {a.attention_path.iloc[0]}): time {t:.2f}x, memory "
                    f"{p.peak_mem_mb.median():.0f} / {a.peak_mem_mb.median():.0f} MiB = {m:.2f}x")
-    return [judge_load(groups.verdict(f"at the paper's ratio sigma = L/32 with s={s}, a Positional-LSH training step "
-                                      f"costs at most {POSLSH_GOAL}x exact ALiBi's time and {MEMORY_GOAL}x its memory",
-                                      "median step time of poslsh over alibi (timed interleaved with it) and peak "
-                                      "memory ratio, both backend=auto, one sigma = L/32 for every head, at every L "
-                                      "measured", key="step_bench/paper_ratio",
-                                      none=f"needs poslsh s={s} and alibi rows with sigma = L/32"),
+    return [judge_load(groups.verdict(PAPER_RATIO, none=f"needs poslsh s={s} and alibi rows with sigma = L/32"),
                        _rows(g, ALIBI, POSLSH))]
 
 
@@ -227,12 +255,7 @@ def claim_mask_share(df: Any) -> list[Verdict]:
         if r.mask_share == r.mask_share:
             groups.add(r.mask_share <= MASK_SHARE, f"L={r.seq_len} s={r.s} ({r.attention_path}): "
                                                    f"{r.mask_seconds:.3f} s of {r.step_seconds:.3f} s = {r.mask_share:.0%}")
-    return [judge_load(groups.verdict(f"drawing the masks and building their layout takes at most {MASK_SHARE:.0%} of "
-                                      "a Positional-LSH training step",
-                                      "seconds to draw a step's masks and build the dense bias, block layout or band "
-                                      "of counts for every layer (timed apart, median of 3 fresh steps) over the "
-                                      "step's median time, backend=auto, at every (L, s)",
-                                      key="step_bench/mask_share", none="needs poslsh rows with backend=auto"),
+    return [judge_load(groups.verdict(MASK_SHARE_CLAIM, none="needs poslsh rows with backend=auto"),
                        _auto(df, POSLSH))]
 
 
@@ -244,10 +267,7 @@ def claim_dense_route(df: Any) -> list[Verdict]:
             dense = _paired(rows, ALIBI, _time(g, ALIBI, DENSE), path=DENSE)
             if dense == dense and p == p:
                 groups.add(p / dense <= POSLSH_GOAL, f"L={n} s={s}: {p / dense:.2f}x")
-    return [judge_load(groups.verdict(f"a Positional-LSH step costs at most {POSLSH_GOAL}x exact ALiBi through the "
-                                      "same dense-bias route, whatever s",
-                                      "median step time ratio at every L and s (exact ALiBi timed interleaved with it "
-                                      "where it was)", key="step_bench/dense_route", none="needs poslsh and alibi with backend=dense rows"),
+    return [judge_load(groups.verdict(DENSE_ROUTE, none="needs poslsh and alibi with backend=dense rows"),
                        df[df.attention_path == DENSE])]
 
 
@@ -257,12 +277,7 @@ def claim_long_context(df: Any) -> list[Verdict]:
     groups = Groups()
     for n, s, p, a in _poslsh_and_alibi(df, "step_seconds"):
         groups.add(p / a <= LONG_GOALS[n] if n in LONG_GOALS else None, f"L={n} s={s}: {p / a:.2f}x")
-    goals = ", ".join(f"{g}x at L={n}" for n, g in LONG_GOALS.items())
-    return [judge_load(groups.verdict(f"Positional LSH trains at least as fast as exact ALiBi at long context ({goals})",
-                                      "median step time of poslsh over alibi (timed interleaved with it), both on the "
-                                      "path poslsh train takes, at each goal length measured (NOT MEASURED without "
-                                      "one)", key="step_bench/long_context",
-                                      none="needs poslsh and alibi rows with backend=auto"),
+    return [judge_load(groups.verdict(LONG_CONTEXT, none="needs poslsh and alibi rows with backend=auto"),
                        _rows(df[df.seq_len.isin(list(LONG_GOALS))], ALIBI, POSLSH))]
 
 
@@ -271,9 +286,7 @@ def claim_memory(df: Any) -> list[Verdict]:
     for n, s, p, a in _poslsh_and_alibi(df, "peak_mem_mb"):
         if a > 0:
             groups.add(p / a <= MEMORY_GOAL, f"L={n} s={s}: {p:.0f} / {a:.0f} MiB = {p / a:.2f}x")
-    return [groups.verdict(f"a Positional-LSH training step needs at most {MEMORY_GOAL}x exact ALiBi's peak memory",
-                           "peak memory rise of one step (resident set on the CPU, allocator on CUDA), at every L",
-                           key="step_bench/memory", none="needs poslsh and alibi rows with backend=auto")]
+    return [groups.verdict(MEMORY, none="needs poslsh and alibi rows with backend=auto")]
 
 
 def crossover_findings(df: Any) -> list[str]:

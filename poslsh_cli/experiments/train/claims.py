@@ -7,7 +7,8 @@ from typing import Any
 
 from poslsh_cli.attention.scheme import Position
 from poslsh_cli.lm.positions import with_model_columns
-from poslsh_cli.verdicts.claims import Status, Verdict, crossover
+from poslsh_cli.verdicts.claims import Verdict, crossover
+from poslsh_cli.verdicts.declared import Claim
 
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
 
@@ -39,10 +40,13 @@ def crossover_length(df: Any, s: int | None = None) -> float:
     return math.nan if best is None else best
 
 
+SCHEMES_COMPARED = Claim("train/schemes_compared", "train", "schemes compared at the training length",
+                         "needs two or more schemes")
+
+
 def claim_schemes_compared(df: Any) -> list[Verdict]:
     if df.position.nunique() < 2:
-        return [Verdict("schemes compared at the training length", Status.NOT_MEASURED, "one scheme in this run",
-                        "needs two or more schemes", key="train/schemes_compared")]
+        return [SCHEMES_COMPARED.not_measured("one scheme in this run")]
     return []
 
 
@@ -51,6 +55,11 @@ SPEED_RULE = ("seed-paired: per training seed, ln(median step time of Positional
               "below 0 SUPPORTED (faster), it starts above 0 NOT SUPPORTED, otherwise INCONCLUSIVE (one seed: no "
               "interval); the crossover, the smallest L from which the mean step time of Positional LSH stays below "
               "exact ALiBi's, is descriptive")
+
+
+TRAINS_FASTER = Claim("train/trains_faster", "train",
+                      "Positional LSH trains faster than exact ALiBi at the longest trained length", SPEED_RULE,
+                      metric="step_seconds", sides=({"position": "alibi"}, {"position": "poslsh", "s": "largest"}))
 
 
 def claim_crossover(df: Any) -> list[Verdict]:
@@ -63,15 +72,14 @@ def claim_crossover(df: Any) -> list[Verdict]:
     from poslsh_cli.verdicts.stats import difference, t_interval
 
     times = step_times(df)
-    claim = "Positional LSH trains faster than exact ALiBi at the longest trained length"
     if times is None or ALIBI not in times.index.get_level_values(0) or POSLSH not in times.index.get_level_values(0):
-        return [Verdict(claim, Status.NOT_MEASURED, "needs alibi and poslsh cells at several L", SPEED_RULE, key="train/trains_faster")]
+        return [TRAINS_FASTER.not_measured("needs alibi and poslsh cells at several L")]
     t = times.unstack("seq_len")
     x = crossover_length(df)
     smax = max(s for (p, s) in t.index if p == POSLSH)
     both = [L for L in t.columns if pd.notna(t.loc[(ALIBI, 0), L]) and pd.notna(t.loc[(POSLSH, smax), L])]
     if not both:
-        return [Verdict(claim, Status.NOT_MEASURED, f"no L trained with both alibi and poslsh s={smax}", SPEED_RULE, key="train/trains_faster")]
+        return [TRAINS_FASTER.not_measured(f"no L trained with both alibi and poslsh s={smax}")]
     Lmax = max(both)
     d = with_model_columns(df)
     d = d[(d.attn_dropout == 0) & (d.seq_len == Lmax)]
@@ -86,4 +94,4 @@ def claim_crossover(df: Any) -> list[Verdict]:
     ev += (f"; at L={Lmax} ln(poslsh / alibi) over seeds {iv.text(3)}, ratio {math.exp(iv.estimate):.2f}x"
            + (f" [{math.exp(iv.low):.2f}x, {math.exp(iv.high):.2f}x]" if iv.finite else ""))
     ev += f"; crossover L={int(x)}" if math.isfinite(x) else "; no crossover at the trained lengths"
-    return [Verdict(claim, difference(iv, claimed="negative"), ev, SPEED_RULE, key="train/trains_faster")]
+    return [TRAINS_FASTER.verdict(difference(iv, claimed="negative"), ev)]

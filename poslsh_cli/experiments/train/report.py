@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.verdicts.claims import Section, Verdict
+from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.experiments.train.claims import (claim_crossover, claim_schemes_compared,  # noqa: F401 (tests)
@@ -65,6 +66,8 @@ GAP_RULE = ("gap = validation bits per byte of the scheme minus exact ALiBi's (t
             "above 0 (its mean over seeds and evaluations), below 0 SUPPORTED (the gap shrinks), above 0 NOT "
             "SUPPORTED, else INCONCLUSIVE; where it is below 0 (the scheme ahead of exact ALiBi, as RoPE can be), the same with the signs "
             "exchanged: the gap shrinks as it rises towards 0")
+GAP_SHRINKS = Claim("train/gap_shrinks", "train", "the gap of {member} to exact ALiBi shrinks over the second half of "
+                    "training", GAP_RULE, metric="val_bpb", sides=({"position": "alibi"}, {"position": "*"}), family=True)
 
 
 def gap_curves(run: Path, df: Any) -> list[dict]:
@@ -151,12 +154,11 @@ def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
               f"half {iv.text()}" + (" (a gap below 0 shrinks as it rises)" if ahead else "")
               + f"; {basis}"
               + (f"; validation still fell {fall:.4f} over the last 20% of the steps" if fall is not None else ""))
-        claim, tag = f"the gap of {c['model']} to exact ALiBi shrinks over the second half of training", f"[{steps} steps]"
+        tag = f"[{steps} steps]"
         shown = tag if len({x["steps"] for x in curves}) > 1 else ""
-        out.append(Verdict(claim + (" " + shown if shown else ""), status, ev, GAP_RULE,
-                           key=f"train/gap_shrinks[{c['model']}" + (f", {tag[1:]}" if c["steps"] < longest[c["L"]] else "]"),
-                           family="train/gap_shrinks", member=c["model"], tag=shown,
-                           family_text="the gap of … to exact ALiBi shrinks over the second half of training"))
+        out.append(GAP_SHRINKS.verdict(status, ev, member=c["model"], tag=shown,
+                                       key=f"train/gap_shrinks[{c['model']}"
+                                           + (f", {tag[1:]}" if c["steps"] < longest[c["L"]] else "]")))
     return out
 
 
