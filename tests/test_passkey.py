@@ -35,8 +35,10 @@ def test_passkey_prompts_and_run(tmp_path, poslsh_checkpoint):
 def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_binomial_bound():
     import pandas as pd
 
-    from poslsh_cli.experiments.passkey.command import binomial_interval, summary
+    from poslsh_cli.app import registry
+    from poslsh_cli.experiments.passkey.command import binomial_interval
 
+    summary = registry.get("passkey").summary  # on migrated rows, as the command runs it
     rows = []
     for run, sigmas in (("train", "standard"), ("train_official", "sigma=8 every head")):
         for seed, hits in ((0, [1, 1, 0, 0]), (1, [1, 0, 0, 0]), (2, [1, 1, 1, 0])):
@@ -74,7 +76,9 @@ def test_the_passkey_table_keeps_runs_seeds_and_dropout_apart_with_an_exact_bino
 def test_a_passkey_run_where_nothing_is_retrieved_says_it_is_at_its_floor(tmp_path):
     import pandas as pd
 
-    from poslsh_cli.experiments.passkey.command import report
+    from poslsh_cli.app import registry
+
+    report = registry.get("passkey").report  # on migrated rows, as the command runs it
 
     rows = [{"checkpoint": f"train/work/position-{p}_s-0_seed-{seed}-abc/final", "position": p, "s": 0,
              "trained_len": 256, "length": n, "depth": d, "trial": k, "seed": k, "key": 10000 + k, "correct": 0,
@@ -96,7 +100,10 @@ def test_a_needle_placed_by_its_distance_in_sigmas(tmp_path, poslsh_checkpoint):
 
     from poslsh_cli.app import registry
     from poslsh_cli.core.errors import ConfigError
-    from poslsh_cli.experiments.passkey.command import NEEDLE, QUESTION, prompt, summary
+    from poslsh_cli.app import registry
+    from poslsh_cli.experiments.passkey.command import NEEDLE, QUESTION, prompt
+
+    summary = registry.get("passkey").summary  # on migrated rows, as the command runs it
 
     encode = lambda text: list(text.encode())  # noqa: E731
     for gap in (0, 17, 100):

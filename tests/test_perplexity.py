@@ -58,7 +58,9 @@ def ppl_run(tmp_path, scratch=None, tuned=None, seeds=(0, 1, 2), seed_sd=0.002, 
     if (run / "windows.csv").exists():  # a second call adds another group of models to the same run
         wins = pd.concat([pd.read_csv(run / "windows.csv"), wins], ignore_index=True)
     wins.to_csv(run / "windows.csv", index=False)
-    return run, pd.DataFrame(rows)
+    from poslsh_cli.experiments.perplexity.groups import migrate
+
+    return run, migrate(pd.DataFrame(rows))  # as the command's functions receive rows (Experiment.migrate)
 
 
 def ppl_report(tmp_path, **kw):

@@ -172,3 +172,37 @@ def test_a_run_records_its_preset_and_an_older_run_is_read_from_its_command(tmp_
     assert r.exit_code == 0, r.output
     meta = json.loads((tmp_path / "k" / "meta.json").read_text())
     assert "preset" not in meta and preset_of(meta) is None and not is_smoke(meta)
+
+
+def test_a_commands_functions_receive_its_rows_migrated_once_from_older_layouts():
+    from pathlib import Path
+
+    """Experiment.migrate is the one place an older results layout is repaired: summary, plot, report and
+    across_runs receive migrated rows; each command's migration is idempotent and gives a row without a
+    column the value it meant (perplexity: no train run, the non-overlapping protocol, no dropout)."""
+    import pandas as pd
+
+    from poslsh_cli.app import registry
+    from poslsh_cli.experiments.base import Experiment
+
+    seen = []
+    exp = Experiment("toy", object, "toy", ("x",), cells=lambda *a: [], run_cell=lambda *a: ([], {}),
+                     summary=lambda df: seen.append(("summary", list(df.columns))),
+                     plot=lambda run, df: seen.append(("plot", list(df.columns))),
+                     report=lambda run, df: seen.append(("report", list(df.columns))),
+                     across_runs=lambda runs: seen.append(("across", [list(df.columns) for _, df in runs])),
+                     migrate=lambda df: df.assign(added=1) if "added" not in df.columns else df)
+    df = pd.DataFrame({"x": [1]})
+    exp.summary(df), exp.plot(Path("r"), df), exp.report(Path("r"), df), exp.across_runs([(Path("r"), df)])
+    assert seen == [("summary", ["x", "added"]), ("plot", ["x", "added"]), ("report", ["x", "added"]),
+                    ("across", [["x", "added"]])]
+    migrating = {name for name, e in registry.experiments().items() if e.migrate is not None}
+    assert {"perplexity", "train", "eval", "passkey"} <= migrating
+    old = pd.DataFrame({"checkpoint": ["train/work/position-alibi_s-0_seed-3-abc/final"], "position": ["alibi"],
+                        "s": [0], "bits_per_byte": [1.9], "trained_len": [256], "length": [256]})
+    m = registry.get("perplexity").migrate(old)
+    assert m.loc[0, ["trained_run", "protocol", "attn_dropout", "sigmas", "trained_steps"]].tolist() == \
+        ["", "nonoverlapping", 0.0, "", 0]
+    for name in migrating:
+        once = registry.get(name).migrate(old)
+        pd.testing.assert_frame_equal(registry.get(name).migrate(once), once, check_dtype=False)

@@ -839,7 +839,9 @@ def test_throughput_is_read_from_the_median_step_so_a_paused_run_shows_its_speed
 def test_the_train_table_shows_seconds_a_tiny_run_took_and_says_what_its_loss_is_in():
     """A 0.25 s run reads 0.25 s, not 0; whole seconds from 100 on; the training loss in nats per token
     beside bits per byte, the wall time that of the session that finished the cell."""
-    from poslsh_cli.experiments.train.report import summary
+    from poslsh_cli.app import registry
+
+    summary = registry.get("train").summary  # on migrated rows, as the command runs it
 
     row = dict(position="alibi", s=0, seed=0, seq_len=64, params=1000, train_loss=1.0, val_bpb=2.0, val_ppl=3.0,
                step_seconds=0.01, tokens_per_s=5.0, seconds=0.25, wall_seconds=1234.5)

@@ -78,10 +78,34 @@ class Experiment:
     #: files besides the tables that the report reads from a run (relative to it, e.g. each training
     #: cell's metrics.csv): ``poslsh report --publish`` copies them into the snapshot
     snapshot_files: Optional[Callable[[Path, Any], list[Path]]] = None
+    #: the one migration of the rows this command wrote in older layouts (a results.csv read back, a
+    #: run resumed by a newer poslsh): each column a later version added, with the value a row without
+    #: it meant, where it is missing or empty. ``summary``, ``plot``, ``report`` and ``across_runs``
+    #: receive migrated rows (wrapped once, here), so no reader repairs an older layout itself
+    migrate: Optional[Callable[[Any], Any]] = None
+
+    def __post_init__(self) -> None:
+        if self.migrate is None:
+            return
+        for name in ("summary", "plot", "report", "across_runs"):
+            f = getattr(self, name)
+            if f is not None:
+                object.__setattr__(self, name, _migrating(f, self.migrate, name))
 
     @property
     def config_name(self) -> str:
         return self.name.replace("-", "_")
+
+
+def _migrating(f: Callable[..., Any], migrate: Callable[[Any], Any], name: str) -> Callable[..., Any]:
+    """``f`` (an experiment's ``name`` function) on migrated rows (:attr:`Experiment.migrate`)."""
+    import functools
+
+    if name == "summary":
+        return functools.wraps(f)(lambda df: f(migrate(df)))
+    if name == "across_runs":
+        return functools.wraps(f)(lambda runs: f([(run, migrate(df)) for run, df in runs]))
+    return functools.wraps(f)(lambda run, df: f(run, migrate(df)))
 
 
 @dataclass(frozen=True)

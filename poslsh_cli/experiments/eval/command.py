@@ -272,8 +272,9 @@ def quiet_progress() -> Iterator[None]:
                 m.tqdm = t
 
 
-def _with_trained(df: Any) -> Any:
-    """Rows with the training columns (runs written before they existed: one unknown seed each)."""
+def migrate(df: Any) -> Any:
+    """The one migration of ``poslsh eval``'s rows (:attr:`~poslsh_cli.experiments.base.Experiment.migrate`):
+    the training columns (runs written before they existed: :data:`TRAINED_DEFAULTS`, one unknown seed each)."""
     out = df.copy()
     for c, v in TRAINED_DEFAULTS.items():
         if c not in out.columns:
@@ -290,7 +291,7 @@ def _scheme(df: Any) -> Any:
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    d = _with_trained(df)
+    d = df
     d = d.assign(scheme=_scheme(d))
     head = ["checkpoint", "scheme", "task", "metric", "value", "stderr", "draws", "documents"]
     rows = []
@@ -315,7 +316,7 @@ def interval_table(df: Any) -> Any:
 
     from poslsh_cli.verdicts.stats import t_interval
 
-    d = _with_trained(df[df.attention == "own"])
+    d = df[df.attention == "own"]
     d = d.assign(scheme=_scheme(d))
     rows = []
     for (run, tuned, L, steps, sig, scheme, task, metric), g in d.groupby([*MODEL_GROUP, "scheme", "task", "metric"],
@@ -347,7 +348,7 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
     from poslsh_cli.attention.scheme import model_label
     from poslsh_cli.verdicts.stats import MIN_SEEDS, equivalence, paired, relative_margin
 
-    d = _with_trained(df[(df.attention == "own") & (df.metric == "acc")])
+    d = df[(df.attention == "own") & (df.metric == "acc")]
     d = d[(d.finetuned == "no") & (d.attn_dropout == 0)]
     many = d.trained_run.nunique() > 1
     lengths = d.groupby("trained_run").trained_steps.nunique()
@@ -383,7 +384,7 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
 def report(run: Path, df: Any) -> Section:
     sec = Section("eval", run, "lm-evaluation-harness tasks")
     own = df[df.attention == "own"]
-    if len(own) and (_with_trained(own).run_seed >= 0).any():
+    if len(own) and (own.run_seed >= 0).any():
         sec.verdicts += claim_reaches_alibi(df)
         sec.tables.append(interval_table(df))
         sec.paragraphs.append("Each trained scheme under its own attention: the mean over training seeds, each seed "
@@ -423,6 +424,7 @@ EXPERIMENT = Experiment(
     summary=summary,
     prepare=prepare,
     report=report,
+    migrate=migrate,
     positional="checkpoints",
     presets=("eval",),
     skip_reason=skip_reason,

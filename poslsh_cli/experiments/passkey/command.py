@@ -222,7 +222,7 @@ def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: 
     return rows, {}
 
 
-def _trained(df: Any) -> Any:
+def migrate(df: Any) -> Any:
     """Rows with the run a checkpoint came from, its training seed and its attention dropout, as each
     row records them (from the checkpoint's training record); rows written before they were recorded
     get them from the checkpoint's name (``<run>/work/<cell>/final``, as
@@ -241,7 +241,7 @@ def _trained(df: Any) -> Any:
 
 
 def _scheme(df: Any) -> Any:
-    d = df if "attn_dropout" in df.columns else _trained(df)
+    d = df
     return [model_label(r.position, r.s, r.attn_dropout, r.sigmas) for r in d.itertuples()]
 
 
@@ -271,7 +271,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     95% interval (one-sided at 0 or all: a count that never varied says how small or large the rate
     may be, not that it is known exactly), and how close the answer came (top-1 share of its tokens,
     its NLL in nats)."""
-    d = _trained(df)
+    d = df
     d = d.assign(scheme=_scheme(d))
     far = by_distance(d)
     head = ["run", "scheme", "L", "length", *(["needle distance"] if far else []), "retrieved", "accuracy",
@@ -295,7 +295,7 @@ def floor_finding(df: Any) -> Optional[str]:
     key's digits (ln 10 nats a digit)."""
     if df.empty or int(df.correct.sum()) > 0:
         return None
-    per_model = _trained(df).groupby(["checkpoint", "length"]).size()
+    per_model = df.groupby(["checkpoint", "length"]).size()
     n = int(per_model.min())
     _, hi = binomial_interval(0, n)
     digits = int(df.key.astype(str).str.len().max()) if "key" in df.columns else 0
@@ -313,7 +313,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
-    d = _trained(df)
+    d = df
     d = d.assign(scheme=[f"{r} {sc}" if r else sc for r, sc in zip(d.run, _scheme(d))])
     schemes = list(dict.fromkeys(d.scheme))
     place = "distance_sigmas" if by_distance(d) else "depth"
@@ -376,6 +376,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
+    migrate=migrate,
     positional="checkpoints",
     presets=("passkey", "passkey_confirm_l1024", "passkey_qwen3_0_6b_gpu", "passkey_mistral_7b_gpu"),
     opt_in=("passkey_confirm_l1024",),

@@ -19,10 +19,8 @@ from typing import Any
 import numpy as np
 
 from poslsh_cli.experiments.perplexity import gap_figures
-from poslsh_cli.experiments.perplexity.groups import with_group_columns
 from poslsh_cli.experiments.perplexity.registered import endpoint_rows, not_as_registered, per_seed
 from poslsh_cli.experiments.perplexity.registered import section as registered_section
-from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.declared import Claim, Role
 from poslsh_cli.verdicts.stats import t_interval
@@ -63,7 +61,7 @@ def across_lengths(dfs: list[Any], spec: AcrossLengths = ACROSS_L) -> tuple[list
     dfs = [d for d in dfs if "trained_run" in d.columns]
     if not dfs:
         return [], []
-    df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
+    df = pd.concat(dfs, ignore_index=True)
     runs = set(df.trained_run.astype(str).str.split("/").str[0])
     if not {spec.short.train_run, spec.long.train_run} & runs:
         return [], []

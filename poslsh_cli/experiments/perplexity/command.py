@@ -25,6 +25,7 @@ from poslsh_cli.experiments.perplexity.claims import OWN
 from poslsh_cli.experiments.perplexity.plots import plot
 from poslsh_cli.experiments.perplexity.report import report, summary
 from poslsh_cli.experiments.perplexity.across import section as registered_section
+from poslsh_cli.experiments.perplexity.groups import migrate
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
@@ -412,6 +413,7 @@ EXPERIMENT = Experiment(
     plot=plot,
     report=report,
     across_runs=registered_section,
+    migrate=migrate,
     presets=("perplexity_official", "perplexity_confirm", "perplexity_confirm_l1024", "perplexity", "perplexity_finetune", "perplexity_long", "perplexity_mistral_7b_gpu", "perplexity_qwen3_0_6b_gpu",
              "perplexity_official_qwen3_0_6b_gpu", "perplexity_official_mistral_7b_gpu"),
     opt_in=("perplexity_confirm_l1024", "perplexity_long"),

@@ -14,18 +14,27 @@ import math
 from typing import Any, Iterator, Optional
 
 from poslsh_cli.experiments.perplexity import claims as pc
+from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, Interval, count, family_wise, half_width,
                                       seeds_for_half_width, spread, t_interval)
 
 OWN = pc.OWN
-#: the columns rows written before they existed get: no train run, steps and text not recorded
-DEFAULTS = {"trained_run": "", "trained_steps": 0, "text_tokens": 0, "trained_fall": math.nan}
+#: what a row written before the column existed meant by its absence: no train run, steps, text and
+#: fall not recorded, the non-overlapping protocol (the only one then)
+DEFAULTS = {"trained_run": "", "trained_steps": 0, "text_tokens": 0, "trained_fall": math.nan,
+            "protocol": "nonoverlapping"}
+
+
+def migrate(df: Any) -> Any:
+    """The one migration of ``poslsh perplexity``'s rows (:attr:`~poslsh_cli.experiments.base.Experiment.migrate`):
+    the model columns (:func:`~poslsh_cli.lm.positions.with_model_columns`) and :data:`DEFAULTS`."""
+    return with_group_columns(with_model_columns(df))
 
 
 def with_group_columns(df: Any) -> Any:
-    """``df`` with every column grouping reads (older runs: the neutral values of :data:`DEFAULTS`)."""
+    """``df`` with every column of :data:`DEFAULTS` (a missing or empty value: the default)."""
     for col, value in DEFAULTS.items():
         if col not in df.columns:
             df = df.assign(**{col: value})
@@ -39,7 +48,6 @@ def longest_training(rows: Any) -> Any:
     """The rows of each train run's longest-trained models (per run, fine-tuned or not, and training
     length): the models the figures draw. A run's shorter trainings (T/2 beside T) are other models,
     read by the stability rule and shown in the tables with their steps."""
-    rows = with_group_columns(rows)
     if rows.empty:
         return rows
     top = rows.groupby(["trained_run", "finetuned", "trained_len"]).trained_steps.transform("max")
@@ -106,7 +114,7 @@ def decomposition(df: Any) -> Any:
     import pandas as pd
 
     rows, swapped_s = [], set()
-    d = side_text(with_group_columns(df[df.length == df.trained_len]))
+    d = side_text(df[df.length == df.trained_len])
     for (run, ft, L, steps), g in d.groupby(["trained_run", "finetuned", "trained_len", "trained_steps"]):
         alibi = g[(g.position == pc.ALIBI) & (g.attn_dropout.fillna(0) == 0)]
         aa = alibi[alibi.attention == OWN].groupby("run_seed").bits_per_byte.mean()
@@ -168,7 +176,7 @@ def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
     from poslsh_cli.verdicts.stats import relative_margin
 
     out = []
-    d = side_text(with_group_columns(df[df.length == df.trained_len]))
+    d = side_text(df[df.length == df.trained_len])
     for (run, ft, L, steps), g in d.groupby(["trained_run", "finetuned", "trained_len", "trained_steps"]):
         ref = g[(g.position == pc.ALIBI) & (g.attention == OWN) & (g.attn_dropout.fillna(0) == 0)]
         ref = ref.groupby("run_seed").bits_per_byte.mean()

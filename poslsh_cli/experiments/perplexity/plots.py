@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.experiments.perplexity.report import (ALIBI, MARKERS, MODEL_KEYS, OWN, POSLSH, by_protocol,
-                                                      main_protocol, protocol_of, scheme_rank)
+                                                      main_protocol, scheme_rank)
 from poslsh_cli.attention.scheme import model_label
-from poslsh_cli.lm.positions import with_model_columns
 
 
 def _scheme(r: Any) -> str:
@@ -41,8 +40,8 @@ def plot(run: Path, df: Any) -> list[Path]:
     from poslsh_cli.experiments.perplexity.groups import longest_training
 
     df = longest_training(df)
-    every = with_model_columns(protocol_of(df))
-    df = with_model_columns(main_protocol(df))
+    every = df
+    df = main_protocol(df)
     df = df.assign(multi_length=df.trained_len.nunique() > 1)
     schemes = _schemes(df)
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}

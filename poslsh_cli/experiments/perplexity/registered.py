@@ -22,8 +22,7 @@ import numpy as np
 
 from poslsh_cli.experiments.perplexity import headline
 from poslsh_cli.experiments.perplexity.claims import ALIBI, OWN, POSLSH
-from poslsh_cli.experiments.perplexity.groups import main_text, with_group_columns
-from poslsh_cli.lm.positions import with_model_columns
+from poslsh_cli.experiments.perplexity.groups import main_text
 from poslsh_cli.verdicts.claims import Section, Status, Verdict
 from poslsh_cli.verdicts.declared import Claim, Role
 from poslsh_cli.verdicts.registered import (REGISTERED, GapPoint, Primary, Registration, Stability, decide_primary,
@@ -54,7 +53,7 @@ def endpoint_rows(df: Any, run: str, steps: int) -> Any:
     """The registered endpoint's rows of one train run at one training length: own attention at the
     training length, non-overlapping windows, each model's largest evaluation text, not fine-tuned,
     no attention dropout."""
-    rows = with_group_columns(with_model_columns(df))
+    rows = df
     rows = rows[(rows.attention == OWN) & (rows.trained_run.astype(str).str.split("/").str[0] == run)
                 & (rows.trained_steps == steps) & (rows.length == rows.trained_len) & (rows.finetuned != "yes")
                 & (rows.attn_dropout.fillna(0.0) == 0.0)]
@@ -90,7 +89,7 @@ def primary_verdicts(dfs: list[Any], reg: Registration) -> list[Verdict]:
     registered run's and, for the stability check, the earlier runs')."""
     import pandas as pd
 
-    df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
+    df = pd.concat(dfs, ignore_index=True)
     rows = endpoint_rows(df, reg.train_run, reg.steps)
     why = not_as_registered(rows, reg)
     if why:
@@ -203,7 +202,7 @@ def _answer(sec: Section, dfs: list[Any], regs: list[Registration]) -> None:
     README's language-model part opens with it (:attr:`Section.lead`) once a primary verdict is measured."""
     import pandas as pd
 
-    df = pd.concat([with_group_columns(with_model_columns(d)) for d in dfs], ignore_index=True)
+    df = pd.concat(dfs, ignore_index=True)
     lead, notes = [], []
     for i, reg in enumerate(regs):
         rows = endpoint_rows(df, reg.train_run, reg.steps)

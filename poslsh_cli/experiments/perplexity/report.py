@@ -12,7 +12,6 @@ from typing import Any
 from poslsh_cli.experiments.perplexity.claims import OWN
 from poslsh_cli.lm.evaluate import METRICS
 from poslsh_cli.attention.scheme import Position, model_label
-from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Section
 
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
@@ -34,9 +33,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Bits per byte per trained model (scheme, s, dropout, bandwidths, steps), attention and s at each
     evaluation length L in tokens (the columns ``bpb L=n``), mean over trials and the training seeds counted in ``seeds``, in scheme
     order."""
-    from poslsh_cli.experiments.perplexity.groups import with_group_columns
-
-    df = with_group_columns(with_model_columns(main_protocol(df)))
+    df = main_protocol(df)
     lengths = sorted(df.length.unique())
     head = ["trained", "finetuned", "steps", "seeds", "attention", "s"] + [f"bpb L={n}" for n in lengths]
     keys = MODEL_KEYS + ["finetuned", "trained_steps", "attention", "s"]
@@ -63,9 +60,7 @@ MODEL_GROUP_KEYS = ["trained_run", "finetuned", "trained_len", "trained_steps"] 
 
 def _by_scheme(df: Any) -> list:
     """(key, rows) per trained model (``MODEL_GROUP_KEYS``), in report order."""
-    from poslsh_cli.experiments.perplexity.groups import with_group_columns
-
-    return sorted(with_group_columns(with_model_columns(df)).groupby(MODEL_GROUP_KEYS),
+    return sorted(df.groupby(MODEL_GROUP_KEYS),
                   key=lambda kg: (kg[0][:4], scheme_rank(kg[0][4], kg[0][5]), kg[0][6], kg[0][7]))
 
 
@@ -150,7 +145,8 @@ ACCURACY_TEXT = ("The paper's accuracy metrics of the same predictions (own atte
 
 
 def protocol_of(df: Any) -> Any:
-    """The ``protocol`` column (runs written before it: nonoverlapping)."""
+    """A windows table's ``protocol`` column (windows written before it: nonoverlapping; the rows get it
+    from :func:`~poslsh_cli.experiments.perplexity.groups.migrate`)."""
     if "protocol" not in df.columns:
         return df.assign(protocol=NONOVERLAPPING)
     return df.assign(protocol=df.protocol.fillna(NONOVERLAPPING))
@@ -159,7 +155,6 @@ def protocol_of(df: Any) -> Any:
 def main_protocol(df: Any) -> Any:
     """The rows of the run's main protocol (nonoverlapping when it was run): what the tables and
     figures of one protocol show; the protocol table puts both side by side."""
-    df = protocol_of(df)
     name = NONOVERLAPPING if (df.protocol == NONOVERLAPPING).any() or df.empty else df.protocol.iloc[0]
     return df[df.protocol == name]
 
@@ -168,7 +163,6 @@ def by_protocol(own: Any, windows: Any) -> list[tuple[str, Any, Any]]:
     """(tag, rows, windows) per scoring protocol. The sliding frame takes the nonoverlapping rows
     (and windows) at lengths up to the training length, where both protocols score the same
     windows and only nonoverlapping was run. One untagged frame when the run used one protocol."""
-    own = protocol_of(own)
     windows = protocol_of(windows) if windows is not None else None
     names = sorted(set(own.protocol), key=lambda p: p != NONOVERLAPPING)
     if names == [NONOVERLAPPING]:
@@ -193,7 +187,6 @@ def protocol_table(own: Any) -> Any:
     seeds and draws), side by side."""
     import pandas as pd
 
-    own = protocol_of(own)
     long = own[own.length > own.trained_len]
     rows = []
     for k, g in _by_scheme(long):
@@ -264,7 +257,6 @@ def report(run: Path, df: Any) -> Section:
     from poslsh_cli.experiments.perplexity import groups as pg
 
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
-    df = pg.with_group_columns(with_model_columns(df))
     own = df[df.attention == OWN]
     sec.facts.update(protocol=protocol_label(own), described=described(run, own))
     sec.tables.append(interval_table(pg.main_text(main_protocol(own))))
@@ -353,7 +345,7 @@ def _judged(protocols: list) -> list:
             for tag, h in _by_bandwidths(d.rows):
                 # the protocol is part of the claim's name even where a run scored one (it lines up with a
                 # run that scored several)
-                proto = ptag or (str(protocol_of(pown).protocol.iloc[0]) if len(pown) else "")
+                proto = ptag or (str(pown.protocol.iloc[0]) if len(pown) else "")
                 role = pr.secondary if pr.registration_of(d.rows.trained_run.iloc[0]) else list
                 judged += _tagged(role(pe.claim_extrapolation(_restrict(d, h, keep_half=False))), _join(tag, gtag, ptag),
                                   _join(tag, proto))
@@ -398,7 +390,7 @@ def protocol_label(own: Any) -> str:
 
 def described(run: Path, own: Any) -> str:
     """One sentence of what a run trained and evaluated (bandwidths, s, schemes, seeds, lengths, protocols)."""
-    d = protocol_of(own)
+    d = own
     seeds = d.groupby(["position", "trained_s"]).run_seed.nunique()
     return (f"{Path(run).name}: bandwidths {', '.join(sorted(set(d.sigmas) - {''})) or 'none'}; trained s "
             f"{', '.join(str(int(x)) for x in sorted(set(d[d.position == POSLSH].trained_s))) or 'none'}; schemes "

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 from poslsh_cli.attention.scheme import Position
-from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.verdicts.claims import Verdict, crossover
 from poslsh_cli.verdicts.declared import Claim
 
@@ -20,7 +19,6 @@ def step_times(df: Any) -> Any:
     col = "step_seconds" if "step_seconds" in df.columns else None
     if col is None:
         return None
-    df = with_model_columns(df)
     return df[df.attn_dropout == 0].groupby(["position", "s", "seq_len"])[col].mean()
 
 
@@ -81,7 +79,7 @@ def claim_crossover(df: Any) -> list[Verdict]:
     if not both:
         return [TRAINS_FASTER.not_measured(f"no L trained with both alibi and poslsh s={smax}")]
     Lmax = max(both)
-    d = with_model_columns(df)
+    d = df
     d = d[(d.attn_dropout == 0) & (d.seq_len == Lmax)]
 
     def per_seed(position: str, s: int) -> Any:

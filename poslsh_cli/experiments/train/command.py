@@ -35,6 +35,7 @@ from poslsh_cli.experiments.train.report import metric_files, plot, report, summ
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, attention_plan, lm_bytes
 from poslsh_cli.experiments.devices import Precision, cuda_skip_reason
+from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.experiments.train.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec, trains_every_seed
 from poslsh_cli.lm import evaluate as evaluation
@@ -280,6 +281,7 @@ EXPERIMENT = Experiment(
     prepare=prepare,
     plot=plot,
     report=report,
+    migrate=with_model_columns,
     presets=("train_pilot", "train_official", "train_confirm", "train_pilot_l1024", "train_confirm_l1024",
              "train_stability_l1024", "train_first", "train", "train_finetune", "train_long", "train_gpu", "train_long_gpu",
              "finetune_mistral_7b_gpu", "train_qwen3_0_6b_gpu", "train_official_qwen3_0_6b_gpu",

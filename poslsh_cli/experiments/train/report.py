@@ -10,7 +10,6 @@ from typing import Any
 from poslsh_cli.verdicts.claims import Section, Verdict
 from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.attention.scheme import Position, model_label
-from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.experiments.train.claims import (claim_crossover, claim_schemes_compared,  # noqa: F401 (tests)
                                                  crossover_length, step_times)
 
@@ -28,7 +27,6 @@ def _model(r: Any) -> str:
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
-    df = with_model_columns(df)
     _secs = lambda x: f"{x:.0f}" if x >= 100 else f"{x:.3g}"  # noqa: E731 (a tiny run's 0.25 s is not 0)
     head = ["model", "seed", "L", "params", "train loss (nats/token)", "val bpb", "val ppl", "s/step", "tokens/s",
             "training s", "wall s (finishing session)"]
@@ -77,7 +75,6 @@ def gap_curves(run: Path, df: Any) -> list[dict]:
     attention dropout is the reference."""
     import pandas as pd
 
-    df = with_model_columns(df)
     if "pretrain" not in df.columns:
         df = df.assign(pretrain="")
     curves = metrics_of(run, df)
@@ -170,7 +167,7 @@ def late_falls(run: Path, df: Any) -> dict:
     from poslsh_cli.lm.checkpoint import late_fall
 
     falls: dict = {}
-    for r in with_model_columns(df).to_dict("records"):
+    for r in df.to_dict("records"):
         if not isinstance(r.get("checkpoint"), str):
             continue
         f = late_fall(Path(run) / r["checkpoint"])
@@ -186,7 +183,7 @@ def trained_table(run: Path, df: Any) -> Any:
     import pandas as pd
 
     falls = late_falls(run, df)
-    d = with_model_columns(df)
+    d = df
     rows = []
     for (L, steps, model), g in sorted(d.assign(model=d.apply(_model, axis=1)).groupby(["seq_len", "steps", "model"]),
                                        key=lambda kg: (kg[0][0], kg[0][1], _rank(kg[1].position.iloc[0],
@@ -249,7 +246,7 @@ def plot_learning_curves(run: Path, df: Any) -> list[Path]:
     from poslsh_cli.verdicts.plotting import pyplot, save
 
     plt = pyplot()
-    curves = list(metrics_of(run, with_model_columns(df)))
+    curves = list(metrics_of(run, df))
     schemes = sorted({(r["position"], int(r["s"] or 0), float(r["attn_dropout"]), str(r["sigmas"])) for r, _ in curves},
                      key=lambda t: (_rank(t[0], t[1]), t[2], t[3]))
     color = {k: f"C{i % 10}" for i, k in enumerate(schemes)}
@@ -305,7 +302,7 @@ def report(run: Path, df: Any) -> Section:
     df = df.assign(tokens_per_s=df.tokens / df.steps / df.step_seconds) if "step_seconds" in df.columns else df
     cols = ["position", "s", "attn_dropout", "sigmas", "seed", "seq_len", "pretrain", "params", "steps", "val_bpb",
             "val_ppl", "step_seconds", "tokens_per_s", "passes"]
-    sec.tables.append(with_model_columns(df)[[c for c in cols if c in df.columns or c == "sigmas"]].round(4))
+    sec.tables.append(df[[c for c in cols if c in df.columns or c == "sigmas"]].round(4))
     sec.paragraphs.append("Bits per byte on the held-out validation documents at the training length, "
                           "non-overlapping windows; `poslsh perplexity` measures longer lengths, more mask draws and "
                           "swapped attention, with intervals.")
@@ -358,7 +355,7 @@ def overfitting_table(df: Any) -> Any:
     evals = df.train_eval_loss if "train_eval_loss" in df.columns else math.nan
     sample = df.train_eval_sample.astype(object).where(df.train_eval_sample.notna(), "first") \
         if "train_eval_sample" in df.columns else "first"
-    d = with_model_columns(df).assign(train_eval_loss=evals, train_eval_sample=sample)
+    d = df.assign(train_eval_loss=evals, train_eval_sample=sample)
     by = {"spread": "final weights, spread over the training split",
           "first": "final weights, first eval_tokens of the training split (other pages: not overfitting)"}
     rows = []
