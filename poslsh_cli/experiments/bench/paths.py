@@ -48,22 +48,22 @@ def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int =
 @functools.lru_cache(maxsize=64)
 def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: bool, dtype: str, causal: bool,
               head_dim: int = 64) -> str:
-    """The CPU plan's path for s masks of ``sigmas`` at length n (the cost model weighed at up to 2^16
-    positions, where the choice has settled, and the union's band checked against its cap at n itself)."""
+    """The CPU plan's path for s masks of ``sigmas`` at length n: the plan's own choice
+    (:func:`poslsh_cli.attention.choose`, its cost model and its cap on the union's band) on the work of
+    masks drawn at up to 2^16 positions, where the choice has settled, with the band's bytes at n itself."""
+    import dataclasses
+
     from poslsh_cli.attention import choose
     from poslsh_cli.attention.api import AttentionSpec, work_of
     from poslsh_cli.attention.band import band_bytes
-    from poslsh_cli.attention.plan import Backend, UNION_MAX_BYTES, weighs
+    from poslsh_cli.attention.plan import weighs
 
     torch_type = torch_dtype(dtype)
     at = min(n, 2**16)  # the masks of 2^16 positions cost little to draw and weigh
-    spec = work = None
+    work = None
     if weighs(True, "cpu", torch_type, at, backward):
         spec = AttentionSpec.build(method, sigmas, at, causal, s=s,
                                    rng=np.random.default_rng(derive_seed(0, "bench-plan", at, s)))
-        work = work_of(spec, at, head_dim)
-    backend = choose(method, device="cpu", dtype=torch_type, n=at, causal=causal, grad=backward, s=s,
-                     work=work).backend
-    if backend is Backend.UNION and spec is not None and band_bytes(spec.bin_table[0], n, causal, s) > UNION_MAX_BYTES:
-        return Backend.BLOCKS.value  # the union's band would pass its cap at the grid's n
-    return backend.value
+        work = dataclasses.replace(work_of(spec, at, head_dim), union_bytes=band_bytes(spec.bin_table[0], n, causal, s))
+    return choose(method, device="cpu", dtype=torch_type, n=at, causal=causal, grad=backward, s=s,
+                  work=work).backend.value
