@@ -175,11 +175,11 @@ def test_a_run_records_its_preset_and_an_older_run_is_read_from_its_command(tmp_
 
 
 def test_a_commands_functions_receive_its_rows_migrated_once_from_older_layouts():
-    from pathlib import Path
-
     """Experiment.migrate is the one place an older results layout is repaired: summary, plot, report and
     across_runs receive migrated rows; each command's migration is idempotent and gives a row without a
     column the value it meant (perplexity: no train run, the non-overlapping protocol, no dropout)."""
+    from pathlib import Path
+
     import pandas as pd
 
     from poslsh_cli.app import registry

@@ -301,7 +301,7 @@ def test_the_overfitting_gap_uses_the_final_weights_on_the_training_split(traine
     from poslsh_cli.experiments.train.report import overfitting_table
     from poslsh_cli.lm.evaluate import evaluate
 
-    df = pd.read_csv(trained / "results.csv")
+    df = registry.get("train").migrate(pd.read_csv(trained / "results.csv"))  # as the report receives them
     assert df.train_eval_loss.notna().all() and (df.train_eval_loss > 0).all()
     assert (df.train_eval_sample == "spread").all()
     cfg = __import__("yaml").safe_load((trained / "config.yaml").read_text())

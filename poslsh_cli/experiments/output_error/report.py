@@ -174,7 +174,7 @@ def report(run: Path, df: Any) -> Section:
                           "‖T* − T̃‖_F / ‖T*‖_F against exact ALiBi (float64).")
     sec.tables.append(pd.DataFrame(rows))
     if p_all.empty:
-        sec.verdicts.append(DECAY.not_measured("no Positional-LSH rows"))
+        sec.verdicts.append(DECAY.not_measured("no Positional-LSH rows", rule=DECAY_RULE))
         return sec
     slopes = f"; slopes {few(decay.evidence)}" if decay.evidence else f"; fewer than three s ≥ {ASYMPTOTIC_S}"
     sec.verdicts.append(decay.verdict(DECAY, evidence=f"layers: {decay.tally()}{slopes}"))

@@ -26,6 +26,7 @@ from poslsh_cli.experiments.perplexity.plots import plot
 from poslsh_cli.experiments.perplexity.report import report, summary
 from poslsh_cli.experiments.perplexity.across import section as registered_section
 from poslsh_cli.experiments.perplexity.groups import migrate
+from poslsh_cli.experiments.perplexity import extrapolation, finetune
 from poslsh_cli.core.config import ENCODING_HELP, Spec, check, check_encoding, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, checkpoints_skip_reason, choices, trained_runs_overrides
@@ -395,6 +396,9 @@ def reproduce_overrides(root: Path, spec: PerplexitySpec) -> list[str]:
 def skip_reason(spec: PerplexitySpec) -> str | None:
     return checkpoints_skip_reason(spec.checkpoints, spec.device)
 
+
+#: the modules that declare the rest of its claims, imported with the command (``poslsh claims`` lists them)
+CLAIM_MODULES = (extrapolation, finetune)
 
 EXPERIMENT = Experiment(
     name="perplexity",

@@ -11,6 +11,7 @@ from typing import Iterable
 
 from poslsh_cli.verdicts.claims import Verdict
 from poslsh_cli.verdicts.plotting import pyplot, save
+from poslsh_cli.verdicts.registered import REGISTERED
 
 
 def _half90(se: float, n: int) -> float:
@@ -94,7 +95,8 @@ def draw(out: Path, verdicts: list[Verdict]) -> list[Path]:
     primary = [v for v in verdicts if (v.numbers or {}).get("registration")]
     paths: list[Path] = []
     with plotting.png_only():
-        for name in sorted({v.numbers["registration"] for v in primary}):
+        length = {r.name: r.seq_len for r in REGISTERED.values()}  # the shorter context first, as the answer
+        for name in sorted({v.numbers["registration"] for v in primary}, key=lambda n: (length.get(n, 0), n)):
             paths += plot_gap_against_s(out, name, [v for v in primary if v.numbers["registration"] == name])
         paths += plot_gap_against_length(out, "across_lengths", verdicts)
     return [p for p in paths if p.suffix == ".png"]

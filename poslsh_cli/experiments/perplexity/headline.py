@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from poslsh_cli.experiments.perplexity.claims import ALIBI, FIXED_BLOCK, NONE, POSLSH, ROPE
+from poslsh_cli.experiments.perplexity.groups import main_text
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.registered import PAPER_SEQ_LEN, Registration
 from poslsh_cli.verdicts.stats import paired, t_interval
@@ -40,7 +41,8 @@ def answer(reg: Registration, verdicts: list[Verdict]) -> str:
         word = {Status.SUPPORTED: "reaches it", Status.NOT_SUPPORTED: "does not reach it",
                 Status.INCONCLUSIVE: "is not decided"}[v.status]
         parts.append(f"s = {nb['s']} {word} ({v.status.value}; gap {nb['gap']:+.4f} bits per byte, "
-                     f"{100 * nb['gap'] / base:+.2f}%, 90% [{nb['low90']:+.4f}, {nb['high90']:+.4f}])")
+                     f"{100 * nb['gap'] / base:+.2f}%, 90% [{nb['low90']:+.4f}, {nb['high90']:+.4f}] unadjusted, "
+                     f"Holm-adjusted p {nb['adjusted_p']:.4f})")
     return head + "; ".join(parts) + "."
 
 
@@ -66,7 +68,8 @@ def paper_table(rows: Any, reg: Registration, verdicts: list[Verdict]) -> list[l
     status = {v.numbers["s"]: v.status.value for v in verdicts if (v.numbers or {}).get("registration") == reg.name}
     schemes = [(p, 0) for p, _ in ORDER] + [(POSLSH, int(s)) for s in sorted(rows[rows.position == POSLSH].trained_s.unique())]
     control = _per_seed(rows, ALIBI, 0, "bits_per_byte")
-    base = float(np.mean(list(control.values()))) if control else math.nan
+    registered = [control[k] for k in reg.seeds if k in control]  # the margin's base, as the verdicts'
+    base = float(np.mean(registered)) if registered else math.nan
     out = []
     for position, s in schemes:
         bpb = _per_seed(rows, position, s, "bits_per_byte")
@@ -107,8 +110,8 @@ def caveats(df: Any, reg: Registration, rows: Any, margin: Optional[float]) -> l
     the registered models' steps, against the margin."""
     out = [f"L = {reg.seq_len} is {PAPER_SEQ_LEN // reg.seq_len}x shorter than the paper's L = {PAPER_SEQ_LEN} "
            f"(sigma / L = {reg.sigma / reg.seq_len:g} in both)."]
-    own = df[(df.attention == "own") & (df.length == df.trained_len) & (df.trained_len == reg.seq_len)
-             & (df.position == ALIBI) & (df.finetuned != "yes") & (df.attn_dropout.fillna(0.0) == 0.0)]
+    own = main_text(df[(df.attention == "own") & (df.length == df.trained_len) & (df.trained_len == reg.seq_len)
+             & (df.position == ALIBI) & (df.finetuned != "yes") & (df.attn_dropout.fillna(0.0) == 0.0)])
     if "protocol" in own.columns:
         own = own[own.protocol == "nonoverlapping"]
     bases = []
