@@ -378,12 +378,12 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
 def claims_cmd(command: Optional[str] = typer.Argument(None, help="one command's claims (e.g. bench)",
                                                        show_default=False)) -> None:
     """List the claims the commands judge: id, role, metric, the sides compared, the sentence and the rule."""
-    from poslsh_cli.verdicts.declared import CLAIMS, listing
+    from poslsh_cli.verdicts.declared import CLAIMS, claims_of, listing
 
     known = registry.experiments()
     if command is not None and command not in known:
         fail("claims", f"no command {command!r}; the commands: {', '.join(sorted(known))}")
-    typer.echo(listing([c for c in CLAIMS.values() if command in (None, c.command)]))
+    typer.echo(listing(list(CLAIMS.values()) if command is None else claims_of(command)))
 
 
 class _ClosedOk:

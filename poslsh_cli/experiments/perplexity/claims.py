@@ -80,12 +80,13 @@ BETTER_RULE = (DIFFERENCE_RULE + f"; where the run also trained the schemes for 
                f"if the seed-paired gap moved by less than half the margin ({MARGIN_FRACTION:.0%} of exact ALiBi's "
                "value) between the two lengths of training (else INCONCLUSIVE)")
 
-_ANY_S = {"position": POSLSH, "s": "*"}
+#: the compared side of a claim made of each s (sides as scheme fields, verdicts/declared.py)
+ANY_S = {"position": POSLSH, "s": "*"}
 _REF_S = {"position": POSLSH, "s": "reference"}
 #: from scratch, Positional LSH (each s) reaches exact ALiBi on a metric: one family per metric
 REACHES = {m.column: Claim(f"scratch/reaches_alibi/s/{m.column}", "perplexity",
                            "from scratch, Positional LSH {member} reaches the " + what + " of exact ALiBi",
-                           equivalence_rule(m.unit), metric=m.column, sides=({"position": ALIBI}, _ANY_S), family=True)
+                           equivalence_rule(m.unit), metric=m.column, sides=({"position": ALIBI}, ANY_S), family=True)
            for m, what in ((BPB, "bits per byte"), (TOP1_MISS, "top-1 accuracy"))}
 BEATS_NONE = Claim("scratch/better_than_none/reference_s", "perplexity",
                    "from scratch, Positional LSH s={s} beats the model without positional information", BETTER_RULE,

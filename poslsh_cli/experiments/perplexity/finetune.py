@@ -10,13 +10,11 @@ from typing import Optional
 
 import numpy as np
 
-from poslsh_cli.experiments.perplexity.claims import (ALIBI, BPB, EQUIVALENCE_RULE, FIXED_BLOCK, POSLSH, Arm, Data,
-                                                      judged_better, judged_equivalent, poslsh_s)
+from poslsh_cli.experiments.perplexity.claims import (ALIBI, ANY_S, BPB, EQUIVALENCE_RULE, FIXED_BLOCK, POSLSH, Arm,
+                                                      Data, judged_better, judged_equivalent, poslsh_s)
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MIN_SEEDS, NEEDS_SEEDS, difference, on_seeds, slope)
-
-_ANY_S = {"position": POSLSH, "s": "*"}
 
 FT_GAP_FALLS = Claim(
     "finetune/gap_falls_with_s", "perplexity", "fine-tuned, the gap of Positional LSH to exact ALiBi falls as s grows",
@@ -25,7 +23,7 @@ FT_GAP_FALLS = Claim(
     f"the seeds (at least {MIN_SEEDS}): below 0 SUPPORTED, above 0 NOT SUPPORTED, else INCONCLUSIVE. With fewer than "
     f"{MIN_SEEDS} seeds, the slope of the seeds' mean gaps with the interval of the fit's residuals (evaluation noise "
     "only, not the seed-to-seed spread) and the verdict INCONCLUSIVE", metric="bits_per_byte",
-    sides=({"position": ALIBI, "finetuned": True}, {**_ANY_S, "finetuned": True}))
+    sides=({"position": ALIBI, "finetuned": True}, {**ANY_S, "finetuned": True}))
 FT_REACHES = Claim("finetune/reaches_alibi/largest_s", "perplexity",
                    "fine-tuned, Positional LSH at the largest s{which} reaches exact ALiBi", EQUIVALENCE_RULE,
                    metric="bits_per_byte", sides=({"position": ALIBI, "finetuned": True},

@@ -7,10 +7,10 @@ training seeds.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from poslsh_cli.verdicts.claims import Verdict
-from poslsh_cli.verdicts.plotting import pyplot, save
+from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 from poslsh_cli.verdicts.registered import REGISTERED
 
 
@@ -50,14 +50,9 @@ def plot_gap_against_s(out: Path, name: str, verdicts: Iterable[Verdict]) -> lis
         shift = 1.0 + 0.04 * (i - (len(series) - 1) / 2)  # side by side at each s
         ax.errorbar([p[0] * shift for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
                     capsize=3, label=f"T = {steps} steps")
-    ax.set_xscale("log")
     ss = sorted({int(v.numbers["s"]) for v in measured})
-    ax.set_xticks(ss, [str(s) for s in ss])
-    ax.set_xlabel("masks s")
-    ax.set_ylabel("gap to exact ALiBi (bits per byte)")
-    ax.set_title(f"{name}: gap against s (90% intervals over seeds)")
-    ax.legend()
-    return save(fig, out, f"registered_gap_vs_s_{name}")
+    return _finish(fig, ax, ss, "masks s", "gap to exact ALiBi (bits per byte)", f"{name}: gap against s",
+                   out, f"registered_gap_vs_s_{name}")
 
 
 def plot_gap_against_length(out: Path, name: str, verdicts: Iterable[Verdict]) -> list[Path]:
@@ -76,14 +71,19 @@ def plot_gap_against_length(out: Path, name: str, verdicts: Iterable[Verdict]) -
         err = [[100 * (nb["short"] - nb["short_low"]), 100 * (nb["long"] - nb["long_low"])],
                [100 * (nb["short_high"] - nb["short"]), 100 * (nb["long_high"] - nb["long"])]]
         ax.errorbar(lengths, mid, yerr=err, marker="o", capsize=3, label=f"Positional LSH s = {nb['s']}")
-    ax.set_xscale("log", base=2)
     ls = sorted({int(x) for v in measured for x in (v.numbers["short_length"], v.numbers["long_length"])})
-    ax.set_xticks(ls, [str(x) for x in ls])
-    ax.set_xlabel("context length L (tokens)")
-    ax.set_ylabel("gap to exact ALiBi (% of its bits per byte)")
-    ax.set_title(f"{name.replace('_', ' ')}: gap against L (90% intervals over seeds)")
+    return _finish(fig, ax, ls, "context length L (tokens)", "gap to exact ALiBi (% of its bits per byte)",
+                   f"{name.replace('_', ' ')}: gap against L", out, f"registered_gap_vs_L_{name}")
+
+
+def _finish(fig: Any, ax: Any, ticks: list[int], xlabel: str, ylabel: str, title: str, out: Path, name: str) -> list[Path]:
+    """The house axes (x on a log2 scale with a tick at each value drawn, y linear), the title with the
+    intervals' level, the legend, and the files."""
+    log_axes(ax, xlabel, ylabel, x=2, y=None)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_title(f"{title} (90% intervals over seeds)")
     ax.legend()
-    return save(fig, out, f"registered_gap_vs_L_{name}")
+    return save(fig, out, name)
 
 
 def draw(out: Path, verdicts: list[Verdict]) -> list[Path]:

@@ -53,10 +53,9 @@ def endpoint_rows(df: Any, run: str, steps: int) -> Any:
     """The registered endpoint's rows of one train run at one training length: own attention at the
     training length, non-overlapping windows, each model's largest evaluation text, not fine-tuned,
     no attention dropout."""
-    rows = df
-    rows = rows[(rows.attention == OWN) & (rows.trained_run.astype(str).str.split("/").str[0] == run)
-                & (rows.trained_steps == steps) & (rows.length == rows.trained_len) & (rows.finetuned != "yes")
-                & (rows.attn_dropout.fillna(0.0) == 0.0)]
+    rows = df[(df.attention == OWN) & (df.trained_run.astype(str).str.split("/").str[0] == run)
+              & (df.trained_steps == steps) & (df.length == df.trained_len) & (df.finetuned != "yes")
+              & (df.attn_dropout.fillna(0.0) == 0.0)]
     if "protocol" in rows.columns:
         rows = rows[rows.protocol == NONOVERLAPPING]
     return main_text(rows)
