@@ -156,30 +156,33 @@ def _flat_config(text: str) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k.split(".")[0] not in RESUME_IGNORED}
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """One value written two ways counts once: ``v`` and ``[v]`` (a key that became a list sweep), and
-    an enum member by its name as older runs stored a list default (``ALIBI``) and by the value a user
-    types (``alibi``)."""
+def migrate_config(held: dict[str, Any], defaults: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+    """A held configuration (flat) in today's layout, the one place older run directories are read as
+    current: an enum member stored by its name (``ALIBI``) becomes the value a
+    user types (``alibi``); a key the command gained after the run was made (one asked for, with a
+    default, that the run lacks) takes its default, so those runs resume and evaluate as before."""
     import re
 
-    def norm(x: Any) -> Any:
+    def value(x: Any) -> Any:
         if isinstance(x, list):
-            x = [norm(v) for v in x]
-            return x[0] if len(x) == 1 else x
+            return [value(v) for v in x]
         return x.lower() if isinstance(x, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", x) else x
 
-    return a == b or norm(a) == norm(b)
+    out = {k: value(v) for k, v in held.items()}
+    return {**out, **{k: defaults[k] for k in wanted if k not in out and k in defaults}}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """One value written two ways counts once: ``v`` and ``[v]`` (a key that became a list sweep)."""
+    return a == b or [a] == b or a == [b]
 
 
 def config_changes(held: str, wanted: str, defaults: Optional[dict[str, Any]] = None) -> list[str]:
-    """What differs between the configuration a run directory holds and the one asked for, key by
-    key (nested keys dotted, the keys resuming ignores left out): ``["steps: 4000 -> 150"]``.
-
-    A key the held configuration lacks was added to the command after the run was made: it counts
-    as unchanged while the value asked for is its default (``defaults``, flat), so runs made before
-    a key existed resume and evaluate as before; a value and the one-element list of it are the same."""
-    a, b = _flat_config(held), _flat_config(wanted)
-    defaults = defaults or {}
+    """What differs between the configuration a run directory holds (read through
+    :func:`migrate_config`) and the one asked for, key by key (nested keys dotted, the keys resuming
+    ignores left out): ``["steps: 4000 -> 150"]``; a value and the one-element list of it are the same."""
+    raw, b = _flat_config(held), _flat_config(wanted)
+    a = migrate_config(raw, defaults or {}, b)
 
     def show(x: Any) -> str:
         if x is _ABSENT:
@@ -188,13 +191,9 @@ def config_changes(held: str, wanted: str, defaults: Optional[dict[str, Any]] = 
             return "[" + ", ".join(show(v) for v in x) + "]"
         return "null" if x is None else str(x).lower() if isinstance(x, bool) else str(x)
 
-    def same(k: str) -> bool:
-        if k not in a and k in b and k in defaults:
-            return _same_value(b[k], defaults[k])
-        return _same_value(a.get(k, _ABSENT), b.get(k, _ABSENT))
-
     keys = list(a) + [k for k in b if k not in a]
-    return [f"{k}: {show(a.get(k, _ABSENT))} -> {show(b.get(k, _ABSENT))}" for k in keys if not same(k)]
+    return [f"{k}: {show(raw.get(k, _ABSENT))} -> {show(b.get(k, _ABSENT))}" for k in keys
+            if not _same_value(a.get(k, _ABSENT), b.get(k, _ABSENT))]
 
 
 _ABSENT = object()
