@@ -247,6 +247,91 @@ def test_the_cli_starts_without_the_numerical_stack():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def _top_level_imports(tree):
+    """The import statements a module runs when it is imported (not those under TYPE_CHECKING or in functions)."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return out
+
+
+def _targets(node, modules):
+    """The modules an import statement loads: ours by name (a name a package's ``__getattr__`` serves
+    by the module its ``_WHERE`` names, or any its ``__getattr__`` imports), others by their top package."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    out = []
+    for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        if sub in modules:
+            out.append(sub)
+        elif node.module in modules and modules[node.module].name == "__init__.py":
+            out += [node.module, *_served(modules[node.module], a.name)]
+        else:
+            out.append(node.module)
+    return out
+
+
+def _served(init: Path, name: str) -> list[str]:
+    """The modules a package's ``__getattr__`` imports to serve ``name`` (none: the package defines it)."""
+    tree = ast.parse(init.read_text())
+    where = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "_WHERE" for t in n.targets)), {})
+    if name in where:
+        return [where[name]]
+    getattr_ = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"), None)
+    if getattr_ is None or any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name for n in tree.body):
+        return []
+    return [n.module for n in ast.walk(getattr_) if isinstance(n, ast.ImportFrom) and n.module]
+
+
+def _heavy_closure():
+    """Every module -> the heavy libraries importing it loads, read from the import statements it runs."""
+    modules = {module_name(p): p for p in PKG.rglob("*.py")}
+    direct = {name: [t for n in _top_level_imports(ast.parse(path.read_text())) for t in _targets(n, modules)]
+              for name, path in modules.items()}
+    memo: dict[str, set[str]] = {}
+
+    def heavy(name, seen=()):
+        if name in memo or name in seen:
+            return memo.get(name, set())
+        out = set()
+        for t in direct.get(name, []):
+            if t in modules:
+                out |= heavy(t, (*seen, name))
+            elif t.split(".")[0] in HEAVY:
+                out.add(t.split(".")[0])
+        memo[name] = out
+        return out
+    return modules, heavy
+
+
+HEAVY = {"torch", "pandas", "scipy", "matplotlib", "transformers", "hydra", "datasets", "peft", "lm_eval"}
+
+
+def test_an_import_inside_a_function_defers_a_heavy_library():
+    """A function imports one of our modules only to keep a heavy library (torch, pandas, ...) out of
+    its own module's import, e.g. the CLI's start; any other import belongs at the top. A package's
+    ``__getattr__`` imports on first use by design."""
+    modules, heavy = _heavy_closure()
+    needless = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for fn in (f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and f.name != "__getattr__"):
+            for node in (n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))):
+                ours = [t for t in _targets(node, modules) if t.startswith("poslsh_cli")]
+                if ours and not set().union(*(heavy(t) for t in ours)) - heavy(name):
+                    needless.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not needless, "\n".join(sorted(set(needless)))
+
+
 def test_registry_lists_every_command_once_with_its_yaml():
     exps = registry.experiments()
     assert {"sample", "matrix-error", "block-stats", "output-error", "bench"} <= set(exps)

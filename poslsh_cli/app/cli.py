@@ -26,6 +26,12 @@ from poslsh_cli.core.config import CONF_DIR, key_help
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm import models
 from poslsh_cli.experiments.base import Experiment
+from poslsh_cli.app.reproduce import Launcher, check_only, check_with, main as reproduce_main
+from poslsh_cli.app.runner import waiting
+from poslsh_cli.experiments.machine import available_memory
+from poslsh_cli.lm.generate import generate, parse
+from poslsh_cli.store.readers import find_runs
+from poslsh_cli.verdicts.declared import CLAIMS, claims_of, listing
 
 class _Commands(typer.core.TyperGroup):
     """The command group, refusing an unknown command in one line like every other error (click draws
@@ -189,7 +195,6 @@ def report_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories 
     DIR/results/* again regenerates byte for byte (make publish FROM=<reproduce root>).
     """
     from poslsh_cli.app import report
-    from poslsh_cli.store.readers import find_runs
 
     if readme is not None and publish is None:
         fail("report", "--readme goes with --publish DIR")
@@ -268,9 +273,6 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
                                                  "perplexity, passkey, eval); the report covers every run of the "
                                                  "root")) -> None:
     """Every experiment of the paper at one scale, then plots and the report (resumable)."""
-    from poslsh_cli.app.reproduce import Launcher
-    from poslsh_cli.app.reproduce import main as reproduce_main
-
     for value, kind in ((scale, registry.Scale), (launcher, Launcher)):
         if value not in {m.value for m in kind}:
             fail("reproduce", f"--{kind.__name__.lower()} must be {' or '.join(m.value for m in kind)}, got {value!r}")
@@ -281,7 +283,6 @@ def reproduce_cmd(scale: str = typer.Option("paper", help="paper or quick"),
             fail("reproduce", str(exc))
     if jobs is not None and jobs < 1:
         fail("reproduce", f"--jobs must be at least 1, got {jobs}")
-    from poslsh_cli.app.reproduce import check_only, check_with
 
     try:
         include = check_with(with_)
@@ -309,10 +310,6 @@ def generate_cmd(checkpoint: Path = typer.Argument(..., help="a checkpoint direc
     max_position_embeddings; the other schemes have no position limit and extrapolate past the
     length the model was trained at (a line on stderr says so)."""
     import contextlib
-
-    from poslsh_cli.app.runner import waiting
-    from poslsh_cli.experiments.machine import available_memory
-    from poslsh_cli.lm.generate import generate, parse
 
     loading = contextlib.ExitStack()  # a spinner on a terminal until the first line or text
 
@@ -346,7 +343,6 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
                                                    show_default=False)) -> None:
     """Draw the figures of finished (or partial) runs into each run's figures/ (PNG and PDF)."""
     from poslsh_cli.app.report import plot_run
-    from poslsh_cli.store.readers import find_runs
 
     def notice(text: str) -> None:
         sys.stderr.write(f"poslsh plot: {text}\n")
@@ -378,8 +374,6 @@ def plot_cmd(run_dirs: List[Path] = typer.Argument(..., help="run directories (a
 def claims_cmd(command: Optional[str] = typer.Argument(None, help="one command's claims (e.g. bench)",
                                                        show_default=False)) -> None:
     """List the claims the commands judge: id, role, metric, the sides compared, the sentence and the rule."""
-    from poslsh_cli.verdicts.declared import CLAIMS, claims_of, listing
-
     known = registry.experiments()
     if command is not None and command not in known:
         fail("claims", f"no command {command!r}; the commands: {', '.join(sorted(known))}")

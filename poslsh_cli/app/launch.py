@@ -16,6 +16,11 @@ from poslsh_cli.core.config import build_spec
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment
 from poslsh_cli.lm import models
+from poslsh_cli.app.runner import RunFailed, Terminated, execute
+from poslsh_cli.core import distributed as dist
+from poslsh_cli.core.distributed import FollowerError
+from poslsh_cli.store import ownership, rundir
+from poslsh_cli.store.rundir import check_writable, missing_top, remove_created, reserve_default
 
 
 _HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra", "~hydra")
@@ -49,8 +54,6 @@ def fail(command: str, message: "str | BaseException", code: int = 2) -> None:
     gives to act on (the markers to put in a file); any other exception by its first line. Under
     torchrun only rank 0 says what rank 0 decided (the other ranks exit with the same code,
     silently)."""
-    from poslsh_cli.core.distributed import FollowerError
-
     if isinstance(message, FollowerError):
         raise SystemExit(code)
     text = str(message).strip()
@@ -151,11 +154,6 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
     owned by this process for the sweep (a second sweep on it is refused), and everything it
     created is removed again when no job made a run there.
     """
-    from poslsh_cli.store import ownership
-    from poslsh_cli.store.rundir import check_writable, missing_top, reserve_default, timestamp
-
-    from poslsh_cli.core import distributed as dist
-
     args = models.shorthand(list(args)) if "model" in exp.groups else list(args)
     try:
         if dist.active():  # torchrun: every rank runs this; rank 0 names the run directory
@@ -169,7 +167,7 @@ def launch(exp: Experiment, args: list[str], multirun: bool) -> None:
         args = _positional(exp, args)
         jobs = _parse(exp, args, multirun)
         given = _out_of(jobs[0])
-        out = dist.broadcast(given or str(Path("runs") / exp.name / timestamp()))
+        out = dist.broadcast(given or str(Path("runs") / exp.name / rundir.timestamp()))
         out = str(Path(out).expanduser().resolve())
         for job in jobs:
             job = [o for o in job if not o.startswith("out=")] + [f"out={out}"]
@@ -242,9 +240,6 @@ def _remove_if_no_run(out: Path, top: Optional[Path]) -> None:
     nothing that holds a run."""
     import shutil
 
-    from poslsh_cli.store import ownership
-    from poslsh_cli.store.rundir import remove_created
-
     if top is None:
         return
     if not out.is_dir():  # the run removed itself (nothing computed): what was made above it goes too
@@ -262,8 +257,6 @@ def terminate_as_interrupt() -> None:
     (Ctrl-C: 130). Installed in the task itself, so it holds wherever Hydra runs the task, except
     in a submitit job (SLURM), where submitit owns the signals: it ignores SIGTERM and requeues on
     its preemption/timeout signal, and the requeued job resumes the run directory."""
-    from poslsh_cli.app.runner import Terminated
-
     if os.environ.get("SUBMITIT_EXECUTOR"):
         return
 
@@ -287,8 +280,6 @@ def _config_text(cfg: Any) -> str:
 def _run_hydra(exp: Experiment, argv: list[str], replay: str, multirun: bool) -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
-
-    from poslsh_cli.app.runner import RunFailed, execute
 
     registry.register_all_schemas()
 

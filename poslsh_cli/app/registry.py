@@ -18,6 +18,8 @@ from poslsh_cli.lm import models
 from poslsh_cli.core.config import CONF_DIR, build_spec, compose, register_schemas
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment
+from poslsh_cli.store.readers import load_run
+import poslsh_cli.experiments as pkg
 
 class Scale(str, enum.Enum):
     """The two sizes of every preset (``<stem>_quick.yaml``, ``<stem>_paper.yaml``)."""
@@ -32,8 +34,6 @@ SCALES = tuple(s.value for s in Scale)
 @lru_cache(maxsize=1)
 def experiments() -> dict[str, Experiment]:
     """Every registered experiment by command name, in report order."""
-    import poslsh_cli.experiments as pkg
-
     found = []
     for info in pkgutil.iter_modules(pkg.__path__):
         name = f"{pkg.__name__}.{info.name}"
@@ -114,8 +114,6 @@ def experiment_of(run: Path) -> tuple[Experiment, dict, dict]:
     """(experiment, config, meta) of a run directory. The command comes from meta.json, or, when
     that file is empty or unreadable, from the keys of config.yaml (each command's spec has its own)."""
     from dataclasses import fields
-
-    from poslsh_cli.store.readers import load_run
 
     cfg, meta = load_run(run)
     command = meta.get("command")

@@ -22,6 +22,7 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
 from poslsh_cli.store.provenance import machine_text, preset_of
 from poslsh_cli.store.readers import find_runs, read_json, results, status
+from poslsh_cli.verdicts import plotting
 
 
 def _print(text: str) -> None:
@@ -187,8 +188,6 @@ def sections_of(run_dirs: list[Path], notes: list[str] | None = None, notice=_pr
 
 def _figures_of(item: tuple) -> list[Path] | str:
     """The PNG figures of one run (its experiment's ``plot``), or why they cannot be drawn."""
-    from poslsh_cli.verdicts import plotting
-
     run, exp, df = item
     if exp.plot is None:
         return []

@@ -29,6 +29,8 @@ from pathlib import Path
 from poslsh_cli.app import registry
 from poslsh_cli.app.runner import INTERRUPTED, TERMINATED, stopped_code
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.core.files import atomic_write_text
+from poslsh_cli.store import ownership
 
 
 class Launcher(str, enum.Enum):
@@ -131,8 +133,6 @@ def skip_reason(command: str, preset: str, root: Path = Path(".")) -> str | None
 
 def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) -> None:
     """Keep the reason in the experiment's own directory, so any report over it says so."""
-    from poslsh_cli.core.files import atomic_write_text
-
     if (out / "config.yaml").exists():
         return  # a run was made there before: its results stand
     out.mkdir(parents=True, exist_ok=True)
@@ -141,8 +141,6 @@ def _mark_skipped(out: Path, name: str, command: str, preset: str, reason: str) 
 
 
 def _record_session(root: Path, scale: str, started: str, seconds: float, ran: int, failed: list[str]) -> None:
-    from poslsh_cli.core.files import atomic_write_text
-
     path = root / "reproduce.json"
     try:
         rec = json.loads(path.read_text())
@@ -154,7 +152,6 @@ def _record_session(root: Path, scale: str, started: str, seconds: float, ran: i
 
 def main(scale: str, root: Path, launcher: str = "local", jobs: int | None = None,
          include: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> int:
-    from poslsh_cli.store import ownership
 
     root = Path(root) / scale
     try:  # one reproduce at a time per root; each preset's run directory has its own owner

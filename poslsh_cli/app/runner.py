@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.base import Experiment
+from poslsh_cli.experiments.base import Experiment, check_memory
+from poslsh_cli.core import distributed as dist
+from poslsh_cli.core.files import atomic_write_bytes
+from poslsh_cli.store.cellwork import CellWork
+from poslsh_cli.store.readers import results
+from poslsh_cli.store.rundir import RunDir, cell_id, work_name
 
 #: Exit codes of a stopped run (128 + the signal, the shell's convention): Ctrl-C, SIGTERM.
 INTERRUPTED, TERMINATED = 130, 143
@@ -110,10 +115,6 @@ def execute(exp: Experiment, spec: Any, run_dir: Path, argv: str, config_text: s
     does all of the above; the other ranks wait for its checks, prepare the same context, learn
     the cells still to run from it and run them with it, writing nothing (:func:`_follow`).
     """
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.experiments.base import check_memory
-    from poslsh_cli.store.rundir import RunDir, cell_id
-
     if dist.active():
         if not exp.distributed:
             raise ConfigError(f"poslsh {exp.name} runs in one process (this is rank {dist.rank()} of "
@@ -165,9 +166,6 @@ def _begin(run: Any, ctx: Any, argv: str, seed: int, cells: int, meta: dict | No
     ``ctx.meta``, a corpus hash), cells that cannot be read dropped, and the files the experiment
     writes once (``ctx.files``); a directory that cannot be written is one error line, and left as it
     was found when it was empty."""
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.core.files import atomic_write_bytes
-
     try:
         run.start(argv, seed, cells, notice)
         run.drop_unreadable_cells(notice)
@@ -207,10 +205,6 @@ def _interrupted(run: Any, total: int, err: Any, code: int) -> int:
 
 def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
     """A rank other than 0: the same cells as rank 0, computing its share, writing nothing."""
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.store.cellwork import CellWork
-    from poslsh_cli.store.rundir import work_name
-
     try:
         dist.decide(lambda: None)  # rank 0 has checked the run directory and prepared the data
         ctx = exp.prepare(spec) if exp.prepare is not None else None
@@ -228,8 +222,6 @@ def _follow(exp: Experiment, spec: Any, run_dir: Path) -> int:
 def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo: list[dict], err: Any,
           notice: Any) -> int:
     """The cells not yet done (``todo``), each written as it finishes (the run directory is owned)."""
-    from poslsh_cli.store.rundir import cell_id
-
     index = {cell_id(k): i for i, k in enumerate(keys)}
     for cid, cell in list(run.finished().items()):  # seeds appended to a run move the cells after them in the grid
         if cid in index and cell.get("index") != index[cid]:
@@ -257,7 +249,6 @@ def _loop(exp: Experiment, spec: Any, ctx: Any, run: Any, keys: list[dict], todo
         run.discard_if_empty()
         raise
     except Exception as exc:  # keep finished cells, say what happened
-        from poslsh_cli.core import distributed as dist
 
         why = dist.follower_failure()  # a follower's error is the cause of this rank's broken collective
         text = f"{why} (rank 0 then: {type(exc).__name__})" if why else f"{type(exc).__name__}: {exc}"
@@ -299,8 +290,6 @@ TABLES_EVERY_S = 5.0
 
 def _print_summary(exp: Experiment, run: Any) -> None:
     from rich.table import Table
-
-    from poslsh_cli.store.readers import results
 
     df = results(run.path, exp.columns)
     if df.empty or exp.summary is None:

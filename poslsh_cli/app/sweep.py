@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.core.files import atomic_write_text
 from poslsh_cli.store.readers import results, status
+from poslsh_cli.app.registry import experiment_of
 
 COLLECTED = "results.csv"
 #: Columns that are measurements of a run, not part of a row's identity.
@@ -101,19 +104,11 @@ def collect(sweep: Path) -> Collected:
 def _job_table(where: Path, notes: list[str]) -> tuple:
     """(experiment, config, meta, rows) of one job, its rows read from its cells (see
     :func:`poslsh_cli.store.readers.results`)."""
-    from poslsh_cli.app.registry import experiment_of
-
     exp, cfg, meta = experiment_of(where)
     return exp, cfg, meta, results(where, exp.columns, notes.append)
 
 
-def _callback_base() -> Any:
-    from hydra.experimental.callback import Callback
-
-    return Callback
-
-
-class CollectCallback(_callback_base()):  # type: ignore[misc]
+class CollectCallback(Callback):  # type: ignore[misc]
     """Hydra callback: collect the sweep's table when a multirun ends (any launcher)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:

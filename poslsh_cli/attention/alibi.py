@@ -17,6 +17,7 @@ import torch
 from poslsh_cli.numerics import masks
 from poslsh_cli.attention.plan import Kernel
 from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, slopes_from_sigmas, scale_of
+from poslsh_cli.attention.merge import merge_by_lse
 
 #: Elements of one chunk's (heads, chunk, keys) bias in the chunked exact path: bounds its memory.
 CHUNK_ELEMENTS = 2**26
@@ -229,8 +230,6 @@ def alibi_rank1_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas:
     Returns (B, H, n or stop - start, d) in q's dtype (no gradient: the training path is
     :func:`alibi_rank1`).
     """
-    from poslsh_cli.attention.merge import merge_by_lse
-
     B, H, n, d = q.shape
     sc = scale_of(d, scale)
     extra = -(-(d + 1) // 8) * 8 - d

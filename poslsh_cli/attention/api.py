@@ -95,8 +95,8 @@ class AttentionSpec:
             if s < 1 or rng is None:
                 raise ValueError(f"{method.value} needs s >= 1 and rng")
             gens = list(rng) if isinstance(rng, (list, tuple)) else [rng] * len(sigmas)
-            extra["partitions"] = tuple(sample_partitions(seq_len, float(sg), s, g, sampler)
-                                        for sg, g in zip(sigmas, gens))
+            extra["partitions"] = tuple(sample_partitions(seq_len, float(sigma), s, g, sampler)
+                                        for sigma, g in zip(sigmas, gens))
         elif params == "fixed_partitions":
             extra["partitions"] = tuple(fixed_block_partitions(seq_len, sigmas))
         elif params == "window":
@@ -272,17 +272,17 @@ def _dense_score(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
 
 
 def _rank1(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
-    sig = as_sigmas(spec.sigmas, q.shape[1])
+    sigmas = as_sigmas(spec.sigmas, q.shape[1])
     if needs_grad(q, k, v) or dropout:  # the causal kernel (the plan sends bidirectional dropout to dense)
-        return alibi_rank1(q, k, v, sig, spec.scale, dropout=dropout)
-    return alibi_rank1_tiled(q, k, v, sig, spec.causal, spec.scale)
+        return alibi_rank1(q, k, v, sigmas, spec.scale, dropout=dropout)
+    return alibi_rank1_tiled(q, k, v, sigmas, spec.causal, spec.scale)
 
 
 def _chunked(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
-    sig = as_sigmas(spec.sigmas, q.shape[1])
+    sigmas = as_sigmas(spec.sigmas, q.shape[1])
     if plan.kernel is Kernel.FUSED and q.device.type == "cpu" and needs_grad(q, k, v):
-        return alibi_banded(q, k, v, sig, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)
-    return alibi_chunked(q, k, v, sig, spec.causal, spec.window, scale=spec.scale, kernel=plan.kernel)
+        return alibi_banded(q, k, v, sigmas, spec.causal, spec.window, spec.scale, chunk=BAND_CHUNK)
+    return alibi_chunked(q, k, v, sigmas, spec.causal, spec.window, scale=spec.scale, kernel=plan.kernel)
 
 
 def _flex_alibi(q, k, v, spec, plan, layout, dropout):  # noqa: ANN001, ANN202
@@ -355,12 +355,12 @@ def exact_alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigmas: Seque
 
     Returns (B, H, n, d) in q's dtype.
     """
-    sig = as_sigmas(sigmas, q.shape[1]).numpy()
+    sigmas = as_sigmas(sigmas, q.shape[1]).numpy()
     if window is None:
-        spec = AttentionSpec(Method.EXACT, sig, causal, scale=scale)
+        spec = AttentionSpec(Method.EXACT, sigmas, causal, scale=scale)
     else:
         w = torch.as_tensor(window).reshape(-1).expand(q.shape[1])
-        spec = AttentionSpec(Method.WINDOWED, sig, causal, scale=scale, window=tuple(int(x) for x in w))
+        spec = AttentionSpec(Method.WINDOWED, sigmas, causal, scale=scale, window=tuple(int(x) for x in w))
     return attend(q, k, v, spec, backend)
 
 
@@ -383,8 +383,8 @@ def poslsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitio
 
     Returns (B, H, n, d) in q's dtype.
     """
-    sig = np.asarray([p.sigma for p in partitions], dtype=np.float64)
-    spec = AttentionSpec(Method.POSLSH, sig, causal, scale=scale, partitions=tuple(partitions))
+    sigmas = np.asarray([p.sigma for p in partitions], dtype=np.float64)
+    spec = AttentionSpec(Method.POSLSH, sigmas, causal, scale=scale, partitions=tuple(partitions))
     return attend(q, k, v, spec, backend, layout=layout)
 
 

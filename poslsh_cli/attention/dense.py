@@ -20,6 +20,7 @@ from poslsh_cli.attention.dropout import FlashDropout, keep_mask
 from poslsh_cli.attention.plan import needs_grad
 from poslsh_cli.attention.reference import NEG_INF, alibi_distance_bias, method_bias, slopes_from_sigmas, scale_of
 from poslsh_cli.numerics.sampling import Partitions
+from poslsh_cli.attention.band import BandLayout
 
 
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,9 +56,9 @@ def alibi_bias(n: int, sigmas: torch.Tensor, causal: bool, window: int | Sequenc
     """The ALiBi bias ``-m_h |i-j|`` (``m_h = 1 / sigma_h``), (H, n, n) in ``dtype``, ``-inf`` where the causal or
     window mask drops a key. It depends only on its arguments, so the last few are cached
     (training rebuilds it in every layer at every step otherwise); treat it as read-only."""
-    sig = tuple(float(x) for x in sigmas.reshape(-1))
-    win = None if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(len(sig)))
-    return _alibi_bias(n, sig, causal, win, str(device), dtype)
+    sigmas = tuple(float(x) for x in sigmas.reshape(-1))
+    win = None if window is None else tuple(int(w) for w in torch.as_tensor(window).reshape(-1).expand(len(sigmas)))
+    return _alibi_bias(n, sigmas, causal, win, str(device), dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,8 +81,6 @@ def poslsh_bias(partitions: Sequence[Partitions], causal: bool, device: torch.de
     ``#{k : end_k(i) >= j}`` after), each row filled segment by segment: O(H s n) work to count besides
     filling the output.
     """
-    from poslsh_cli.attention.band import BandLayout
-
     return BandLayout.of(partitions, causal, device).dense_bias(dtype, mean=True)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from poslsh_cli.attention.dense import bias_dtype
 from poslsh_cli.attention.reference import NEG_INF, method_bias, scale_of
+from poslsh_cli.attention.api import attend
 
 #: queries per SDPA call (bounds the (B, H, chunk, n) bias)
 QUERY_CHUNK = 256
@@ -143,8 +144,6 @@ def attend_each_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padd
 
     Returns (B, H, n, d) in q's dtype; 0 at padding queries.
     """
-    from poslsh_cli.attention.api import attend
-
     real = padding.to(device=q.device, dtype=torch.bool)
     counts = real.sum(-1)  # (B,)
     R = int(counts.max()) if counts.numel() else 0

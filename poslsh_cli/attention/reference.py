@@ -32,10 +32,10 @@ def slopes_from_sigmas(sigmas: Sequence[float] | torch.Tensor | np.ndarray, dtyp
     """ALiBi slopes ``m_h = 1 / sigma_h`` (H,): computed in float64 and rounded once to ``dtype``,
     the precision of the inputs they bias (every exact-ALiBi path takes its slopes from here)."""
     if isinstance(sigmas, torch.Tensor):
-        sig = sigmas.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        sigmas = sigmas.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     else:
-        sig = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
-    return (1.0 / sig).to(device=device, dtype=dtype)
+        sigmas = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
+    return (1.0 / sigmas).to(device=device, dtype=dtype)
 
 
 def alibi_distance_bias(qi: torch.Tensor, kj: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
@@ -49,14 +49,14 @@ def alibi_distance_bias(qi: torch.Tensor, kj: torch.Tensor, slopes: torch.Tensor
 
 def as_sigmas(sigmas: Sequence[float] | torch.Tensor | np.ndarray, heads: int) -> torch.Tensor:
     """One float64 sigma per head, (H,), from one value or H values; all > 0."""
-    s = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
-    if s.numel() == 1:
-        s = s.expand(heads)
-    if s.numel() != heads:
-        raise ValueError(f"need one sigma per head ({heads}), got {s.numel()}")
-    if not torch.all(s > 0):
+    sigmas = torch.as_tensor(np.asarray(sigmas, dtype=np.float64)).reshape(-1)
+    if sigmas.numel() == 1:
+        sigmas = sigmas.expand(heads)
+    if sigmas.numel() != heads:
+        raise ValueError(f"need one sigma per head ({heads}), got {sigmas.numel()}")
+    if not torch.all(sigmas > 0):
         raise ValueError("sigmas must be > 0")
-    return s
+    return sigmas
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor | None,

@@ -33,6 +33,8 @@ import numpy as np
 from poslsh_cli.core.config import key
 from poslsh_cli.numerics.methods import INFO, Method, method_def, of_scheme
 from poslsh_cli.numerics.sampling import SAMPLER_HELP, Sampler, alibi_sigmas, bandwidths, derive_seed
+from poslsh_cli.attention.plan import plan_for
+from poslsh_cli.core.errors import ConfigError
 
 
 class Position(str, enum.Enum):
@@ -121,14 +123,14 @@ def sigma_label(sigmas: Any) -> str:
     """A short name for per-head bandwidths, the part of a trained scheme that tables and legends
     must tell apart: ``standard`` (the standard ALiBi slopes for its head count), ``sigma=V every
     head`` (one bandwidth, as the official code's sigma = 256), else the range and count."""
-    sig = np.asarray([] if sigmas is None else list(sigmas), dtype=np.float64)
-    if sig.size == 0:
+    sigmas = np.asarray([] if sigmas is None else list(sigmas), dtype=np.float64)
+    if sigmas.size == 0:
         return ""
-    if np.allclose(sig, alibi_sigmas(sig.size), rtol=1e-6):
+    if np.allclose(sigmas, alibi_sigmas(sigmas.size), rtol=1e-6):
         return "standard"
-    if np.allclose(sig, sig[0], rtol=1e-9):
-        return f"sigma={sig[0]:g} every head"
-    return f"sigma {sig.min():g}..{sig.max():g} ({sig.size} heads)"
+    if np.allclose(sigmas, sigmas[0], rtol=1e-9):
+        return f"sigma={sigmas[0]:g} every head"
+    return f"sigma {sigmas.min():g}..{sigmas.max():g} ({sigmas.size} heads)"
 
 
 def model_label(position: str, s: Any = 0, dropout: Any = 0.0, sigmas: Any = "") -> str:
@@ -256,8 +258,6 @@ class Scheme:
         (its ``backend``, or the plan's choice for ``auto`` before any masks are drawn: at CPU
         inference past the dense bias :func:`~poslsh_cli.attention.attend` weighs the blocks against
         the union by the masks themselves)."""
-        from poslsh_cli.attention.plan import plan_for
-
         return plan_for(self.method, q, k, v, causal, backend=self.backend, dropout=dropout, s=self.s)
 
     def to_json(self) -> dict:
@@ -287,8 +287,6 @@ def migrate(d: dict, where: object = "the saved scheme") -> dict:
     """A saved scheme of any layout in this version's (the one migration every reader goes through):
     layout 1 (no ``layout``) may name ``s`` ``num_samples``; a layout newer than this version reads is
     one error line naming ``where``."""
-    from poslsh_cli.core.errors import ConfigError
-
     layout = d.get("layout", 1)
     if not isinstance(layout, int) or layout > SCHEME_LAYOUT:
         raise ConfigError(f"{where}: the scheme has layout {layout!r}, newer than this poslsh reads "

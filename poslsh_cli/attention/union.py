@@ -33,11 +33,12 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from poslsh_cli.attention.plan import Kernel
+from poslsh_cli.attention.plan import Kernel, needs_grad
 from poslsh_cli.attention.reference import scale_of
 from poslsh_cli.attention.transfer import to_device
 from poslsh_cli.numerics import masks
 from poslsh_cli.numerics.sampling import bin_index, longest_block
+from poslsh_cli.attention.flex import flex_call
 
 #: Elements of one (cells or positions) x (samples) intermediate while the table is built: samples
 #: are taken this many elements at a time, so memory stays O(n) beyond the masks' own integers.
@@ -122,7 +123,6 @@ class UnionLayout:
         lo, hi: (H, n) int32: the key span of query i (causal: ``hi = i``).
         span: host-known bound on ``hi - lo + 1`` (sizes the ``BlockMask`` without a device read).
     """
-
     heads: int
     seq_len: int
     num_samples: int
@@ -252,9 +252,6 @@ def union_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UnionL
 
     Returns (B, H, n, d) in q's dtype; differentiable in q, k, v on CUDA (FlexAttention's own backward).
     """
-    from poslsh_cli.attention.flex import flex_call
-    from poslsh_cli.attention.plan import needs_grad
-
     B, H, n, d = q.shape
     if layout.heads != H or layout.seq_len != n:
         raise ValueError("the UnionLayout was built for another head count or length")

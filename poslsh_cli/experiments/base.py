@@ -33,8 +33,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.experiments.devices import cuda_skip_reason
+from poslsh_cli.experiments.devices import cuda_skip_reason, resolve_device
 from poslsh_cli.experiments.machine import available_memory
+from poslsh_cli.lm.checkpoint import expand_checkpoints, read_config, saved_scheme, weights_bytes
+from poslsh_cli.attention import Backend, Method, Plan, choose
+from poslsh_cli.attention.plan import union_band_bound
+from poslsh_cli.attention.scheme import Position, SWAP_S, method_of
+from poslsh_cli.numerics.sampling import derive_seed
 
 
 @dataclass(frozen=True)
@@ -187,9 +192,6 @@ def attention_plan(position: Any, device: Any, n: int, grad: bool) -> Any:
     :meth:`~poslsh_cli.attention.plan.Plan.memory_bytes` is what a layer of it holds."""
     import torch
 
-    from poslsh_cli.attention import Backend, Method, Plan, choose
-    from poslsh_cli.attention.scheme import Position, method_of
-
     position = Position(getattr(position, "value", position))
     if position is Position.ROPE:
         return Plan(Method.NO_BIAS, Backend.SDPA)
@@ -203,9 +205,6 @@ def attention_bytes(position: Any, device: Any, n: int, batch: int, heads: int, 
     backward (:meth:`~poslsh_cli.attention.plan.Plan.memory_bytes`): where the plan weighs the blocks
     against the union by the masks drawn (CPU, past the dense bias), the larger of the two, the
     union's band at most UNION_MAX_BYTES."""
-    from poslsh_cli.attention import Backend, Plan
-    from poslsh_cli.attention.plan import union_band_bound
-
     plan = attention_plan(position, device, n, grad=training)
     own = plan.memory_bytes(batch, heads, n, head_dim, s, training=training)
     if plan.backend not in (Backend.BLOCKS, Backend.UNION) or str(getattr(device, "type", device)).startswith("cuda"):
@@ -242,9 +241,6 @@ def checkpoint_forward_bytes(path: Path, batch: int, n: int, device: Any, attent
     """Peak bytes of a forward pass without gradients of the checkpoint at ``path`` (its weights as
     stored, its sizes from config.json) at ``batch`` sequences of length ``n``, under its own
     scheme or ``attention`` swapped in with ``s`` masks (:func:`lm_bytes`)."""
-    from poslsh_cli.attention.scheme import SWAP_S
-    from poslsh_cli.lm.checkpoint import read_config, saved_scheme, weights_bytes
-
     cfg = read_config(path)
     scheme = saved_scheme(cfg)
     position = (scheme.position.value if scheme else "rope") if attention == "own" else attention
@@ -258,9 +254,6 @@ def largest_checkpoint_need(spec: Any, each: Callable[[Path, str, Any], Any]) ->
     """The largest of the (bytes, what) pairs ``each(path, name, device)`` gives for every checkpoint
     of ``spec.checkpoints`` (directories expanded) on ``spec.device``; None while a checkpoint cannot
     be read (the command's prepare says why)."""
-    from poslsh_cli.experiments.devices import resolve_device
-    from poslsh_cli.lm.checkpoint import expand_checkpoints
-
     need = None
     try:
         device = resolve_device(spec.device)
@@ -286,8 +279,6 @@ def grid_cells(spec: Any) -> list[dict[str, Any]]:
 def cell_seed(root_seed: int, command: str, key: dict[str, Any]) -> int:
     """A cell's seed from the root seed, the command and the cell's (n, sigma, s, trial) key: the
     ``seed`` column that ``poslsh sample ... seed=<seed>`` replays."""
-    from poslsh_cli.numerics.sampling import derive_seed
-
     return derive_seed(root_seed, command, key["n"], float(key["sigma"]), key["s"], key["trial"])
 
 

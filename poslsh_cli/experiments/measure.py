@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from poslsh_cli.experiments.devices import synchronize
 from poslsh_cli.experiments.machine import usable_cores
+from poslsh_cli.verdicts.claims import Status
 
 
 def mmap_threshold(nbytes: int) -> None:
@@ -216,8 +217,6 @@ def judge_load(verdict: Any, rows: Any) -> Any:
     """``verdict`` of a speed claim, INCONCLUSIVE (with :func:`overload_reason` in its evidence and
     :data:`LOAD_RULE` in its rule) when one of ``rows``, the rows it was computed from, was measured
     overloaded; a claim without measurements stays NOT MEASURED."""
-    from poslsh_cli.verdicts.claims import Status
-
     why = overload_reason(rows)
     if why is None or verdict.status is Status.NOT_MEASURED:
         return verdict

@@ -10,14 +10,15 @@ from typing import Any, Iterable
 
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.trained import json_file, train_info
+from poslsh_cli.core.files import MANIFEST, atomic_write_text, verify_dir
+from poslsh_cli.store.readers import read_json, results
+from poslsh_cli.attention.scheme import Scheme
 
 
 def check_checkpoint(path: Path) -> None:
     """Refuse what is not a loadable local checkpoint, with one clear reason: missing, no config,
     no safetensors, a file that differs from the manifest poslsh wrote with it, or a safetensors
     file whose header cannot be read (named)."""
-    from poslsh_cli.core.files import MANIFEST, verify_dir
-
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist")
@@ -56,8 +57,6 @@ def adapter_base(path: Path) -> Path:
 
 
 def _check_adapter(path: Path) -> None:
-    from poslsh_cli.core.files import MANIFEST, verify_dir
-
     if (path / MANIFEST).exists():
         why = verify_dir(path)
         if why is not None:
@@ -151,8 +150,6 @@ def read_config(path: Path) -> dict:
 def saved_scheme(cfg: dict) -> Any:
     """The :class:`~poslsh_cli.attention.scheme.Scheme` a checkpoint's config (:func:`read_config`)
     saved under ``poslsh``, or None for a checkpoint trained without one (a model's own attention)."""
-    from poslsh_cli.attention.scheme import Scheme
-
     saved = cfg.get("poslsh")
     return Scheme.from_json(saved, "config.json") if saved else None
 
@@ -205,8 +202,6 @@ def mark(path: Path) -> None:
     architecture: ``model_type: poslsh`` (the architecture's own kept beside it), ``auto_map`` to
     the two modeling files written here (:data:`REMOTE_CODE`)."""
     import json
-
-    from poslsh_cli.core.files import atomic_write_text
 
     path = Path(path)
     cfg = json_file(path / "config.json")
@@ -324,8 +319,6 @@ def refuse_rotary_falcon(path: Path, model_type: str | None, alibi: bool) -> Non
 def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
     """A checkpoint directory, or a train run directory -> its cells' final checkpoints, each
     (path, name to show)."""
-    from poslsh_cli.store.readers import results
-
     p = Path(entry).expanduser().resolve()
     if not p.exists():
         raise ConfigError(f"{entry} does not exist")
@@ -351,8 +344,6 @@ def expand_checkpoints(entry: str) -> list[tuple[Path, str]]:
 
 def _command_of(run: Path) -> str:
     """The command that made a run directory, from its meta.json ("" when unreadable or unsaid)."""
-    from poslsh_cli.store.readers import read_json
-
     meta, _ = read_json(run / "meta.json")
     command = meta.get("command") if isinstance(meta, dict) else None
     return command if isinstance(command, str) else ""

@@ -31,9 +31,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.errors import ConfigError
-from poslsh_cli.lm.checkpoint import base_view, hf_config, mark
+from poslsh_cli.lm.checkpoint import base_view, check_checkpoint, hf_config, load_failure, load_tokenizer, mark
 from poslsh_cli.lm.trained import TRAIN_INFO
 from poslsh_cli.lm.lora import is_lora
+from poslsh_cli.lm.models import ModelSpec, presets, resolve
+from poslsh_cli.attention.scheme import Position
+from poslsh_cli.lm.positions import PositionState
 
 #: files a tokenizer saved by ``save_pretrained`` leaves in a checkpoint directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
@@ -89,8 +92,6 @@ class Source:
         return f"{self.model_type} {what} {self.path}"
 
     def check_position(self, position: Any) -> None:
-        from poslsh_cli.attention.scheme import Position
-
         if Position(position) is Position.ROPE and self.alibi_model:
             raise ConfigError(f"{self.path} ({self.model_type}) has no rotary embedding to keep: position=rope needs a "
                               "rotary model")
@@ -100,8 +101,6 @@ class Source:
         (:class:`~poslsh_cli.attention.scheme.SchemeKeys`) name for this model: one ``sigma`` for
         every head when given (the paper's constant sigma), else its own slopes (an ALiBi checkpoint
         under alibi=auto/model; its own attention for alibi) or the standard ones."""
-        from poslsh_cli.attention.scheme import Position
-        from poslsh_cli.lm.positions import PositionState
         from poslsh_cli.lm.pretrained import alibi_sigmas_of
 
         self.check_position(keys.position)
@@ -113,8 +112,6 @@ class Source:
 def resolve_ref(ref: str, key_name: str) -> Path:
     """A checkpoint directory, or a model preset (``conf/model/``: ``$POSLSH_MODELS/<dir>``)."""
     import os
-
-    from poslsh_cli.lm.models import ModelSpec, presets, resolve
 
     if ref in presets() and ref not in ("custom", "minilm"):
         p = presets()[ref]
@@ -169,7 +166,6 @@ def open_source(init: Optional[str], arch: Optional[str], alibi: str, byte_confi
     """Check what ``init=`` / ``arch=`` name and return the run's :class:`Source` (one clear
     ConfigError otherwise: no checkpoint, no config, unreadable weights, no tokenizer, a
     tokenizer that does not fit the vocabulary, an architecture that cannot be converted)."""
-    from poslsh_cli.lm.checkpoint import check_checkpoint
     from poslsh_cli.lm.data import VOCAB
 
     if init is not None and arch is not None:
@@ -203,8 +199,6 @@ def open_source(init: Optional[str], arch: Optional[str], alibi: str, byte_confi
 
 
 def _tokenizer_size(path: Path, key_name: str) -> int:
-    from poslsh_cli.lm.checkpoint import load_tokenizer
-
     try:
         return len(load_tokenizer(path))
     except Exception as exc:
@@ -244,7 +238,6 @@ def load_weights(path: Path, dtype: Any = None) -> Any:
                                                        use_safetensors=True, dtype=dtype or torch.float32,
                                                        attn_implementation=_impl(cfg.get("model_type")))
     except Exception as exc:
-        from poslsh_cli.lm.checkpoint import load_failure
 
         raise load_failure(path, exc, hf_config(path)) from None
 
@@ -298,7 +291,6 @@ def save(model: Any, path: Path, info: Any, tokenizer: Optional[Path], lora_save
     if (path / "config.json").is_file() and state is not None and state.position.value != "rope" and not state.native:
         mark(path)  # plain from_pretrained must not load it as the architecture with its own attention
     if tokenizer is not None:
-        from poslsh_cli.lm.checkpoint import load_tokenizer
 
         load_tokenizer(Path(tokenizer)).save_pretrained(path)
     (path / TRAIN_INFO).write_text(json.dumps(info.to_json(), indent=1) + "\n")

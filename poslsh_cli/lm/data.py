@@ -26,6 +26,8 @@ import numpy as np
 
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.documents import BUILTIN, SEPARATOR, open_documents
+from poslsh_cli.core.files import verify_dir, write_dir
+from poslsh_cli.lm.checkpoint import load_tokenizer
 
 VOCAB = 256
 
@@ -61,8 +63,6 @@ class HFTokenizer:
 
     @classmethod
     def load(cls, path: Path) -> "HFTokenizer":
-        from poslsh_cli.lm.checkpoint import load_tokenizer
-
         path = Path(path)
         try:
             tok = load_tokenizer(path)
@@ -236,8 +236,6 @@ def _tokenise(docs: Any, tok: Any, val_every: int, val_fraction: float, whole: b
 
 
 def _load_cached(key: str, meta: dict) -> Optional[Corpus]:
-    from poslsh_cli.core.files import verify_dir
-
     d = cache_dir() / "tokens" / key
     if not (d / "meta.json").exists() or verify_dir(d) is not None:
         return None
@@ -255,8 +253,6 @@ def _load_cached(key: str, meta: dict) -> Optional[Corpus]:
 
 def _cache(key: str, meta: dict, tokenise: Any) -> Corpus:
     """Tokenise into the cache (written whole, with a manifest) and map the result."""
-    from poslsh_cli.core.files import write_dir
-
     d = cache_dir() / "tokens" / key
 
     def fill(tmp: Path) -> None:

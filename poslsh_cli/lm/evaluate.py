@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+from poslsh_cli.core import distributed as dist
+from poslsh_cli.lm.install import install
+from poslsh_cli.lm.windows import eval_windows
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,6 @@ def evaluate(model: Any, state: Any, tokens: Any, length: int, stride: Optional[
     """
     import numpy as np
     import torch
-
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.lm.windows import eval_windows
-    from poslsh_cli.lm.install import install
 
     windows = list(eval_windows(tokens, length, stride, max_tokens, token_bytes, tail=tail))
     rank, world = shard

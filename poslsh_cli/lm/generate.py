@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.lm.checkpoint import expand_checkpoints, load_tokenizer
+from poslsh_cli.lm.convert import has_tokenizer
+from poslsh_cli.lm.trained import train_info
+from poslsh_cli.attention.scheme import Position, method_of
+from poslsh_cli.lm.loading import load_model, with_scheme
+from poslsh_cli.numerics.methods import method_def
 
 #: the keys ``poslsh generate`` takes after the checkpoint, with their defaults
 DEFAULTS: dict[str, Any] = {"prompt": "The ", "max_new_tokens": 64, "attention": "own", "s": 0, "seed": 0,
@@ -76,9 +82,6 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
     key/value cache that keeps every key refuses to grow past ``memory_bytes`` (:func:`check_cache`)."""
     import torch
 
-    from poslsh_cli.lm.loading import load_model, with_scheme
-    from poslsh_cli.attention.scheme import Position
-
     if not prompt:
         raise ConfigError("prompt= is empty: give the text to continue")
     _refuse_a_run(Path(path))
@@ -115,8 +118,6 @@ def generate(path: Path, prompt: str, max_new_tokens: int, attention: str = "own
 
 def _refuse_a_run(path: Path) -> None:
     """A train run directory holds several models: name them instead of saying it has no config.json."""
-    from poslsh_cli.lm.checkpoint import expand_checkpoints
-
     if (path / "config.json").is_file() or not ((path / "config.yaml").is_file() and (path / "work").is_dir()):
         return
     try:
@@ -134,8 +135,6 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
     than that is one ConfigError saying how many new tokens fit. A scheme without a position limit
     (ALiBi, Positional LSH, windowed, fixed blocks, none) goes on past the length the model was
     trained at (``poslsh_train.json``, else its configured positions), and ``notice`` says so."""
-    from poslsh_cli.attention.scheme import Position
-
     total = prompt_tokens + max_new_tokens
     positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if state.position is Position.ROPE:
@@ -145,7 +144,6 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
                               f"need {total} positions, the model has {positions} positions (max_position_embeddings): "
                               + (f"at most {room} new tokens" if room > 0 else "the prompt alone fills them"))
         return
-    from poslsh_cli.lm.trained import train_info
 
     try:
         trained = train_info(path).seq_len
@@ -160,9 +158,6 @@ def check_length(path: Path, model: Any, state: Any, label: str, prompt_tokens: 
 def forgetting(position: Any) -> bool:
     """Whether a scheme's key/value cache forgets keys it can no longer see (its method declares a
     forgetting rule: Positional LSH, fixed blocks, windowed ALiBi), so the cache stays bounded."""
-    from poslsh_cli.attention.scheme import method_of
-    from poslsh_cli.numerics.methods import method_def
-
     try:
         return method_def(method_of(position)).forget is not None
     except (ValueError, KeyError):
@@ -240,12 +235,9 @@ class Streamer:
 
 def codec(path: Path) -> tuple[Any, Any]:
     """Text to token ids and back: the checkpoint's tokenizer, or UTF-8 bytes for a byte model."""
-    from poslsh_cli.lm.convert import has_tokenizer
-
     if not has_tokenizer(path):
         return (lambda text: list(text.encode("utf-8")),
                 lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace"))
-    from poslsh_cli.lm.checkpoint import load_tokenizer
 
     tok = load_tokenizer(path)
     return (lambda text: tok(text, add_special_tokens=False)["input_ids"],

@@ -22,6 +22,10 @@ from typing import Any, Optional
 
 from lm_eval.api.registry import model_registry
 from lm_eval.models.huggingface import HFLM
+from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.lm.checkpoint import load_tokenizer
+from poslsh_cli.lm.convert import has_tokenizer
+from poslsh_cli.lm.loading import load_model, with_scheme
 
 #: the end-of-text token of :func:`byte_tokenizer` (the NUL byte, absent from text)
 END_OF_TEXT = "<|endoftext|>"
@@ -65,9 +69,6 @@ class PoslshLM(HFLM):
     def __init__(self, pretrained: str, attention: str = "own", s: int = 0, seed: Optional[int] = None,
                  device: Optional[str] = None, trust_remote_code: bool = False, sampler: Optional[str] = None,
                  backend: Optional[str] = None, **kwargs: Any) -> None:
-        from poslsh_cli.core.errors import ConfigError
-        from poslsh_cli.lm.convert import has_tokenizer
-        from poslsh_cli.lm.loading import load_model, with_scheme
 
         if not isinstance(pretrained, (str, Path)):
             raise ConfigError("pretrained= is a checkpoint directory (poslsh train's final/, or any causal LM)")
@@ -82,7 +83,6 @@ class PoslshLM(HFLM):
                                         None if seed in (None, "") else int(seed), path,
                                         sampler=sampler or None, backend=backend or None)
         if has_tokenizer(path):
-            from poslsh_cli.lm.checkpoint import load_tokenizer
 
             tokenizer = load_tokenizer(path)
         else:

@@ -23,6 +23,7 @@ from typing import Any
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from poslsh_cli.lm.checkpoint import POSLSH_MODEL_TYPE
+from poslsh_cli.lm.loading import load_model
 
 
 class PoslshConfig(PretrainedConfig):
@@ -41,8 +42,6 @@ class PoslshForCausalLM(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
-
-        from poslsh_cli.lm.loading import load_model
 
         model, _ = load_model(Path(pretrained_model_name_or_path))
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))

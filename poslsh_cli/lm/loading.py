@@ -12,8 +12,12 @@ from typing import Any, Optional
 from poslsh_cli.core.config import key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.install import install
-from poslsh_cli.attention.scheme import SWAP_S, Position, SchemeKeys
+from poslsh_cli.attention.scheme import Position, SWAP_S, SchemeKeys, method_of, randomized
 from poslsh_cli.lm.positions import PositionState
+from poslsh_cli.attention.plan import Backend, backends_of
+from poslsh_cli.lm.checkpoint import (
+    check_checkpoint, hf_config, is_adapter, load_failure, read_config, refuse_rotary_falcon)
+from poslsh_cli.numerics.sampling import Sampler
 
 
 #: The byte model's size keys, declared once: a command that builds the model declares each with
@@ -77,8 +81,6 @@ def load_model(path: Path, device: str = "cpu", trust_remote_code: bool = False)
     import transformers as tf
 
     from poslsh_cli.lm.pretrained import ALIBI_ARCHS, alibi_sigmas_of, load_adapter
-    from poslsh_cli.lm.checkpoint import (check_checkpoint, hf_config, is_adapter, load_failure, read_config,
-                                          refuse_rotary_falcon)
 
     tf.logging.set_verbosity_error()
     tf.utils.logging.disable_progress_bar()
@@ -123,10 +125,6 @@ def with_scheme(model: Any, own: PositionState, attention: str = "own", s: int =
     an ALiBi checkpoint whose attention computes inline, or a backend the method does not run on,
     is one ConfigError."""
     import dataclasses
-
-    from poslsh_cli.attention.plan import Backend, backends_of
-    from poslsh_cli.attention.scheme import method_of, randomized
-    from poslsh_cli.numerics.sampling import Sampler
 
     where = f"{path}: " if path is not None else ""
     samplers, backends = [x.value for x in Sampler], ["auto", *(b.value for b in Backend)]

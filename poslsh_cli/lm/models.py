@@ -17,6 +17,7 @@ from typing import Optional
 from poslsh_cli.core.config import CONF_DIR, key
 
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.lm.checkpoint import read_config
 
 MODELS_ENV = "POSLSH_MODELS"
 
@@ -99,7 +100,6 @@ def unavailable(model: ModelSpec) -> str | None:
         return f"{MODELS_ENV} is not set (no checkpoint directory)" if not model.path else "no path"
     if not (path / "config.json").exists():
         return f"no checkpoint at {path}"
-    from poslsh_cli.lm.checkpoint import read_config
 
     try:
         cfg = read_config(path)

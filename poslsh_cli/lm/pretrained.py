@@ -14,6 +14,7 @@ import torch
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.lm.checkpoint import (adapter_base, check_checkpoint, hf_config, peft_module, read_config,
                                       refuse_rotary_falcon)
+from poslsh_cli.numerics.sampling import standard_alibi_slopes
 
 
 #: model_type values whose attention goes through ALL_ATTENTION_FUNCTIONS (checked by tests)
@@ -145,8 +146,6 @@ def alibi_slopes_of(model: Any, mtype: str, heads: int) -> Any:
     the bias of key position 1 minus that of position 0 (BLOOM and Falcon add ``slope * j``, MPT
     ``slope * (j - (T-1))``). Baichuan's remote code uses the standard slopes."""
     import numpy as np
-
-    from poslsh_cli.numerics.sampling import standard_alibi_slopes
 
     inner = getattr(model, "transformer", model)
     if mtype == "bloom":

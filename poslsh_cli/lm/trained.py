@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.lm.positions import PositionState
 
 TRAIN_INFO = "poslsh_train.json"
 #: The layout of poslsh_train.json (``schema``; a file without it is layout 1, any field possibly
@@ -111,8 +112,6 @@ _KINDS = {f.name: {"int": int, "float": float, "Optional[int]": int}[f.type] for
 def _saved_scheme(saved: dict, where: object) -> Any:
     """The scheme a record holds: layout 2 and an adapter's ``scheme``, layout 1's ``position`` and ``s``
     alone (no bandwidths), else None."""
-    from poslsh_cli.lm.positions import PositionState
-
     d = saved.get("scheme")
     if d is not None and not isinstance(d, dict):
         raise ConfigError(f"{where}: scheme={d!r} is not of type dict")
@@ -124,8 +123,6 @@ def _saved_scheme(saved: dict, where: object) -> Any:
 def train_info(path: Path) -> TrainInfo:
     """What ``poslsh train`` recorded beside a checkpoint (:class:`TrainInfo`); ``recorded=False``
     for a checkpoint it did not train."""
-    from poslsh_cli.lm.positions import PositionState
-
     path = Path(path)
     f = path / TRAIN_INFO
     if not f.is_file():

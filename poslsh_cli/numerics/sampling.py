@@ -121,7 +121,6 @@ class Partitions:
         widths: (s,) float64, bin widths ``delta_k``.
         shifts: (s,) float64, shifts ``u_k`` in ``[0, delta_k)``.
     """
-
     seq_len: int
     sigma: float
     widths: np.ndarray
@@ -247,7 +246,6 @@ class Sampler(str, enum.Enum):
     - ``sobol``: a scrambled Sobol sequence over the same two coordinates (Owen scrambling:
       each point uniform on the square, the set of s well spread; scipy.stats.qmc).
     """
-
     IID = "iid"
     STRATIFIED = "stratified"
     SOBOL = "sobol"
@@ -309,13 +307,13 @@ def sample_partitions(
 def fixed_block_partitions(seq_len: int, sigmas: "np.ndarray | list[float]") -> list[Partitions]:
     """The paper's fixed-block baseline: one deterministic partition per head, width round(2 sigma),
     aligned at 0 (width at least 1)."""
-    return [Partitions(seq_len, float(sg), np.asarray([float(max(1, round(2 * sg)))]), np.zeros(1))
-            for sg in np.asarray(sigmas, dtype=np.float64).reshape(-1)]
+    return [Partitions(seq_len, float(sigma), np.asarray([float(max(1, round(2 * sigma)))]), np.zeros(1))
+            for sigma in np.asarray(sigmas, dtype=np.float64).reshape(-1)]
 
 
 def windows(sigmas: "np.ndarray | list[float]", c: float) -> tuple[int, ...]:
     """Windowed-ALiBi half-widths ``w_h = ceil(c sigma_h)``, one per head."""
-    return tuple(int(math.ceil(c * float(sg))) for sg in np.asarray(sigmas, dtype=np.float64).reshape(-1))
+    return tuple(int(math.ceil(c * float(sigma))) for sigma in np.asarray(sigmas, dtype=np.float64).reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------

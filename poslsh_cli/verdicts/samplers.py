@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from poslsh_cli.verdicts.claims import ASYMPTOTIC_S, asymptotic_fit, slope_text
+from poslsh_cli.numerics.metrics import fit_loglog_slope
 
 IID = "iid"
 
@@ -88,8 +89,6 @@ def slope_table(df: Any, group: list[str], errs: dict[str, str], s_col: str = "s
     """Per (group, sampler): the fitted log-log decay slope of each error over s >= ASYMPTOTIC_S
     (with its 95% interval), or over all s when fewer than three such s were run."""
     import pandas as pd
-
-    from poslsh_cli.numerics.metrics import fit_loglog_slope
 
     df = with_sampler(df)
     rows = []

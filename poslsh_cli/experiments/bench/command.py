@@ -45,12 +45,17 @@ from poslsh_cli.experiments.bench.paths import partition_backends
 from poslsh_cli.experiments.bench.references import (check_rows, exact_output, exact_path, inputs, machine_gflops,
                                                         reference64, useful_pairs)
 from poslsh_cli.experiments.bench.report import plot, report, summary
-from poslsh_cli.core.config import Spec, key
+from poslsh_cli.core.config import Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, cuda_skip_reason, resolve_device, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method
 from poslsh_cli.attention.scheme import scheme_key
-from poslsh_cli.numerics.sampling import Sampler, derive_seed
+from poslsh_cli.numerics.sampling import Sampler, bandwidths, derive_seed
+from poslsh_cli.attention.plan import union_band_bound, weighs
+from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.experiments.measure import SharedReference, TIMING_THRESHOLD, measure, mmap_threshold, timed_call
+from poslsh_cli.numerics.metrics import output_errors
+from poslsh_cli.attention import choose
 
 #: Exact-ALiBi paths bench can time side by side (``auto``: the one the plan takes)
 EXACT_BACKENDS = ("auto", "rank1", "chunked", "dense", "flex")
@@ -93,8 +98,6 @@ class BenchSpec(Spec):
     device: Device = key("auto (CUDA when present), cpu, cuda, cuda:N", Device("auto"))
 
     def check(self) -> None:
-        from poslsh_cli.core.config import check
-
         for b in self.exact_backends:
             check(b in EXACT_BACKENDS, f"unknown exact backend {b!r} (one of {', '.join(EXACT_BACKENDS)})")
         check(len(set(self.exact_backends)) == len(self.exact_backends), "exact_backends lists a path twice")
@@ -159,9 +162,6 @@ class BenchContext:
 
 def prepare(spec: BenchSpec) -> BenchContext:
 
-    from poslsh_cli.numerics.sampling import bandwidths
-
-    from poslsh_cli.experiments.measure import TIMING_THRESHOLD, mmap_threshold
 
     mmap_threshold(TIMING_THRESHOLD)
     device = resolve_device(spec.device)
@@ -178,8 +178,6 @@ def memory(spec: BenchSpec) -> MemoryNeed:
     CPU (at most its cap) and the exact path's chunk (bounded), on the bench's device; doubled when
     the backward pass is timed."""
     from poslsh_cli.attention import BLOCK_BATCH_BYTES, CHUNK_ELEMENTS
-    from poslsh_cli.attention.plan import union_band_bound
-    from poslsh_cli.numerics.sampling import bandwidths
 
     n, H, d = max(spec.n), spec.heads, spec.head_dim
     elem = {"float64": 8, "float32": 4}.get(spec.dtype.value, 2)
@@ -202,7 +200,6 @@ def cells(spec: BenchSpec, ctx: Any = None) -> list[dict[str, Any]]:
     in display order: one cell, one per window c, or one per s; partition methods once per
     backend on CUDA (the backend enters the key only where there is more than one)."""
     device = ctx.device if ctx is not None else _cpu()
-    from poslsh_cli.numerics.sampling import bandwidths
 
     sigmas = ctx.sigmas if ctx is not None else bandwidths(spec.heads, spec.sigma)
     backends = {(s, c): partition_backends(device, spec.partition_backends, s, sigmas, max(spec.n), spec.backward,
@@ -240,8 +237,6 @@ def _cpu() -> Any:
 
 def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any = None) -> tuple[list[dict], dict]:
     from poslsh_cli.attention import AttentionSpec, attend, layout_for
-    from poslsh_cli.experiments.measure import SharedReference, measure, timed_call
-    from poslsh_cli.numerics.metrics import output_errors
 
     n, causal, method = key["n"], key["causal"], Method(key["method"])
     info = INFO[method]
@@ -311,9 +306,7 @@ def run_cell(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, work: Any 
 def _plan(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, att: Any, samples: int) -> tuple[Any, bool]:
     """The path a cell times (its ``backend``: asked, or the plan's) and whether it is the plan's own
     choice for these masks (the plan's cost model weighed where attend() weighs it: plan.weighs)."""
-    from poslsh_cli.attention import choose
     from poslsh_cli.attention.api import work_of
-    from poslsh_cli.attention.plan import weighs
 
     n, causal, method = key["n"], key["causal"], Method(key["method"])
     partitioned = INFO[method].params.endswith("partitions")
@@ -329,7 +322,6 @@ def _plan(spec: BenchSpec, key: dict[str, Any], ctx: BenchContext, att: Any, sam
         plan = choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,
                       backend=backend, s=samples, work=cost)
     except ValueError as exc:
-        from poslsh_cli.core.errors import ConfigError
 
         raise ConfigError(f"{'partition' if partitioned else 'exact'}_backends: {exc}") from None
     return plan, plan == choose(method, device=ctx.device, dtype=ctx.dtype, n=n, causal=causal, grad=spec.backward,

@@ -9,6 +9,8 @@ import numpy as np
 
 from poslsh_cli.experiments.devices import torch_dtype
 from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.attention.plan import weighs
+from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
 
 
 def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int = 1, sigmas: Any = None,
@@ -22,8 +24,6 @@ def partition_backends(device: Any, asked: tuple[str, ...] = ("auto",), s: int =
     own n; the cost model at ``head_dim``); on CUDA the plan's and beside it the per-mask FlexAttention route it is compared with;
     others as asked."""
     import torch
-
-    from poslsh_cli.attention import INFER_DENSE_MAX_N, Method, choose
 
     method = Method.POSLSH if s > 1 else Method.FIXED_BLOCK
     if "auto" not in asked:
@@ -53,10 +53,8 @@ def _cpu_auto(method: str, s: int, sigmas: tuple[float, ...], n: int, backward: 
     masks drawn at up to 2^16 positions, where the choice has settled, with the band's bytes at n itself."""
     import dataclasses
 
-    from poslsh_cli.attention import choose
     from poslsh_cli.attention.api import AttentionSpec, work_of
     from poslsh_cli.attention.band import band_bytes
-    from poslsh_cli.attention.plan import weighs
 
     torch_type = torch_dtype(dtype)
     at = min(n, 2**16)  # the masks of 2^16 positions cost little to draw and weigh

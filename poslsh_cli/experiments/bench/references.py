@@ -9,6 +9,7 @@ import numpy as np
 
 from poslsh_cli.numerics.methods import Method
 from poslsh_cli.numerics.sampling import derive_seed
+from poslsh_cli.experiments.measure import measure
 
 #: Query rows whose float64 exact output checks every row's output (``max_err_f64``)
 CHECK_ROWS = 128
@@ -31,7 +32,6 @@ def machine_gflops(spec: Any, ctx: Any, causal: bool) -> float:
     bench's heads, head dimension, dtype and direction (n = MACHINE_N, or the largest n when
     shorter): what attention can attain on this machine, the denominator of ``fraction``."""
     from poslsh_cli.attention import no_bias_attention
-    from poslsh_cli.experiments.measure import measure
 
     n = min(MACHINE_N, max(spec.n))
     q, k, v = inputs(spec, ctx, n)

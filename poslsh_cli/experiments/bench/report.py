@@ -15,13 +15,13 @@ from poslsh_cli.experiments.bench.claims import (  # noqa: F401 (the claims' con
 from poslsh_cli.experiments.measure import load_paragraphs
 from poslsh_cli.verdicts.claims import Section
 from poslsh_cli.numerics.methods import Method
+from poslsh_cli.verdicts.samplers import comparison, samplers_of, with_sampler, worth_sentences
+from poslsh_cli.verdicts import plotting
 
 
 def first_sampler(df: Any) -> tuple[Any, Any]:
     """(the rows the speed tables use: every method, Positional LSH under its first sampler;
     every Positional-LSH row, with a sampler column). Samplers differ in error, not in time."""
-    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
-
     if "sampler" not in df.columns:
         return df, df[df.method == POSLSH].assign(sampler="iid")
     p = with_sampler(df[df.method == POSLSH])
@@ -129,9 +129,7 @@ def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
     """Seconds against n per method and parameter, with the crossover with exact starred."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     multi = g[g.method == POSLSH].backend.nunique() > 1
     for method, params, color, ls, label in _lines(g, multi, plt.cm.Purples):
@@ -148,20 +146,18 @@ def plot_time(run: Path, g: Any, mode: str) -> list[Path]:
                 label=label + (f"  (faster from n={int(x)})" if np.isfinite(x) else ""))
         if np.isfinite(x):
             ax.plot([x], [m.set_index("n").seconds[x]], "*", color=color, ms=11, mec="k", mew=0.5)
-    log_axes(ax, "sequence length n", "seconds, end to end (median)")
+    plotting.log_axes(ax, "sequence length n", "seconds, end to end (median)")
     ax.legend(ncol=2)
     ax.set_title(f"Attention time, {int(g.heads.iloc[0])} heads, d={int(g.head_dim.iloc[0])}, {g.dtype.iloc[0]}, "
                  f"{'causal' if mode == 'causal' else 'bidirectional'}, {g.device.iloc[0]}; ★ crossover")
-    return save(fig, run, f"bench_time_vs_n_{mode}")
+    return plotting.save(fig, run, f"bench_time_vs_n_{mode}")
 
 
 def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
     """Relative error against seconds per n for every approximation, with the Pareto front."""
     import matplotlib.ticker
 
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     pts = g[~g.method.isin([EXACT, EXACT_ALT]) & g.rel_fro.notna()]
     ns = sorted(pts.n.unique())
     if not ns:
@@ -186,14 +182,14 @@ def plot_pareto(run: Path, g: Any, mode: str) -> list[Path]:
         ax.step(front[:, 0].astype(float), front[:, 1].astype(float), where="post", color="k", lw=0.8, alpha=0.6)
         if len(ex):
             ax.axvline(float(ex.iloc[0]), color="k", ls="--", lw=0.8, label="exact time")
-        log_axes(ax, "seconds, end to end", x=10)
+        plotting.log_axes(ax, "seconds, end to end", x=10)
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"n={n}: front = {', '.join(sorted(set(front[:, 2])))}", fontsize=9)
     for ax in axes.flat[len(ns):]:
         ax.axis("off")
     axes[0][0].set_ylabel("relative error vs exact")
     axes[0][0].legend()
-    return save(fig, run, f"bench_pareto_{mode}")
+    return plotting.save(fig, run, f"bench_pareto_{mode}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +220,6 @@ def report(run: Path, df: Any) -> Section:
         sec.verdicts.append(claim_roofline(raw))
     sec.verdicts += claims_gpu(raw)
     if every.sampler.nunique() > 1 and every.rel_fro.notna().any():
-        from poslsh_cli.verdicts.samplers import comparison, samplers_of, worth_sentences
 
         sec.paragraphs.append(f"Mask samplers (the tables above: {samplers_of(every)[0]}): the error against exact "
                               "ALiBi at equal s, times being the same.")

@@ -17,6 +17,7 @@ from poslsh_cli.attention.scheme import scheme_key
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.experiments.block_stats.report import plot, report, summary
+from poslsh_cli.numerics.sampling import block_max_quantile, mean_blocks, sample_partitions, width_max_quantile
 
 NAME = "block-stats"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "b_max", "b_max_theory_median", "mean_block",
@@ -66,11 +67,9 @@ def cells(spec: BlockStatsSpec, ctx: Any = None) -> list[dict[str, Any]]:
 def memory(spec: BlockStatsSpec) -> MemoryNeed:
     """Peak bytes of the largest cell: the block boundaries and lengths of its s samples, and an
     (n,) array for samples narrower than two positions."""
-    from poslsh_cli.numerics.sampling import mean_blocks
-
     def cell(n: int) -> float:
         s = samples_for(n, spec.s_per_log_n) if spec.s_per_log_n is not None else max(spec.s)
-        return 8.0 * (4 * n + 4 * s * max(mean_blocks(n, sg) for sg in spec.sigma))
+        return 8.0 * (4 * n + 4 * s * max(mean_blocks(n, sigma) for sigma in spec.sigma))
 
     n = max(spec.n, key=cell)
     return MemoryNeed(cell(n), f"n={n}")
@@ -78,8 +77,6 @@ def memory(spec: BlockStatsSpec) -> MemoryNeed:
 
 def run_cell(spec: BlockStatsSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
-
-    from poslsh_cli.numerics.sampling import block_max_quantile, sample_partitions, width_max_quantile
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
     seed = cell_seed(spec.seed, NAME, key)

@@ -10,7 +10,10 @@ from typing import Any
 from poslsh_cli.numerics.metrics import fit_loglog_slope
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, slope_text
 from poslsh_cli.verdicts.declared import Claim
-from poslsh_cli.verdicts.stats import POWER
+from poslsh_cli.verdicts.stats import POWER, ks_power, ks_values_needed
+from poslsh_cli.numerics.sampling import (
+    block_length_pmf, block_max_quantile, derive_seed, width_max_cdf, width_max_draws, width_max_quantile)
+from poslsh_cli.verdicts import plotting
 
 
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
@@ -41,10 +44,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
     import pandas as pd
 
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-    from poslsh_cli.numerics.sampling import block_length_pmf, block_max_quantile
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     df = _with_rule(df)
     sigmas = sorted(df["sigma"].unique())
     paths = []
@@ -60,12 +60,12 @@ def plot(run: Path, df: Any) -> list[Path]:
             ax.plot(agg["n"], agg["law"], "--", color=c, lw=1)
         ll = df[df.sigma == sigma].groupby("n")["b_max_loglog"].first()
         ax.plot(ll.index, ll.to_numpy(), ":", color="k", lw=1.2, label="σ ln ln n")
-        log_axes(ax, "sequence length n", y=None)
+        plotting.log_axes(ax, "sequence length n", y=None)
         ax.set_title(f"σ = {sigma:g}")
         ax.legend(title="solid: median b_max (10–90%)\ndashed: exact law median", title_fontsize=8)
     axes[0][0].set_ylabel("largest block b_max (positions)")
     fig.suptitle("Largest block against n")
-    paths += save(fig, run, "b_max_vs_n")
+    paths += plotting.save(fig, run, "b_max_vs_n")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, ((sigma, rule), g) in enumerate(df.groupby(["sigma", "rule"])):
@@ -75,10 +75,10 @@ def plot(run: Path, df: Any) -> list[Path]:
         lo = [block_max_quantile(0.05, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
         hi = [block_max_quantile(0.95, sigma, int(s)) / ll for s, ll in zip(agg["s"], agg["ll"])]
         ax.fill_between(agg["n"], lo, hi, color=c, alpha=0.12, lw=0)
-    log_axes(ax, "sequence length n", "b_max / (σ ln ln n), median over trials", y=None)
+    plotting.log_axes(ax, "sequence length n", "b_max / (σ ln ln n), median over trials", y=None)
     ax.set_title("Largest block relative to σ log log n; bands: exact law, 5–95%")
     ax.legend(ncol=2)
-    paths += save(fig, run, "b_max_over_loglog")
+    paths += plotting.save(fig, run, "b_max_over_loglog")
 
     hist_file = run / "block_lengths.csv"
     if hist_file.exists():
@@ -92,11 +92,11 @@ def plot(run: Path, df: Any) -> list[Path]:
             emp = counts.reindex(lengths, fill_value=0).to_numpy() / counts.sum()
             ax.bar(lengths, emp, width=1.0, color="C0", alpha=0.6, label="realised")
             ax.plot(lengths, block_length_pmf(lengths, sigma), "k-", lw=1.2, label="theory")
-            log_axes(ax, "block length", x=None, grid=False)
+            plotting.log_axes(ax, "block length", x=None, grid=False)
             ax.set_title(f"σ={sigma:g}, n={int(g['n'].max())}")
             ax.legend()
         axes[0][0].set_ylabel("fraction of blocks")
-        paths += save(fig, run, "block_length_hist")
+        paths += plotting.save(fig, run, "block_length_hist")
     return paths
 
 
@@ -136,9 +136,6 @@ def exact_law_verdict(df: Any) -> Verdict:
     import numpy as np
     from scipy import stats
 
-    from poslsh_cli.numerics.sampling import derive_seed, width_max_cdf, width_max_draws
-    from poslsh_cli.verdicts.stats import ks_power, ks_values_needed
-
     groups = [(float(sigma), int(s), g) for (sigma, s), g in df.groupby(["sigma", "s"])]
     alpha = LAW_ALPHA / len(groups)
     rng = np.random.default_rng(derive_seed(0, "block-stats", "power"))
@@ -168,8 +165,6 @@ def report(run: Path, df: Any) -> Section:
     import numpy as np
     import pandas as pd
     from scipy import stats
-
-    from poslsh_cli.numerics.sampling import width_max_quantile
 
     sec = Section("block-stats", run, "Block sizes: the largest block against the exact law and σ log log n")
     df = _with_rule(df)

@@ -27,13 +27,15 @@ from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, attention_bytes, lm_bytes
 from poslsh_cli.experiments.devices import Device, resolve_device, synchronize
-from poslsh_cli.experiments.measure import LOAD_COLUMNS, judge_load, load_paragraphs
-from poslsh_cli.lm.loading import Arch, arch_key
+from poslsh_cli.experiments.measure import LOAD_COLUMNS, LoadProbe, judge_load, load_paragraphs
+from poslsh_cli.lm.loading import Arch, arch_key, build_model
 from poslsh_cli.attention.scheme import Position, SchemeKeys, model_label, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Groups, Section, Verdict
 from poslsh_cli.verdicts.declared import Claim
+from poslsh_cli.lm.evaluate import fast_cpu_math
+from poslsh_cli.verdicts import plotting
 
 COLUMNS = ("context", "position", "s", "batch", "prefill_seconds", "token_seconds", "tokens_per_s", "kv_bytes",
            "kv_tokens", "full_kv_bytes", "attention_path", "params", "device", "new_tokens", "sigmas",
@@ -86,8 +88,6 @@ class DecodeBenchContext:
 
 
 def prepare(spec: DecodeBenchSpec) -> DecodeBenchContext:
-    from poslsh_cli.lm.evaluate import fast_cpu_math
-
     fast_cpu_math()
     longest = max(spec.context) + spec.new_tokens
     return DecodeBenchContext(resolve_device(spec.device), Arch.of(spec, longest))
@@ -101,7 +101,6 @@ def cells(spec: DecodeBenchSpec, ctx: DecodeBenchContext | None = None) -> list[
 def _decoder(spec: DecodeBenchSpec, ctx: DecodeBenchContext, position: Position, s: int) -> tuple[Any, Any, Any]:
     """(position state, model, cache) of ``position``: the same model and weights for every scheme."""
     from poslsh_cli.lm.kvcache import ForgettingCache
-    from poslsh_cli.lm.loading import build_model
 
     state = PositionState.from_keys(SchemeKeys.of(spec, position=position, s=s, seed=spec.seed), spec.heads)
     model = build_model(ctx.arch, state, derive_seed(spec.seed, "init")).to(ctx.device).eval()
@@ -113,7 +112,6 @@ def run_cell(spec: DecodeBenchSpec, key: dict[str, Any], ctx: DecodeBenchContext
     import numpy as np
     import torch
 
-    from poslsh_cli.experiments.measure import LoadProbe
     from poslsh_cli.lm.data import VOCAB
     from poslsh_cli.lm.kvcache import kv_bytes_per_token
 
@@ -173,9 +171,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for i, ((pos, s, sigmas), g) in enumerate(df.groupby(["position", "s", "sigmas"], sort=False)):
         g = g.sort_values("context")
@@ -183,11 +179,11 @@ def plot(run: Path, df: Any) -> list[Path]:
         axes[0].plot(g.context, g.tokens_per_s, "o-", color=f"C{i}", label=label)
         axes[1].plot(g.context, g.kv_bytes / 2**20, "o-", color=f"C{i}", label=label)
     for ax, ylabel in zip(axes, ("decoded tokens per second (median)", "keys and values held (MiB)")):
-        log_axes(ax, "context length (tokens)", ylabel, grid=False)
+        plotting.log_axes(ax, "context length (tokens)", ylabel, grid=False)
         ax.grid(alpha=0.3)
     axes[1].legend()
     fig.suptitle(f"Decoding through the key/value cache, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")
-    return save(fig, run, "decode")
+    return plotting.save(fig, run, "decode")
 
 
 def report(run: Path, df: Any) -> Section:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from poslsh_cli.attention.scheme import SWAP_S, scheme_key
+from poslsh_cli.attention.scheme import Position, SWAP_S, model_label, scheme_key, sigma_label
 from poslsh_cli.core.config import Spec, check, key
 
 from poslsh_cli.core.errors import ConfigError
@@ -24,11 +24,12 @@ from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forw
                                          largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
 from poslsh_cli.lm import heldout_task
-from poslsh_cli.lm.checkpoint import checkpoints_of
+from poslsh_cli.lm.checkpoint import check_checkpoint, checkpoints_of, read_config, saved_scheme
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
 from poslsh_cli.verdicts.claims import Section, Status, Verdict
 from poslsh_cli.verdicts.declared import Claim
-from poslsh_cli.verdicts.stats import MARGIN_FRACTION
+from poslsh_cli.verdicts.stats import MARGIN_FRACTION, MIN_SEEDS, equivalence, paired, relative_margin, t_interval
+from poslsh_cli.lm.trained import train_info, training_run
 
 COLUMNS = ("checkpoint", "attention", "position", "s", "sampler", "draw", "seed", "task", "metric", "filter", "value",
            "stderr", "documents", "num_fewshot", "run_seed", "sigmas", "attn_dropout", "finetuned", "trained_run",
@@ -81,8 +82,6 @@ def _lm_eval() -> Any:
 
 
 def prepare(spec: TasksSpec) -> TasksContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, saved_scheme
-
     _lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -119,9 +118,6 @@ def _trained_columns(path: Path, position: str) -> dict:
     """What the rows say of how a checkpoint was trained: its training seed (-1: not poslsh's), its
     bandwidths (as perplexity labels them), whether it was fine-tuned, the train run it belongs to, its
     training length and steps (models are compared inside one run, length and number of steps)."""
-    from poslsh_cli.lm.trained import train_info, training_run
-    from poslsh_cli.attention.scheme import Position, sigma_label
-
     info = train_info(path)
     sigmas = ("" if position in (Position.ROPE.value, Position.NONE.value)
               else sigma_label(info.sigmas))
@@ -133,8 +129,6 @@ def _trained_columns(path: Path, position: str) -> dict:
 def _heldout_folder(paths: list[Path]) -> Path:
     """The ``poslsh_heldout`` task of the corpus every checkpoint was trained on (as each one's
     ``poslsh_train.json`` records it; a checkpoint poslsh did not train: the builtin corpus)."""
-    from poslsh_cli.lm.trained import train_info
-
     corpora = set()
     for path in paths:
         info = train_info(path)
@@ -171,8 +165,6 @@ def memory(spec: TasksSpec) -> MemoryNeed | None:
     model's positions and :data:`DEFAULT_LENGTH`) through the largest checkpoint, under each
     scheme asked for (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
     checkpoint cannot be read (prepare says why)."""
-    from poslsh_cli.lm.checkpoint import read_config
-
     def each(path: Path, name: str, device: Any) -> Any:
         n = spec.max_length or min(DEFAULT_LENGTH, int(read_config(path).get("max_position_embeddings")
                                                        or DEFAULT_LENGTH))
@@ -285,8 +277,6 @@ def migrate(df: Any) -> Any:
 
 
 def _scheme(df: Any) -> Any:
-    from poslsh_cli.attention.scheme import model_label
-
     return [model_label(r.position, r.s, r.attn_dropout, r.sigmas) for r in df.itertuples()]
 
 
@@ -314,12 +304,10 @@ def interval_table(df: Any) -> Any:
     (each the mean over its mask draws) with its 95% t-interval, and what it rests on."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.stats import t_interval
-
     d = df[df.attention == "own"]
     d = d.assign(scheme=_scheme(d))
     rows = []
-    for (run, tuned, L, steps, sig, scheme, task, metric), g in d.groupby([*MODEL_GROUP, "scheme", "task", "metric"],
+    for (run, tuned, L, steps, sigmas, scheme, task, metric), g in d.groupby([*MODEL_GROUP, "scheme", "task", "metric"],
                                                                         sort=False):
         iv = t_interval(g.groupby("run_seed").value.mean().values)
         rows.append({"run": run, "fine-tuned": tuned, "L": L, "steps": steps, "scheme": scheme, "task": task,
@@ -345,20 +333,17 @@ def claim_reaches_alibi(df: Any) -> list[Verdict]:
     """Positional LSH (each trained s, per model group) reaches exact ALiBi's accuracy on each task:
     the non-inferiority rule on the error rate in percentage points, paired by training seed, with the
     relative margin (:data:`~poslsh_cli.verdicts.stats.MARGIN_FRACTION` of exact ALiBi's error rate)."""
-    from poslsh_cli.attention.scheme import model_label
-    from poslsh_cli.verdicts.stats import MIN_SEEDS, equivalence, paired, relative_margin
-
     d = df[(df.attention == "own") & (df.metric == "acc")]
     d = d[(d.finetuned == "no") & (d.attn_dropout == 0)]
     many = d.trained_run.nunique() > 1
     lengths = d.groupby("trained_run").trained_steps.nunique()
     out = []
-    for (run, _, L, steps, sig, task), g in d.groupby([*MODEL_GROUP, "task"], sort=False):
+    for (run, _, L, steps, sigmas, task), g in d.groupby([*MODEL_GROUP, "task"], sort=False):
         ref = 100 - g[g.position == "alibi"].groupby("run_seed").value.mean() * 100  # error rate, %
         for s_, h in g[g.position == "poslsh"].groupby("s"):
             pos = 100 - h.groupby("run_seed").value.mean() * 100
             iv = paired(dict(pos), dict(ref), level=0.90)  # Positional LSH minus ALiBi: smaller is better
-            label = model_label("poslsh", s_, 0.0, sig)
+            label = model_label("poslsh", s_, 0.0, sigmas)
             where = ", ".join(t for t in (run if many else "", f"L={L}" if L else "", f"{steps} steps" if steps else "") if t)
             tag = ", ".join(t for t in (run if many and run else "",
                                         f"{steps} steps" if lengths.get(run, 1) > 1 else "") if t)

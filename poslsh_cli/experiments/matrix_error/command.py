@@ -20,7 +20,10 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, MemoryNeed, cell_seed, grid_cells
 from poslsh_cli.experiments.matrix_error.report import plot, report, summary
 from poslsh_cli.attention.scheme import scheme_key
-from poslsh_cli.numerics.sampling import Sampler
+from poslsh_cli.numerics.sampling import Sampler, mean_blocks, sample_partitions
+from poslsh_cli.numerics import theorem
+from poslsh_cli.numerics.metrics import (
+    REORTH_BYTES, max_error_dense, max_error_fast, spectral_error_dense, spectral_error_fast)
 
 NAME = "matrix-error"
 COLUMNS = ("n", "sigma", "s", "trial", "seed", "sampler", "method", "spectral_err", "spectral_rel", "max_err",
@@ -93,9 +96,6 @@ def memory(spec: MatrixErrorSpec) -> MemoryNeed:
     """Peak bytes of the largest cell: the fast path keeps O(n) vectors (the Lanczos recurrence, the
     operators' temporaries; a full basis only below REORTH_BYTES) and O(blocks) integers; the dense
     path a few n x n float64 matrices."""
-    from poslsh_cli.numerics.metrics import REORTH_BYTES
-    from poslsh_cli.numerics.sampling import mean_blocks
-
     need, what = 0.0, ""
     for n in spec.n:
         blocks = max(spec.s) * max(mean_blocks(n, sg) for sg in spec.sigma)
@@ -114,10 +114,7 @@ def cells(spec: MatrixErrorSpec, ctx: Any = None) -> list[dict[str, Any]]:
 def run_cell(spec: MatrixErrorSpec, key: dict[str, Any], ctx: Any = None, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from poslsh_cli.numerics import theorem
-    from poslsh_cli.numerics.metrics import max_error_dense, max_error_fast, spectral_error_dense, spectral_error_fast
     from poslsh_cli.numerics.operators import LaplacianKernel, MeanMask
-    from poslsh_cli.numerics.sampling import sample_partitions
 
     n, sigma, s, trial = key["n"], key["sigma"], key["s"], key["trial"]
     seed = cell_seed(spec.seed, NAME, key)

@@ -11,6 +11,10 @@ from poslsh_cli.numerics.metrics import fit_loglog_slope
 from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Section, Status, asymptotic_fit,
                                         decay_status, few, fmt, slope_text)
+from poslsh_cli.numerics import theorem
+from poslsh_cli.numerics.theorem import expectation_bound
+from poslsh_cli.verdicts.samplers import comparison, samplers_of, slope_table, with_sampler, worth_sentences
+from poslsh_cli.verdicts import plotting
 
 
 def no_fit_text(s: Any) -> str:
@@ -25,8 +29,6 @@ def no_fit_text(s: Any) -> str:
 def summary(df: Any) -> tuple[list[str], list[list[str]]]:
     """Per (n, sigma, method): the decay slopes by the report's rule (fits over s >= 8) and the
     error at the largest s."""
-    from poslsh_cli.verdicts.samplers import with_sampler
-
     df = with_sampler(df)
     head = ["n", "sigma", "sampler", "method", f"slope spec (s≥{ASYMPTOTIC_S})", f"slope max (s≥{ASYMPTOTIC_S})", "s_max",
             "spec_rel", "max_err", "secs"]
@@ -46,26 +48,22 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
-
-    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     df = with_sampler(df)
     every = df[df["method"] == ("fast" if (df["method"] == "fast").any() else "dense")]
     main = every[every.sampler == samplers_of(every)[0]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     lab = lambda k: f"n={k[0]}, σ={k[1]:g}"  # noqa: E731
-    decay_panel(axes[0], main, "s", "spectral_rel", ["n", "sigma"], lab)
+    plotting.decay_panel(axes[0], main, "s", "spectral_rel", ["n", "sigma"], lab)
     _draw_bound(axes[0], main)
     axes[0].set_title("spectral error  ‖L* − M̃‖₂ / ‖L*‖₂  (dotted: Theorem 2.1's bound)")
-    decay_panel(axes[1], main, "s", "max_err", ["n", "sigma"], lab)
+    plotting.decay_panel(axes[1], main, "s", "max_err", ["n", "sigma"], lab)
     axes[1].set_title("max-norm error  max |L* − M̃|")
     for ax in axes:
         ax.set_xlabel("number of samples s")
         ax.legend(title="mean, min–max band; dashed: c/√s", title_fontsize=8)
     fig.suptitle("Positional LSH: error of the mean mask against s (Theorem 2.1: O(1/√s))")
-    paths = save(fig, run, "matrix_error_vs_s")
+    paths = plotting.save(fig, run, "matrix_error_vs_s")
     if len(samplers_of(every)) > 1:
         paths += _plot_samplers(run, every)
     if set(df["method"]) >= {"fast", "dense"}:
@@ -76,30 +74,25 @@ def plot(run: Path, df: Any) -> list[Path]:
 def _plot_samplers(run: Path, df: Any) -> list[Path]:
     """Spectral and max-norm error against s, one line per sampler, one row of panels per (n, σ)
     (at most four)."""
-    from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
-    from poslsh_cli.verdicts.samplers import samplers_of
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     groups = list(df.groupby(["n", "sigma"], sort=True))[:4]
     fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.6 * len(groups)), squeeze=False)
     order = {sm: i for i, sm in enumerate(samplers_of(df))}
     for row, ((n, sigma), g) in zip(axes, groups):
         g = g.assign(_order=g.sampler.map(order)).sort_values("_order")
         for ax, col, name in ((row[0], "spectral_rel", "‖L* − M̃‖₂ / ‖L*‖₂"), (row[1], "max_err", "max |L* − M̃|")):
-            decay_panel(ax, g, "s", col, ["_order"], lambda k: samplers_of(df)[int(k[0])])
+            plotting.decay_panel(ax, g, "s", col, ["_order"], lambda k: samplers_of(df)[int(k[0])])
             ax.set_title(f"n={n}, σ={sigma:g}: {name}")
             ax.set_xlabel("number of samples s")
             ax.legend(title="sampler (mean, min–max band)", title_fontsize=8)
     fig.suptitle("Mask samplers side by side: every one unbiased, the error at equal s differs")
-    return save(fig, run, "matrix_error_samplers")
+    return plotting.save(fig, run, "matrix_error_samplers")
 
 
 def _draw_bound(ax: Any, df: Any) -> None:
     """Theorem 2.1's expectation bound over ‖L*‖₂, dotted, in each (n, σ) group's colour (the
     order decay_panel draws them in)."""
     import numpy as np
-
-    from poslsh_cli.numerics.theorem import expectation_bound
 
     for i, ((n, sigma), g) in enumerate(df.groupby(["n", "sigma"], sort=True)):
         xs = np.unique(np.asarray(g["s"], dtype=int))
@@ -110,9 +103,7 @@ def _draw_bound(ax: Any, df: Any) -> None:
 
 def _plot_fast_vs_dense(run: Path, df: Any) -> list[Path]:
     """The fast O(n) path against the dense float64 reference: same errors, far less time."""
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     piv = df.pivot_table(index=["n", "sigma", "s", "trial"], columns="method",
                          values=["spectral_err", "seconds"]).dropna().reset_index()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -124,17 +115,17 @@ def _plot_fast_vs_dense(run: Path, df: Any) -> list[Path]:
     tol = float(df[df.method == "fast"]["lanczos_tol"].max()) if "lanczos_tol" in df else float("nan")
     if tol > 0:
         ax.axhline(tol, color="C3", ls="--", lw=1, label=f"certified interval width {tol:g}")
-    log_axes(ax, "‖L* − M̃‖₂ (dense float64 eigendecomposition)", "|fast − dense| / dense", x=10)
+    plotting.log_axes(ax, "‖L* − M̃‖₂ (dense float64 eigendecomposition)", "|fast − dense| / dense", x=10)
     ax.set_title("spectral error: fast (Lanczos) against dense")
     ax.legend()
     ax = axes[1]
     t = piv.groupby(("n", ""))[[("seconds", "fast"), ("seconds", "dense")]].median()
     ax.plot(t.index, t[("seconds", "dense")], "o-", color="C3", label="dense (n×n float64)")
     ax.plot(t.index, t[("seconds", "fast")], "o-", color="C0", label="fast (O(n) matvecs)")
-    log_axes(ax, "n", "seconds per cell (median)")
+    plotting.log_axes(ax, "n", "seconds per cell (median)")
     ax.set_title("time against n")
     ax.legend()
-    return save(fig, run, "fast_vs_dense")
+    return plotting.save(fig, run, "fast_vs_dense")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +143,6 @@ def _converged(df: Any) -> tuple[Any, int]:
 def report(run: Path, df: Any) -> Section:
     import numpy as np
     import pandas as pd
-
-    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
 
     df = with_sampler(df)
     dense_check = set(df.method) == {"fast", "dense"}
@@ -215,8 +204,6 @@ def report(run: Path, df: Any) -> Section:
 def _report_samplers(sec: Section, df: Any) -> None:
     """The samplers side by side: decay slopes, error ratios to iid at equal s and the iid s each
     sampler's s is worth (:mod:`poslsh_cli.verdicts.samplers`)."""
-    from poslsh_cli.verdicts.samplers import comparison, slope_table, worth_sentences
-
     sec.tables.append(slope_table(df, ["n", "sigma"], {"spectral": "spectral_err", "max": "max_err"}))
     spec = comparison(df, ["n", "sigma"], "spectral_err")
     mx = comparison(df, ["n", "sigma"], "max_err")
@@ -255,8 +242,6 @@ def theorem_cells(df: Any) -> Any:
     import numpy as np
     import pandas as pd
 
-    from poslsh_cli.numerics import theorem
-
     upper = df["spectral_err_bound"] if "spectral_err_bound" in df.columns else df["spectral_err"]
     g = df.assign(upper=upper.fillna(df["spectral_err"])).groupby(["n", "sigma", "s"], sort=True)
     out = g.agg(trials=("trial", "nunique"), mean_err=("upper", "mean")).reset_index()
@@ -271,8 +256,6 @@ def theorem_cells(df: Any) -> Any:
 def _report_theorem(sec: Section, df: Any) -> None:
     """Theorem 2.1's expectation bound against the measured mean in every cell, and how tight it is."""
     import pandas as pd
-
-    from poslsh_cli.numerics import theorem
 
     if df.empty:
         return

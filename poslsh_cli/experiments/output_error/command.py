@@ -22,7 +22,9 @@ from poslsh_cli.experiments.base import Experiment, MemoryNeed, choices
 from poslsh_cli.experiments.devices import Device, Dtype, resolve_device, synchronize, torch_dtype
 from poslsh_cli.numerics.methods import INFO, Method, baselines
 from poslsh_cli.attention.scheme import scheme_key
-from poslsh_cli.numerics.sampling import Sampler, Slopes, derive_seed
+from poslsh_cli.numerics.sampling import Sampler, Slopes, bandwidths, derive_seed
+from poslsh_cli.lm.checkpoint import weights_bytes
+from poslsh_cli.numerics.metrics import output_errors, paper_output_metrics
 
 
 #: The reference methods output-error reports beside Positional LSH and exact ALiBi.
@@ -117,7 +119,6 @@ def prepare(spec: OutputErrorSpec) -> OutputErrorContext:
     import torch
 
     from poslsh_cli.lm import capture, documents, pretrained
-    from poslsh_cli.numerics.sampling import bandwidths
 
     device = resolve_device(spec.device)
     path = models.resolve(spec.model)
@@ -165,8 +166,6 @@ def memory(spec: OutputErrorSpec) -> MemoryNeed | None:
     float64 exact outputs kept per layer, and the model's own attention scores of one layer
     (H n^2) during the capture pass. None when the checkpoint cannot be found (prepare says why)."""
     import json
-
-    from poslsh_cli.lm.checkpoint import weights_bytes
 
     try:
         path = models.resolve(spec.model)
@@ -265,8 +264,6 @@ def run_cell(spec: OutputErrorSpec, key: dict[str, Any], ctx: OutputErrorContext
 def _metrics(ctx: OutputErrorContext, layer: int, exact: Any, approx: Any) -> list[dict]:
     """Per head: our errors against exact ALiBi, the paper's validation metrics, and whether the
     official script's raw exp(S) overflows float32 on this layer's scores."""
-    from poslsh_cli.numerics.metrics import output_errors, paper_output_metrics
-
     rel_fro, max_row = output_errors(exact, approx)
     paper = paper_output_metrics(exact, approx)
     over = _overflows(ctx, layer)

@@ -11,6 +11,9 @@ from poslsh_cli.verdicts.claims import (ASYMPTOTIC_S, DECAY_RULE, Groups, Sectio
                                         decay_status, few, fmt, slope_text)
 from poslsh_cli.numerics.methods import INFO, Method, baselines
 from poslsh_cli.verdicts.declared import Claim
+from poslsh_cli.numerics.metrics import fit_loglog_slope
+from poslsh_cli.verdicts.samplers import comparison, samplers_of, slope_table, with_sampler, worth_sentences
+from poslsh_cli.verdicts import plotting
 
 DECAY = Claim("output_error/decay", "output-error", "output error falls like s^-1/2",
               DECAY_RULE + "; per layer, on the median over heads", metric="rel_fro")
@@ -34,8 +37,6 @@ def _present(df: Any) -> list[Method]:
 def first_sampler(df: Any) -> tuple[Any, Any]:
     """(the rows every table but the samplers' uses: baselines and Positional LSH under its first
     sampler, iid where present; every Positional-LSH row with its sampler)."""
-    from poslsh_cli.verdicts.samplers import samplers_of, with_sampler
-
     df = with_sampler(df)
     p = df[df.method == POSLSH]
     if p.empty:
@@ -79,10 +80,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 def plot(run: Path, df: Any) -> list[Path]:
     import numpy as np
 
-    from poslsh_cli.numerics.metrics import fit_loglog_slope
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     paths = []
     df, every = first_sampler(df)
     if every.sampler.nunique() > 1:
@@ -114,14 +112,14 @@ def plot(run: Path, df: Any) -> list[Path]:
                 if INFO[method].params == "window":
                     label += " w=" + "/".join(f"{c:g}σ" for c in sorted(set((b["window"] / b["sigma"]).round(0))))
                 ax.axhline(b["rel_fro"].median(), color=color, lw=1.1, ls=":", label=f"{label} (median)")
-        log_axes(ax, "number of samples s")
+        plotting.log_axes(ax, "number of samples s")
         ax.set_title(f"layer {layer}" + (f": slope {fit.slope:.2f}" if len(p) else ""))
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
     axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads, IQR)")
     axes[0][0].legend()
     fig.suptitle(f"Output error against exact ALiBi: {model}, n={int(df['n'].iloc[0])}")
-    paths += save(fig, run, "output_error_vs_s")
+    paths += plotting.save(fig, run, "output_error_vs_s")
 
     p = df[df.method == POSLSH]
     if len(p):
@@ -136,7 +134,7 @@ def plot(run: Path, df: Any) -> list[Path]:
         ax.set_ylabel("layer")
         ax.set_title(f"relative output error at s={smax} (mean over trials)")
         fig.colorbar(im, ax=ax, shrink=0.85)
-        paths += save(fig, run, "output_error_heatmap")
+        paths += plotting.save(fig, run, "output_error_heatmap")
     return paths
 
 
@@ -213,8 +211,6 @@ def report(run: Path, df: Any) -> Section:
 def _report_samplers(sec: Section, p: Any) -> None:
     """Positional LSH under each mask sampler: per layer the decay slope and the error at equal s
     against iid's, and the iid s each sampler's s is worth (:mod:`poslsh_cli.verdicts.samplers`)."""
-    from poslsh_cli.verdicts.samplers import comparison, slope_table, worth_sentences
-
     med = p.groupby(["layer", "sampler", "s", "trial"], sort=False)["rel_fro"].median().reset_index()
     if p.sampler.iloc[0] == "iid" or (p.sampler == "iid").any():
         sec.paragraphs.append("The tables above use Positional LSH's iid rows; below, every sampler on the same "
@@ -229,23 +225,20 @@ def _report_samplers(sec: Section, p: Any) -> None:
 
 def _plot_samplers(run: Path, p: Any) -> list[Path]:
     """Output error against s, one line per sampler, one panel per layer (at most six)."""
-    from poslsh_cli.verdicts.plotting import decay_panel, pyplot, save
-    from poslsh_cli.verdicts.samplers import samplers_of
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     order = samplers_of(p)
     layers = sorted(p.layer.unique())[:6]
     fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.6), squeeze=False, sharey=True)
     med = p.groupby(["layer", "sampler", "s", "trial"])["rel_fro"].median().reset_index()
     med = med.assign(_order=med.sampler.map({sm: i for i, sm in enumerate(order)}))
     for ax, layer in zip(axes[0], layers):
-        decay_panel(ax, med[med.layer == layer], "s", "rel_fro", ["_order"], lambda k: order[int(k[0])])
+        plotting.decay_panel(ax, med[med.layer == layer], "s", "rel_fro", ["_order"], lambda k: order[int(k[0])])
         ax.set_title(f"layer {layer}")
         ax.set_xlabel("number of samples s")
         ax.legend(title="sampler", title_fontsize=8)
     axes[0][0].set_ylabel("‖T* − T̃‖_F / ‖T*‖_F (median over heads)")
     fig.suptitle(f"{p.model.iloc[0]}: Positional-LSH output error under each mask sampler")
-    return save(fig, run, "output_error_samplers")
+    return plotting.save(fig, run, "output_error_samplers")
 
 
 def paper_metrics_table(df: Any) -> Any:

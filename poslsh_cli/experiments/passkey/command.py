@@ -30,10 +30,15 @@ from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import (Experiment, MemoryNeed, checkpoint_forward_bytes, checkpoints_skip_reason,
                                          largest_checkpoint_need, trained_runs_overrides)
 from poslsh_cli.experiments.devices import Device, resolve_device
-from poslsh_cli.lm.checkpoint import checkpoints_of
+from poslsh_cli.lm.checkpoint import check_checkpoint, checkpoints_of, read_config, saved_scheme
 from poslsh_cli.attention.scheme import model_label, sigma_label
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.lm.generate import codec
+from poslsh_cli.lm.install import install
+from poslsh_cli.lm.loading import load_model
+from poslsh_cli.lm.trained import train_info, training_run
+from poslsh_cli.verdicts import plotting
 
 COLUMNS = ("checkpoint", "position", "s", "trained_len", "length", "depth", "trial", "seed", "key", "correct",
            "answer_tokens", "answer_top1", "answer_nll", "sigmas", "distance_sigmas", "distance_tokens")
@@ -76,9 +81,6 @@ class PasskeyContext:
 
 
 def prepare(spec: PasskeySpec) -> PasskeyContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint
-    from poslsh_cli.lm.trained import train_info
-
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh passkey RUN...)")
     cks = {}
     found, notes = checkpoints_of(spec.checkpoints)
@@ -99,8 +101,6 @@ def prepare(spec: PasskeySpec) -> PasskeyContext:
 def check_distances(spec: PasskeySpec, ctx: PasskeyContext) -> None:
     """Refuse, before any cell runs, a distance whose needle does not fit a prompt length of some
     checkpoint (one line naming the first such pair)."""
-    from poslsh_cli.lm.generate import codec
-
     for name, (path, trained) in ctx.checkpoints.items():
         encode = codec(path)[0]
         for n in lengths_of(spec, trained):
@@ -116,8 +116,6 @@ def check_distances(spec: PasskeySpec, ctx: PasskeyContext) -> None:
 def distance_unit(spec: PasskeySpec, path: Path, name: str) -> float:
     """The bandwidth a checkpoint's needle distances are measured in: ``distance_sigma``, else the
     largest sigma of the scheme it was trained with (a checkpoint with none needs distance_sigma)."""
-    from poslsh_cli.lm.checkpoint import read_config, saved_scheme
-
     if spec.distance_sigma is not None:
         return float(spec.distance_sigma)
     scheme = saved_scheme(read_config(path))
@@ -135,8 +133,6 @@ def memory(spec: PasskeySpec) -> MemoryNeed | None:
     """Peak bytes of the longest prompt of the largest checkpoint, one forward pass under its own
     scheme (:func:`~poslsh_cli.experiments.base.checkpoint_forward_bytes`); None while a
     checkpoint cannot be read (prepare says why)."""
-    from poslsh_cli.lm.trained import train_info
-
     def each(path: Path, name: str, device: Any) -> Any:
         info = train_info(path)
         lengths = lengths_of(spec, info.seq_len)
@@ -177,11 +173,6 @@ def prompt(encode: Any, length: int, depth: float, passkey: str, gap: int | None
 def run_cell(spec: PasskeySpec, key: dict[str, Any], ctx: PasskeyContext, work: Any = None) -> tuple[list[dict], dict]:
     import numpy as np
     import torch
-
-    from poslsh_cli.lm.generate import codec
-    from poslsh_cli.lm.install import install
-    from poslsh_cli.lm.loading import load_model
-    from poslsh_cli.lm.trained import train_info, training_run
 
     name, n = key["checkpoint"], int(key["length"])  # and a depth, or a distance in sigmas
     c = key.get("distance")
@@ -310,9 +301,7 @@ def floor_finding(df: Any) -> Optional[str]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.verdicts.plotting import pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     d = df
     d = d.assign(scheme=[f"{r} {sc}" if r else sc for r, sc in zip(d.run, _scheme(d))])
     schemes = list(dict.fromkeys(d.scheme))
@@ -332,7 +321,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     for row in axes:
         row[0].set_ylabel("needle distance (σ)" if place == "distance_sigmas" else "needle depth")
     fig.colorbar(im, ax=axes.ravel().tolist(), label="pass-key accuracy")
-    return save(fig, run, "passkey")
+    return plotting.save(fig, run, "passkey")
 
 
 def report(run: Path, df: Any) -> Section:

@@ -27,6 +27,7 @@ from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
                                       difference, equivalence, on_seeds, paired, paired_windows, relative_margin,
                                       seeds_to_decide)
+from poslsh_cli.verdicts.stats import t_interval
 
 #: the ``attention`` value of a model run as trained (the one definition: perplexity's rows, report and claims)
 OWN = "own"
@@ -236,8 +237,6 @@ def _numbers(d: Data, a: Arm, b: Arm, length: int, iv: Interval, margin: float =
     (:func:`poslsh_cli.app.report.side_by_side`) or re-reads them (power, multiplicity): each
     scheme's mean over seeds with its 95% t-interval, the difference ``a - b`` (``iv``) with its
     interval and what it is over, the margin and the boundary the rule compares the interval with."""
-    from poslsh_cli.verdicts.stats import t_interval
-
     def scheme(sc: Arm) -> dict:
         ti = t_interval(d.per_seed(sc, length).values())
         return {"label": sc.label, "position": sc.position, "mean": ti.estimate, "low": ti.low, "high": ti.high, "seeds": ti.n,

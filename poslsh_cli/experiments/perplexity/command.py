@@ -35,6 +35,11 @@ from poslsh_cli.attention.scheme import Position, model_label, randomized, schem
 from poslsh_cli.lm.checkpoint import checkpoints_of, expand_checkpoints
 from poslsh_cli.lm import evaluate as evaluation
 from poslsh_cli.numerics.sampling import Sampler, derive_seed
+from poslsh_cli.lm.checkpoint import (
+    check_checkpoint, late_fall, read_config, refuse_rotary_falcon, saved_scheme, weights_bytes)
+from poslsh_cli.lm.evaluate import WINDOW_SUMS, evaluate, fast_cpu_math
+from poslsh_cli.lm.loading import load_model
+from poslsh_cli.lm.trained import train_info, training_run
 
 COLUMNS = ("checkpoint", "position", "attention", "s", "length", "trial", "seed", "tokens", "loss", "bits_per_byte",
            "ppl", "seconds", "trained_len", "trained_s", "finetuned", "run_seed", "bits_per_token", "kl", "bytes",
@@ -148,8 +153,6 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
     the hidden states, and the attention's own memory (per-sample outputs of Positional LSH, the
     exact path's bounded chunks). None when a checkpoint cannot be read yet (prepare says why)."""
     from poslsh_cli.attention import CHUNK_ELEMENTS
-    from poslsh_cli.lm.checkpoint import read_config, weights_bytes
-    from poslsh_cli.lm.trained import train_info
 
     need, what = 0.0, ""
     try:
@@ -174,10 +177,6 @@ def memory(spec: PerplexitySpec) -> MemoryNeed | None:
 
 
 def prepare(spec: PerplexitySpec) -> PerplexityContext:
-    from poslsh_cli.lm.checkpoint import check_checkpoint, read_config, refuse_rotary_falcon, saved_scheme
-    from poslsh_cli.lm.trained import train_info, training_run
-    from poslsh_cli.lm.evaluate import fast_cpu_math
-
     check(len(spec.checkpoints) > 0, "give at least one train run or checkpoint (poslsh perplexity RUN...)")
     check(spec.stride is None or Protocol.SLIDING not in spec.protocol,
           "stride= and protocol=sliding both choose the windows: give one (sliding steps by the training length)")
@@ -323,8 +322,6 @@ def protocols_at(spec: PerplexitySpec, ck: Checkpoint, length: int) -> list[Prot
 
 
 def _model(ctx: PerplexityContext, ck: Checkpoint) -> tuple[Any, Any]:
-    from poslsh_cli.lm.loading import load_model
-
     if ck.name not in ctx.loaded:
         ctx.loaded.clear()  # one model in memory at a time
         ctx.loaded[ck.name] = load_model(ck.path, str(ctx.device))
@@ -350,9 +347,6 @@ def _random(state: Any) -> bool:
 
 
 def run_cell(spec: PerplexitySpec, key: dict[str, Any], ctx: PerplexityContext, work: Any = None) -> tuple[list[dict], dict]:
-    from poslsh_cli.lm.checkpoint import late_fall
-    from poslsh_cli.lm.evaluate import WINDOW_SUMS, evaluate
-
     ck = ctx.checkpoints[key["checkpoint"]]
     att, s, length, trial = Attention(key["attention"]), key["s"], key["length"], key["trial"]
     model, own = _model(ctx, ck)

@@ -15,6 +15,7 @@ from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MARGIN_FRACTION, MIN_SEEDS, NEEDS_SEEDS, Interval, count,
                                       difference, on_seeds, paired, paired_windows, ratio_interval, relative_margin)
+from poslsh_cli.verdicts.stats import t_interval
 
 
 def _degradation(d: Data, sc: Arm) -> dict:
@@ -48,7 +49,6 @@ def claim_extrapolation(d: Data) -> list[Verdict]:
     p = _degradation(d, Arm(POSLSH, s))
     at_L = d.per_seed(Arm(POSLSH, s), d.L)
     margin = relative_margin(float(np.mean(list(at_L.values()))))
-    from poslsh_cli.verdicts.stats import t_interval
 
     if len(p) >= MIN_SEEDS:
         iv = t_interval(p.values())

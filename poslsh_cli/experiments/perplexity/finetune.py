@@ -14,7 +14,7 @@ from poslsh_cli.experiments.perplexity.claims import (ALIBI, ANY_S, BPB, EQUIVAL
                                                       Data, judged_better, judged_equivalent, poslsh_s)
 from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.declared import Claim
-from poslsh_cli.verdicts.stats import (DIFFERENCE_RULE, MIN_SEEDS, NEEDS_SEEDS, difference, on_seeds, slope)
+from poslsh_cli.verdicts.stats import DIFFERENCE_RULE, MIN_SEEDS, NEEDS_SEEDS, difference, on_seeds, slope, t_interval
 
 FT_GAP_FALLS = Claim(
     "finetune/gap_falls_with_s", "perplexity", "fine-tuned, the gap of Positional LSH to exact ALiBi falls as s grows",
@@ -57,7 +57,6 @@ def claim_finetune_approaches_alibi(d: Optional[Data]) -> list[Verdict]:
         shown = ", ".join(f"s={s}: {g:+.4f}" for s, g in gaps.items())
         if len(fitted) >= MIN_SEEDS:
             slopes = {seed: slope([math.log(s) for s in g], list(g.values())).estimate for seed, g in fitted.items()}
-            from poslsh_cli.verdicts.stats import t_interval
 
             iv = t_interval(slopes.values())
             ev = (f"L={d.L}: slope of the gap against ln s {iv.text()}, one slope per seed ("

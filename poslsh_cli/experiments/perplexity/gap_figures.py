@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from poslsh_cli.verdicts.claims import Verdict
 from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 from poslsh_cli.verdicts.registered import REGISTERED
+from poslsh_cli.verdicts import plotting
 
 
 def _half90(se: float, n: int) -> float:
@@ -90,8 +91,6 @@ def draw(out: Path, verdicts: list[Verdict]) -> list[Path]:
     """The PNG figures of the registered section's verdicts into ``out/figures``: the gap against s of
     each registration (the primary verdicts, by their numbers' ``registration``), the gap against L (the
     verdicts whose numbers carry both lengths)."""
-    from poslsh_cli.verdicts import plotting
-
     primary = [v for v in verdicts if (v.numbers or {}).get("registration")]
     paths: list[Path] = []
     with plotting.png_only():

@@ -19,6 +19,7 @@ from poslsh_cli.verdicts.claims import Status, Verdict
 from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.verdicts.stats import (MARGIN_FRACTION, MIN_SEEDS, Interval, count, family_wise, half_width,
                                       seeds_for_half_width, spread, t_interval)
+from poslsh_cli.verdicts.stats import relative_margin
 
 OWN = pc.OWN
 #: what a row written before the column existed meant by its absence: no train run, steps, text and
@@ -173,8 +174,6 @@ WEIGHTS = Claim("weights_reach_alibi", "perplexity",
 def claim_weights_reach_alibi(df: Any) -> list[Verdict]:
     """For each Positional-LSH-trained scheme: its weights, run with exact ALiBi, reach the
     exact-ALiBi-trained model (so the gap is the approximation at inference, not the weights)."""
-    from poslsh_cli.verdicts.stats import relative_margin
-
     out = []
     d = side_text(df[df.length == df.trained_len])
     for (run, ft, L, steps), g in d.groupby(["trained_run", "finetuned", "trained_len", "trained_steps"]):

@@ -11,6 +11,9 @@ from typing import Any
 from poslsh_cli.experiments.perplexity.report import (ALIBI, MARKERS, MODEL_KEYS, OWN, POSLSH, by_protocol,
                                                       main_protocol, scheme_rank)
 from poslsh_cli.attention.scheme import model_label
+from poslsh_cli.experiments.perplexity.groups import longest_training
+from poslsh_cli.verdicts.stats import t_interval
+from poslsh_cli.verdicts import plotting
 
 
 def _scheme(r: Any) -> str:
@@ -37,8 +40,6 @@ def plot(run: Path, df: Any) -> list[Path]:
     """bits per byte against evaluation length under each model's own attention, the same models
     with another attention swapped in, and bits per byte against inference-time s: each train run's
     longest-trained models (its T/2 models are in the tables)."""
-    from poslsh_cli.experiments.perplexity.groups import longest_training
-
     df = longest_training(df)
     every = df
     df = main_protocol(df)
@@ -64,15 +65,12 @@ def plot_finetune_gap(run: Path, df: Any) -> list[Path]:
     each seed the mean over its mask draws), the other fine-tuned schemes as horizontal lines."""
     import numpy as np
 
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-    from poslsh_cli.verdicts.stats import t_interval
-
     own = df[(df.attention == OWN) & (df.finetuned == "yes") & (df.length == df.trained_len)]
     ref = own[(own.position == ALIBI) & (own.attn_dropout == 0)].groupby("run_seed").bits_per_byte.mean()
     pos = own[own.position == POSLSH]
     if ref.empty or pos.trained_s.nunique() < 2:
         return []
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ss, mean, lo, hi, seeds = [], [], [], [], 0
     for s_, g in pos.groupby("trained_s"):
@@ -91,19 +89,17 @@ def plot_finetune_gap(run: Path, df: Any) -> list[Path]:
         if len(gap):
             ax.axhline(float(gap.mean()), color=f"C{i + 1}", ls="--", lw=1, label=f"{position} (mean over seeds)")
     ax.axhline(0, color="k", lw=0.8)
-    log_axes(ax, "s (masks per head, fine-tuned with)", "bits per byte minus exact ALiBi's", x=2, y=None)
+    plotting.log_axes(ax, "s (masks per head, fine-tuned with)", "bits per byte minus exact ALiBi's", x=2, y=None)
     ax.set_title(f"Fine-tuned: gap to exact ALiBi at L={int(own.trained_len.max())} against s")
     ax.legend(fontsize=8)
-    return save(fig, run, "finetune_gap_vs_s")
+    return plotting.save(fig, run, "finetune_gap_vs_s")
 
 
 def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str], protocol: str = "") -> list[Path]:
     """One colour per trained scheme (shaded: range over seeds and draws), and a zoom on the curves
     near the best; ``protocol``: the rows are that scoring protocol's (its name in the title and
     the file name), else the run's main protocol."""
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     groups = _groups(df)
     width = 5.6 * len(groups) + 1.8
     fig, axes = plt.subplots(2, len(groups), figsize=(width, 8.0), squeeze=False,
@@ -118,7 +114,7 @@ def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str], p
                 ax.plot(agg.length, agg["mean"], "-", marker="o", ms=3.5, color=color[lab], label=lab)
                 ax.fill_between(agg.length, agg["min"], agg["max"], color=color[lab], alpha=0.15, lw=0)
             ax.axvline(int(g.trained_len.max()), color="k", lw=0.8, ls=":")
-            log_axes(ax, ylabel="bits per byte (own attention)", y=None)
+            plotting.log_axes(ax, ylabel="bits per byte (own attention)", y=None)
             if row == 0:
                 ax.set_title(f"{title}: length extrapolation" + (f" ({protocol} protocol)" if protocol else ""))
             else:
@@ -130,16 +126,14 @@ def plot_length(run: Path, df: Any, schemes: list[str], color: dict[str, str], p
     fig.legend([handles[k] for k in schemes if k in handles], [k for k in schemes if k in handles],
                loc="center right", title="trained with", frameon=False)
     fig.tight_layout(rect=(0, 0, 1 - 1.8 / width, 1))
-    return save(fig, run, f"bpb_vs_length_{protocol}" if protocol else "bpb_vs_length")
+    return plotting.save(fig, run, f"bpb_vs_length_{protocol}" if protocol else "bpb_vs_length")
 
 
 def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) -> list[Path]:
     """The models at their training length with another attention swapped in, as a dot plot."""
     from matplotlib.lines import Line2D
 
-    from poslsh_cli.verdicts.plotting import pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     groups = _groups(df)
     width = 5.6 * len(groups) + 1.8
     fig, axes = plt.subplots(1, len(groups), figsize=(width, 0.9 + 0.38 * len(schemes)), squeeze=False)
@@ -164,14 +158,12 @@ def plot_swapped(run: Path, df: Any, schemes: list[str], color: dict[str, str]) 
     fig.legend(marks, [f"{lab} (filled: the scheme's colour)" if lab == OWN else lab for lab in labels],
                loc="center right", title="run with", frameon=False)
     fig.tight_layout(rect=(0, 0, 1 - 1.8 / width, 1))
-    return save(fig, run, "bpb_swapped")
+    return plotting.save(fig, run, "bpb_swapped")
 
 
 def plot_inference_s(run: Path, df: Any) -> list[Path]:
     """Bits per byte against the s used at inference, with each model's own attention dashed."""
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     p = df[df.attention == POSLSH]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, (k, g) in enumerate(p.groupby(MODEL_KEYS + ["length"])):
@@ -181,10 +173,10 @@ def plot_inference_s(run: Path, df: Any) -> list[Path]:
         own = df[(df.attention == OWN) & (df.length == k[4]) & (df.checkpoint.isin(g.checkpoint))]
         if len(own):
             ax.axhline(own.bits_per_byte.mean(), color=f"C{i % 10}", lw=0.9, ls="--")
-    log_axes(ax, "Positional-LSH masks per head at inference (s)", "bits per byte", y=None)
+    plotting.log_axes(ax, "Positional-LSH masks per head at inference (s)", "bits per byte", y=None)
     ax.legend()
     ax.set_title("Inference-time s (dashed: the model's own attention)")
-    return save(fig, run, "bpb_vs_s")
+    return plotting.save(fig, run, "bpb_vs_s")
 
 
 def zoom_limits(lows: list[float], highs: list[float], best: float, within: float = 0.3) -> tuple[float, float]:

@@ -13,6 +13,9 @@ from poslsh_cli.experiments.perplexity.claims import OWN
 from poslsh_cli.lm.evaluate import METRICS
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.claims import Section
+from poslsh_cli.experiments.perplexity import (
+    claims as pc, extrapolation as pe, finetune as ft, groups as pg, registered as pr)
+from poslsh_cli.verdicts.stats import t_interval
 
 ALIBI, POSLSH, NONE = Position.ALIBI.value, Position.POSLSH.value, Position.NONE.value
 FIXED_BLOCK, ROPE = Position.FIXED_BLOCK.value, Position.ROPE.value
@@ -89,8 +92,6 @@ def interval_table(own: Any) -> Any:
     training seeds (each seed the mean over its mask draws), and the counts it rests on."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.stats import t_interval
-
     rows = []
     for k, g in _by_scheme(own):
         for length, h in g.groupby("length"):
@@ -108,8 +109,6 @@ def swapped_table(df: Any) -> Any:
     same models under their own attention, the seed-paired difference (swapped minus own) with its
     95% interval, and the mean KL divergence (nats per token) from the model's own predictions."""
     import pandas as pd
-
-    from poslsh_cli.verdicts.stats import t_interval
 
     rows = []
     for k, g in _by_scheme(df[df.length == df.trained_len]):
@@ -254,8 +253,6 @@ def _tagged(verdicts: list, tag: str, key_tag: str = "") -> list:
 
 
 def report(run: Path, df: Any) -> Section:
-    from poslsh_cli.experiments.perplexity import groups as pg
-
     sec = Section("perplexity", run, "Language modelling: from scratch, fine-tuning, length extrapolation")
     own = df[df.attention == OWN]
     sec.facts.update(protocol=protocol_label(own), described=described(run, own))
@@ -306,12 +303,6 @@ def report(run: Path, df: Any) -> Section:
 def _judged(protocols: list) -> list:
     """The verdicts at the training length (judged once, with the first protocol) and beyond it (under
     each protocol): a registered run's comparisons other than its primary ones as estimates."""
-    from poslsh_cli.experiments.perplexity import claims as pc
-    from poslsh_cli.experiments.perplexity import finetune as ft
-    from poslsh_cli.experiments.perplexity import extrapolation as pe
-    from poslsh_cli.experiments.perplexity import groups as pg
-    from poslsh_cli.experiments.perplexity import registered as pr
-
     judged: list = []
     for i, (ptag, pown, windows) in enumerate(protocols):
         # claims at the training length read the same windows under every protocol: judged once,
@@ -354,8 +345,6 @@ def _judged(protocols: list) -> list:
 
 def _swapped(sec: Section, df: Any) -> None:
     """The rows run with another attention than the model's own, and the 2 x 2 decomposition of the gap."""
-    from poslsh_cli.experiments.perplexity import groups as pg
-
     swapped = df[df.attention != OWN]
     if len(swapped):
         sec.tables.append(swapped_table(pg.side_text(main_protocol(df))))

@@ -15,7 +15,9 @@ from poslsh_cli.verdicts.claims import Section
 from poslsh_cli.core.config import Spec, check, key
 from poslsh_cli.experiments.base import Experiment, MemoryNeed
 from poslsh_cli.attention.scheme import scheme_key
-from poslsh_cli.numerics.sampling import Sampler, derive_seed
+from poslsh_cli.numerics.sampling import Sampler, bandwidths, derive_seed, sample_partitions
+from poslsh_cli.core.errors import ConfigError
+from poslsh_cli.verdicts import plotting
 
 COLUMNS = ("head", "sigma", "sample", "seed", "width", "shift", "num_blocks", "max_block", "mean_block")
 
@@ -44,15 +46,13 @@ class SampleContext:
 def prepare(spec: SampleSpec) -> SampleContext:
     import numpy as np
 
-    from poslsh_cli.numerics.sampling import bandwidths, sample_partitions
-
     if spec.heads is not None:  # the standard slopes of the head count
         sigmas = bandwidths(spec.heads)
         seeds = [derive_seed(spec.seed, "head", h) for h in range(spec.heads)]
     else:
         sigmas, seeds = bandwidths(1, spec.sigma), [spec.seed]
-    parts = [sample_partitions(spec.n, float(sg), spec.s, np.random.default_rng(sd), spec.sampler)
-             for sg, sd in zip(sigmas, seeds)]
+    parts = [sample_partitions(spec.n, float(sigma), spec.s, np.random.default_rng(sd), spec.sampler)
+             for sigma, sd in zip(sigmas, seeds)]
     ctx = SampleContext(sigmas, seeds, parts)
     ctx.files["masks.npz"] = lambda: _npz(spec, ctx)
     return ctx
@@ -108,10 +108,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     """One mask, the mean of the s masks and L* side by side, for up to four heads."""
     import numpy as np
 
-    from poslsh_cli.core.errors import ConfigError
-    from poslsh_cli.verdicts.plotting import pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     data = np.load(run / "masks.npz")
     bins = data["bins"]
     sigmas = np.atleast_1d(data["sigma"])
@@ -135,7 +132,7 @@ def plot(run: Path, df: Any) -> list[Path]:
             ax.set_xticks([])
             ax.set_yticks([])
         fig.colorbar(im, ax=axes[h].tolist(), shrink=0.8)
-    return save(fig, run, "mean_mask_heatmap")
+    return plotting.save(fig, run, "mean_mask_heatmap")
 
 
 def report(run: Path, df: Any) -> Section:

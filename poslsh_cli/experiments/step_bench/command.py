@@ -27,13 +27,15 @@ from poslsh_cli.attention.plan import Backend, Plan, backends_of, union_band_bou
 from poslsh_cli.core.config import Spec, key
 from poslsh_cli.core.errors import ConfigError
 from poslsh_cli.experiments.base import Experiment, LMShape, MemoryNeed, choices, lm_bytes
-from poslsh_cli.experiments.devices import Device, Precision, resolve_device, synchronize
-from poslsh_cli.experiments.measure import LOAD_COLUMNS
+from poslsh_cli.experiments.devices import Device, Precision, autocast, resolve_device, synchronize
+from poslsh_cli.experiments.measure import LOAD_COLUMNS, LoadProbe, peak_memory_mb
 from poslsh_cli.experiments.step_bench.report import plot, report, summary
 from poslsh_cli.attention.scheme import Position, SchemeKeys, method_of, randomized, scheme_key, sigma_label
 from poslsh_cli.lm.positions import PositionState
-from poslsh_cli.lm.loading import Arch, arch_key
+from poslsh_cli.lm.loading import Arch, arch_key, build_model
 from poslsh_cli.numerics.sampling import bandwidths, derive_seed
+from poslsh_cli.lm.evaluate import fast_cpu_math
+from poslsh_cli.attention import plan_for
 
 COLUMNS = ("seq_len", "position", "s", "backend", "attention_path", "batch", "step_seconds", "tokens_per_s",
            "peak_mem_mb", "params", "device", "steps", "sigmas", "precision", "ref_position", "ref_backend", "ref_path",
@@ -112,8 +114,6 @@ class StepBenchContext:
 
 
 def prepare(spec: StepBenchSpec) -> StepBenchContext:
-    from poslsh_cli.lm.evaluate import fast_cpu_math
-
     fast_cpu_math()
     return StepBenchContext(resolve_device(spec.device), Arch.of(spec, max(8192, 4 * max(spec.seq_len))))
 
@@ -150,7 +150,6 @@ def mask_seconds(state: PositionState, n: int, layers: int, device: Any, steps: 
 
     import torch
 
-    from poslsh_cli.attention import plan_for
     from poslsh_cli.attention.api import layout_for, work_of
     from poslsh_cli.attention.dense import poslsh_bias
 
@@ -213,9 +212,7 @@ def _trainer(spec: StepBenchSpec, ctx: StepBenchContext, position: Position, s: 
     """(position state, model, ``step(t)`` -> seconds of one timed training step on ``x``)."""
     import torch
 
-    from poslsh_cli.experiments.devices import autocast
     from poslsh_cli.lm.data import VOCAB
-    from poslsh_cli.lm.loading import build_model
 
     keys = SchemeKeys.of(spec, position=position, s=s, seed=spec.seed, sigma=sigma_at(spec, x.shape[1] - 1),
                          backend=backend)
@@ -248,7 +245,6 @@ def run_cell(spec: StepBenchSpec, key: dict[str, Any], ctx: StepBenchContext, wo
     import torch
 
     from poslsh_cli.lm.data import VOCAB
-    from poslsh_cli.experiments.measure import LoadProbe, peak_memory_mb
 
     n, position, s, backend = key["seq_len"], Position(key["position"]), key["s"], key["backend"]
     rng = np.random.default_rng(derive_seed(spec.seed, "step-bench", n))

@@ -13,6 +13,7 @@ from poslsh_cli.experiments.measure import judge_load, load_paragraphs
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.verdicts.claims import Groups, Section, Status, Verdict, crossover
 from poslsh_cli.verdicts.declared import Claim
+from poslsh_cli.verdicts import plotting
 
 ROPE, ALIBI, POSLSH = Position.ROPE.value, Position.ALIBI.value, Position.POSLSH.value
 DENSE = Backend.DENSE.value
@@ -82,9 +83,7 @@ def summary(df: Any) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(run: Path, df: Any) -> list[Path]:
-    from poslsh_cli.verdicts.plotting import pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     labels = [f"{model_label(r.position, r.s)}\n{r.attention_path}" for r in df.drop_duplicates(
         ["position", "s", "attention_path"]).itertuples()]
@@ -99,7 +98,7 @@ def plot(run: Path, df: Any) -> list[Path]:
     ax.set_yscale("log")
     ax.legend()
     ax.set_title(f"Training step cost, batch {int(df.batch.iloc[0])}, {df.device.iloc[0]}")
-    return save(fig, run, "step_time")
+    return plotting.save(fig, run, "step_time")
 
 
 def report(run: Path, df: Any) -> Section:

@@ -8,6 +8,7 @@ from typing import Any
 from poslsh_cli.attention.scheme import Position
 from poslsh_cli.verdicts.claims import Verdict, crossover
 from poslsh_cli.verdicts.declared import Claim
+from poslsh_cli.verdicts.stats import difference, t_interval
 
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
 
@@ -66,8 +67,6 @@ def claim_crossover(df: Any) -> list[Verdict]:
     same timing law with noise is SUPPORTED at most at the interval's error rate."""
     import numpy as np
     import pandas as pd
-
-    from poslsh_cli.verdicts.stats import difference, t_interval
 
     times = step_times(df)
     if times is None or ALIBI not in times.index.get_level_values(0) or POSLSH not in times.index.get_level_values(0):

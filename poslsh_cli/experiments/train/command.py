@@ -39,7 +39,15 @@ from poslsh_cli.lm.positions import with_model_columns
 from poslsh_cli.experiments.train.stage import TRAIN_EVAL, Stage, micro_batch, train_stage
 from poslsh_cli.experiments.train.spec import Parallel, TrainCell, TrainContext, TrainSpec, trains_every_seed
 from poslsh_cli.lm import evaluate as evaluation
-from poslsh_cli.attention.scheme import Position, SchemeKeys, model_label, randomized
+from poslsh_cli.attention.scheme import Position, SchemeKeys, model_label, randomized, sigma_label
+from poslsh_cli.core import distributed as dist
+from poslsh_cli.lm.checkpoint import peft_module, read_config
+from poslsh_cli.lm.convert import open_source, resolve_ref, tokenizer_of
+from poslsh_cli.lm.evaluate import fast_cpu_math
+from poslsh_cli.lm.loading import Arch
+from poslsh_cli.lm.trained import train_info
+from poslsh_cli.store.cellwork import read_log
+from poslsh_cli.store.readers import read_json
 
 COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "train_loss", "val_loss", "val_bpb",
            "val_ppl", "seconds", "tokens_per_s", "pretrain", "init", "checkpoint", "wall_seconds", "step_seconds",
@@ -48,19 +56,13 @@ COLUMNS = ("position", "s", "seed", "seq_len", "steps", "tokens", "params", "tra
 
 
 def _byte_config(spec: TrainSpec) -> dict:
-    from poslsh_cli.lm.loading import Arch
-
     return Arch.of(spec, max(32 * max(spec.seq_len), 8192)).config()
 
 
 def prepare(spec: TrainSpec) -> TrainContext:
     import torch
 
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.lm.checkpoint import peft_module
-    from poslsh_cli.lm.convert import open_source, tokenizer_of
     from poslsh_cli.lm.data import load_corpus
-    from poslsh_cli.lm.evaluate import fast_cpu_math
 
     world = dist.world().size
     micro_batch(spec, world)
@@ -128,10 +130,6 @@ def cells(spec: TrainSpec, ctx: Any = None) -> list[dict[str, Any]]:
 
 
 def run_cell(spec: TrainSpec, key: dict[str, Any], ctx: TrainContext, work: Any) -> tuple[list[dict], dict]:
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.store.cellwork import read_log
-    from poslsh_cli.store.readers import read_json
-
     t0 = time.perf_counter()
     cell = TrainCell.of(key, spec)
     position, s, seed, L, dropout, steps = cell.position, cell.s, cell.seed, cell.seq_len, cell.attn_dropout, cell.steps
@@ -187,9 +185,6 @@ def _param_count(path: Path) -> int:
 def _sigmas(final: Path, position: Position) -> str:
     """The trained scheme's bandwidths (:func:`~poslsh_cli.attention.scheme.sigma_label`); empty for the
     schemes that have none (rope, none)."""
-    from poslsh_cli.lm.trained import train_info
-    from poslsh_cli.attention.scheme import sigma_label
-
     if position in (Position.ROPE, Position.NONE):
         return ""
     return sigma_label(train_info(final).sigmas)
@@ -197,8 +192,6 @@ def _sigmas(final: Path, position: Position) -> str:
 
 def _trainable(final: Path) -> int:
     """Parameters the stage trained (all of them, or the LoRA adapters'), as recorded with it."""
-    from poslsh_cli.lm.trained import train_info
-
     return train_info(final).trainable
 
 
@@ -209,9 +202,6 @@ def memory(spec: TrainSpec) -> Optional[MemoryNeed]:
     LoRA adapters with lora_rank, sharded with parallel=fsdp; activations at half width under bf16
     or fp16, only each layer's input with gradient_checkpointing). None while the model cannot be
     read (prepare says why)."""
-    from poslsh_cli.core import distributed as dist
-    from poslsh_cli.lm.checkpoint import read_config
-    from poslsh_cli.lm.convert import resolve_ref
     from poslsh_cli.lm.data import VOCAB
 
     world = dist.world().size
@@ -243,8 +233,6 @@ def memory(spec: TrainSpec) -> Optional[MemoryNeed]:
 def skip_reason(spec: TrainSpec) -> Optional[str]:
     """Why ``poslsh reproduce`` skips a preset here: no CUDA for a GPU preset, or no checkpoint
     for init= / arch= (a model preset looks in $POSLSH_MODELS)."""
-    from poslsh_cli.lm.convert import resolve_ref
-
     why = cuda_skip_reason(spec.device)
     if why:
         return why

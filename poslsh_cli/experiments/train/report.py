@@ -12,6 +12,10 @@ from poslsh_cli.verdicts.declared import Claim
 from poslsh_cli.attention.scheme import Position, model_label
 from poslsh_cli.experiments.train.claims import (claim_crossover, claim_schemes_compared,  # noqa: F401 (tests)
                                                  crossover_length, step_times)
+from poslsh_cli.lm.checkpoint import late_fall
+from poslsh_cli.store.cellwork import read_log
+from poslsh_cli.verdicts.stats import Interval, MIN_SEEDS, NEEDS_SEEDS, count, difference, on_seeds, slope, t_interval
+from poslsh_cli.verdicts import plotting
 
 SCHEMES = [p.value for p in Position]
 ALIBI, POSLSH = Position.ALIBI.value, Position.POSLSH.value
@@ -44,8 +48,6 @@ def metric_files(run: Path, df: Any) -> list[Path]:
 
 def metrics_of(run: Path, df: Any) -> list[tuple[dict, Any]]:
     """(row, metrics DataFrame) for every finished cell, from its work directory."""
-    from poslsh_cli.store.cellwork import read_log
-
     out = []
     for r in df.to_dict("records"):
         m = (Path(run) / r["checkpoint"]).parent / "metrics.csv"
@@ -116,8 +118,6 @@ def gap_trend(gaps: dict, steps: int) -> tuple[Any, str]:
     the steps) with its 95% interval, and what it rests on."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.stats import MIN_SEEDS, NEEDS_SEEDS, Interval, count, slope, t_interval
-
     half = {k: second_half(g, steps) for k, g in gaps.items()}
     span = (int(steps) or max(int(g.step.max()) for g in gaps.values())) / 2
     fits = {k: slope(g.step.to_numpy(float), g.gap.to_numpy()) for k, g in half.items() if len(g) >= 2}
@@ -133,8 +133,6 @@ def gap_trend(gaps: dict, steps: int) -> tuple[Any, str]:
 def claim_gap_shrinks(run: Path, df: Any) -> list[Verdict]:
     """The gap of each scheme to exact ALiBi shrinks over the second half of training
     (:data:`GAP_RULE`), with how much validation still fell over the last 20% of the steps."""
-    from poslsh_cli.verdicts.stats import difference, on_seeds
-
     falls, out, curves = late_falls(run, df), [], gap_curves(run, df)
     longest = {c["L"]: max(x["steps"] for x in curves if x["L"] == c["L"]) for c in curves}
     for c in curves:  # a run that trains T/2 and T judges each; the claim says which, the name tags the shorter
@@ -163,8 +161,6 @@ def late_falls(run: Path, df: Any) -> dict:
     """(L, steps, model) -> the mean over seeds of how far validation bits per byte fell over the last
     20% of the steps (:func:`poslsh_cli.lm.checkpoint.late_fall`)."""
     import numpy as np
-
-    from poslsh_cli.lm.checkpoint import late_fall
 
     falls: dict = {}
     for r in df.to_dict("records"):
@@ -201,13 +197,10 @@ def plot_gap(run: Path, df: Any) -> list[Path]:
     import numpy as np
     import pandas as pd
 
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-    from poslsh_cli.verdicts.stats import t_interval
-
     curves = gap_curves(run, df)
     if not curves:
         return []
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     many_L = len({c["L"] for c in curves}) > 1
     many_steps = len({c["steps"] for c in curves}) > 1
@@ -225,10 +218,10 @@ def plot_gap(run: Path, df: Any) -> list[Path]:
         if np.isfinite(lo).any():
             ax.fill_between(xs, lo, hi, color=color, alpha=0.18, lw=0)
     ax.axhline(0, color="k", lw=0.8)
-    log_axes(ax, "training tokens", "validation bits per byte minus exact ALiBi's", x=10, y=None)
+    plotting.log_axes(ax, "training tokens", "validation bits per byte minus exact ALiBi's", x=10, y=None)
     ax.set_title("Gap to exact ALiBi during training (seed-paired; band: 95% interval over seeds)")
     ax.legend(fontsize=8)
-    return save(fig, run, "gap_vs_tokens")
+    return plotting.save(fig, run, "gap_vs_tokens")
 
 
 def plot(run: Path, df: Any) -> list[Path]:
@@ -243,9 +236,7 @@ def plot(run: Path, df: Any) -> list[Path]:
 def plot_learning_curves(run: Path, df: Any) -> list[Path]:
     """Training loss and validation bits per byte against steps: one colour per scheme, one line
     style per seed (or per length when several were trained)."""
-    from poslsh_cli.verdicts.plotting import pyplot, save
-
-    plt = pyplot()
+    plt = plotting.pyplot()
     curves = list(metrics_of(run, df))
     schemes = sorted({(r["position"], int(r["s"] or 0), float(r["attn_dropout"]), str(r["sigmas"])) for r, _ in curves},
                      key=lambda t: (_rank(t[0], t[1]), t[2], t[3]))
@@ -273,17 +264,15 @@ def plot_learning_curves(run: Path, df: Any) -> list[Path]:
     fig.tight_layout(rect=(0, 0, 0.8, 0.95))
     lengths = ", ".join(str(int(x)) for x in sorted(df.seq_len.unique()))
     fig.suptitle(f"Learning curves (L = {lengths})")
-    return save(fig, run, "learning_curves")
+    return plotting.save(fig, run, "learning_curves")
 
 
 def plot_step_time(run: Path, df: Any) -> list[Path]:
     """Seconds per training step against the training length, per scheme (log-log)."""
-    from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
-
     times = step_times(df)
     if times is None:
         return []
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.4))
     for i, ((pos, s), g) in enumerate(sorted(times.groupby(level=[0, 1]), key=lambda kg: _rank(*kg[0]))):
         g = g.droplevel([0, 1]).sort_index()
@@ -291,10 +280,10 @@ def plot_step_time(run: Path, df: Any) -> list[Path]:
     x = crossover_length(df)
     if math.isfinite(x):
         ax.axvline(x, color="k", ls=":", lw=0.9, label=f"Positional LSH faster from L={int(x)}")
-    log_axes(ax, "training length L", "seconds per training step (median)")
+    plotting.log_axes(ax, "training length L", "seconds per training step (median)")
     ax.legend()
     ax.set_title("Training-step time against the training length")
-    return save(fig, run, "step_time_vs_length")
+    return plotting.save(fig, run, "step_time_vs_length")
 
 
 def report(run: Path, df: Any) -> Section:
@@ -350,8 +339,6 @@ def overfitting_table(df: Any) -> Any:
     rows measure overfitting."""
     import pandas as pd
 
-    from poslsh_cli.verdicts.stats import t_interval
-
     evals = df.train_eval_loss if "train_eval_loss" in df.columns else math.nan
     sample = df.train_eval_sample.astype(object).where(df.train_eval_sample.notna(), "first") \
         if "train_eval_sample" in df.columns else "first"
@@ -359,14 +346,14 @@ def overfitting_table(df: Any) -> Any:
     by = {"spread": "final weights, spread over the training split",
           "first": "final weights, first eval_tokens of the training split (other pages: not overfitting)"}
     rows = []
-    for (p, s, a, sig, L), g in sorted(d.groupby(["position", "s", "attn_dropout", "sigmas", "seq_len"]),
+    for (p, s, a, sigmas, L), g in sorted(d.groupby(["position", "s", "attn_dropout", "sigmas", "seq_len"]),
                                        key=lambda kg: (_rank(kg[0][0], kg[0][1]), kg[0][2], kg[0][3], kg[0][4])):
         evaluated = bool(g.train_eval_loss.notna().all())
         train = (g.train_eval_loss if evaluated else g.train_loss) / math.log(2.0)
         val = g.val_loss / math.log(2.0)
         gap = t_interval((val - train).to_numpy())
         how = sorted(set(g.train_eval_sample)) if evaluated else []
-        rows.append({"scheme": model_label(p, s, a, sig), "L": L,
+        rows.append({"scheme": model_label(p, s, a, sigmas), "L": L,
                      "seeds": g.seed.nunique(), "train bits/token": round(float(train.mean()), 4),
                      "validation bits/token": round(float(val.mean()), 4),
                      "gap": round(gap.estimate, 4),

@@ -28,10 +28,15 @@ from poslsh_cli.experiments.devices import Precision, autocast
 from poslsh_cli.experiments.train.spec import Parallel, TrainContext, TrainSpec
 from poslsh_cli.attention.scheme import SchemeKeys
 from poslsh_cli.lm.positions import PositionState
-from poslsh_cli.lm import evaluate as evaluation
+from poslsh_cli.lm import convert, evaluate as evaluation, lora, windows
 from poslsh_cli.numerics.sampling import derive_seed
 from poslsh_cli.store.cellwork import CellWork, Checkpoints, MetricsLog, NullLog
-from poslsh_cli.store.tracking import Tracker
+from poslsh_cli.store.tracking import Tracker, open_for
+from poslsh_cli.core.files import atomic_write_text, fault_point, write_dir
+from poslsh_cli.lm.evaluate import evaluate
+from poslsh_cli.lm.install import install, set_attention_dropout
+from poslsh_cli.lm.trained import TrainInfo
+from poslsh_cli.lm.windows import spread_sample
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +122,6 @@ class Stage:
 def _build(spec: TrainSpec, ctx: TrainContext, stage: Stage, resume: Optional[Path]) -> tuple[Model, PositionState]:
     """The stage's model with its scheme installed (not yet on the device or wrapped): from the
     resume checkpoint, from ``stage.init``, or fresh weights from the seed."""
-    from poslsh_cli.lm import convert, lora
-    from poslsh_cli.lm.install import install, set_attention_dropout
-
     if resume is not None and not stage.lora:
         model = convert.load_weights(resume)
     elif stage.init is not None:
@@ -188,10 +190,9 @@ def _save(ctx: TrainContext, model: Model, path: Path, info: Any, opt: Optional[
           full: tuple = (None, None), lora_save: str = "merged", scaler: Optional[torch.amp.GradScaler] = None) -> None:
     import torch
 
-    from poslsh_cli.lm.convert import save
 
     weights, optim = full
-    save(model, path, info, ctx.source.tokenizer, lora_save, state_dict=weights)
+    convert.save(model, path, info, ctx.source.tokenizer, lora_save, state_dict=weights)
     if opt is not None:
         torch.save(optim if optim is not None else opt.state_dict(), path / "optimizer.pt")
     if scaler is not None:  # fp16: the loss scale and its growth tracker, so a resumed run scales alike
@@ -307,7 +308,6 @@ class StageRun:
             _load_optimizer(spec, ctx, trained, opt, resume)
             if scaler is not None:
                 load_scaler(scaler, resume)
-        from poslsh_cli.lm.trained import TrainInfo
 
         info = TrainInfo(seed=stage.seed, seq_len=stage.seq_len,
                          steps=stage.steps, data=spec.data, data_sha256=ctx.corpus.sha256,
@@ -317,7 +317,6 @@ class StageRun:
                          lora_rank=spec.lora_rank if stage.lora else 0, scheme=state,
                          trainable=int(sum(p.numel() for _, p in named)), world_size=ctx.world)
         done = metrics.frame()
-        from poslsh_cli.store.tracking import open_for
 
         tracker = open_for(spec, work, stage.label, info.to_json(scheme=True), start)
         return cls(spec, ctx, work, stage, model, trained, state, opt, scaler, [p for _, p in named], info, metrics,
@@ -331,10 +330,8 @@ class StageRun:
         import numpy as np
         import torch
 
-        from poslsh_cli.lm.windows import train_batch
-
         rng = np.random.default_rng(derive_seed(self.stage.seed, "batch", stream))
-        batch = train_batch(self.ctx.corpus.train, self.stage.seq_len, self.spec.batch, rng)
+        batch = windows.train_batch(self.ctx.corpus.train, self.stage.seq_len, self.spec.batch, rng)
         return torch.as_tensor(batch[self.rank * self.share:(self.rank + 1) * self.share], device=self.ctx.device)
 
     def train_step(self, step: int) -> dict:
@@ -394,10 +391,6 @@ class StageRun:
     def maybe_evaluate(self, step: int, row: dict) -> None:
         """Every ``every`` steps and at the last one: validation loss and bits per byte into ``row``;
         at the last step also the final weights' loss on the training split (``train_eval.json``)."""
-        from poslsh_cli.core.files import atomic_write_text
-        from poslsh_cli.lm.evaluate import evaluate
-        from poslsh_cli.lm.windows import spread_sample
-
         spec, stage, corpus, shard = self.spec, self.stage, self.ctx.corpus, (self.rank, self.ctx.world)
         if step % self.every and step != stage.steps:
             return
@@ -419,8 +412,6 @@ class StageRun:
                     {"step": step, "loss": tr.loss, "sampling": TRAIN_SAMPLE}) + "\n")
 
     def log(self, step: int, row: dict) -> None:
-        from poslsh_cli.core.files import fault_point
-
         self.metrics.append(row)
         if self.tracker is not None:
             self.tracker.log(step, row)
@@ -441,8 +432,6 @@ class StageRun:
 
     def finish(self) -> Path:
         """``final/``: the trained weights (merged or as adapters, ``lora_save``), written whole by rank 0."""
-        from poslsh_cli.core.files import write_dir
-
         full = _state_dicts(self.spec, self.ctx, self.trained, self.opt)
         final = dist.decide(lambda: str(write_dir(self.work.final, lambda d: _save(
             self.ctx, self.model, d, dataclasses.replace(self.info, step=self.stage.steps), full=(full[0], None),
