@@ -178,20 +178,22 @@ def test_a_list_default_of_names_is_stored_as_a_user_types_it_and_older_spelling
 
 
 def test_one_migration_reads_an_older_run_configuration_as_todays():
-    """migrate_config is the one reading of older config.yaml layouts: enum names become the values a
-    user types, a key the command gained takes its default only where it is asked for, and a
+    """migrate_config is the one reading of older config.yaml layouts: an enum name reads as the value
+    a user types where that value is asked for, a key the command gained takes its default only where it is asked for, and a
     different value still counts as a change (shown as the run holds it)."""
     from poslsh_cli.store.rundir import config_changes, migrate_config
 
     held = {"position": ["ALIBI", "POSLSH"], "steps": 10}
-    assert migrate_config(held, {"sampler": "iid", "other": 1}, {"sampler": "iid", "steps": 10}) == {
-        "position": ["alibi", "poslsh"], "steps": 10, "sampler": "iid"}
+    wanted = {"position": ["alibi", "poslsh"], "sampler": "iid", "steps": 10}
+    assert migrate_config(held, {"sampler": "iid", "other": 1}, wanted) == wanted
     assert held["position"] == ["ALIBI", "POSLSH"]  # the held record itself is not rewritten
     old = "position: [ALIBI]\nsteps: 10\n"
     assert config_changes(old, "position: alibi\nsteps: 10\nsampler: iid\n", {"sampler": "iid"}) == []
     assert config_changes(old, "position: alibi\nsteps: 10\nsampler: sobol\n", {"sampler": "iid"}) == [
         "sampler: (not set) -> sobol"]
     assert config_changes(old, "position: rope\nsteps: 10\n") == ["position: [ALIBI] -> rope"]
+    held_file = "data: README\nposition: [ALIBI]\nseed: [1]\n"  # capitals that are no enum's name stay
+    assert config_changes(held_file, "data: README\nposition: alibi\nseed: [1, 2]\n") == ["seed: [1] -> [1, 2]"]
 
 
 def test_multirun_writes_one_run_per_job(tmp_path):

@@ -158,9 +158,10 @@ def _flat_config(text: str) -> dict[str, Any]:
 
 def migrate_config(held: dict[str, Any], defaults: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
     """A held configuration (flat) in today's layout, the one place older run directories are read as
-    current: an enum member stored by its name (``ALIBI``) becomes the value a
-    user types (``alibi``); a key the command gained after the run was made (one asked for, with a
-    default, that the run lacks) takes its default, so those runs resume and evaluate as before."""
+    current: an enum member stored by its name (``ALIBI``) reads as its value where that value is
+    asked for (``alibi``; a file named ``README`` asked for as ``README`` stays as it is); a key the command
+    gained after the run was made (one asked for, with a default, that the run lacks) takes its
+    default, so those runs resume and evaluate as before."""
     import re
 
     def value(x: Any) -> Any:
@@ -168,7 +169,7 @@ def migrate_config(held: dict[str, Any], defaults: dict[str, Any], wanted: dict[
             return [value(v) for v in x]
         return x.lower() if isinstance(x, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", x) else x
 
-    out = {k: value(v) for k, v in held.items()}
+    out = {k: value(v) if k in wanted and _same_value(value(v), wanted[k]) else v for k, v in held.items()}
     return {**out, **{k: defaults[k] for k in wanted if k not in out and k in defaults}}
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from poslsh_cli.verdicts.claims import Verdict
-from poslsh_cli.verdicts.plotting import log_axes, pyplot, save
 from poslsh_cli.verdicts.registered import REGISTERED
 from poslsh_cli.verdicts import plotting
 
@@ -37,7 +36,7 @@ def plot_gap_against_s(out: Path, name: str, verdicts: Iterable[Verdict]) -> lis
     measured = [v for v in verdicts if v.numbers and "gap" in v.numbers]
     if not measured:
         return []
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
     margin = float(measured[0].numbers["margin"])
     ax.axhspan(0.0, margin, color="0.9", label=f"within the margin ({margin:.4f})")
@@ -62,7 +61,7 @@ def plot_gap_against_length(out: Path, name: str, verdicts: Iterable[Verdict]) -
     measured = [v for v in verdicts if v.numbers and "short" in v.numbers]
     if not measured:
         return []
-    plt = pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
     ax.axhline(0.0, color="0.4", lw=0.8)
     for v in sorted(measured, key=lambda v: v.numbers["s"]):
@@ -80,11 +79,11 @@ def plot_gap_against_length(out: Path, name: str, verdicts: Iterable[Verdict]) -
 def _finish(fig: Any, ax: Any, ticks: list[int], xlabel: str, ylabel: str, title: str, out: Path, name: str) -> list[Path]:
     """The house axes (x on a log2 scale with a tick at each value drawn, y linear), the title with the
     intervals' level, the legend, and the files."""
-    log_axes(ax, xlabel, ylabel, x=2, y=None)
+    plotting.log_axes(ax, xlabel, ylabel, x=2, y=None)
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_title(f"{title} (90% intervals over seeds)")
     ax.legend()
-    return save(fig, out, name)
+    return plotting.save(fig, out, name)
 
 
 def draw(out: Path, verdicts: list[Verdict]) -> list[Path]:
