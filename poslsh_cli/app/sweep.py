@@ -108,7 +108,7 @@ def _job_table(where: Path, notes: list[str]) -> tuple:
     return exp, cfg, meta, results(where, exp.columns, notes.append)
 
 
-class CollectCallback(Callback):  # type: ignore[misc]
+class CollectCallback(Callback):
     """Hydra callback: collect the sweep's table when a multirun ends (any launcher)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:

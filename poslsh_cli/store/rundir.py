@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -162,8 +163,6 @@ def migrate_config(held: dict[str, Any], defaults: dict[str, Any], wanted: dict[
     asked for (``alibi``; a file named ``README`` asked for as ``README`` stays as it is); a key the command
     gained after the run was made (one asked for, with a default, that the run lacks) takes its
     default, so those runs resume and evaluate as before."""
-    import re
-
     def value(x: Any) -> Any:
         if isinstance(x, list):
             return [value(v) for v in x]
@@ -440,8 +439,6 @@ def _write_tables(path: Path, cells: list[dict], columns: list[str]) -> None:
 def work_name(key: dict[str, Any]) -> str:
     """A readable directory name for a cell: ``position-poslsh_s-10_seed-0-<id>`` (no ``=``, so the
     path can be passed as an override value)."""
-    import re
-
     text = "_".join(f"{k}-{v}" for k, v in key.items())
     return re.sub(r"[^A-Za-z0-9.,+-]+", "_", text)[:120] + "-" + cell_id(key)[:6]
 
